@@ -1,0 +1,1 @@
+"""Hydra config groups (presets); schemas live in xirang_hpc.config.schema."""

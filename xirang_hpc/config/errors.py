@@ -1,0 +1,15 @@
+"""The one error type for bad configuration: it names the field, the value and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value is invalid. ``str(err)`` reads ``field=value: problem; fix``."""
+
+    def __init__(self, field: str, value: Any, fix: str) -> None:
+        self.field = field
+        self.value = value
+        self.fix = fix
+        super().__init__(f"invalid config {field}={value!r}: {fix}")

@@ -1,0 +1,249 @@
+"""Dataclass schemas for every Hydra config group.
+
+Each group (``model/``, ``cluster/``, ...) has one dataclass here; the YAML files under
+``conf/`` are presets that fill these schemas. Field-local checks live in ``__post_init__``
+(they run when OmegaConf turns the composed config into objects); checks that span groups
+(tp vs heads, dp*tp*pp vs world size) live in :mod:`xirang_hpc.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from xirang_hpc.config.errors import ConfigError
+
+
+def _positive(group: str, name: str, value: float, fix: str = "use a value > 0") -> None:
+    if value <= 0:
+        raise ConfigError(f"{group}.{name}", value, f"must be positive; {fix}")
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer shape. ``d_ff=0`` means 4*d_model (or 8/3*d_model for swiglu)."""
+
+    name: str = MISSING
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    d_ff: int = 0
+    vocab_size: int = 256
+    seq_len: int = 128
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    mlp: str = "gelu"  # gelu | swiglu
+    pos: str = "learned"  # learned | rope
+    bias: bool = True
+    init_std: float = 0.02
+    # Path to a checkpoint or weight file to initialise from (filled in by later issues).
+    init_from: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len"):
+            _positive("model", name, getattr(self, name))
+        if self.d_model % self.n_head:
+            raise ConfigError(
+                "model.d_model", self.d_model, f"must be divisible by model.n_head={self.n_head}"
+            )
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ConfigError("model.norm", self.norm, "choose layernorm or rmsnorm")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ConfigError("model.mlp", self.mlp, "choose gelu or swiglu")
+        if self.pos not in ("learned", "rope"):
+            raise ConfigError("model.pos", self.pos, "choose learned or rope")
+        if self.pos == "rope" and (self.d_model // self.n_head) % 2:
+            raise ConfigError("model.pos", self.pos, "rope needs an even head dimension (d_model/n_head)")
+
+    @property
+    def ffn_dim(self) -> int:
+        """Hidden width of the MLP."""
+        if self.d_ff:
+            return self.d_ff
+        if self.mlp == "swiglu":
+            # LLaMA's 2/3 * 4d, rounded up to a multiple of 256 as in the paper's code.
+            return 256 * ((int(8 * self.d_model / 3) + 255) // 256)
+        return 4 * self.d_model
+
+
+@dataclass
+class ClusterConfig:
+    """Where the job runs. ``local`` runs submitit's local executor on this machine with a
+    *virtual* topology of ``nodes`` x ``tasks_per_node`` ranks, so node-aware code runs here."""
+
+    name: str = MISSING
+    executor: str = "local"  # local | slurm
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    mem_gb: float = 0.0
+    time_min: int = 60
+    partition: str | None = None
+    qos: str | None = None
+    account: str | None = None
+    constraint: str | None = None
+    exclude: str | None = None
+    signal_delay_s: int = 90
+    array_parallelism: int = 256
+    setup: list[str] = field(default_factory=list)
+    srun_args: list[str] = field(default_factory=list)
+    # Torch intra-op threads per rank; 0 = cores / ranks on this node.
+    threads_per_rank: int = 0
+    backend: str = "auto"  # auto | gloo | nccl
+
+    def __post_init__(self) -> None:
+        if self.executor not in ("local", "slurm"):
+            raise ConfigError("cluster.executor", self.executor, "choose local or slurm")
+        for name in ("nodes", "tasks_per_node", "time_min"):
+            _positive("cluster", name, getattr(self, name))
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError("cluster.backend", self.backend, "choose auto, gloo or nccl")
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks."""
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. ``dp=-1`` derives data parallelism from the world size."""
+
+    dp: int = -1
+    tp: int = 1
+    pp: int = 1
+    data_parallel: str = "ddp"  # ddp | fsdp
+    microbatches: int = 1
+    schedule: str = "1f1b"  # gpipe | 1f1b
+    recompute: str = "none"  # none | selective | full
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dp != -1 and self.dp < 1:
+            raise ConfigError("parallel.dp", self.dp, "use a positive degree, or -1 to derive it")
+        for name in ("tp", "pp", "microbatches"):
+            _positive("parallel", name, getattr(self, name))
+        if self.data_parallel not in ("ddp", "fsdp"):
+            raise ConfigError("parallel.data_parallel", self.data_parallel, "choose ddp or fsdp")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ConfigError("parallel.schedule", self.schedule, "choose gpipe or 1f1b")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigError("parallel.recompute", self.recompute, "choose none, selective or full")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and loop settings. ``global_batch`` counts sequences per optimizer step."""
+
+    name: str = "default"
+    seed: int = 1234
+    max_steps: int = 200
+    global_batch: int = 32
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 0  # 0: only at start and end
+    eval_batches: int = 8
+    log_every: int = 10
+    runs_root: str = "runs"
+    # Explicit run directory; empty = runs_root/<name>-<hash of the experiment config>.
+    run_dir: str = ""
+    wait: bool = True
+    # Resume from a specific step (later issues: checkpoint rollback); -1 = latest.
+    resume_from: int = -1
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "global_batch", "grad_accum", "lr", "log_every", "eval_batches"):
+            _positive("train", name, getattr(self, name))
+        if self.warmup_steps < 0:
+            raise ConfigError("train.warmup_steps", self.warmup_steps, "use 0 or more")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("train.min_lr_ratio", self.min_lr_ratio, "use a ratio in [0, 1]")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint policy (storage arrives with the checkpointing issue)."""
+
+    enabled: bool = True
+    every_steps: int = 50
+    keep_last: int = 3
+    keep_every: int = 0
+    async_save: bool = True
+    compression: str = "none"  # none | lzf | gzip
+    dir_mode: int = 0o700
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", "every_steps", self.every_steps)
+        if self.keep_last < 1:
+            raise ConfigError("checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint")
+        if self.compression not in ("none", "lzf", "gzip"):
+            raise ConfigError("checkpoint.compression", self.compression, "choose none, lzf or gzip")
+
+
+@dataclass
+class RequeueConfig:
+    """Sysadmin requeue policy (enforced by the Slurm issue)."""
+
+    enabled: bool = True
+    max_requeues: int = 5
+    on_preemption: bool = True
+    on_timeout: bool = True
+    on_node_failure: bool = True
+    on_nonzero_exit: bool = False
+    backoff_s: int = 0
+    exclude_failed_nodes: bool = True
+    start_now: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_requeues < 0:
+            raise ConfigError("requeue.max_requeues", self.max_requeues, "use 0 or more")
+
+
+@dataclass
+class DataConfig:
+    """Token data. ``corpus=stdlib`` uses the running interpreter's standard-library sources."""
+
+    corpus: str = "stdlib"
+    out_dir: str = "data/stdlib-bytes"
+    tokenizer: str = "byte"
+    val_fraction: float = 0.01
+    shard_tokens: int = 16 * 1024 * 1024
+    split_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokenizer != "byte":
+            raise ConfigError("data.tokenizer", self.tokenizer, "only 'byte' (vocab 256) is built in")
+        if not 0 < self.val_fraction < 0.5:
+            raise ConfigError("data.val_fraction", self.val_fraction, "use a fraction in (0, 0.5)")
+        _positive("data", "shard_tokens", self.shard_tokens)
+
+
+@dataclass
+class XirangConfig:
+    """The composed root config."""
+
+    model: ModelConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    requeue: RequeueConfig = field(default_factory=RequeueConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "cluster": ClusterConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "requeue": RequeueConfig,
+    "data": DataConfig,
+}

@@ -1,0 +1,106 @@
+"""Cross-group validation: everything that can be known wrong before a job is submitted.
+
+``load_config`` turns Hydra's DictConfig into the typed :class:`XirangConfig` (running each
+schema's ``__post_init__``), then :func:`validate` checks the relations between groups.
+Every failure is a :class:`ConfigError` naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import XirangConfig
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def load_config(cfg: DictConfig) -> XirangConfig:
+    """Convert a composed DictConfig to typed dataclasses and validate it."""
+    try:
+        # Hydra passes a struct-mode DictConfig; drop its own node if present.
+        container = OmegaConf.to_container(cfg, resolve=True)
+        container.pop("hydra", None)
+        typed = OmegaConf.merge(OmegaConf.structured(XirangConfig), container)
+        obj = OmegaConf.to_object(typed)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "config"
+        raise ConfigError(str(key), getattr(exc, "value", None), str(exc).splitlines()[0]) from None
+    assert isinstance(obj, XirangConfig)
+    return validate(obj)
+
+
+def validate(cfg: XirangConfig) -> XirangConfig:
+    """Check relations between groups and resolve derived values (``parallel.dp=-1``)."""
+    m, p, c, t = cfg.model, cfg.parallel, cfg.cluster, cfg.train
+    world = c.world_size
+
+    if m.n_head % p.tp or m.d_model % p.tp:
+        ok = [d for d in _divisors(m.n_head) if m.d_model % d == 0 and world % d == 0]
+        raise ConfigError(
+            "parallel.tp",
+            p.tp,
+            f"tensor parallel degree must divide model.n_head={m.n_head} heads and "
+            f"model.d_model={m.d_model}; choose parallel.tp from {ok}",
+        )
+    if m.ffn_dim % p.tp:
+        raise ConfigError("parallel.tp", p.tp, f"must divide the MLP width {m.ffn_dim}; set model.d_ff")
+    if m.vocab_size % p.tp:
+        raise ConfigError("parallel.tp", p.tp, f"must divide model.vocab_size={m.vocab_size}")
+    if p.pp > m.n_layer:
+        raise ConfigError(
+            "parallel.pp",
+            p.pp,
+            f"pipeline stages cannot exceed model.n_layer={m.n_layer}; use parallel.pp <= {m.n_layer}",
+        )
+    if p.tp > c.tasks_per_node:
+        raise ConfigError(
+            "parallel.tp",
+            p.tp,
+            f"tensor parallel groups stay inside a node (cluster.tasks_per_node={c.tasks_per_node}); "
+            f"use parallel.tp <= {c.tasks_per_node}",
+        )
+    if world % (p.tp * p.pp):
+        raise ConfigError(
+            "parallel.tp",
+            p.tp,
+            f"tp*pp={p.tp * p.pp} must divide the world size {world} "
+            f"(cluster.nodes={c.nodes} x cluster.tasks_per_node={c.tasks_per_node})",
+        )
+    dp = world // (p.tp * p.pp) if p.dp == -1 else p.dp
+    if dp * p.tp * p.pp != world:
+        raise ConfigError(
+            "parallel.dp",
+            p.dp,
+            f"dp*tp*pp={dp * p.tp * p.pp} must equal the world size {world}; "
+            f"use parallel.dp={world // (p.tp * p.pp)} or parallel.dp=-1 to derive it",
+        )
+    per_step = dp * t.grad_accum * p.microbatches
+    if t.global_batch % per_step:
+        raise ConfigError(
+            "train.global_batch",
+            t.global_batch,
+            f"must be divisible by dp*grad_accum*microbatches={per_step}; "
+            f"use a multiple of {per_step}",
+        )
+    if t.warmup_steps >= t.max_steps and t.max_steps > 1:
+        raise ConfigError("train.warmup_steps", t.warmup_steps, f"must be below train.max_steps={t.max_steps}")
+    if m.vocab_size < 256 and cfg.data.tokenizer == "byte":
+        raise ConfigError("model.vocab_size", m.vocab_size, "the byte tokenizer needs vocab_size >= 256")
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
+
+
+def check_runnable(cfg: XirangConfig) -> None:
+    """Layouts that are valid configs but that this build's runtime cannot run yet."""
+    p = cfg.parallel
+    if p.tp > 1 or p.pp > 1:
+        field = "parallel.tp" if p.tp > 1 else "parallel.pp"
+        raise ConfigError(field, p.tp if p.tp > 1 else p.pp,
+                          "tensor/pipeline parallelism is not in this build yet; use 1 (data parallel)")
+    if p.data_parallel != "ddp":
+        raise ConfigError("parallel.data_parallel", p.data_parallel, "only ddp is in this build yet")

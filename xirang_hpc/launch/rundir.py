@@ -1,0 +1,51 @@
+"""Deterministic, private run directories.
+
+The directory of an experiment is ``runs_root/<train.name>-<model.name>-<hash>``, where the
+hash covers the config that defines *what* is trained (model, data, optimisation) and not
+*where or how* (cluster, parallel layout, checkpoint and requeue policy, logging cadence).
+Resubmitting, requeueing or resuming on another layout therefore finds the same directory
+and its checkpoints; Hydra's timestamped directories are switched off in ``conf/config.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from xirang_hpc.config.schema import XirangConfig
+
+# Train fields that change how a run is executed or reported, not what it computes.
+_TRAIN_NON_SEMANTIC = {"name", "grad_accum", "eval_every", "eval_batches", "log_every", "runs_root",
+                       "run_dir", "wait", "resume_from"}
+_DATA_NON_SEMANTIC = {"out_dir", "shard_tokens"}
+
+
+def experiment_key(cfg: XirangConfig) -> dict[str, object]:
+    """The part of the config that identifies the experiment."""
+    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _TRAIN_NON_SEMANTIC}
+    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _DATA_NON_SEMANTIC}
+    return {"model": dataclasses.asdict(cfg.model), "data": data, "train": train}
+
+
+def experiment_hash(cfg: XirangConfig) -> str:
+    """12 hex digits of sha256 over the canonical JSON of :func:`experiment_key`."""
+    blob = json.dumps(experiment_key(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def run_dir_for(cfg: XirangConfig) -> Path:
+    """Where this experiment lives (``train.run_dir`` overrides)."""
+    if cfg.train.run_dir:
+        return Path(cfg.train.run_dir).expanduser().absolute()
+    name = f"{cfg.train.name}-{cfg.model.name}-{experiment_hash(cfg)}"
+    return (Path(cfg.train.runs_root).expanduser() / name).absolute()
+
+
+def make_private_dir(path: Path, mode: int = 0o700) -> Path:
+    """Create ``path`` (and missing parents) with ``mode``, whatever the umask; tighten if it exists."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, mode)
+    return path

@@ -1,0 +1,118 @@
+"""``xirang-train``: compose and validate the config, then submit the job and follow it.
+
+Nothing is submitted and no process is started until the whole config has validated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import submitit
+from omegaconf import DictConfig
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.config.store import register_configs
+from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare
+from xirang_hpc.launch.executors import make_executor
+from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
+from xirang_hpc.runtime.job import run_training
+
+log = logging.getLogger("xirang.train")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    print(f"xirang-train: error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _ensure_data(cfg: XirangConfig) -> Path:
+    d = cfg.data
+    out = Path(d.out_dir).expanduser().absolute()
+    if not is_prepared(out):
+        print(f"preparing data from {d.corpus!r} into {out} ...", flush=True)
+        prepare(d.corpus, out, d.val_fraction, d.shard_tokens, d.split_seed)
+    return out
+
+
+def _follow(job: submitit.Job, poll_s: float = 0.5) -> None:
+    """Echo rank 0's output while the job runs (local executor logs go to files)."""
+    path = Path(job.paths.stdout)
+    pos = 0
+    while True:
+        done = job.done()
+        if path.exists():
+            with path.open("rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos += len(chunk)
+            for line in chunk.decode(errors="replace").splitlines():
+                # submitit's own bookkeeping lines are noise for users.
+                if "submitit" not in line:
+                    print(line, flush=True)
+        if done:
+            return
+        time.sleep(poll_s)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    ratio = s["final_val_loss"] / s["initial_val_loss"]
+    print("=" * 72)
+    print(f"done: {s['steps']} steps on {s['world_size']} ranks in {s['train_seconds']:.1f}s")
+    print(f"  validation loss  {s['initial_val_loss']:.4f} -> {s['final_val_loss']:.4f} "
+          f"({100 * ratio:.1f}% of initial)")
+    print(f"  throughput       {s['tokens_per_s']:,.0f} tokens/s")
+    print(f"  run directory    {s['run_dir']}")
+    print("=" * 72, flush=True)
+
+
+def launch(cfg: XirangConfig) -> dict[str, Any] | None:
+    """Submit the training job for a validated config; follow it when ``train.wait``."""
+    run_dir = make_private_dir(run_dir_for(cfg), cfg.checkpoint.dir_mode)
+    data_dir = _ensure_data(cfg)
+    executor = make_executor(cfg.cluster, run_dir / "submitit")
+    executor.update_parameters(name=f"xirang-{cfg.train.name}")
+    job = executor.submit(run_training, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
+    print(f"submitted job {job.job_id} ({cfg.cluster.name}: {cfg.cluster.nodes} node(s) x "
+          f"{cfg.cluster.tasks_per_node} ranks) | run dir {run_dir}", flush=True)
+    if not cfg.train.wait:
+        print(f"follow it with: tail -f {job.paths.stdout}", flush=True)
+        return None
+    try:
+        _follow(job)
+        results = job.results()
+    except KeyboardInterrupt:
+        job.cancel()
+        _fail(f"interrupted; job {job.job_id} cancelled", 130)
+    except submitit.core.utils.FailedJobError as exc:
+        _fail(f"job {job.job_id} failed:\n{exc}\nlogs: {Path(job.paths.stdout).parent}", 1)
+    summary = results[0]
+    _print_summary(summary)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _app(dcfg: DictConfig) -> None:
+    try:
+        cfg = load_config(dcfg)
+        check_runnable(cfg)
+    except ConfigError as exc:
+        _fail(str(exc))
+    try:
+        launch(cfg)
+    except CorpusError as exc:
+        _fail(str(exc))
+
+
+def main() -> None:
+    """Console entry point."""
+    logging.basicConfig(level=logging.WARNING)
+    register_configs()
+    _app()

@@ -1,0 +1,1 @@
+"""xirang_hpc.models"""

@@ -1,0 +1,180 @@
+"""A pre-LN decoder-only transformer (GPT / LLaMA-like), laid out for parallelism.
+
+Structure choices made for tensor and pipeline parallelism later:
+- Q, K, V, attention output, MLP up (and gate) and MLP down are separate ``nn.Linear``s, so
+  Megatron-style colwise (q/k/v/up/gate) and rowwise (o/down) plans apply per module.
+- Blocks live in an ``nn.ModuleDict`` keyed "0".."L-1": a pipeline stage deletes the blocks it
+  does not own and the remaining parameter names (FQNs) stay the same as in the full model,
+  which keeps checkpoints layout-independent.
+- Embedding, final norm and head may be ``None`` on stages that do not own them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xirang_hpc.config.schema import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), as in LLaMA."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension."""
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model)
+    return nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for rotary embeddings (Su et al. 2021), each (seq_len, head_dim/2)."""
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x (B, nh, T, hd) by position-dependent angles."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, nh, T, hd/2) each
+    t = x.shape[-2]
+    c, s = cos[:t], sin[:t]
+    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)  # (B, nh, T, hd/2, 2)
+    return out.flatten(-2)  # (B, nh, T, hd)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate projections."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.head_dim = d // cfg.n_head
+        self.q = nn.Linear(d, d, bias=cfg.bias)
+        self.k = nn.Linear(d, d, bias=cfg.bias)
+        self.v = nn.Linear(d, d, bias=cfg.bias)
+        self.o = nn.Linear(d, d, bias=cfg.bias)
+        self.use_rope = cfg.pos == "rope"
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C)."""
+        b, t, _ = x.shape
+        # Heads are derived from the local width so the same code runs on a TP shard,
+        # where q/k/v hold n_head/tp heads: (B, T, C_local) -> (B, nh_local, T, hd).
+        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.use_rope and rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, C_local)
+        return self.o(y)
+
+
+class MLP(nn.Module):
+    """GELU MLP, or SwiGLU (Shazeer 2020) with a separate gate projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        self.up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias) if self.swiglu else None
+        self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C)."""
+        if self.gate is not None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = _norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = _norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C)."""
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. ``forward(tokens)`` returns logits (B, T, V).
+
+    A pipeline stage may hold only some blocks and lack ``tok_emb`` or ``head``: then its
+    input is hidden states (B, T, C) instead of token ids, and its output is hidden states.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb: nn.Embedding | None = (
+            nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.pos == "learned" else None
+        )
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.norm: nn.Module | None = _norm(cfg)
+        self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.pos == "rope":
+            cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_head)
+            # Not persistent: derived from the config, so checkpoints hold only learned state.
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2L)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+            elif name.endswith(("attn.o.weight", "mlp.down.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layer))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, V); or hidden (B, T, C) on later stages."""
+        if self.tok_emb is not None:
+            t = x.shape[1]
+            h = self.tok_emb(x)  # (B, T, C)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(torch.arange(t, device=x.device))  # broadcast (T, C)
+        else:
+            h = x
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.pos == "rope" else None
+        for block in self.layers.values():
+            h = block(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.head is not None:
+            h = self.head(h)  # (B, T, V)
+        return h
+
+
+def num_params(model: nn.Module) -> int:
+    """Number of parameters held by this module (this rank's shard under TP/PP)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

@@ -1,0 +1,51 @@
+"""The job's entry function: what every rank runs, on Slurm or on the local executor.
+
+Launch code hands this function a plain dict (the validated config) and the run directory;
+nothing else of the launcher crosses into the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.runtime import dist as xdist
+from xirang_hpc.runtime.topology import discover
+from xirang_hpc.runtime.trainer import Trainer
+
+
+def _threads_per_rank(requested: int, local_world: int) -> int:
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local_world)
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
+    """Train on this rank; returns the summary on rank 0 and ``{}`` elsewhere."""
+    cfg = load_config(OmegaConf.create(cfg_dict))
+    virtual = cfg.cluster.nodes if cfg.cluster.executor == "local" else 1
+    topo = discover(virtual_nodes=virtual)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stdout,
+        format=f"%(asctime)s rank{topo.rank}/{topo.node_name} %(levelname)s %(name)s: %(message)s",
+    )
+    torch.set_num_threads(_threads_per_rank(cfg.cluster.threads_per_rank, topo.local_world_size))
+    check_runnable(cfg)
+    xdist.init_distributed(topo, cfg.cluster.backend)
+    try:
+        summary = Trainer(cfg, topo, Path(run_dir), Path(data_dir), log=_say).fit()
+    finally:
+        xdist.shutdown()
+    return summary if topo.rank == 0 else {}

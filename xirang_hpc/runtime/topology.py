@@ -1,0 +1,119 @@
+"""Where this process sits: rank, node, local rank, and the rendezvous address.
+
+Discovery order:
+1. submitit's local executor (``SUBMITIT_LOCAL_*``), split into the *virtual* nodes of
+   ``cluster/local`` so that node-aware code runs on one machine. Checked first because a
+   local job started inside a Slurm allocation inherits ``SLURM_*`` variables that do not
+   describe it.
+2. Slurm (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_JOB_NUM_NODES``).
+   Nodes come from ``SLURM_NODEID``, never from hostnames: on a one-machine testbed every
+   node has the same hostname.
+3. torchrun (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``).
+4. A single process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_id: int
+    num_nodes: int
+    node_name: str
+    master_addr: str
+    master_port: int
+    job_id: str
+    source: str  # local | slurm | torchrun | single
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        if self.world_size != self.num_nodes * self.local_world_size:
+            raise ValueError(
+                f"world size {self.world_size} != {self.num_nodes} nodes x {self.local_world_size} "
+                "ranks per node; xirang needs the same number of ranks on every node"
+            )
+
+
+def rendezvous_port(job_id: str) -> int:
+    """A port derived deterministically from the job id, in [20000, 40000)."""
+    return 20000 + int(hashlib.sha256(job_id.encode()).hexdigest()[:8], 16) % 20000
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a Slurm hostlist: ``n[3-5,9],m1`` -> ``n3``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _resolvable(host: str) -> bool:
+    try:
+        socket.gethostbyname(host)
+        return True
+    except OSError:
+        return False
+
+
+def discover(env: Mapping[str, str] | None = None, virtual_nodes: int = 1) -> Topology:
+    """Build the :class:`Topology` of this process from its environment."""
+    env = os.environ if env is None else env
+    if "SUBMITIT_LOCAL_GLOBALID" in env:
+        world = int(env["SUBMITIT_LOCAL_NTASKS"])
+        rank = int(env["SUBMITIT_LOCAL_GLOBALID"])
+        nodes = virtual_nodes if virtual_nodes >= 1 and world % virtual_nodes == 0 else 1
+        per_node = world // nodes
+        job = env["SUBMITIT_LOCAL_JOB_ID"]
+        return Topology(
+            rank=rank, world_size=world, local_rank=rank % per_node, local_world_size=per_node,
+            node_id=rank // per_node, num_nodes=nodes, node_name=f"vnode{rank // per_node}",
+            master_addr="127.0.0.1", master_port=rendezvous_port(job), job_id=job, source="local",
+        )
+    if "SLURM_PROCID" in env and "SLURM_JOB_ID" in env:
+        world = int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")))
+        nodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+        job = env.get("SLURM_ARRAY_JOB_ID", env["SLURM_JOB_ID"])
+        if "SLURM_ARRAY_TASK_ID" in env:
+            job = f"{job}_{env['SLURM_ARRAY_TASK_ID']}"
+        host = first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost")))
+        # A testbed's virtual node names do not resolve; every node is this host there.
+        addr = env.get("MASTER_ADDR") or (host if _resolvable(host) else "127.0.0.1")
+        return Topology(
+            rank=int(env["SLURM_PROCID"]), world_size=world, local_rank=int(env.get("SLURM_LOCALID", "0")),
+            local_world_size=world // nodes, node_id=int(env.get("SLURM_NODEID", "0")), num_nodes=nodes,
+            node_name=env.get("SLURMD_NODENAME", host), master_addr=addr,
+            master_port=int(env.get("MASTER_PORT") or rendezvous_port(job)), job_id=job, source="slurm",
+        )
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        per_node = int(env.get("LOCAL_WORLD_SIZE", world))
+        return Topology(
+            rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")),
+            local_world_size=per_node, node_id=int(env.get("GROUP_RANK", "0")), num_nodes=world // per_node,
+            node_name=socket.gethostname(), master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")), job_id=env.get("TORCHELASTIC_RUN_ID", "torchrun"),
+            source="torchrun",
+        )
+    return Topology(
+        rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
+        node_name=socket.gethostname(), master_addr="127.0.0.1", master_port=rendezvous_port(str(os.getpid())),
+        job_id=str(os.getpid()), source="single",
+    )

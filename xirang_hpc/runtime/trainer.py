@@ -1,0 +1,171 @@
+"""The training loop: data parallel over the process group, progress and metrics on rank 0."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from xirang_hpc.config.schema import TrainConfig, XirangConfig
+from xirang_hpc.data.dataset import TokenWindows
+from xirang_hpc.models.gpt import GPT, lm_loss, num_params
+from xirang_hpc.runtime.topology import Topology
+
+# The clock is a tiny function so tests can substitute it.
+now: Callable[[], float] = time.perf_counter
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Linear warmup to ``t.lr``, then cosine decay to ``t.lr * t.min_lr_ratio`` at max_steps."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.max_steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not norms, biases)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+
+
+def _mean_across(value: float, world: int) -> float:
+    if world == 1:
+        return value
+    buf = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(buf)
+    return float(buf.item()) / world
+
+
+def _fmt_eta(seconds: float) -> str:
+    s = int(max(0, seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+@dataclass
+class RunState:
+    """What the loop carries between steps (and what a checkpoint will hold)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    initial_val_loss: float = float("nan")
+
+
+class Trainer:
+    """Data-parallel trainer for the GPT model on one process group."""
+
+    def __init__(self, cfg: XirangConfig, topo: Topology, run_dir: Path, data_dir: Path,
+                 log: Callable[[str], None] = print) -> None:
+        self.cfg, self.topo, self.run_dir, self.log = cfg, topo, run_dir, log
+        self.dp_size, self.dp_rank = topo.world_size, topo.rank
+        t = cfg.train
+        # Same seed on every rank: identical initial weights without a broadcast.
+        torch.manual_seed(t.seed)
+        self.model = GPT(cfg.model)
+        self.ddp: nn.Module = DDP(self.model) if topo.world_size > 1 else self.model
+        self.opt = build_optimizer(self.model, t)
+        self.train_data = TokenWindows(data_dir, "train", cfg.model.seq_len)
+        self.val_data = TokenWindows(data_dir, "val", cfg.model.seq_len)
+        self.state = RunState()
+        self.micro = t.global_batch // (self.dp_size * t.grad_accum)
+        self.metrics_path = run_dir / "metrics.jsonl"
+
+    def _record(self, row: dict[str, object]) -> None:
+        if self.topo.rank == 0:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over ``eval_batches`` fixed batches, averaged across ranks."""
+        t = self.cfg.train
+        self.model.eval()
+        total = 0.0
+        for i in range(t.eval_batches):
+            x, y = self.val_data.batch(t.seed, i, t.global_batch, self.dp_rank, self.dp_size)
+            total += lm_loss(self.model(x), y).item()
+        self.model.train()
+        return _mean_across(total / t.eval_batches, self.dp_size)
+
+    def train_step(self, step: int) -> tuple[float, float]:
+        """One optimizer step over the global batch; returns (mean loss, grad norm)."""
+        t = self.cfg.train
+        x, y = self.train_data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(step, t)
+        loss_sum = 0.0
+        for k in range(t.grad_accum):
+            xs, ys = x[k * self.micro : (k + 1) * self.micro], y[k * self.micro : (k + 1) * self.micro]
+            last = k == t.grad_accum - 1
+            # Skip DDP's all-reduce on all but the last micro-step of an accumulation.
+            ctx = self.ddp.no_sync() if (not last and isinstance(self.ddp, DDP)) else contextlib.nullcontext()
+            with ctx:
+                loss = lm_loss(self.ddp(xs), ys) / t.grad_accum
+                loss.backward()
+            loss_sum += loss.item()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return _mean_across(loss_sum, self.dp_size), float(gnorm)
+
+    def fit(self) -> dict[str, object]:
+        """Train to ``max_steps``; returns the summary (meaningful on rank 0)."""
+        t, topo = self.cfg.train, self.topo
+        tokens_per_step = t.global_batch * self.cfg.model.seq_len
+        if topo.rank == 0:
+            self.log(
+                f"model {self.cfg.model.name}: {num_params(self.model) / 1e6:.2f}M params | "
+                f"{topo.world_size} ranks on {topo.num_nodes} node(s) | dp={self.dp_size} | "
+                f"global batch {t.global_batch} x {self.cfg.model.seq_len} tokens | run dir {self.run_dir}"
+            )
+        if math.isnan(self.state.initial_val_loss):
+            self.state.initial_val_loss = self.evaluate()
+            self._record({"step": self.state.step, "val_loss": self.state.initial_val_loss})
+            if topo.rank == 0:
+                self.log(f"step {self.state.step:>5}/{t.max_steps} | val loss {self.state.initial_val_loss:.4f}")
+        t0 = now()
+        window_t, window_tokens = t0, 0
+        start_step = self.state.step
+        for step in range(start_step, t.max_steps):
+            loss, gnorm = self.train_step(step)
+            self.state.step = step + 1
+            self.state.tokens_seen += tokens_per_step
+            window_tokens += tokens_per_step
+            if self.state.step % t.log_every == 0 or self.state.step == t.max_steps:
+                tnow = now()
+                tok_s = window_tokens / max(tnow - window_t, 1e-9)
+                eta = (t.max_steps - self.state.step) * (tnow - t0) / (self.state.step - start_step)
+                self._record({"step": self.state.step, "loss": loss, "grad_norm": gnorm,
+                              "lr": lr_at(step, t), "tokens_per_s": tok_s, "time": time.time()})
+                if topo.rank == 0:
+                    self.log(f"step {self.state.step:>5}/{t.max_steps} | loss {loss:.4f} | "
+                             f"grad norm {gnorm:.3f} | {tok_s:,.0f} tok/s | ETA {_fmt_eta(eta)}")
+                window_t, window_tokens = tnow, 0
+            if t.eval_every and self.state.step % t.eval_every == 0 and self.state.step < t.max_steps:
+                val = self.evaluate()
+                self._record({"step": self.state.step, "val_loss": val})
+        elapsed = now() - t0
+        final_val = self.evaluate()
+        self._record({"step": self.state.step, "val_loss": final_val})
+        trained = (self.state.step - start_step) * tokens_per_step
+        return {
+            "initial_val_loss": self.state.initial_val_loss,
+            "final_val_loss": final_val,
+            "steps": self.state.step,
+            "tokens_per_s": trained / max(elapsed, 1e-9),
+            "train_seconds": elapsed,
+            "run_dir": str(self.run_dir),
+            "world_size": topo.world_size,
+        }
