@@ -1,0 +1,30 @@
+# Local install path: a virtual environment with the CPU build of torch pinned (an unpinned torch
+# pulls a multi-GB CUDA build). GPU clusters install their own torch and then `pip install -e .`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install demo test lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml setup.cfg
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIN)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+# The main job on the embedded default: 4 ranks (2 virtual nodes x 2) on this machine.
+demo: install
+	$(BIN)/xirang-train
+
+lint: install
+	$(BIN)/ruff check .
+
+test: install lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs data outputs multirun .pytest_cache
