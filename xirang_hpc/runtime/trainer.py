@@ -54,6 +54,27 @@ def _fmt_eta(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+class TrainerHook:
+    """Extension point for checkpointing, signal handling and monitoring.
+
+    Hooks run on every rank, in registration order. ``on_fit_start`` may restore state
+    (``trainer.state``, model, optimizer) before the first step; a hook may set
+    ``trainer.stop_requested`` to end the loop cleanly at the next step boundary.
+    """
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Before the initial evaluation and the first step."""
+
+    def on_phase(self, trainer: Trainer, phase: str) -> None:
+        """Entering a phase: data | forward | backward | comm | optimizer | eval | checkpoint."""
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """After an optimizer step; ``trainer.state.step`` counts completed steps."""
+
+    def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
+        """After the final evaluation, before the process group goes away."""
+
+
 @dataclass
 class RunState:
     """What the loop carries between steps (and what a checkpoint will hold)."""
@@ -67,8 +88,10 @@ class Trainer:
     """Data-parallel trainer for the GPT model on one process group."""
 
     def __init__(self, cfg: XirangConfig, topo: Topology, run_dir: Path, data_dir: Path,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, hooks: list[TrainerHook] | None = None) -> None:
         self.cfg, self.topo, self.run_dir, self.log = cfg, topo, run_dir, log
+        self.hooks: list[TrainerHook] = list(hooks or [])
+        self.stop_requested = False
         self.dp_size, self.dp_rank = topo.world_size, topo.rank
         t = cfg.train
         # Same seed on every rank: identical initial weights without a broadcast.
@@ -81,6 +104,10 @@ class Trainer:
         self.state = RunState()
         self.micro = t.global_batch // (self.dp_size * t.grad_accum)
         self.metrics_path = run_dir / "metrics.jsonl"
+
+    def _phase(self, phase: str) -> None:
+        for h in self.hooks:
+            h.on_phase(self, phase)
 
     def _record(self, row: dict[str, object]) -> None:
         if self.topo.rank == 0:
@@ -102,6 +129,7 @@ class Trainer:
     def train_step(self, step: int) -> tuple[float, float]:
         """One optimizer step over the global batch; returns (mean loss, grad norm)."""
         t = self.cfg.train
+        self._phase("data")
         x, y = self.train_data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, t)
@@ -112,9 +140,13 @@ class Trainer:
             # Skip DDP's all-reduce on all but the last micro-step of an accumulation.
             ctx = self.ddp.no_sync() if (not last and isinstance(self.ddp, DDP)) else contextlib.nullcontext()
             with ctx:
+                self._phase("forward")
                 loss = lm_loss(self.ddp(xs), ys) / t.grad_accum
+                # DDP's all-reduce overlaps with backward; "backward" covers both.
+                self._phase("backward")
                 loss.backward()
             loss_sum += loss.item()
+        self._phase("optimizer")
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -130,6 +162,8 @@ class Trainer:
                 f"{topo.world_size} ranks on {topo.num_nodes} node(s) | dp={self.dp_size} | "
                 f"global batch {t.global_batch} x {self.cfg.model.seq_len} tokens | run dir {self.run_dir}"
             )
+        for h in self.hooks:
+            h.on_fit_start(self)
         if math.isnan(self.state.initial_val_loss):
             self.state.initial_val_loss = self.evaluate()
             self._record({"step": self.state.step, "val_loss": self.state.initial_val_loss})
@@ -139,6 +173,8 @@ class Trainer:
         window_t, window_tokens = t0, 0
         start_step = self.state.step
         for step in range(start_step, t.max_steps):
+            if self.stop_requested:
+                break
             loss, gnorm = self.train_step(step)
             self.state.step = step + 1
             self.state.tokens_seen += tokens_per_step
@@ -156,11 +192,14 @@ class Trainer:
             if t.eval_every and self.state.step % t.eval_every == 0 and self.state.step < t.max_steps:
                 val = self.evaluate()
                 self._record({"step": self.state.step, "val_loss": val})
+            for h in self.hooks:
+                h.on_step_end(self, {"loss": loss, "grad_norm": gnorm})
         elapsed = now() - t0
+        self._phase("eval")
         final_val = self.evaluate()
         self._record({"step": self.state.step, "val_loss": final_val})
         trained = (self.state.step - start_step) * tokens_per_step
-        return {
+        summary: dict[str, object] = {
             "initial_val_loss": self.state.initial_val_loss,
             "final_val_loss": final_val,
             "steps": self.state.step,
@@ -168,4 +207,8 @@ class Trainer:
             "train_seconds": elapsed,
             "run_dir": str(self.run_dir),
             "world_size": topo.world_size,
+            "stopped_early": self.state.step < t.max_steps,
         }
+        for h in self.hooks:
+            h.on_fit_end(self, summary)
+        return summary
