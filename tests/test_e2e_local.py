@@ -1,0 +1,58 @@
+"""The embedded run, end to end: xirang-train -> submitit local executor -> 4 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xirang_hpc.runtime.dist import RendezvousError, init_distributed
+from xirang_hpc.runtime.topology import Topology
+
+
+@pytest.mark.slow
+def test_short_embedded_run(tmp_path: Path, stdlib_data: Path) -> None:
+    exe = Path(sys.executable).parent / "xirang-train"
+    r = subprocess.run(
+        [str(exe), "train.max_steps=80", "train.log_every=20", f"train.runs_root={tmp_path}/runs",
+         f"data.out_dir={stdlib_data}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "4 ranks on 2 node(s)" in out
+    for step in (20, 40, 60, 80):
+        assert f"step    {step}/80 | loss" in out
+    assert "tok/s" in out and "ETA" in out
+    summary = out[out.index("done: 80 steps on 4 ranks"):]
+    assert "validation loss" in summary and "tokens/s" in summary and "run directory" in summary
+
+    run_dirs = list((tmp_path / "runs").iterdir())
+    assert len(run_dirs) == 1
+    run = run_dirs[0]
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    vals = [row["val_loss"] for row in rows if "val_loss" in row]
+    assert len(vals) == 2
+    assert vals[1] < 0.7 * vals[0], vals
+    # Four real processes ran: submitit wrote a log per task.
+    logs = list((run / "submitit").glob("*_log.out"))
+    assert len(logs) == 4, logs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rendezvous_timeout_names_missing_ranks() -> None:
+    topo = Topology(rank=0, world_size=3, local_rank=0, local_world_size=3, node_id=0, num_nodes=1,
+                    node_name="vnode0", master_addr="127.0.0.1", master_port=_free_port(), job_id="t", source="local")
+    with pytest.raises(RendezvousError, match=r"ranks \[1, 2\] of 3 never arrived"):
+        init_distributed(topo, "gloo", timeout_s=1.5)

@@ -1,0 +1,66 @@
+"""Topology discovery from Slurm, submitit-local (virtual nodes) and torchrun environments."""
+
+from __future__ import annotations
+
+import pytest
+
+from xirang_hpc.runtime.topology import discover, first_host, rendezvous_port
+
+
+def test_slurm_env_uses_node_ids_not_hostnames() -> None:
+    env = {
+        "SLURM_JOB_ID": "42", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+        "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2", "SLURMD_NODENAME": "n2",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+    }
+    t = discover(env)
+    assert (t.rank, t.local_rank, t.node_id, t.num_nodes, t.local_world_size) == (3, 1, 1, 2, 2)
+    assert t.node_name == "n2" and t.source == "slurm"
+    # Testbed node names do not resolve: every node is this host.
+    assert t.master_addr == "127.0.0.1"
+    assert t.master_port == rendezvous_port("42")
+
+
+def test_array_task_gets_its_own_port() -> None:
+    base = {"SLURM_JOB_ID": "50", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NUM_NODES": "1",
+            "SLURM_JOB_NODELIST": "localhost", "SLURM_ARRAY_JOB_ID": "49"}
+    a = discover({**base, "SLURM_ARRAY_TASK_ID": "0"})
+    b = discover({**base, "SLURM_ARRAY_TASK_ID": "1"})
+    assert a.job_id == "49_0" and b.job_id == "49_1" and a.master_port != b.master_port
+
+
+def test_local_executor_virtual_nodes() -> None:
+    env = {"SUBMITIT_LOCAL_GLOBALID": "2", "SUBMITIT_LOCAL_NTASKS": "4", "SUBMITIT_LOCAL_JOB_ID": "777",
+           # Inherited from an enclosing allocation: must not win over the local executor.
+           "SLURM_JOB_ID": "1", "SLURM_PROCID": "0"}
+    t = discover(env, virtual_nodes=2)
+    assert (t.rank, t.node_id, t.local_rank, t.num_nodes, t.node_name) == (2, 1, 0, 2, "vnode1")
+    assert t.source == "local"
+
+
+def test_torchrun_env() -> None:
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
+    t = discover(env)
+    assert (t.rank, t.node_id, t.local_rank, t.num_nodes, t.master_port) == (5, 1, 1, 2, 29400)
+
+
+def test_single_process_fallback() -> None:
+    t = discover({})
+    assert t.world_size == 1 and t.source == "single"
+
+
+def test_uneven_nodes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="same number of ranks"):
+        discover({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_JOB_NUM_NODES": "2"})
+
+
+@pytest.mark.parametrize("nodelist, host", [("n[3-5,9],m1", "n3"), ("gpu01", "gpu01"), ("a[07],b", "a07"),
+                                             ("node-[1-2]", "node-1")])
+def test_first_host(nodelist: str, host: str) -> None:
+    assert first_host(nodelist) == host
+
+
+def test_port_is_deterministic_and_in_range() -> None:
+    assert rendezvous_port("123") == rendezvous_port("123")
+    assert all(20000 <= rendezvous_port(str(i)) < 40000 for i in range(200))
