@@ -226,6 +226,42 @@ class DataConfig:
 
 
 @dataclass
+class MonitorConfig:
+    """Heartbeats, watchdog thresholds and status reporting (see xirang_hpc/monitor)."""
+
+    enabled: bool = True
+    # Seconds between heartbeat writes (a background thread on every rank).
+    heartbeat_s: float = 1.0
+    # A rank that has not entered a new phase for this long is hung: stacks are dumped, the job aborted.
+    hang_s: float = 300.0
+    # Heartbeat silence after which a rank's process counts as frozen or lost (its thread stopped too).
+    stale_s: float = 10.0
+    # Straggler: median local work time (data + forward) over the window exceeds k x the ranks' median.
+    straggler_k: float = 2.0
+    straggler_min_s: float = 0.05
+    straggler_window: int = 5
+    abort_on_hang: bool = True
+    abort_on_dead: bool = True
+    # Signal that makes every rank dump its Python stacks (faulthandler). SIGUSR2/SIGTERM belong to requeue.
+    stack_signal: str = "SIGQUIT"
+    # Peak FLOP/s per device for MFU, in TFLOP/s; 0 = look up the GPU name via NVML, else MFU is n/a.
+    peak_tflops: float = 0.0
+    # Test-only: sleep this long in every step of this rank (simulates a straggler).
+    debug_slow_rank: int = -1
+    debug_slow_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_s", "hang_s", "stale_s", "straggler_k", "straggler_window"):
+            _positive("monitor", name, getattr(self, name))
+        if self.stale_s < 2 * self.heartbeat_s:
+            raise ConfigError("monitor.stale_s", self.stale_s,
+                              f"must be at least 2 x monitor.heartbeat_s={self.heartbeat_s}")
+        if self.stack_signal in ("SIGUSR2", "SIGTERM", "SIGKILL", "SIGSTOP", "SIGINT"):
+            raise ConfigError("monitor.stack_signal", self.stack_signal,
+                              "SIGUSR2/SIGTERM are the requeue signals; use SIGQUIT or SIGUSR1")
+
+
+@dataclass
 class XirangConfig:
     """The composed root config."""
 
@@ -236,6 +272,7 @@ class XirangConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     requeue: RequeueConfig = field(default_factory=RequeueConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
 
 GROUPS: dict[str, type] = {
@@ -246,4 +283,5 @@ GROUPS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "requeue": RequeueConfig,
     "data": DataConfig,
+    "monitor": MonitorConfig,
 }
