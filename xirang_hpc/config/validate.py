@@ -85,22 +85,47 @@ def validate(cfg: XirangConfig) -> XirangConfig:
         raise ConfigError(
             "train.global_batch",
             t.global_batch,
-            f"must be divisible by dp*grad_accum*microbatches={per_step}; "
-            f"use a multiple of {per_step}",
+            f"must be divisible by dp*grad_accum*microbatches={per_step}; use a multiple of {per_step}",
         )
-    if t.warmup_steps >= t.max_steps and t.max_steps > 1:
-        raise ConfigError("train.warmup_steps", t.warmup_steps, f"must be below train.max_steps={t.max_steps}")
+    if t.warmup_steps > t.max_steps:
+        raise ConfigError(
+            "train.warmup_steps",
+            t.warmup_steps,
+            f"must not exceed train.max_steps={t.max_steps}; lower train.warmup_steps",
+        )
     if m.vocab_size < 256 and cfg.data.tokenizer == "byte":
         raise ConfigError("model.vocab_size", m.vocab_size, "the byte tokenizer needs vocab_size >= 256")
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
 
 
 def check_runnable(cfg: XirangConfig) -> None:
-    """Layouts that are valid configs but that this build's runtime cannot run yet."""
-    p = cfg.parallel
-    if p.tp > 1 or p.pp > 1:
-        field = "parallel.tp" if p.tp > 1 else "parallel.pp"
-        raise ConfigError(field, p.tp if p.tp > 1 else p.pp,
-                          "tensor/pipeline parallelism is not in this build yet; use 1 (data parallel)")
-    if p.data_parallel != "ddp":
-        raise ConfigError("parallel.data_parallel", p.data_parallel, "only ddp is in this build yet")
+    """Layout choices that are valid on their own but that the runtime cannot combine."""
+    p, c = cfg.parallel, cfg.cluster
+    dp = p.dp if p.dp > 0 else c.world_size // (p.tp * p.pp)
+    if c.tasks_per_node % p.tp:
+        raise ConfigError(
+            "parallel.tp",
+            p.tp,
+            f"tensor parallel groups stay inside a node: tp must divide cluster.tasks_per_node={c.tasks_per_node}",
+        )
+    if p.dp_replicate > 1 and p.data_parallel != "fsdp":
+        raise ConfigError(
+            "parallel.dp_replicate",
+            p.dp_replicate,
+            "replicate groups (HSDP) need parallel.data_parallel=fsdp; with ddp leave it at 1",
+        )
+    if dp % p.dp_replicate:
+        raise ConfigError("parallel.dp_replicate", p.dp_replicate, f"must divide the data parallel degree {dp}")
+    if p.optimizer_sharding and (p.data_parallel != "ddp" or p.tp > 1):
+        raise ConfigError(
+            "parallel.optimizer_sharding",
+            p.optimizer_sharding,
+            "ZeroRedundancyOptimizer works with data_parallel=ddp and tp=1; "
+            "use data_parallel=fsdp to shard optimizer state otherwise",
+        )
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel", True, "sequence parallelism needs parallel.tp > 1")
+    if p.sequence_parallel and cfg.model.seq_len % p.tp:
+        raise ConfigError(
+            "parallel.sequence_parallel", True, f"parallel.tp={p.tp} must divide model.seq_len={cfg.model.seq_len}"
+        )
