@@ -1,0 +1,375 @@
+"""HDF5 storage for ``torch.distributed.checkpoint`` (DCP).
+
+DCP's planners decide *what* each rank writes and reads (so resharding works unchanged); this
+module decides *how* it lands on disk:
+
+- every rank writes its chunks into its own file ``rank_<i>.h5``; one dataset per saved chunk,
+  named ``<fqn>@<offsets>``, HDF5-chunked exactly like the shard (so a partial read touches
+  only that shard), optionally lzf/gzip-compressed;
+- the checkpoint's metadata is ``metadata.json`` (no pickle);
+- loading reads only the hyperslab ``storage_offsets:+lengths`` each rank needs;
+- files are opened with ``locking=False`` (one writer per file; NFS/Lustre locking often fails);
+- with a dedup index, a chunk whose hash matches one already on disk in an earlier checkpoint
+  is stored as a reference (``../step_N/rank_i.h5`` + dataset) instead of a copy.
+
+Only bytes items (non-tensor values that DCP would ``torch.save``) are not pickle-free; the
+checkpoint manager keeps those out of the DCP state dict and stores them as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+METADATA_FILE = "metadata.json"
+FORMAT_VERSION = 1
+# HDF5 caps a chunk at 4 GiB; larger shards are split along dim 0.
+_MAX_CHUNK_BYTES = 2**31
+# dtypes numpy cannot hold are stored as same-width integers and viewed back on load.
+_VIEW_AS = {torch.bfloat16: torch.int16}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _VIEW_AS[getattr(torch, _name)] = torch.uint8
+
+
+class CheckpointFormatError(RuntimeError):
+    """A checkpoint file is missing, truncated or not what the metadata says."""
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    """``"torch.float32"`` -> ``torch.float32``."""
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointFormatError(f"unknown dtype {name!r} in checkpoint metadata")
+    return dt
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a numpy array (bfloat16/float8 viewed as integers of the same width)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype in _VIEW_AS:
+        t = t.view(_VIEW_AS[t.dtype])
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`to_numpy`."""
+    a = np.asarray(a)
+    if not a.flags.c_contiguous or not a.flags.writeable:
+        a = a.copy()  # np.ascontiguousarray would turn a 0-d array into 1-d
+    t = torch.from_numpy(a)
+    return t.view(dtype) if dtype in _VIEW_AS else t
+
+
+def chunk_hash(a: np.ndarray) -> str:
+    """Content hash of one chunk (dtype and shape included)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FilePrefix:
+    """Per-plan storage data: which file this rank writes."""
+
+    file: str
+
+
+def _dataset_name(index: MetadataIndex) -> str:
+    offs = ",".join(str(o) for o in (index.offset or ()))
+    return f"{index.fqn.replace('/', '%2F')}@{offs}"
+
+
+def _h5_chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
+    """The HDF5 chunk shape for a shard: the shard itself (split on dim 0 past 2 GiB)."""
+    if not shape or 0 in shape:
+        return None
+    rows = shape[0]
+    row_bytes = itemsize * int(np.prod(shape[1:], dtype=np.int64))
+    if row_bytes * rows > _MAX_CHUNK_BYTES:
+        rows = max(1, _MAX_CHUNK_BYTES // max(1, row_bytes))
+    return (rows, *shape[1:])
+
+
+class HDF5StorageWriter(StorageWriter):
+    """Writes a DCP checkpoint into ``path`` as per-rank HDF5 files plus ``metadata.json``.
+
+    ``compression``: ``none`` | ``lzf`` | ``gzip``. ``dedup_index`` maps chunk hashes to
+    ``(file relative to path, dataset)`` of identical chunks already on disk; when given, every
+    written chunk is hashed and matches become references.
+    """
+
+    def __init__(self, path: str | os.PathLike, compression: str = "none",
+                 dedup_index: Mapping[str, tuple[str, str]] | None = None, fsync: bool = True) -> None:
+        super().__init__()
+        if compression not in ("none", "lzf", "gzip"):
+            raise ValueError(f"compression={compression!r}: choose none, lzf or gzip")
+        self.path = Path(path)
+        self.compression = compression
+        self.dedup_index = dict(dedup_index) if dedup_index is not None else None
+        self.fsync = fsync
+        self.is_coordinator = False
+        # Filled by write_data: bytes this rank wrote as new data vs. stored as references.
+        self.stats = {"new_bytes": 0, "ref_bytes": 0, "chunks": 0, "ref_chunks": 0}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Point the writer at a new directory (DCP calls this once per save)."""
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Remember whether this rank writes the metadata."""
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Nothing to add locally; the directory must exist."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Assign each rank's plan its own file."""
+        return [dataclasses.replace(p, storage_data=_FilePrefix(f"rank_{i}.h5")) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items into its HDF5 file, fsync it, and describe each item."""
+        fname = plan.storage_data.file
+        results: list[WriteResult] = []
+        kw: dict[str, Any] = {}
+        if self.compression != "none":
+            kw["compression"] = self.compression
+        fpath = self.path / fname
+        with h5py.File(fpath, "w", locking=False) as f:
+            for item in plan.items:
+                name = _dataset_name(item.index)
+                if item.type == WriteItemType.BYTE_IO:
+                    buf = planner.resolve_data(item)
+                    raw = buf.getvalue() if isinstance(buf, io.BytesIO) else bytes(buf.read())
+                    f.create_dataset(name, data=np.frombuffer(raw, dtype=np.uint8))
+                    info = {"file": fname, "ds": name, "kind": "bytes", "nbytes": len(raw)}
+                    self.stats["new_bytes"] += len(raw)
+                else:
+                    tensor = planner.resolve_data(item)
+                    arr = to_numpy(tensor)
+                    info = {"file": fname, "ds": name, "kind": "tensor", "dtype": str(tensor.dtype),
+                            "nbytes": int(arr.nbytes)}
+                    self.stats["chunks"] += 1
+                    ref = None
+                    if self.dedup_index is not None and arr.nbytes > 0:
+                        info["hash"] = h = chunk_hash(arr)
+                        ref = self.dedup_index.get(h)
+                    if ref is not None:
+                        info["file"], info["ds"] = ref
+                        self.stats["ref_bytes"] += arr.nbytes
+                        self.stats["ref_chunks"] += 1
+                    else:
+                        chunks = _h5_chunks(arr.shape, arr.itemsize)
+                        if chunks is None:
+                            f.create_dataset(name, data=arr)
+                        else:
+                            f.create_dataset(name, data=arr, chunks=chunks, **(kw if arr.ndim else {}))
+                        self.stats["new_bytes"] += arr.nbytes
+                results.append(WriteResult(index=item.index, size_in_bytes=info["nbytes"], storage_data=info))
+        if self.fsync:
+            fsync_path(fpath)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: write ``metadata.json`` (fsynced) describing every chunk of every rank."""
+        storage = {}
+        for rank_results in results:
+            for wr in rank_results:
+                storage[wr.index] = wr.storage_data
+        metadata.storage_data = storage
+        out = self.path / METADATA_FILE
+        out.write_text(json.dumps(metadata_to_json(metadata), separators=(",", ":")))
+        if self.fsync:
+            fsync_path(out)
+            fsync_path(self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Any local path will do."""
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        """Tell DCP which directory this checkpoint is."""
+        return StorageMeta(checkpoint_id=str(self.path))
+
+
+class HDF5StorageReader(StorageReader):
+    """Reads a checkpoint written by :class:`HDF5StorageWriter`, one hyperslab per request."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.storage_data: dict[MetadataIndex, dict[str, Any]] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Point the reader at another directory."""
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Parse ``metadata.json``."""
+        return read_metadata(self.path)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Keep the per-chunk storage table."""
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Nothing to change."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Nothing to change."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read exactly the hyperslabs this rank's plan asks for, grouped by file."""
+        by_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            by_file.setdefault(self.storage_data[req.storage_index]["file"], []).append(req)
+        for fname, reqs in by_file.items():
+            fpath = self.path / fname
+            try:
+                f = h5py.File(fpath, "r", locking=False)
+            except OSError as exc:
+                raise CheckpointFormatError(f"cannot open checkpoint file {fpath}: {exc}") from exc
+            with f:
+                for req in reqs:
+                    info = self.storage_data[req.storage_index]
+                    try:
+                        ds = f[info["ds"]]
+                        if req.type == LoadItemType.BYTE_IO:
+                            planner.load_bytes(req, io.BytesIO(ds[()].tobytes()))
+                            continue
+                        sel = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
+                        arr = ds[sel] if sel else ds[()]
+                    except (KeyError, OSError) as exc:
+                        raise CheckpointFormatError(
+                            f"checkpoint file {fpath}: cannot read dataset {info['ds']!r}: {exc}") from exc
+                    src = from_numpy(np.asarray(arr), dtype_from_str(info["dtype"]))
+                    target = planner.resolve_tensor(req).detach()
+                    if tuple(target.shape) != tuple(src.shape):
+                        raise CheckpointFormatError(
+                            f"checkpoint file {fpath}: {info['ds']!r} slice has shape {tuple(src.shape)}, "
+                            f"expected {tuple(target.shape)}")
+                    target.copy_(src)
+                    planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Any local path will do."""
+        return True
+
+
+# ---- Metadata <-> JSON -------------------------------------------------------------------
+
+def _props_to_json(p: TensorProperties) -> dict[str, Any]:
+    return {"dtype": str(p.dtype), "requires_grad": p.requires_grad}
+
+
+def metadata_to_json(md: Metadata) -> dict[str, Any]:
+    """DCP :class:`Metadata` as plain JSON-able data."""
+    tensors: dict[str, Any] = {}
+    for fqn, sm in md.state_dict_metadata.items():
+        if isinstance(sm, BytesStorageMetadata):
+            tensors[fqn] = {"bytes": True}
+        else:
+            tensors[fqn] = {
+                "props": _props_to_json(sm.properties),
+                "size": list(sm.size),
+                "chunks": [[list(c.offsets), list(c.sizes)] for c in sm.chunks],
+            }
+    storage = [
+        {"fqn": idx.fqn, "offset": None if idx.offset is None else list(idx.offset), "info": info}
+        for idx, info in (md.storage_data or {}).items()
+    ]
+    planner = md.planner_data
+    if isinstance(planner, dict):
+        planner = {k: list(v) if isinstance(v, tuple) else v for k, v in planner.items()}
+    else:
+        planner = None
+    return {"format": "xirang-hdf5-dcp", "format_version": FORMAT_VERSION, "dcp_version": md.version,
+            "tensors": tensors, "storage": storage, "planner_data": planner}
+
+
+def metadata_from_json(d: dict[str, Any]) -> Metadata:
+    """Inverse of :func:`metadata_to_json`."""
+    sdm: dict[str, Any] = {}
+    for fqn, e in d["tensors"].items():
+        if e.get("bytes"):
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        props = TensorProperties(dtype=dtype_from_str(e["props"]["dtype"]), requires_grad=e["props"]["requires_grad"])
+        chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in e["chunks"]]
+        sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(e["size"]), chunks=chunks)
+    storage = {
+        MetadataIndex(fqn=s["fqn"], offset=None if s["offset"] is None else torch.Size(s["offset"])): s["info"]
+        for s in d["storage"]
+    }
+    planner = d.get("planner_data")
+    if isinstance(planner, dict):
+        planner = {k: tuple(v) if isinstance(v, list) else v for k, v in planner.items()}
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage)
+    if d.get("dcp_version") is not None:
+        md.version = d["dcp_version"]
+    return md
+
+
+def read_metadata(path: Path) -> Metadata:
+    """Load ``path/metadata.json``; a missing or malformed file raises CheckpointFormatError naming it."""
+    f = Path(path) / METADATA_FILE
+    try:
+        d = json.loads(f.read_text())
+        if d.get("format") != "xirang-hdf5-dcp":
+            raise ValueError("not a xirang HDF5 checkpoint")
+        return metadata_from_json(d)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointFormatError(f"checkpoint metadata {f} is unreadable: {exc}") from exc
