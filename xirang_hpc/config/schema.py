@@ -90,7 +90,17 @@ class ClusterConfig:
     srun_args: list[str] = field(default_factory=list)
     # Torch intra-op threads per rank; 0 = cores / ranks on this node.
     threads_per_rank: int = 0
+    # Scheduling classes (Slurm issue): train.priority=exploratory submits to the preemptible
+    # scavenger partition/QoS (requeued on preemption); min_time_min is sbatch --time-min (0: unset),
+    # which lets the backfill scheduler start the job in a gap shorter than time_min.
+    scavenger_partition: str | None = None
+    scavenger_qos: str | None = None
+    min_time_min: int = 0
     backend: str = "auto"  # auto | gloo | nccl
+    # Planner (issue 7): accelerator preset (a100-40gb | a100-80gb | h100 | h200 | cpu; "" = cpu
+    # without GPUs, else a100-80gb) and measured overrides of its fields (xirang_hpc/planner/hardware.py).
+    gpu: str = ""
+    hardware: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.executor not in ("local", "slurm"):
@@ -118,6 +128,12 @@ class ParallelConfig:
     schedule: str = "1f1b"  # gpipe | 1f1b
     recompute: str = "none"  # none | selective | full
     sequence_parallel: bool = False
+    # FSDP only: replicate groups of HSDP (shard inside a group of dp/dp_replicate ranks).
+    dp_replicate: int = 1
+    # DDP only: shard the optimizer state over dp (ZeRO-1, ZeroRedundancyOptimizer).
+    optimizer_sharding: bool = False
+    # parallel=auto: xirang-train runs the planner at launch and fills in the fields above.
+    auto: bool = False
 
     def __post_init__(self) -> None:
         if self.dp != -1 and self.dp < 1:
@@ -130,6 +146,7 @@ class ParallelConfig:
             raise ConfigError("parallel.schedule", self.schedule, "choose gpipe or 1f1b")
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigError("parallel.recompute", self.recompute, "choose none, selective or full")
+        _positive("parallel", "dp_replicate", self.dp_replicate)
 
 
 @dataclass
@@ -154,7 +171,10 @@ class TrainConfig:
     runs_root: str = "runs"
     # Explicit run directory; empty = runs_root/<name>-<hash of the experiment config>.
     run_dir: str = ""
-    wait: bool = True
+    # Block until the job ends; None: block for cluster.executor=local, return at once for slurm.
+    wait: bool | None = None
+    # Scheduling class: normal | exploratory (scavenger partition/QoS of the cluster preset).
+    priority: str = "normal"
     # Resume from a specific step (later issues: checkpoint rollback); -1 = latest.
     resume_from: int = -1
 
@@ -165,6 +185,8 @@ class TrainConfig:
             raise ConfigError("train.warmup_steps", self.warmup_steps, "use 0 or more")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("train.min_lr_ratio", self.min_lr_ratio, "use a ratio in [0, 1]")
+        if self.priority not in ("normal", "exploratory"):
+            raise ConfigError("train.priority", self.priority, "choose normal or exploratory")
 
 
 @dataclass

@@ -1,0 +1,136 @@
+"""``parallel=auto``: plan at launch, restricted to what this build's runtime can run.
+
+The capability set is not a hand-kept list: a plan is allowed when it can be written into
+``ParallelConfig`` (no interleaving; ZeRO 0 = ddp or 3 = fsdp) and the resulting config passes
+:func:`validate` and :func:`check_runnable`. When the runtime learns tp/pp, the planner follows.
+
+Micro-batches: with pp > 1 the plan's m microbatches go to ``parallel.microbatches``; with pp = 1
+they become ``train.grad_accum`` (the data-parallel trainer accumulates over them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.config.validate import check_runnable, validate
+from xirang_hpc.planner.cost import Estimate, Plan, Problem
+from xirang_hpc.planner.formulas import Shape
+from xirang_hpc.planner.hardware import hardware_for
+from xirang_hpc.planner.search import Result, Space, search
+
+log = logging.getLogger("xirang.plan")
+PLAN_FILE = "plan.json"
+
+
+def problem_of(cfg: XirangConfig) -> Problem:
+    """The planning problem a config describes."""
+    c = cfg.cluster
+    return Problem(Shape.from_model(cfg.model), hardware_for(c), c.nodes, c.tasks_per_node, cfg.train.global_batch)
+
+
+def apply_plan(cfg: XirangConfig, plan: Plan) -> XirangConfig:
+    """``cfg`` with the plan's degrees written in (not validated)."""
+    if plan.v > 1 or plan.zero not in (0, 3):
+        raise ValueError(f"plan {plan.label()} cannot be expressed in ParallelConfig (interleaving, ZeRO-1/2)")
+    m = cfg.train.global_batch // (plan.dp * plan.micro)
+    par = dataclasses.replace(
+        cfg.parallel, dp=plan.dp, tp=plan.tp, pp=plan.pp, data_parallel="fsdp" if plan.zero == 3 else "ddp",
+        microbatches=m if plan.pp > 1 else 1, schedule="1f1b", recompute=plan.recompute,
+        sequence_parallel=plan.sp)
+    train = dataclasses.replace(cfg.train, grad_accum=1 if plan.pp > 1 else m)
+    return dataclasses.replace(cfg, parallel=par, train=train)
+
+
+def runtime_allows(cfg: XirangConfig) -> Callable[[Plan], bool]:
+    """Predicate: the runtime of this build can run ``plan`` for ``cfg``."""
+    cache: dict[tuple[int, ...], bool] = {}
+
+    def ok(plan: Plan) -> bool:
+        if plan.v > 1 or plan.zero not in (0, 3):
+            return False
+        key = (plan.dp, plan.tp, plan.pp, plan.zero, plan.sp, ("none", "selective", "full").index(plan.recompute))
+        if key not in cache:
+            try:
+                c2 = apply_plan(cfg, dataclasses.replace(plan, micro=cfg.train.global_batch // plan.dp))
+                check_runnable(validate(c2))
+                cache[key] = True
+            except ConfigError:
+                cache[key] = False
+        return cache[key]
+
+    return ok
+
+
+def plan_for(cfg: XirangConfig, runnable_only: bool = True) -> Result:
+    """Search the plans for ``cfg`` (only runnable ones unless ``runnable_only`` is False)."""
+    space = Space(allow=runtime_allows(cfg) if runnable_only else None)
+    return search(problem_of(cfg), space)
+
+
+def choose(cfg: XirangConfig) -> tuple[XirangConfig, dict[str, Any]]:
+    """Fill in ``cfg.parallel`` from the best runnable plan; returns the new config and the record."""
+    res = plan_for(cfg)
+    if not res.ranked:
+        raise ConfigError("parallel.auto", True,
+                          f"no runnable plan fits {res.problem.hw.mem_gb:g} GiB per rank for "
+                          f"train.global_batch={cfg.train.global_batch} on {res.problem.world} ranks; "
+                          "lower the batch or the model size, or set the layout by hand")
+    best: Estimate = res.best
+    new = validate(apply_plan(cfg, best.plan))
+    record = {"predicted": best.to_dict(), "hardware": dataclasses.asdict(res.problem.hw),
+              "evaluated": res.evaluated, "search_seconds": res.seconds, "runnable_only": True}
+    return new, record
+
+
+def announce(record: dict[str, Any], say: Callable[[str], None] = print) -> None:
+    """Log the chosen plan and its predicted figures."""
+    p = record["predicted"]
+    mem = p["memory_gib"]
+    say(f"parallel=auto chose {p['label']} ({record['evaluated']} plans in {1e3 * record['search_seconds']:.0f} ms): "
+        f"predicted {p['time_s']['total']:.3f} s/step, {p['tokens_per_s']:,.0f} tokens/s, "
+        f"{mem['total']:.2f} GiB/rank on {record['hardware']['name']}")
+
+
+def write_plan(run_dir: Path, record: dict[str, Any]) -> Path:
+    """Store the prediction as ``run_dir/plan.json`` (0600)."""
+    path = Path(run_dir) / PLAN_FILE
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+def record_measured(run_dir: Path, summary: dict[str, Any] | None, say: Callable[[str], None] = print) -> None:
+    """Add the measured tokens/s to ``plan.json`` and print it next to the prediction."""
+    path = Path(run_dir) / PLAN_FILE
+    if not summary or not path.exists():
+        return
+    record = json.loads(path.read_text())
+    measured = float(summary["tokens_per_s"])
+    predicted = float(record["predicted"]["tokens_per_s"])
+    record["measured"] = {"tokens_per_s": measured, "predicted_over_measured": predicted / measured}
+    write_plan(path.parent, record)
+    say(f"parallel=auto: predicted {predicted:,.0f} tokens/s, measured {measured:,.0f} tokens/s "
+        f"(prediction {100 * (predicted / measured - 1):+.0f}%)")
+
+
+def plan_at_launch(cfg: XirangConfig, say: Callable[[str], None] = print) -> XirangConfig:
+    """xirang-train's hook: with ``parallel.auto`` choose the layout, announce it, write plan.json."""
+    if not cfg.parallel.auto:
+        return cfg
+    from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
+
+    new, record = choose(cfg)
+    announce(record, say)
+    write_plan(make_private_dir(run_dir_for(new), new.checkpoint.dir_mode), record)
+    return new

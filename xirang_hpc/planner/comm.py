@@ -1,0 +1,78 @@
+"""Alpha-beta communication costs with separate intra- and inter-node links.
+
+Costs (anchors.md, "Communication"), p = k ranks/node x m nodes, n bytes, a = latency, b = s/byte:
+- flat ring all-reduce:   2(p-1)*a + 2(p-1)/p * n * b  (b of the slowest link the ring crosses);
+- hierarchical all-reduce (Horovod/NCCL-style): intra-node reduce-scatter, inter-node all-reduce
+  among same-local-rank peers (all local ranks in parallel), intra-node all-gather:
+  2(k-1)*a_l + 2(k-1)/k * n * b_l + 2(m-1)*a_g + 2(m-1)/m * (n/k) * b_g.
+Inter-node bandwidth is a per-node figure shared by the ``flows`` ranks of a node that talk across
+nodes at the same time (e.g. the 8 data-parallel groups of a node with tp=8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xirang_hpc.planner.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Links:
+    """Latency (s) and seconds-per-byte of the two link classes, for one rank."""
+
+    a_intra: float
+    b_intra: float
+    a_inter: float
+    b_inter_node: float  # seconds per byte through one node's NICs (all flows together)
+    nics: int = 1  # a single flow uses at most one NIC
+
+    @classmethod
+    def of(cls, hw: Hardware) -> Links:
+        """Links of a hardware preset."""
+        return cls(hw.intra_latency_us * 1e-6, 1.0 / (hw.intra_bw_gbs * 1e9),
+                   hw.inter_latency_us * 1e-6, 1.0 / (hw.inter_bw_gbs * 1e9), max(1, hw.inter_nics))
+
+    def b_inter(self, flows: int) -> float:
+        """Seconds per byte for one of ``flows`` concurrent cross-node streams from a node."""
+        return self.b_inter_node * max(flows, self.nics)
+
+
+def ring_allreduce(n: float, p: int, a: float, b: float) -> float:
+    """Flat ring: 2(p-1)a + 2(p-1)/p * n * b."""
+    if p <= 1 or n <= 0:
+        return 0.0
+    return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b
+
+
+def hierarchical_allreduce(n: float, k: int, m: int, links: Links, flows: int) -> float:
+    """Reduce-scatter in the node, all-reduce across m nodes on n/k bytes, all-gather in the node."""
+    intra = ring_allreduce(n, k, links.a_intra, links.b_intra)
+    inter = ring_allreduce(n / max(k, 1), m, links.a_inter, links.b_inter(flows))
+    return intra + inter
+
+
+def group_allreduce(n: float, k: int, m: int, links: Links, flows: int) -> tuple[float, str]:
+    """Best of flat ring and hierarchical for a group of k ranks on each of m nodes.
+
+    Returns (seconds, algorithm). A flat ring ordered by node pushes 2(p-1)/p*n through each NIC
+    on one flow per group; the hierarchical one sends n/k per local rank on k flows in parallel.
+    """
+    p = k * m
+    if p <= 1:
+        return 0.0, "none"
+    if m == 1:
+        return ring_allreduce(n, k, links.a_intra, links.b_intra), "ring-intra"
+    flat = ring_allreduce(n, p, links.a_inter, links.b_inter(flows // max(k, 1) or 1))
+    if k == 1:
+        return flat, "ring-inter"
+    hier = hierarchical_allreduce(n, k, m, links, flows)
+    return (hier, "hierarchical") if hier <= flat else (flat, "ring-inter")
+
+
+def p2p(n: float, inter_node: bool, links: Links, flows: int) -> float:
+    """One point-to-point send of n bytes between pipeline stages."""
+    if n <= 0:
+        return 0.0
+    if inter_node:
+        return links.a_inter + n * links.b_inter(flows)
+    return links.a_intra + n * links.b_intra

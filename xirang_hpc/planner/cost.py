@@ -1,0 +1,220 @@
+"""Per-rank memory and per-iteration time of one parallel plan.
+
+Step time = pipeline (compute + TP communication per microbatch, stretched by the bubble)
++ pipeline point-to-point + exposed data-parallel communication + optimizer step:
+
+- compute per microbatch: this stage's FLOPs (``formulas.iteration_flops``, recompute included)
+  / (peak * efficiency(h/t)); efficiency = gemm_efficiency * w/(w + gemm_half_width), w = h/t,
+  plus a fixed kernel overhead per layer;
+- TP: 4 all-reduces of b*s*h activations per layer (2 forward, 2 backward; +2 under full recompute),
+  a ring inside the node (Narayanan et al. SC21 Sec. 3.2); sequence parallelism swaps each for a
+  reduce-scatter + all-gather of the same volume;
+- bubble: (p-1)/v microbatch slots (Narayanan et al.: (p-1)/m of ideal time, (p-1)/(v*m) interleaved);
+- p2p: two sends of b*s*h/t (scatter-gather) per pipeline slot, 2*(v*m + p - 1) on the critical path;
+- DP: gradient all-reduce (hierarchical when the group spans nodes with >1 rank per node; ZeRO-3
+  moves 1.5x the volume), minus what ``dp_overlap`` of the last backward can hide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xirang_hpc.planner import comm
+from xirang_hpc.planner.formulas import (
+    Shape,
+    embedding_params,
+    iteration_flops,
+    layer_activation_bytes,
+    layer_forward_flops,
+    layer_params,
+    logits_flops,
+    model_flops,
+    state_bytes_per_param,
+)
+from xirang_hpc.planner.hardware import Hardware
+
+GiB = 1024.0**3
+DDP_BUCKET_BYTES = 25 * 1024 * 1024  # PyTorch DDP bucket size (Li et al., VLDB 2020)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One point of the search space."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro: int  # sequences per microbatch (b)
+    v: int = 1  # interleaved virtual stages per rank
+    zero: int = 0  # 0 = DDP, 1/2/3 = ZeRO stage (3 = FSDP)
+    recompute: str = "none"  # none | selective | full
+    sp: bool = False  # sequence parallel (needs tp > 1)
+    schedule: str = "1f1b"  # 1f1b | gpipe
+
+    def label(self) -> str:
+        """Compact human-readable form."""
+        extra = [f"v={self.v}"] if self.v > 1 else []
+        extra += [f"zero{self.zero}"] if self.zero else []
+        extra += ["sp"] if self.sp else []
+        extra += [f"rc={self.recompute}"] if self.recompute != "none" else []
+        extra += [self.schedule] if self.schedule != "1f1b" else []
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} b={self.micro} " + " ".join(extra)
+
+
+@dataclass
+class Estimate:
+    """Predicted memory (bytes, per rank) and time (seconds, per iteration) of a plan."""
+
+    plan: Plan
+    microbatches: int
+    memory: dict[str, float] = field(default_factory=dict)
+    time: dict[str, float] = field(default_factory=dict)
+    fits: bool = True
+    tflops_per_gpu: float = 0.0  # hardware FLOP/s per GPU, counting recomputation (as Narayanan et al.)
+    mfu: float = 0.0  # model FLOPs (no recomputation) / peak
+    tokens_per_s: float = 0.0
+    dp_algo: str = "none"
+
+    @property
+    def step_time(self) -> float:
+        """Seconds per iteration."""
+        return self.time["total"]
+
+    @property
+    def peak_memory(self) -> float:
+        """Bytes per rank."""
+        return self.memory["total"]
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-friendly form (memory in GiB, time in seconds)."""
+        p = self.plan
+        return {
+            "plan": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch": p.micro, "microbatches": self.microbatches,
+                     "interleave": p.v, "zero": p.zero, "recompute": p.recompute, "sequence_parallel": p.sp,
+                     "schedule": p.schedule},
+            "label": p.label(),
+            "fits": self.fits,
+            "memory_gib": {k: v / GiB for k, v in self.memory.items()},
+            "time_s": dict(self.time),
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "tokens_per_s": self.tokens_per_s,
+            "dp_allreduce": self.dp_algo,
+        }
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What stays fixed while plans vary."""
+
+    shape: Shape
+    hw: Hardware
+    nodes: int
+    per_node: int
+    global_batch: int
+
+    @property
+    def world(self) -> int:
+        """Number of ranks."""
+        return self.nodes * self.per_node
+
+
+def _memory(pb: Problem, pl: Plan, m: int) -> dict[str, float]:
+    sh, hw = pb.shape, pb.hw
+    t, p, b = pl.tp, pl.pp, pl.micro
+    lp = layer_params(sh)
+    per_stage_layers = sh.layers / p
+    w, g, o = state_bytes_per_param(pl.zero, pl.dp, hw.weight_bytes, hw.grad_bytes, hw.optim_bytes)
+    act = layer_activation_bytes(sh, b, t, pl.sp, pl.recompute, hw.act_bytes)
+    # Korthikanti et al.: the first 1F1B stage holds p microbatches in flight, x(1 + (p-1)/(p*v))
+    # interleaved; GPipe holds all m.
+    inflight = float(m) if pl.schedule == "gpipe" else min(m, p) * (1 + (p - 1) / (p * pl.v) if pl.v > 1 else 1)
+    working = 0.0
+    if pl.recompute == "full":  # one layer's full activations while it is recomputed
+        working = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes)
+    head = sh.vocab * sh.hidden / t
+    logits = 2.0 * sh.seq * b * sh.vocab / t * 4  # fp32 logits and their gradient
+    stages = []
+    first_params = per_stage_layers * lp / t + embedding_params(sh) / t + (head if p == 1 else 0.0)
+    first_act = per_stage_layers * act * inflight + working + (logits if p == 1 else 0.0)
+    stages.append((first_params, first_act))
+    if p > 1:
+        stages.append((per_stage_layers * lp / t + head, per_stage_layers * act + working + logits))
+    params, acts = max(stages, key=lambda x: x[0] * (w + g + o) + x[1])
+    buffers = hw.reserved_gb * GiB
+    if pl.dp > 1 and pl.zero == 0:
+        buffers += 2 * min(DDP_BUCKET_BYTES, params * hw.grad_comm_bytes)
+    if pl.zero == 3:  # gathered weights of the layer being computed and the one prefetched
+        buffers += 2 * lp / t * hw.weight_bytes
+    mem = {"params": params * w, "grads": params * g, "optimizer": params * o, "activations": acts,
+           "buffers": buffers}
+    mem["total"] = sum(mem.values())
+    return mem
+
+
+def estimate(pb: Problem, pl: Plan) -> Estimate:
+    """Memory and time of ``pl`` on ``pb``. Raises ValueError for a plan that does not tile the batch."""
+    sh, hw = pb.shape, pb.hw
+    t, p, d, b, v = pl.tp, pl.pp, pl.dp, pl.micro, pl.v
+    if pb.global_batch % (d * b):
+        raise ValueError(f"global batch {pb.global_batch} is not a multiple of dp*micro={d * b}")
+    m = pb.global_batch // (d * b)
+    links = comm.Links.of(hw)
+    k = pb.per_node
+    tokens = b * sh.seq
+    layers = sh.layers / p
+
+    # Compute: the slowest (last) stage also runs the output layer.
+    dense, attn = layer_forward_flops(sh, tokens)
+    extra = {"none": 0.0, "selective": attn, "full": dense + attn}[pl.recompute]
+    stage_flops = (layers * (3 * (dense + attn) + extra) + 3 * logits_flops(sh, tokens)) / t
+    width = sh.hidden / t
+    eff = hw.gemm_efficiency * width / (width + hw.gemm_half_width)
+    passes = 4.0 if pl.recompute == "full" else 3.0
+    overhead = layers * hw.kernel_overhead_us * 1e-6 * passes
+    # Softmax, dropout, norms, GeLU are memory-bound: they stream the layer's activations
+    # (Korthikanti et al.'s per-layer bytes, no recompute) through device memory on every pass.
+    act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes)
+    elementwise = layers * passes * hw.elementwise_traffic * act_stream / (hw.mem_bw_gbs * 1e9)
+    compute_mb = stage_flops / (hw.peak_tflops * 1e12 * eff) + overhead + elementwise
+
+    # Tensor parallel all-reduces of b*s*h activations, inside the node.
+    n_ar = 6 if pl.recompute == "full" else 4
+    tp_mb = layers * n_ar * comm.ring_allreduce(tokens * sh.hidden * hw.act_bytes, t, links.a_intra,
+                                                links.b_intra)
+    slot = compute_mb + tp_mb
+    bubble = (p - 1) / v * slot
+
+    # Pipeline p2p: ranks are ordered tp fastest, then dp, then pp (Megatron), so a stage boundary
+    # crosses nodes once a stage spans a node.
+    p2p = 0.0
+    if p > 1:
+        n = tokens * sh.hidden * hw.act_bytes / t
+        p2p = 2 * (v * m + p - 1) * comm.p2p(n, t * d >= k, links, flows=k)
+
+    # Data parallel gradient all-reduce over dp ranks, k_dp per node.
+    lp = layer_params(sh)
+    stage_params = (layers * lp + max(embedding_params(sh), sh.vocab * sh.hidden)) / t
+    grad_bytes = stage_params * hw.grad_comm_bytes * (1.5 if pl.zero == 3 else 1.0)
+    k_dp = max(1, min(d, k // t)) if k % t == 0 else 1
+    while d % k_dp:
+        k_dp -= 1
+    dp_full, algo = comm.group_allreduce(grad_bytes, k_dp, d // k_dp, links, flows=k)
+    backward = compute_mb * (passes - 1) / passes  # backward (+ recompute) of the last microbatch
+    dp_exposed = max(0.0, dp_full - hw.dp_overlap * backward) if d > 1 else 0.0
+
+    # Adam reads and writes weights, grads and states of the parameters this rank updates.
+    updated = stage_params / (d if pl.zero else 1)
+    optim = updated * (hw.optim_bytes + hw.weight_bytes + hw.grad_bytes) * 2 / (hw.mem_bw_gbs * 1e9)
+
+    total = m * slot + bubble + p2p + dp_exposed + optim
+    est = Estimate(plan=pl, microbatches=m, dp_algo=algo)
+    est.time = {"compute": m * compute_mb, "tp_comm": m * tp_mb, "bubble": bubble, "p2p": p2p,
+                "dp_comm": dp_exposed, "optimizer": optim, "total": total}
+    est.memory = _memory(pb, pl, m)
+    est.fits = est.memory["total"] <= hw.mem_gb * GiB
+    n_dev = pb.world
+    est.tflops_per_gpu = iteration_flops(sh, pb.global_batch, pl.recompute) / (total * n_dev) / 1e12
+    est.mfu = model_flops(sh, pb.global_batch) / (total * n_dev * hw.peak_tflops * 1e12)
+    est.tokens_per_s = pb.global_batch * sh.seq / total
+    return est

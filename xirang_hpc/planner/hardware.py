@@ -1,0 +1,104 @@
+"""Hardware presets for the planner: one accelerator plus the network around it.
+
+A cluster preset names an accelerator with ``cluster.gpu`` and may override any field below in
+``cluster.hardware`` (a mapping, e.g. written by ``xirang-plan --calibrate``). Bandwidths are what
+collectives *achieve* (NCCL bus bandwidth), not link line rates; where a preset derives them from
+line rates the factor is stated.
+
+Public specs used: A100 (NVIDIA A100 datasheet: 312 TFLOP/s dense bf16, 1.56/2.04 TB/s HBM,
+NVLink3 300 GB/s per direction), H100 SXM (989 TFLOP/s dense bf16, 3.35 TB/s, NVLink4
+450 GB/s per direction), H200 (H100 compute, 141 GB, 4.8 TB/s). Network: a DGX A100 node has
+8x200 Gb/s InfiniBand HDR (Narayanan et al. SC21's cluster), a DGX H100 node 8x400 Gb/s NDR.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import ClusterConfig
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the cost model needs to know about one rank's device and its links."""
+
+    name: str
+    peak_tflops: float  # dense peak of the training dtype, per device
+    mem_gb: float  # device memory usable by one rank
+    mem_bw_gbs: float  # device memory bandwidth (optimizer step is bandwidth-bound)
+    gemm_efficiency: float  # fraction of peak a transformer layer reaches at large widths
+    gemm_half_width: float  # per-rank hidden width h/t at which efficiency halves (kernel size effect)
+    kernel_overhead_us: float  # fixed cost per layer per microbatch and pass (kernel launches)
+    elementwise_traffic: float  # memory-bound ops: passes over the layer's activation bytes, per pass
+    intra_bw_gbs: float  # per-rank collective bandwidth inside a node
+    intra_latency_us: float
+    inter_bw_gbs: float  # per-NODE bandwidth across nodes (shared by the node's ranks)
+    inter_latency_us: float
+    inter_nics: int  # NICs per node: one flow cannot exceed inter_bw_gbs / inter_nics
+    dp_overlap: float  # fraction of the backward pass that can hide DP gradient communication
+    reserved_gb: float  # context, communicator buffers, allocator slack
+    act_bytes: int = 2  # bytes per activation element
+    weight_bytes: int = 2
+    grad_bytes: int = 2
+    optim_bytes: int = 12  # fp32 master + Adam m, v (mixed precision)
+    grad_comm_bytes: int = 2  # bytes per gradient element on the wire
+
+    def scaled(self, **overrides: float) -> Hardware:
+        """A copy with some fields replaced."""
+        return dataclasses.replace(self, **overrides)
+
+
+# NCCL reaches ~80% of NVLink/IB line rates as bus bandwidth; the presets use that factor.
+_BUS = 0.8
+# Megatron-LM 2021 (the published rows) all-reduced gradients after the backward pass: no overlap.
+# gemm_efficiency, gemm_half_width and elementwise_traffic of the A100 were fitted to the four
+# Narayanan et al. SC21 Table 1 rows (anchors.md; tests/test_planner_anchors.py); H100 values are
+# scaled guesses (no public row checked here): calibrate on the cluster.
+_A100 = dict(peak_tflops=312.0, gemm_efficiency=0.70, gemm_half_width=25.0, kernel_overhead_us=20.0,
+             elementwise_traffic=2.25, intra_bw_gbs=300.0 * _BUS, intra_latency_us=3.0,
+             inter_bw_gbs=8 * 25.0 * _BUS, inter_latency_us=8.0, inter_nics=8, dp_overlap=0.0, reserved_gb=3.0)
+_H100 = dict(peak_tflops=989.0, gemm_efficiency=0.60, gemm_half_width=40.0, kernel_overhead_us=15.0,
+             elementwise_traffic=2.25, intra_bw_gbs=450.0 * _BUS, intra_latency_us=3.0,
+             inter_bw_gbs=8 * 50.0 * _BUS, inter_latency_us=8.0, inter_nics=8, dp_overlap=0.0, reserved_gb=3.0)
+
+PRESETS: dict[str, Hardware] = {
+    "a100-40gb": Hardware(name="a100-40gb", mem_gb=40.0, mem_bw_gbs=1555.0, **_A100),
+    "a100-80gb": Hardware(name="a100-80gb", mem_gb=80.0, mem_bw_gbs=2039.0, **_A100),
+    "h100": Hardware(name="h100", mem_gb=80.0, mem_bw_gbs=3350.0, **_H100),
+    "h200": Hardware(name="h200", mem_gb=141.0, mem_bw_gbs=4800.0, **_H100),
+    # A CPU rank trains in fp32 (4-byte weights/grads, Adam m+v = 8 bytes, no master copy).
+    # Rates are placeholders for a few cores per rank over loopback TCP: calibrate them.
+    "cpu": Hardware(name="cpu", peak_tflops=0.05, mem_gb=8.0, mem_bw_gbs=10.0, gemm_efficiency=0.5,
+                    gemm_half_width=16.0, kernel_overhead_us=200.0, elementwise_traffic=1.0, intra_bw_gbs=1.0,
+                    intra_latency_us=50.0, inter_bw_gbs=1.0, inter_latency_us=100.0, inter_nics=1,
+                    dp_overlap=0.5, reserved_gb=0.3, act_bytes=4, weight_bytes=4, grad_bytes=4, optim_bytes=8,
+                    grad_comm_bytes=4),
+}
+
+TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
+
+
+def default_gpu(cluster: ClusterConfig) -> str:
+    """``cluster.gpu`` if set, else ``cpu`` for GPU-less clusters and ``a100-80gb`` otherwise."""
+    if cluster.gpu:
+        return cluster.gpu
+    return "cpu" if cluster.gpus_per_node == 0 else "a100-80gb"
+
+
+def hardware_for(cluster: ClusterConfig) -> Hardware:
+    """The preset named by the cluster, with ``cluster.hardware`` overrides applied."""
+    name = default_gpu(cluster)
+    if name not in PRESETS:
+        raise ConfigError("cluster.gpu", name, f"choose one of {sorted(PRESETS)}")
+    hw = PRESETS[name]
+    overrides: dict[str, float] = {}
+    for key, value in dict(cluster.hardware).items():
+        if key not in TUNABLE:
+            raise ConfigError(f"cluster.hardware.{key}", value, f"unknown field; known: {', '.join(TUNABLE)}")
+        if key != "dp_overlap" and float(value) <= 0:
+            raise ConfigError(f"cluster.hardware.{key}", value, "must be positive")
+        kind = type(getattr(hw, key))
+        overrides[key] = kind(value)
+    return hw.scaled(**overrides) if overrides else hw

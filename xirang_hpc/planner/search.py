@@ -1,0 +1,168 @@
+"""Exhaustive search over parallel plans, with pruning, and the reasons runners-up lost.
+
+Space: tp (divides the ranks of a node, heads, width, MLP width and vocab, as config validation
+demands), pp (divides the layers and the world), dp = world/(tp*pp) dividing the global batch,
+micro-batch b (divides batch/dp), interleaving v (pp > 1, divides layers/pp, m % pp == 0 as in
+Megatron-LM), ZeRO stage 0-3, recompute none/selective/full, sequence parallel (tp > 1).
+
+Pruning: (1) a (tp, pp, zero) whose weights+grads+optimizer alone exceed memory is skipped whole;
+(2) for fixed everything else, memory grows with b, so the first b that does not fit ends that
+loop. GPipe is never searched: it has the 1F1B bubble and more activation memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from xirang_hpc.planner.cost import Estimate, Plan, Problem, estimate
+from xirang_hpc.planner.formulas import embedding_params, layer_params, state_bytes_per_param
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass
+class Space:
+    """Which knobs the search may turn (a capability set)."""
+
+    tp: Iterable[int] | None = None  # None: all valid
+    pp: Iterable[int] | None = None
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = RECOMPUTE
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    max_interleave: int = 8
+    max_micro: int = 64
+    allow: Callable[[Plan], bool] | None = None  # final veto, e.g. "the runtime can run it"
+
+
+@dataclass
+class Result:
+    """Ranked plans and the bookkeeping of one search."""
+
+    ranked: list[Estimate]  # plans that fit, fastest first
+    oom: list[Estimate]  # fastest plans that did not fit
+    evaluated: int
+    seconds: float
+    problem: Problem
+    reasons: dict[int, str] = field(default_factory=dict)  # id(estimate) -> why it lost
+
+    @property
+    def best(self) -> Estimate:
+        """The recommended plan."""
+        if not self.ranked:
+            raise ValueError("no plan fits in memory")
+        return self.ranked[0]
+
+
+def _tp_options(pb: Problem) -> list[int]:
+    sh = pb.shape
+    return [t for t in divisors(pb.per_node)
+            if sh.heads % t == 0 and sh.hidden % t == 0 and sh.ffn % t == 0 and sh.vocab % t == 0]
+
+
+def _state_floor(pb: Problem, t: int, p: int, d: int, zero: int) -> float:
+    """Bytes of weights+grads+optimizer on the first stage: a lower bound for any b, v, recompute."""
+    hw, sh = pb.hw, pb.shape
+    w, g, o = state_bytes_per_param(zero, d, hw.weight_bytes, hw.grad_bytes, hw.optim_bytes)
+    params = (sh.layers / p * layer_params(sh) + embedding_params(sh)) / t
+    return params * (w + g + o)
+
+
+def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result:
+    """Every valid plan, estimated; returns them ranked by step time (fitting ones only)."""
+    sp_ = space or Space()
+    t0 = time.perf_counter()
+    sh, world, batch = pb.shape, pb.world, pb.global_batch
+    mem_cap = pb.hw.mem_gb * 1024.0**3
+    tps = [t for t in _tp_options(pb) if sp_.tp is None or t in set(sp_.tp)]
+    fits: list[Estimate] = []
+    oom: list[Estimate] = []
+    n = 0
+    for t in tps:
+        for p in divisors(sh.layers):
+            if world % (t * p) or (sp_.pp is not None and p not in set(sp_.pp)):
+                continue
+            d = world // (t * p)
+            if batch % d:
+                continue
+            per_rank = batch // d
+            micros = [b for b in divisors(per_rank) if b <= sp_.max_micro]
+            vs = [1] + ([v for v in divisors(sh.layers // p) if 1 < v <= sp_.max_interleave] if p > 1 else [])
+            for zero in sp_.zero:
+                if zero and d == 1:
+                    continue  # nothing to shard over
+                if _state_floor(pb, t, p, d, zero) > mem_cap:
+                    continue
+                for v in vs:
+                    for rc in sp_.recompute:
+                        for sq in sp_.sequence_parallel:
+                            if sq and t == 1:
+                                continue
+                            for b in micros:
+                                m = per_rank // b
+                                if v > 1 and m % p:
+                                    continue
+                                plan = Plan(dp=d, tp=t, pp=p, micro=b, v=v, zero=zero, recompute=rc, sp=sq)
+                                if sp_.allow is not None and not sp_.allow(plan):
+                                    continue
+                                est = estimate(pb, plan)
+                                n += 1
+                                if est.fits:
+                                    fits.append(est)
+                                else:
+                                    oom.append(est)
+                                    break  # larger micro-batches need more memory
+    fits.sort(key=lambda e: (e.step_time, e.peak_memory))
+    oom.sort(key=lambda e: e.step_time)
+    res = Result(ranked=fits, oom=oom[:keep_oom], evaluated=n, seconds=time.perf_counter() - t0, problem=pb)
+    if fits:
+        for e in fits[1:]:
+            res.reasons[id(e)] = why_lost(e, fits[0])
+    for e in res.oom:
+        res.reasons[id(e)] = (f"OOM: needs {e.peak_memory / 1024**3:.1f} GiB of {pb.hw.mem_gb:g} GiB "
+                              f"({_largest(e.memory)} largest)")
+    return res
+
+
+def _largest(mem: dict[str, float]) -> str:
+    return max((k for k in mem if k != "total"), key=lambda k: mem[k])
+
+
+_GROUPS = {"compute": ("compute", "optimizer"), "TP communication": ("tp_comm",), "pipeline bubble": ("bubble",),
+           "pipeline p2p": ("p2p",), "DP communication": ("dp_comm",)}
+
+
+def why_lost(loser: Estimate, winner: Estimate) -> str:
+    """Name the step-time component that grew most against the winner, with the figures."""
+    deltas = {name: sum(loser.time[k] - winner.time[k] for k in keys) for name, keys in _GROUPS.items()}
+    name = max(deltas, key=lambda k: deltas[k])
+    slower = loser.step_time / winner.step_time - 1
+    if deltas[name] <= 0:
+        return f"ties ({100 * slower:+.1f}%)"
+    cause = name
+    if name == "compute" and loser.plan.recompute != winner.plan.recompute:
+        cause = f"compute (recompute={loser.plan.recompute})"
+    elif name == "compute" and loser.plan.micro != winner.plan.micro:
+        cause = f"compute (micro-batch {loser.plan.micro} vs {winner.plan.micro})"
+    return f"{cause} +{deltas[name]:.3g}s, net {100 * slower:+.1f}% step time"
+
+
+def best_per_layout(res: Result, n: int = 8) -> list[Estimate]:
+    """The fastest plan of each distinct (dp, tp, pp) layout, fastest layouts first."""
+    seen: set[tuple[int, int, int]] = set()
+    out: list[Estimate] = []
+    for e in res.ranked:
+        key = (e.plan.dp, e.plan.tp, e.plan.pp)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+            if len(out) == n:
+                break
+    return out
