@@ -1,0 +1,230 @@
+"""On-disk layout of a run's checkpoints, and the atomic-commit primitives.
+
+```
+<run>/checkpoints/
+  latest                    "step_N" (replaced atomically)
+  step_N/                   committed: manifest.json exists and lists every other file
+    rank_<i>.h5             tensors (one file per writing rank)
+    rank_<i>.json           that rank's RNG states
+    metadata.json           DCP metadata (JSON)
+    state.json              step, tokens, config, layout, metrics, optimizer hyperparameters
+    manifest.json           written last: sha256 + size of every file, referenced steps
+  step_N.tmp-<id>/          being written; removed at the next start
+```
+A directory named ``step_N`` only ever appears by ``rename`` of a fully written, fsynced
+temporary, so it is either complete or (after disk damage) detectably corrupt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xirang_hpc.checkpoint.storage import METADATA_FILE, fsync_path
+
+MANIFEST = "manifest.json"
+STATE = "state.json"
+LATEST = "latest"
+PINNED = "PINNED"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_RE = re.compile(r"^step_\d+\.(tmp|old)-")
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint failed verification; the message names the file and the problem."""
+
+
+def step_dir_name(step: int) -> str:
+    """``step_<N>``."""
+    return f"step_{step}"
+
+
+def make_dir(path: Path, mode: int) -> Path:
+    """mkdir with exactly ``mode`` (whatever the umask); parents too."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, mode)
+    return path
+
+
+def sha256_file(path: Path, bufsize: int = 8 << 20) -> str:
+    """Hex sha256 of a file."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """Manifest entry of one file: size and sha256."""
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def write_json_durable(path: Path, obj: Any) -> None:
+    """Write JSON and fsync it."""
+    with path.open("w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps that have a committed directory (ascending). Says nothing about their health."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def read_latest(root: Path) -> int | None:
+    """The step the ``latest`` pointer names, or None."""
+    try:
+        m = _STEP_RE.match((root / LATEST).read_text().strip())
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def write_latest(root: Path, step: int) -> None:
+    """Point ``latest`` at ``step`` atomically (write temp, fsync, rename, fsync dir)."""
+    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
+    tmp.write_text(step_dir_name(step) + "\n")
+    fsync_path(tmp)
+    os.replace(tmp, root / LATEST)
+    fsync_path(root)
+
+
+def cleanup_leftovers(root: Path) -> list[Path]:
+    """Remove temporaries of saves that never committed (and half-swapped old dirs)."""
+    removed = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if _TMP_RE.match(p.name) or p.name.startswith(f".{LATEST}.tmp-"):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                removed.append(p)
+    return removed
+
+
+def commit(tmp: Path, final: Path, files: dict[str, dict[str, Any]], refs: list[str], info: dict[str, Any]) -> None:
+    """Write the manifest last, fsync everything, rename ``tmp`` -> ``final``, fsync the parent."""
+    for name in files:
+        fsync_path(tmp / name)
+    manifest = {"files": files, "refs": sorted(refs), "committed_at": time.time(), **info}
+    write_json_durable(tmp / MANIFEST, manifest)
+    fsync_path(tmp)
+    old = None
+    if final.exists():
+        # Re-saving a step (e.g. after a resume): swap the old copy out first.
+        old = final.with_name(f"{final.name}.old-{os.getpid()}-{time.time_ns()}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_path(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(step_dir: Path) -> dict[str, Any]:
+    """Parse a step's manifest; a missing or malformed one raises CheckpointCorruptError."""
+    path = step_dir / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+        if not isinstance(m.get("files"), dict):
+            raise ValueError("no 'files' table")
+        return m
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{path}: manifest missing or unreadable ({exc})") from exc
+
+
+def verify(step_dir: Path, checksums: bool = True, _seen: set[Path] | None = None) -> dict[str, Any]:
+    """Check a committed step (and the steps it references); returns its manifest.
+
+    Raises :class:`CheckpointCorruptError` naming the first bad file: missing, wrong size
+    (truncated), or wrong sha256 (garbage).
+    """
+    seen = _seen if _seen is not None else set()
+    m = read_manifest(step_dir)
+    for name, e in m["files"].items():
+        p = step_dir / name
+        if not p.is_file():
+            raise CheckpointCorruptError(f"{p}: listed in the manifest but missing")
+        size = p.stat().st_size
+        if size != e["bytes"]:
+            raise CheckpointCorruptError(f"{p}: size {size} bytes, manifest says {e['bytes']} (truncated or altered)")
+        if checksums:
+            got = sha256_file(p)
+            if got != e["sha256"]:
+                raise CheckpointCorruptError(f"{p}: sha256 {got[:16]}... does not match the manifest's "
+                                             f"{e['sha256'][:16]}... (corrupted)")
+    for ref in m.get("refs", []):
+        rdir = (step_dir / ref).resolve()
+        if rdir in seen:
+            continue
+        seen.add(rdir)
+        if not rdir.is_dir():
+            raise CheckpointCorruptError(f"{rdir}: referenced by {step_dir} (dedup) but missing")
+        verify(rdir, checksums, seen)
+    return m
+
+
+def read_state(step_dir: Path) -> dict[str, Any]:
+    """The step's ``state.json``."""
+    return json.loads((step_dir / STATE).read_text())
+
+
+def refs_of_metadata(step_dir: Path) -> list[str]:
+    """Sibling step directories whose files this step's metadata references (dedup)."""
+    md = json.loads((step_dir / METADATA_FILE).read_text())
+    refs = {s["info"]["file"].split("/")[1] for s in md["storage"] if "/" in s["info"]["file"]}
+    return [f"../{r}" for r in sorted(refs)]
+
+
+def dedup_index(step_dir: Path) -> dict[str, tuple[str, str]]:
+    """hash -> (file relative to a sibling step dir, dataset) for every hashed chunk of ``step_dir``."""
+    md = json.loads((step_dir / METADATA_FILE).read_text())
+    index: dict[str, tuple[str, str]] = {}
+    for s in md["storage"]:
+        info = s["info"]
+        if "hash" in info:
+            f = info["file"] if "/" in info["file"] else f"../{step_dir.name}/{info['file']}"
+            index[info["hash"]] = (f, info["ds"])
+    return index
+
+
+@dataclass
+class StepInfo:
+    """One committed checkpoint, for listings."""
+
+    step: int
+    path: Path
+    bytes: int
+    committed_at: float
+    world_size: int
+    layout: dict[str, Any]
+    refs: list[str]
+    pinned: bool
+
+
+def describe(root: Path) -> list[StepInfo]:
+    """Every committed step with size (own files only), time, layout; unreadable ones get bytes=-1."""
+    out = []
+    for s in committed_steps(root):
+        d = root / step_dir_name(s)
+        try:
+            m = read_manifest(d)
+            size = sum(e["bytes"] for e in m["files"].values())
+            out.append(StepInfo(s, d, size, m.get("committed_at", 0.0), m.get("world_size", 0),
+                                m.get("layout", {}), m.get("refs", []), (d / PINNED).exists()))
+        except CheckpointCorruptError:
+            out.append(StepInfo(s, d, -1, 0.0, 0, {}, [], (d / PINNED).exists()))
+    return out

@@ -1,0 +1,241 @@
+"""Atomic, optionally asynchronous checkpoints of a DCP state dict plus JSON side state.
+
+Save = snapshot to host (the only part the caller waits for) + persist in a background
+thread: write ``step_N.tmp-*`` through :class:`HDF5StorageWriter`, fsync, gather per-rank
+checksums, write the manifest last, rename to ``step_N``, move ``latest``, apply retention.
+All collectives run on the manager's own process group (a separate gloo group in training),
+so a background save never shares a communicator with the training step.
+
+Load = newest committed step that verifies (sizes + sha256 of every file, recursively through
+dedup references); a bad one is logged with the file that failed and the previous one is tried.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint.retention import RetentionPolicy, prune
+from xirang_hpc.checkpoint.snapshot import HostSnapshot
+from xirang_hpc.checkpoint.storage import METADATA_FILE, HDF5StorageReader, HDF5StorageWriter
+
+log = logging.getLogger(__name__)
+now: Callable[[], float] = time.perf_counter
+
+
+@dataclass
+class SaveRecord:
+    """What one save cost: ``stall_s`` blocked the caller, ``persist_s`` ran in the background."""
+
+    step: int
+    stall_s: float
+    persist_s: float = 0.0
+    new_bytes: int = 0
+    ref_bytes: int = 0
+
+
+@dataclass
+class LoadResult:
+    """A restored checkpoint: its step, directory, global JSON state and this rank's JSON (if any)."""
+
+    step: int
+    path: Path
+    state: dict[str, Any]
+    rank_state: dict[str, Any] | None
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+
+
+class CheckpointManager:
+    """Saves and loads checkpoints under ``root`` (``<run>/checkpoints``) for one rank of a group."""
+
+    def __init__(self, root: Path, *, rank: int = 0, world_size: int = 1, group: Any = None,
+                 compression: str = "none", dedup: bool = False, dir_mode: int = 0o700,
+                 retention: RetentionPolicy | None = None, async_save: bool = True,
+                 verify_checksums: bool = True) -> None:
+        self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
+        self.compression, self.dedup, self.dir_mode = compression, dedup, dir_mode
+        self.retention = retention or RetentionPolicy()
+        self.async_save, self.verify_checksums = async_save, verify_checksums
+        self.history: list[SaveRecord] = []
+        self._snap = HostSnapshot()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._dedup_index: dict[str, tuple[str, str]] | None = None
+        if rank == 0:
+            L.make_dir(self.root, dir_mode)
+        self._barrier()
+
+    # ---- collectives on our own group ---------------------------------------------------
+    def _distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_initialized()
+
+    def _bcast(self, obj: Any) -> Any:
+        if not self._distributed():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                   group=self.group)
+        return box[0]
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if not self._distributed():
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _barrier(self) -> None:
+        if self._distributed():
+            dist.barrier(group=self.group)
+
+    # ---- save ---------------------------------------------------------------------------
+    def cleanup_leftovers(self) -> list[Path]:
+        """Rank 0 removes temporaries of saves that never committed; every rank waits."""
+        removed = L.cleanup_leftovers(self.root) if self.rank == 0 else []
+        for p in removed:
+            log.warning("removed unfinished checkpoint %s", p)
+        self._barrier()
+        return removed
+
+    def save(self, step: int, tensors: dict[str, Any], state: dict[str, Any] | None = None,
+             rank_state: dict[str, Any] | None = None, info: dict[str, Any] | None = None,
+             block: bool | None = None) -> SaveRecord:
+        """Checkpoint ``tensors`` (a DCP state dict) at ``step``; returns once the snapshot is taken.
+
+        ``state``: JSON for ``state.json`` (rank 0's copy is written); ``rank_state``: this rank's
+        JSON (RNG); ``info``: layout facts for the manifest. Waits for the previous save first.
+        """
+        self.wait()
+        t0 = now()
+        snap = self._snap.snapshot(tensors)
+        rec = SaveRecord(step=step, stall_s=now() - t0)
+        self.history.append(rec)
+        args = (rec, snap, state or {}, rank_state or {}, info or {})
+        if (self.async_save if block is None else not block):
+            self._thread = threading.Thread(target=self._persist_guarded, args=args, name=f"ckpt-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._persist(*args)
+        return rec
+
+    def wait(self) -> None:
+        """Block until the background save (if any) has committed; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"background checkpoint save failed: {err}") from err
+
+    def _persist_guarded(self, *args: Any) -> None:
+        try:
+            self._persist(*args)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
+            log.exception("background checkpoint save failed")
+            self._error = exc
+
+    def _index(self) -> dict[str, tuple[str, str]]:
+        """Dedup index of the newest committed step (built from disk after a restart)."""
+        if self._dedup_index is None:
+            steps = L.committed_steps(self.root)
+            try:
+                self._dedup_index = L.dedup_index(self.root / L.step_dir_name(steps[-1])) if steps else {}
+            except (OSError, ValueError, KeyError) as exc:
+                log.warning("dedup: cannot index step %s (%s); writing a full checkpoint", steps[-1], exc)
+                self._dedup_index = {}
+        return self._dedup_index
+
+    def _persist(self, rec: SaveRecord, snap: dict[str, Any], state: dict[str, Any],
+                 rank_state: dict[str, Any], info: dict[str, Any]) -> None:
+        t0 = now()
+        name = None
+        if self.rank == 0:
+            name = f"{L.step_dir_name(rec.step)}.tmp-{uuid.uuid4().hex[:10]}"
+            L.make_dir(self.root / name, self.dir_mode)
+        tmp = self.root / self._bcast(name)
+        rank_json = f"rank_{self.rank}.json"
+        L.write_json_durable(tmp / rank_json, rank_state)
+        writer = HDF5StorageWriter(tmp, self.compression, self._index() if self.dedup else None)
+        dcp.save(snap, storage_writer=writer, process_group=self.group)
+        own = {rank_json: L.file_entry(tmp / rank_json)}
+        h5 = tmp / f"rank_{self.rank}.h5"
+        if h5.exists():
+            own[h5.name] = L.file_entry(h5)
+        gathered = self._gather((own, writer.stats))
+        rec.new_bytes = sum(g[1]["new_bytes"] for g in gathered)
+        rec.ref_bytes = sum(g[1]["ref_bytes"] for g in gathered)
+        final = self.root / L.step_dir_name(rec.step)
+        if self.rank == 0:
+            L.write_json_durable(tmp / L.STATE, state)
+            files = {L.STATE: L.file_entry(tmp / L.STATE), METADATA_FILE: L.file_entry(tmp / METADATA_FILE)}
+            for entries, _ in gathered:
+                files.update(entries)
+            meta = {"step": rec.step, "world_size": self.world_size, "new_bytes": rec.new_bytes,
+                    "ref_bytes": rec.ref_bytes, **info}
+            L.commit(tmp, final, files, L.refs_of_metadata(tmp), meta)
+            L.write_latest(self.root, rec.step)
+            prune(self.root, self.retention)
+        self._barrier()
+        if self.dedup:
+            self._dedup_index = L.dedup_index(final)
+        rec.persist_s = now() - t0
+        log.info("checkpoint step %d committed to %s (stall %.3fs, persist %.3fs, %d new bytes)",
+                 rec.step, final, rec.stall_s, rec.persist_s, rec.new_bytes)
+
+    # ---- load ---------------------------------------------------------------------------
+    def candidates(self) -> list[int]:
+        """Committed steps, newest first (rank 0's view, shared with every rank)."""
+        return self._bcast(sorted(L.committed_steps(self.root), reverse=True) if self.rank == 0 else None)
+
+    def load(self, tensors: dict[str, Any], step: int | None = None, fallback: bool = True) -> LoadResult | None:
+        """Load the newest good checkpoint (or ``step``) into ``tensors`` in place.
+
+        A checkpoint that fails verification or reading is logged with the failing file and
+        skipped (``fallback``) or raised (:class:`CheckpointCorruptError`). Returns None when
+        nothing loadable exists and no ``step`` was requested.
+        """
+        self.wait()
+        order = self.candidates()
+        if step is not None:
+            if step not in order:
+                raise FileNotFoundError(f"no checkpoint for step {step} under {self.root} (have {sorted(order)})")
+            order = [step] if not fallback else [s for s in order if s <= step]
+        skipped: list[tuple[int, str]] = []
+        for s in order:
+            d = self.root / L.step_dir_name(s)
+            problem = None
+            if self.rank == 0:
+                try:
+                    L.verify(d, checksums=self.verify_checksums)
+                except L.CheckpointCorruptError as exc:
+                    problem = str(exc)
+            problem = self._bcast(problem)
+            if problem is None:
+                try:
+                    dcp.load(tensors, storage_reader=HDF5StorageReader(d), process_group=self.group)
+                except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure
+                    problem = f"{d}: unreadable: {exc}"
+            if problem is None:
+                rank_file = d / f"rank_{self.rank}.json"
+                rank_state = json.loads(rank_file.read_text()) if rank_file.exists() else None
+                return LoadResult(s, d, L.read_state(d), rank_state, skipped)
+            if self.rank == 0:
+                log.error("checkpoint %s is not usable: %s%s", d, problem,
+                          "; falling back to the previous one" if fallback else "")
+            skipped.append((s, problem))
+            if not fallback:
+                raise L.CheckpointCorruptError(problem)
+        if step is not None:
+            raise L.CheckpointCorruptError(f"no usable checkpoint at or before step {step}: {skipped}")
+        return None

@@ -1,0 +1,92 @@
+"""Snapshot a state dict to host memory, and RNG states to/from JSON.
+
+The snapshot is the only part of an asynchronous save the training loop waits for: every
+tensor is copied into a host buffer (reused between saves, so the second save allocates
+nothing), after which training may modify its tensors freely (CheckFreq's snapshot/persist
+split). DTensor shards stay DTensors so DCP's planner still sees their global placement.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+try:  # DTensor moved between releases; both spellings are public.
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+
+class HostSnapshot:
+    """Copies nested state dicts into reusable host buffers."""
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _host_copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
+            self._buffers[key] = buf
+        buf.copy_(t, non_blocking=self.pin_memory)
+        return buf
+
+    def copy(self, obj: Any, key: str = "") -> Any:
+        """A structurally identical copy of ``obj`` whose tensors live in host buffers."""
+        if isinstance(obj, DTensor):
+            local = self._host_copy(key, obj.to_local())
+            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+                                      shape=obj.shape, stride=obj.stride())
+        if isinstance(obj, torch.Tensor):
+            return self._host_copy(key, obj)
+        if isinstance(obj, dict):
+            return {k: self.copy(v, f"{key}.{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.copy(v, f"{key}.{i}") for i, v in enumerate(obj))
+        return obj
+
+    def snapshot(self, obj: Any) -> Any:
+        """Copy and wait for any device-to-host transfer to land."""
+        out = self.copy(obj)
+        if self.pin_memory:
+            torch.cuda.synchronize()
+        return out
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's python, numpy, torch (and cuda) RNG states as JSON-able data."""
+    version, state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    out: dict[str, Any] = {
+        "python": [version, list(state), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng(d: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng`."""
+    version, state, gauss = d["python"]
+    random.setstate((version, tuple(state), gauss))
+    kind, keys, pos, has_gauss, cached = d["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(d["torch"]))
+    if "cuda" in d and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in d["cuda"]])
