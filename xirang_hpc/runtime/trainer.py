@@ -17,7 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xirang_hpc.config.schema import TrainConfig, XirangConfig
 from xirang_hpc.data.dataset import TokenWindows
-from xirang_hpc.models.gpt import GPT, lm_loss, num_params
+from xirang_hpc.models.gpt import lm_loss, num_params
+from xirang_hpc.runtime.data_parallel import build_optimizer
+from xirang_hpc.runtime.parallel_dims import ParallelDims
+from xirang_hpc.runtime.parallelize import clip_and_reduce, global_mean, make_optimizer, parallelize
 from xirang_hpc.runtime.topology import Topology
 
 # The clock is a tiny function so tests can substitute it.
@@ -33,12 +36,7 @@ def lr_at(step: int, t: TrainConfig) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not norms, biases)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+__all__ = ["Trainer", "TrainerHook", "RunState", "build_optimizer", "lr_at"]
 
 
 def _mean_across(value: float, world: int) -> float:
@@ -92,17 +90,24 @@ class Trainer:
         self.cfg, self.topo, self.run_dir, self.log = cfg, topo, run_dir, log
         self.hooks: list[TrainerHook] = list(hooks or [])
         self.stop_requested = False
-        self.dp_size, self.dp_rank = topo.world_size, topo.rank
         t = cfg.train
+        # One ParallelDims object, passed explicitly; the mesh is built from the real topology.
+        self.dims = ParallelDims.from_config(cfg.parallel, topo.world_size)
+        self.mesh = self.dims.build_mesh(topo, log_fn=log if topo.rank == 0 else None)
         # Same seed on every rank: identical initial weights without a broadcast.
         torch.manual_seed(t.seed)
-        self.model = GPT(cfg.model)
-        self.ddp: nn.Module = DDP(self.model) if topo.world_size > 1 else self.model
-        self.opt = build_optimizer(self.model, t)
+        self.pm = parallelize(cfg, self.dims, self.mesh)
+        self.dp_size, self.dp_rank = self.dims.dp, self.pm.coords["dp"]
+        # ``model``: this rank's (stage of the) GPT, full-model parameter names; ``ddp``: what runs forward.
+        self.model: nn.Module = self.pm.model
+        self.ddp: nn.Module = self.pm.module
+        self.opt = make_optimizer(self.pm, cfg)
         self.train_data = TokenWindows(data_dir, "train", cfg.model.seq_len)
         self.val_data = TokenWindows(data_dir, "val", cfg.model.seq_len)
         self.state = RunState()
-        self.micro = t.global_batch // (self.dp_size * t.grad_accum)
+        # Accumulation steps without a pipeline (under pp, microbatches go to the schedule).
+        self.accum = 1 if self.dims.pp > 1 else t.grad_accum * cfg.parallel.microbatches
+        self.micro = t.global_batch // (self.dp_size * self.accum)
         self.metrics_path = run_dir / "metrics.jsonl"
 
     def _phase(self, phase: str) -> None:
@@ -114,6 +119,19 @@ class Trainer:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def _forward_loss(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> float:
+        """Loss of this rank's batch slice through the pipeline (0.0 on non-last stages)."""
+        losses: list[torch.Tensor] = []
+        sched = self.pm.schedule
+        run = sched.step if train else sched.eval  # type: ignore[union-attr]
+        if self.pm.is_first_stage:
+            run(x, target=y if self.pm.is_last_stage else None, losses=losses)
+        elif self.pm.is_last_stage:
+            run(target=y, losses=losses)
+        else:
+            run()
+        return float(torch.stack([v.detach().float() for v in losses]).mean()) if losses else 0.0
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_batches`` fixed batches, averaged across ranks."""
@@ -122,35 +140,46 @@ class Trainer:
         total = 0.0
         for i in range(t.eval_batches):
             x, y = self.val_data.batch(t.seed, i, t.global_batch, self.dp_rank, self.dp_size)
-            total += lm_loss(self.model(x), y).item()
+            if self.pm.schedule is not None:
+                total += self._forward_loss(x, y, train=False)
+            else:
+                total += lm_loss(self.ddp(x) if self.pm.data_parallel == "fsdp" else self.model(x), y).item()
         self.model.train()
-        return _mean_across(total / t.eval_batches, self.dp_size)
+        return global_mean(self.pm, total / t.eval_batches)
 
     def train_step(self, step: int) -> tuple[float, float]:
-        """One optimizer step over the global batch; returns (mean loss, grad norm)."""
+        """One optimizer step over the global batch; returns (mean loss, global grad norm before clipping)."""
         t = self.cfg.train
         self._phase("data")
         x, y = self.train_data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, t)
         loss_sum = 0.0
-        for k in range(t.grad_accum):
-            xs, ys = x[k * self.micro : (k + 1) * self.micro], y[k * self.micro : (k + 1) * self.micro]
-            last = k == t.grad_accum - 1
-            # Skip DDP's all-reduce on all but the last micro-step of an accumulation.
-            ctx = self.ddp.no_sync() if (not last and isinstance(self.ddp, DDP)) else contextlib.nullcontext()
-            with ctx:
-                self._phase("forward")
-                loss = lm_loss(self.ddp(xs), ys) / t.grad_accum
-                # DDP's all-reduce overlaps with backward; "backward" covers both.
-                self._phase("backward")
-                loss.backward()
-            loss_sum += loss.item()
+        if self.pm.schedule is not None:
+            # The schedule interleaves forward, backward and the stage-to-stage sends.
+            self._phase("forward")
+            loss_sum = self._forward_loss(x, y, train=True)
+        else:
+            fsdp = self.pm.data_parallel == "fsdp"
+            for k in range(self.accum):
+                xs, ys = x[k * self.micro : (k + 1) * self.micro], y[k * self.micro : (k + 1) * self.micro]
+                last = k == self.accum - 1
+                # Skip the gradient all-reduce on all but the last micro-step of an accumulation.
+                ctx = self.ddp.no_sync() if (not last and isinstance(self.ddp, DDP)) else contextlib.nullcontext()
+                if fsdp:
+                    self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+                with ctx:
+                    self._phase("forward")
+                    loss = lm_loss(self.ddp(xs), ys) / self.accum
+                    # DDP's all-reduce overlaps with backward; "backward" covers both.
+                    self._phase("backward")
+                    loss.backward()
+                loss_sum += loss.item()
         self._phase("optimizer")
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        mean_loss, gnorm = clip_and_reduce(self.pm, t.grad_clip, loss_sum)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return _mean_across(loss_sum, self.dp_size), float(gnorm)
+        return mean_loss, gnorm
 
     def fit(self) -> dict[str, object]:
         """Train to ``max_steps``; returns the summary (meaningful on rank 0)."""

@@ -1,0 +1,192 @@
+"""Run many parallel layouts inside one real gloo process group per world size.
+
+Used by tests/test_parallel_matrix.py and benchmarks/bench_parallel.py. Each spawned rank
+joins a real ``torch.distributed`` gloo group, then for every layout builds a fresh Trainer
+(new DeviceMesh, new sub-groups) and trains a few steps; results go back to the parent over a
+multiprocessing queue. The single-process reference runs in the parent without any group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from xirang_hpc.config.schema import (
+    ClusterConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    XirangConfig,
+)
+from xirang_hpc.config.validate import check_runnable, validate
+from xirang_hpc.runtime.topology import Topology
+from xirang_hpc.runtime.trainer import Trainer
+
+# name -> ParallelConfig fields (world size = product of the degrees).
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "dp2": {"dp": 2},
+    "tp2": {"tp": 2},
+    "pp2": {"pp": 2, "microbatches": 2},
+    "dp2xtp2": {"dp": 2, "tp": 2},
+    "dp2xpp2": {"dp": 2, "pp": 2, "microbatches": 2},
+    "tp2xpp2": {"tp": 2, "pp": 2, "microbatches": 2, "schedule": "gpipe"},
+    "fsdp4": {"dp": 4, "data_parallel": "fsdp"},
+    "fsdp2xtp2": {"dp": 2, "tp": 2, "data_parallel": "fsdp"},
+    "hsdp2x2": {"dp": 4, "data_parallel": "fsdp", "dp_replicate": 2},
+    "tp2sp": {"tp": 2, "sequence_parallel": True},
+    "dp2xtp2xpp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2},
+}
+
+
+def world_of(layout: dict[str, Any]) -> int:
+    """Ranks a layout needs."""
+    return layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+
+
+def make_cfg(world: int, parallel: dict[str, Any], steps: int = 10, model: dict[str, Any] | None = None,
+             train: dict[str, Any] | None = None) -> XirangConfig:
+    """A validated config for ``world`` ranks on 2 virtual nodes (1 node for world 1)."""
+    nodes = 2 if world >= 4 else 1
+    m = {"name": "test", "n_layer": 4, "n_head": 4, "d_model": 32, "d_ff": 64, "seq_len": 16, **(model or {})}
+    t = {"max_steps": steps, "global_batch": 8, "lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.05,
+         "eval_batches": 1, "log_every": 1000, **(train or {})}
+    cfg = XirangConfig(
+        model=ModelConfig(**m),
+        cluster=ClusterConfig(name="test", nodes=nodes, tasks_per_node=world // nodes, backend="gloo"),
+        parallel=ParallelConfig(**parallel),
+        train=TrainConfig(**t),
+    )
+    cfg = validate(cfg)
+    check_runnable(cfg)
+    return cfg
+
+
+def topology(rank: int, world: int, port: int) -> Topology:
+    """2 virtual nodes x world/2 ranks, numbered node-major."""
+    nodes = 2 if world >= 4 else 1
+    per = world // nodes
+    return Topology(rank=rank, world_size=world, local_rank=rank % per, local_world_size=per, node_id=rank // per,
+                    num_nodes=nodes, node_name=f"vnode{rank // per}", master_addr="127.0.0.1", master_port=port,
+                    job_id="test", source="local")
+
+
+def full_params(trainer: Trainer) -> dict[str, Any]:
+    """This rank's parameters as full tensors (gathers DTensor shards: a collective)."""
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = t.detach().numpy().copy()  # numpy: crosses the queue without shared memory
+    return out
+
+
+def run_layout(cfg: XirangConfig, topo: Topology, data_dir: Path, steps: int, want_params: bool = True,
+               ) -> dict[str, Any]:
+    """Train ``steps`` steps; returns losses, grad norms, timings and (reporting ranks') params."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        tr = Trainer(cfg, topo, Path(run_dir), data_dir, log=lambda s: None)
+        losses, norms, times = [], [], []
+        for s in range(steps):
+            t0 = time.perf_counter()
+            loss, gnorm = tr.train_step(s)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss)
+            norms.append(gnorm)
+        params = full_params(tr) if want_params else {}
+        keep = tr.pm.coords["dp"] == 0 and tr.pm.coords["tp"] == 0
+        out = {"losses": losses, "norms": norms, "times": times, "params": params if keep else {},
+               "n_local_params": sum(p.numel() for p in tr.model.parameters())}
+        del tr
+        if dist.is_initialized():
+            dist.barrier()
+    return out
+
+
+def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, XirangConfig]], data_dir: str, steps: int,
+            queue: Any, threads: int) -> None:
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        topo = topology(rank, world, port)
+        for name, cfg in jobs:
+            res = run_layout(cfg, topo, Path(data_dir), steps)
+            queue.put((rank, name, res))
+        queue.put((rank, "__done__", None))
+    except Exception:  # report the failure to the parent instead of hanging it
+        queue.put((rank, "__error__", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(world: int, jobs: list[tuple[str, XirangConfig]], data_dir: Path, steps: int = 10,
+              threads: int = 1, timeout_s: float = 600) -> dict[str, list[dict[str, Any]]]:
+    """Spawn ``world`` ranks once and run every job in it; returns name -> per-rank results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, jobs, str(data_dir), steps, queue, threads))
+             for r in range(world)]
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    for p in procs:
+        p.start()
+    results: dict[str, list[dict[str, Any]]] = {name: [{}] * world for name, _ in jobs}
+    done, deadline = 0, time.monotonic() + timeout_s
+    try:
+        while done < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"world {world}: layouts did not finish in {timeout_s}s")
+            if queue.empty():
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"world {world}: a rank died: {[p.exitcode for p in procs]}")
+                time.sleep(0.05)
+                continue
+            rank, name, res = queue.get()
+            if name == "__error__":
+                raise RuntimeError(f"world {world} rank {rank} failed:\n{res}")
+            if name == "__done__":
+                done += 1
+            else:
+                results[name] = [*results[name][:rank], res, *results[name][rank + 1 :]]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def merged_params(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Union of the parameters reported by each stage's (dp 0, tp 0) rank."""
+    out: dict[str, torch.Tensor] = {}
+    for r in per_rank:
+        out.update(r["params"])
+    return out
+
+
+def reference(data_dir: Path, steps: int = 10, **kw: Any) -> dict[str, Any]:
+    """The single-process run (no process group) of the same model, data and seed."""
+    cfg = make_cfg(1, {}, steps, **kw)
+    return run_layout(cfg, topology(0, 1, 0), data_dir, steps)
+
+
+def with_recompute(cfg: XirangConfig, mode: str) -> XirangConfig:
+    """``cfg`` with another recompute mode."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, recompute=mode))

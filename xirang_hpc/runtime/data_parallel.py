@@ -1,0 +1,54 @@
+"""Data parallelism: DDP, or FSDP2 ``fully_shard`` (HSDP on a 2-D replicate x shard mesh).
+
+- ``ddp``: ``DistributedDataParallel`` over the flattened ``dp`` sub-mesh. On a sliced mesh
+  DDP first converts tensor-parallel DTensor parameters to their local shards, so dp x tp works.
+  Optional ZeRO-1 (``ZeroRedundancyOptimizer``) shards the optimizer state over dp.
+- ``fsdp``: FSDP2 per block, then the root. Parameters, gradients and optimizer state are
+  sharded over ``dp_shard`` (ZeRO-3); with ``dp_replicate > 1`` the mesh is 2-D and FSDP2 runs
+  HSDP: shard inside a group, all-reduce between groups. Parameter names do not change
+  (``fully_shard`` swaps the module class in place; it does not wrap).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from xirang_hpc.config.schema import TrainConfig
+from xirang_hpc.runtime.parallel_dims import ParallelDims
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_after_forward: bool = True) -> None:
+    """Shard ``model`` (GPT or stage) with FSDP2 over the dp dimensions of ``mesh``, in place."""
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> DDP:
+    """Wrap ``model`` in DDP over the flattened dp sub-mesh."""
+    return DDP(model, device_mesh=mesh["dp"])
+
+
+def param_groups(model: nn.Module, t: TrainConfig) -> list[dict[str, object]]:
+    """Weight decay on matrices only (not norms, biases)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig, zero_mesh: DeviceMesh | None = None) -> torch.optim.Optimizer:
+    """AdamW; with ``zero_mesh`` its state is sharded over that (dp) mesh by ZeroRedundancyOptimizer."""
+    kw = {"lr": t.lr, "betas": (t.beta1, t.beta2)}
+    groups = param_groups(model, t)
+    if zero_mesh is not None:
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      process_group=zero_mesh.get_group(), weight_decay=t.weight_decay, **kw)
+        opt.add_param_group(groups[1])
+        return opt
+    return torch.optim.AdamW(groups, **kw)

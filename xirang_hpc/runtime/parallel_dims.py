@@ -1,0 +1,149 @@
+"""The one object that says how ranks are split: pipeline x data (replicate x shard) x tensor.
+
+``ParallelDims`` is validated on construction and builds a named ``DeviceMesh`` with the
+dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` (row-major, tp innermost, as in
+torchtitan). Placement is topology-aware: the ranks are first sorted by (node, local rank), so
+consecutive mesh positions are on the same node. With tp innermost and ``tp`` dividing the
+ranks per node, every tp group stays inside a node (the bandwidth-hungry collective on the
+fast links) while dp and pp groups span nodes. This holds even when the launcher numbers
+ranks cyclically across nodes, because the mesh is built from the gathered (node, local rank)
+pairs, not from the global rank numbers.
+
+It is passed explicitly to everything that needs a group; there are no process-group globals.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from xirang_hpc.config.schema import ParallelConfig
+from xirang_hpc.runtime.topology import Topology
+
+log = logging.getLogger(__name__)
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+class LayoutError(ValueError):
+    """The parallel layout does not fit the world or the topology."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each kind of parallelism; their product is the world size."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp_replicate", "dp_shard", "tp", "world_size"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"parallel degree {name}={getattr(self, name)} must be >= 1")
+        if self.pp * self.dp * self.tp != self.world_size:
+            raise LayoutError(
+                f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+                f"= {self.pp * self.dp * self.tp} ranks, but the world has {self.world_size}"
+            )
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
+        """Degrees from a validated :class:`ParallelConfig` (``dp`` already resolved)."""
+        dp = p.dp if p.dp > 0 else world_size // (p.tp * p.pp)
+        if p.data_parallel == "fsdp":
+            rep = max(1, p.dp_replicate)
+            if dp % rep:
+                raise LayoutError(f"parallel.dp_replicate={rep} must divide dp={dp}")
+            return cls(pp=p.pp, dp_replicate=rep, dp_shard=dp // rep, tp=p.tp, world_size=world_size)
+        return cls(pp=p.pp, dp_replicate=dp, dp_shard=1, tp=p.tp, world_size=world_size)
+
+    @property
+    def dp(self) -> int:
+        """Total data-parallel degree (replicas x shards)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Mesh shape in :data:`MESH_DIMS` order."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    def coords(self, position: int) -> dict[str, int]:
+        """Mesh coordinates of the rank at ``position`` in placement order."""
+        out = {}
+        for name, size in reversed(list(zip(MESH_DIMS, self.shape))):
+            out[name] = position % size
+            position //= size
+        out["dp"] = out["dp_replicate"] * self.dp_shard + out["dp_shard"]
+        return out
+
+    def placement(self, nodes: list[tuple[int, int]]) -> list[int]:
+        """Global ranks in mesh order, given ``nodes[rank] = (node_id, local_rank)``.
+
+        Raises :class:`LayoutError` if a tp group would span two nodes.
+        """
+        if len(nodes) != self.world_size:
+            raise LayoutError(f"topology has {len(nodes)} ranks, layout needs {self.world_size}")
+        order = sorted(range(len(nodes)), key=lambda r: nodes[r])
+        for start in range(0, len(order), self.tp):
+            group_nodes = {nodes[r][0] for r in order[start : start + self.tp]}
+            if len(group_nodes) > 1:
+                raise LayoutError(
+                    f"tp={self.tp} group of ranks {order[start : start + self.tp]} would span nodes "
+                    f"{sorted(group_nodes)}; choose tp dividing the ranks per node"
+                )
+        return order
+
+    def table(self, nodes: list[tuple[int, int]]) -> list[dict[str, int]]:
+        """One row per global rank: node, local rank, pp stage, dp rank, tp rank."""
+        order = self.placement(nodes)
+        rows = []
+        for pos, rank in enumerate(order):
+            c = self.coords(pos)
+            rows.append({"rank": rank, "node": nodes[rank][0], "local_rank": nodes[rank][1],
+                         "pp": c["pp"], "dp": c["dp"], "tp": c["tp"]})
+        return sorted(rows, key=lambda r: r["rank"])
+
+    def build_mesh(self, topo: Topology, device_type: str = "cpu",
+                   log_fn: Callable[[str], None] | None = None) -> DeviceMesh | None:
+        """Build the named mesh on every rank (collective); ``None`` for a single process.
+
+        Also creates the flattened ``dp`` dimension (replicate x shard), and logs the
+        rank -> placement table once, on rank 0.
+        """
+        if self.world_size == 1 and not dist.is_initialized():
+            return None
+        gathered: list[tuple[int, int] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, (topo.node_id, topo.local_rank))
+        nodes = [tuple(x) for x in gathered]  # type: ignore[arg-type]
+        order = self.placement(nodes)  # type: ignore[arg-type]
+        mesh_tensor = torch.tensor(order, dtype=torch.int).view(self.shape)
+        mesh = DeviceMesh(device_type, mesh_tensor, mesh_dim_names=MESH_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if dist.get_rank() == 0:
+            (log_fn or log.info)(format_table(self, self.table(nodes)))  # type: ignore[arg-type]
+        return mesh
+
+
+def format_table(dims: ParallelDims, rows: list[dict[str, int]]) -> str:
+    """Human-readable placement table."""
+    head = (f"layout pp={dims.pp} dp={dims.dp} (replicate {dims.dp_replicate} x shard {dims.dp_shard}) "
+            f"tp={dims.tp}\n rank  node  local  pp  dp  tp")
+    lines = [f"{r['rank']:>5} {r['node']:>5} {r['local_rank']:>6} {r['pp']:>3} {r['dp']:>3} {r['tp']:>3}" for r in rows]
+    return "\n".join([head, *lines])
+
+
+def mesh_coords(dims: ParallelDims, mesh: DeviceMesh | None) -> dict[str, int]:
+    """This rank's coordinates (all zeros for a single process)."""
+    if mesh is None:
+        return {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0, "dp": 0}
+    c = {name: mesh.get_local_rank(name) for name in MESH_DIMS}
+    c["dp"] = c["dp_replicate"] * dims.dp_shard + c["dp_shard"]
+    return c

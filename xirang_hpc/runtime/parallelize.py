@@ -1,0 +1,164 @@
+"""Compose the layout for one rank: pipeline split -> tensor parallel -> recompute -> data parallel.
+
+The order matters: a stage first drops the blocks it does not own; tensor parallelism shards the
+remaining blocks; recomputation wraps each block's forward; data parallelism (DDP or FSDP2) goes
+last and sees the final (possibly DTensor) parameters. ``model`` always keeps the full-model
+parameter names (``layers.3.attn.q.weight``), whatever the layout.
+
+Also here: the global operations that must be right across dp, tp and pp together (gradient
+norm for clipping, loss averaging), done with one all-reduce of two numbers per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.models.gpt import GPT
+from xirang_hpc.runtime import pipeline
+from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer
+from xirang_hpc.runtime.parallel_dims import ParallelDims, mesh_coords
+from xirang_hpc.runtime.recompute import apply_recompute
+from xirang_hpc.runtime.tensor_parallel import apply_tensor_parallel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelModel:
+    """One rank's share of the model and how to run it."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    model: nn.Module  # the GPT (or this stage of it), full-model parameter names
+    module: nn.Module  # what forward is called on (DDP wrapper or ``model``)
+    data_parallel: str  # none | ddp | fsdp
+    coords: dict[str, int] = field(default_factory=dict)
+    stage_layers: range = range(0)
+    schedule: object | None = None
+    n_microbatches: int = 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Holds the embedding (consumes token ids)."""
+        return self.coords.get("pp", 0) == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Holds the head (produces the loss)."""
+        return self.coords.get("pp", 0) == self.dims.pp - 1
+
+    @property
+    def reports_loss(self) -> bool:
+        """One rank per dp replica contributes the loss: last stage, tp rank 0."""
+        return self.is_last_stage and self.coords.get("tp", 0) == 0
+
+
+def device_for(mesh: DeviceMesh | None) -> torch.device:
+    """CUDA device of this rank under nccl, else CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None) -> ParallelModel:
+    """Build this rank's model for ``dims`` on ``mesh`` (call with the same seed on every rank)."""
+    p, t = cfg.parallel, cfg.train
+    coords = mesh_coords(dims, mesh)
+    device = device_for(mesh)
+    model = GPT(cfg.model)  # full model on every rank: identical init without a broadcast
+    ranges = pipeline.stage_ranges(cfg.model, dims.pp)
+    if dims.pp > 1:
+        pipeline.carve_stage(model, coords["pp"], ranges)
+    model.to(device)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
+    apply_recompute(model, p.recompute)
+    kind = "none"
+    module: nn.Module = model
+    if dims.dp > 1:
+        # DDP cannot hold tensor-parallel DTensors without swapping parameters (which breaks
+        # their names); FSDP2 with a shard degree of 1 is exactly replication, DTensor-aware.
+        if p.data_parallel == "fsdp" or dims.tp > 1:
+            apply_fsdp(model, mesh, dims)
+            kind = "fsdp"
+        else:
+            module = apply_ddp(model, mesh)
+            kind = "ddp"
+    pm = ParallelModel(dims=dims, mesh=mesh, model=model, module=module, data_parallel=kind, coords=coords,
+                       stage_layers=ranges[coords["pp"]])
+    if dims.pp > 1:
+        pm.n_microbatches = p.microbatches * t.grad_accum
+        _, pm.schedule = pipeline.build_schedule(module, coords["pp"], dims.pp, mesh["pp"], pm.n_microbatches,
+                                                 p.schedule, device)
+    return pm
+
+
+def make_optimizer(pm: ParallelModel, cfg: XirangConfig) -> torch.optim.Optimizer:
+    """AdamW over this rank's parameters; ZeRO-1 over dp when asked (DDP only)."""
+    zero = cfg.parallel.optimizer_sharding and pm.data_parallel == "ddp"
+    return build_optimizer(pm.model, cfg.train, pm.mesh["dp"] if zero else None)
+
+
+def _grad_sq_weighted(params: Iterable[nn.Parameter], replicas: int) -> torch.Tensor:
+    """Sum of squared gradient entries held here, each divided by how many ranks hold a copy.
+
+    A gradient chunk is held by ``dp*tp / shards`` ranks of a pipeline stage, where ``shards``
+    is the product of the mesh sizes its DTensor is sharded over (1 for a plain tensor).
+    Summing the weighted values over the whole world counts every entry exactly once.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for prm in params:
+        g = prm.grad
+        if g is None:
+            continue
+        shards = 1
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                # e.g. sequence-parallel norm weights: pending sums must be reduced before squaring.
+                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+            for i, pl in enumerate(g.placements):
+                if pl.is_shard():
+                    shards *= g.device_mesh.size(i)
+            g = g.to_local()
+        total += g.detach().double().pow(2).sum().cpu() * (shards / replicas)
+    return total
+
+
+def clip_and_reduce(pm: ParallelModel, max_norm: float, local_loss: float) -> tuple[float, float]:
+    """Global gradient norm (clipping every grad to ``max_norm``) and the global mean loss.
+
+    ``local_loss`` is this rank's mean loss over its share of the batch (ignored unless
+    :attr:`ParallelModel.reports_loss`). One all-reduce over the world carries both numbers.
+    """
+    buf = torch.zeros(2, dtype=torch.float64)
+    buf[0] = _grad_sq_weighted(pm.model.parameters(), pm.dims.dp * pm.dims.tp)
+    buf[1] = local_loss if pm.reports_loss else 0.0
+    if dist.is_initialized() and pm.dims.world_size > 1:
+        dist.all_reduce(buf)
+    norm = math.sqrt(float(buf[0]))
+    # Same arithmetic as torch.nn.utils.clip_grad_norm_ (fp32 coefficient, eps 1e-6, clamp 1).
+    coef = torch.clamp(torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6),
+                       max=1.0)
+    if max_norm > 0 and coef < 1.0:
+        for prm in pm.model.parameters():
+            if prm.grad is not None:
+                prm.grad.mul_(float(coef))
+    return float(buf[1]) / pm.dims.dp, norm
+
+
+def global_mean(pm: ParallelModel, local_value: float) -> float:
+    """Mean over dp replicas of a value known on the loss-reporting ranks."""
+    buf = torch.tensor([local_value if pm.reports_loss else 0.0], dtype=torch.float64)
+    if dist.is_initialized() and pm.dims.world_size > 1:
+        dist.all_reduce(buf)
+    return float(buf[0]) / pm.dims.dp
