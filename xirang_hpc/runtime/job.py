@@ -39,6 +39,10 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
     Each feature adds its hook here (one line each) so the loop itself stays small.
     """
     hooks: list[TrainerHook] = []
+    if cfg.monitor.enabled:
+        from xirang_hpc.monitor.hook import MonitorHook  # heartbeats + node watchdog (issue 8)
+
+        hooks.append(MonitorHook(cfg, topo, run_dir))
     return hooks
 
 

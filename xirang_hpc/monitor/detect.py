@@ -1,0 +1,165 @@
+"""Fault localization over one snapshot of heartbeats: pure logic, no I/O, no clock.
+
+:func:`assess` turns the heartbeats of every rank, plus what the local process table says
+about the ranks on this host, into findings:
+
+- ``dead``: a rank's process is gone before it finished. When several are gone (a killed rank
+  makes its peers' collectives fail), the *primary* one is the rank that left no exit record
+  (killed by a signal, OOM, segfault); if all left one, the earliest to exit. The others get an
+  ``exit`` finding (not a fault of their node).
+- ``unresponsive``: a rank on another host whose heartbeat thread went silent for ``stale_s``.
+- ``hang``: some rank has not entered a new phase for ``hang_s``. In a synchronous job every rank
+  stalls, so the culprit is chosen as (1) a rank whose process is stopped or whose heartbeat
+  thread is silent (frozen process, lost node), else (2) the rank behind the others (lower step,
+  or a phase the majority is not in: stuck before the collective), else (3) the rank that
+  stalled first (a collective/network hang where no rank stands out).
+- ``straggler``: a rank whose local work per step (data + forward, before the first collective)
+  exceeds ``k`` x the median over ranks, and by at least ``min_s``. Report only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+# Process states from the local process table (None: the rank is on another host).
+ALIVE, STOPPED, GONE = "alive", "stopped", "gone"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The watchdog's knobs (from ``MonitorConfig``)."""
+
+    hang_s: float = 300.0
+    stale_s: float = 10.0
+    straggler_k: float = 2.0
+    straggler_min_s: float = 0.05
+    straggler_window: int = 5
+
+
+@dataclass
+class Finding:
+    """One detection, ready to become an event."""
+
+    kind: str
+    rank: int
+    node: str
+    phase: str
+    step: int
+    cause: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reason(self) -> str:
+        """One line for humans."""
+        return f"rank {self.rank} on {self.node} ({self.phase}, step {self.step}): {self.kind}: {self.cause}"
+
+
+@dataclass
+class WatchState:
+    """What has been reported already, so each fault yields one event."""
+
+    dead_primary: int | None = None
+    gone: set[int] = field(default_factory=set)
+    unresponsive: set[int] = field(default_factory=set)
+    hang: bool = False
+    straggling: set[int] = field(default_factory=set)
+
+
+def _finding(kind: str, hb: dict[str, Any], cause: str, **extra: Any) -> Finding:
+    return Finding(kind, int(hb["rank"]), str(hb.get("node", "?")), str(hb.get("phase", "?")),
+                   int(hb.get("step", 0)), cause, dict(extra))
+
+
+def _dead(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], st: WatchState) -> list[Finding]:
+    new = [r for r, hb in beats.items() if probes.get(r) == GONE and not hb.get("done") and r not in st.gone]
+    if not new:
+        return []
+    st.gone.update(new)
+    out = []
+    if st.dead_primary is None:
+        silent = [r for r in new if not beats[r].get("exited")]
+        primary = min(silent) if silent else min(new, key=lambda r: beats[r].get("exit_time", 0.0))
+        st.dead_primary = primary
+        cause = ("process gone without an exit record: killed by a signal (kill -9, OOM killer) or crashed in "
+                 "native code" if not beats[primary].get("exited") else
+                 "process exited with an error before finishing (see its log)")
+        out.append(_finding("dead", beats[primary], cause, pid=beats[primary].get("pid")))
+    for r in sorted(new):
+        if r != st.dead_primary:
+            out.append(_finding("exit", beats[r], f"exited after rank {st.dead_primary} died (its collectives failed)",
+                                pid=beats[r].get("pid")))
+    return out
+
+
+def _culprits(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], now: float,
+              th: Thresholds) -> list[tuple[int, str]]:
+    frozen = [(r, "process is stopped (SIGSTOP, a debugger or a freezer cgroup); its heartbeat thread stopped "
+               f"{now - hb['beat']:.0f}s ago") for r, hb in beats.items() if probes.get(r) == STOPPED]
+    if frozen:
+        return frozen
+    silent = [(r, f"heartbeat thread silent for {now - hb['beat']:.0f}s: process frozen, node lost or "
+               "filesystem stalled") for r, hb in beats.items() if now - hb["beat"] > th.stale_s]
+    if silent:
+        return silent
+    steps = {r: int(hb.get("step", 0)) for r, hb in beats.items()}
+    lo, hi = min(steps.values()), max(steps.values())
+    if lo < hi:
+        return [(r, f"at step {lo} while others reached step {hi}: stuck in local work before the collective")
+                for r, s in steps.items() if s == lo]
+    phases = Counter(str(hb.get("phase")) for hb in beats.values())
+    if len(phases) > 1:
+        common = phases.most_common(1)[0][0]
+        return [(r, f"in phase '{hb.get('phase')}' while {phases[common]} rank(s) wait in '{common}': stuck "
+                 "before entering the collective (data loading, compute, I/O)")
+                for r, hb in beats.items() if hb.get("phase") != common]
+    first = min(beats, key=lambda r: beats[r]["progress"])
+    return [(first, f"every rank stalled in '{beats[first].get('phase')}': a collective or network hang; "
+             f"rank {first} stalled first")]
+
+
+def _stragglers(beats: dict[int, dict[str, Any]], th: Thresholds, st: WatchState) -> list[Finding]:
+    timed = {r: hb["local_s"] for r, hb in beats.items()
+             if hb.get("timed_steps", 0) >= th.straggler_window and not hb.get("done")}
+    if len(timed) < 2:
+        return []
+    med = statistics.median(timed.values())
+    out = []
+    for r, t in timed.items():
+        slow = t > th.straggler_k * med and t - med > th.straggler_min_s
+        if slow and r not in st.straggling:
+            st.straggling.add(r)
+            hb = beats[r]
+            out.append(_finding(
+                "straggler", hb,
+                f"local work (data + forward) takes {t:.3f}s per step vs a median of {med:.3f}s over ranks "
+                f"({t / max(med, 1e-9):.1f}x > k={th.straggler_k:g}): slow device, throttling, a noisy "
+                "neighbour or slow data loading", local_s=t, median_local_s=med, step_s=hb.get("step_s")))
+        elif not slow:
+            st.straggling.discard(r)
+    return out
+
+
+def assess(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], now: float, th: Thresholds,
+           st: WatchState) -> list[Finding]:
+    """New findings for this snapshot; ``st`` remembers what was reported."""
+    out = _dead(beats, probes, st)
+    if st.dead_primary is not None or st.hang:
+        return out
+    live = {r: hb for r, hb in beats.items() if not hb.get("done") and probes.get(r) != GONE}
+    for r, hb in live.items():
+        if probes.get(r) is None and now - hb["beat"] > th.stale_s and r not in st.unresponsive:
+            st.unresponsive.add(r)
+            out.append(_finding("unresponsive", hb, f"heartbeat silent for {now - hb['beat']:.0f}s on another host: "
+                                "process frozen, node lost or filesystem stalled"))
+    stalled = sorted(r for r, hb in live.items() if now - hb["progress"] > th.hang_s)
+    if stalled:
+        st.hang = True
+        states = {str(r): f"step {hb.get('step')} {hb.get('phase')}" for r, hb in live.items()}
+        for r, cause in _culprits(live, probes, now, th):
+            out.append(_finding("hang", live[r], cause, stalled_ranks=stalled, states=states,
+                                stalled_s=round(now - live[r]["progress"], 1)))
+        return out
+    return out + _stragglers(live, th, st)

@@ -1,0 +1,57 @@
+"""``run_dir/events.jsonl``: one JSON object per line, shared with the requeue policy.
+
+Every event has at least ``time`` (Unix seconds), ``kind`` and ``reason``. The monitor writes
+``dead``, ``hang``, ``unresponsive`` and ``straggler`` events with ``rank``, ``node``, ``phase``,
+``step`` and ``cause``; the Slurm requeue helper appends its own kinds to the same file and
+reads the failed nodes back (:func:`failed_nodes`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+# Kinds whose ``node`` should be excluded when the job is requeued.
+FAULT_KINDS = ("dead", "hang")
+
+
+def append_event(run_dir: Path | str, kind: str, reason: str, **fields: Any) -> dict[str, Any]:
+    """Append one event; a single ``write`` on an ``O_APPEND`` descriptor, so writers do not interleave."""
+    row: dict[str, Any] = {"time": time.time(), "kind": kind, "reason": reason, **fields}
+    line = (json.dumps(row, sort_keys=False, default=str) + "\n").encode()
+    fd = os.open(Path(run_dir) / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+    return row
+
+
+def read_events(run_dir: Path | str) -> list[dict[str, Any]]:
+    """All events, oldest first; a torn or foreign line is skipped, not fatal."""
+    path = Path(run_dir) / EVENTS_FILE
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            out.append(row)
+    return out
+
+
+def failed_nodes(run_dir: Path | str, since: float = 0.0) -> list[str]:
+    """Nodes named by fault events (dead rank, hang culprit) at or after ``since``, in first-seen order."""
+    nodes: list[str] = []
+    for ev in read_events(run_dir):
+        if ev.get("kind") in FAULT_KINDS and ev.get("time", 0) >= since and ev.get("node"):
+            if ev["node"] not in nodes:
+                nodes.append(ev["node"])
+    return nodes

@@ -1,0 +1,47 @@
+"""Model FLOPs per token and MFU.
+
+Training FLOPs per token without recomputation (Narayanan et al., SC21, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", eq. for F with factor 72 instead of
+96): 72*l*h^2*(1 + s/(6h)) + 6*h*V, i.e. 6 x (weight-matrix multiply-adds per token) plus the
+attention score/value products 12*l*h*s. Written here for general MLP widths: each weight matrix
+of size m x n costs 6*m*n FLOPs per token (forward 2, backward 4). MFU counts model FLOPs only
+(recomputation is not credited), following PaLM's definition.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Dense bf16 peak TFLOP/s per device, from the vendors' datasheets (no sparsity).
+PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0,
+               "V100": 125.0, "MI250X": 383.0, "MI300X": 1307.0, "B200": 2250.0}
+
+
+def flops_per_token(n_layer: int, d_model: int, seq_len: int, vocab_size: int, ffn_dim: int,
+                    mlp: str = "gelu") -> float:
+    """Training FLOPs per token (forward + backward, no recomputation)."""
+    h, l_ = d_model, n_layer
+    mlp_mats = 3 if mlp == "swiglu" else 2
+    per_layer = 4 * h * h + mlp_mats * h * ffn_dim  # QKV + output projection, MLP matrices
+    return 6.0 * (l_ * per_layer + h * vocab_size) + 12.0 * l_ * h * seq_len
+
+
+def flops_per_token_for(model: Any) -> float:
+    """:func:`flops_per_token` for a ``ModelConfig``."""
+    return flops_per_token(model.n_layer, model.d_model, model.seq_len, model.vocab_size, model.ffn_dim, model.mlp)
+
+
+def peak_for_device(name: str) -> float:
+    """Peak TFLOP/s for a GPU name as NVML reports it (``NVIDIA H100 80GB HBM3``), 0 if unknown."""
+    up = name.upper()
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key in up:
+            return PEAK_TFLOPS[key]
+    return 0.0
+
+
+def mfu(tokens_per_s: float, fpt: float, devices: int, peak_tflops: float) -> float | None:
+    """Model FLOPs utilisation in [0, 1], or None when the peak is unknown."""
+    if peak_tflops <= 0 or devices <= 0:
+        return None
+    return tokens_per_s * fpt / (devices * peak_tflops * 1e12)

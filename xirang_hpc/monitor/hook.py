@@ -1,0 +1,134 @@
+"""The monitor's trainer hook: heartbeats, stack-dump registration, the node's watchdog.
+
+Runs on every rank. At fit start the ranks agree on a session id (a broadcast from rank 0), so
+the watchdog ignores heartbeat files left by an earlier attempt; rank 0 records the session
+(job id, requeue count, FLOPs per token) for ``xirang-status``; each node's local rank 0 starts
+the node's watchdog process (:mod:`xirang_hpc.monitor.watchdog`).
+
+Stack dumps: ``faulthandler.register(monitor.stack_signal)`` (SIGQUIT by default; SIGUSR2 and
+SIGTERM belong to the requeue path) appends every thread's Python stack to
+``run_dir/stacks/rank-N.txt``; faulthandler writes from its C signal handler, so it works while
+the main thread is blocked inside a collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import os
+import random
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from xirang_hpc.config.schema import MonitorConfig, XirangConfig
+from xirang_hpc.monitor.flops import flops_per_token_for
+from xirang_hpc.monitor.heartbeat import SESSION_FILE, SESSIONS_LOG, Heartbeat, heartbeat_dir, write_json_atomic
+from xirang_hpc.monitor.watchdog import spawn
+from xirang_hpc.runtime.topology import Topology
+from xirang_hpc.runtime.trainer import TrainerHook
+
+if TYPE_CHECKING:
+    from xirang_hpc.runtime.trainer import Trainer
+
+
+def _session_id(topo: Topology) -> str:
+    """A random id chosen by rank 0 and broadcast to every rank."""
+    token = torch.tensor([random.SystemRandom().getrandbits(62) if topo.rank == 0 else 0], dtype=torch.int64)
+    if topo.world_size > 1 and dist.is_initialized():
+        dist.broadcast(token, src=0)
+    return f"{int(token.item()):x}"
+
+
+class MonitorHook(TrainerHook):
+    """Publish this rank's heartbeat; start the node watchdog; dump stacks on demand."""
+
+    def __init__(self, cfg: XirangConfig, topo: Topology, run_dir: Path) -> None:
+        self.cfg, self.m, self.topo, self.run_dir = cfg, cfg.monitor, topo, run_dir
+        self.hb: Heartbeat | None = None
+        self._stack_file: IO[str] | None = None
+
+    def _register_stacks(self, session: str) -> None:
+        d = self.run_dir / "stacks"
+        d.mkdir(mode=0o700, exist_ok=True)
+        f = (d / f"rank-{self.topo.rank}.txt").open("a")
+        f.write(f"=== rank {self.topo.rank} on {self.topo.node_name} pid {os.getpid()} session {session} "
+                f"registered {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
+        f.flush()
+        faulthandler.register(getattr(signal, self.m.stack_signal), file=f, all_threads=True, chain=False)
+        self._stack_file = f
+
+    def _record_session(self, trainer: Trainer, session: str) -> None:
+        c, t = self.cfg, self.topo
+        row: dict[str, Any] = {
+            "session": session, "job_id": t.job_id, "source": t.source, "started": time.time(),
+            "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            "world_size": t.world_size, "num_nodes": t.num_nodes, "start_step": trainer.state.step,
+            "max_steps": c.train.max_steps, "global_batch": c.train.global_batch, "seq_len": c.model.seq_len,
+            "model": c.model.name, "flops_per_token": flops_per_token_for(c.model),
+            "devices": t.world_size if c.cluster.gpus_per_node else 0, "peak_tflops": self.m.peak_tflops,
+            "train_name": c.train.name, "host": socket.gethostname(), "pid": os.getpid(),
+        }
+        hdir = heartbeat_dir(self.run_dir)
+        write_json_atomic(hdir / SESSION_FILE, row)
+        with (hdir / SESSIONS_LOG).open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Agree on the session, register the stack dump, start heartbeating and the watchdog."""
+        t = self.topo
+        session = _session_id(t)
+        hdir = heartbeat_dir(self.run_dir)
+        if t.rank == 0:
+            self._record_session(trainer, session)
+        self._register_stacks(session)
+        ident = {"rank": t.rank, "world_size": t.world_size, "local_rank": t.local_rank, "node": t.node_name,
+                 "node_id": t.node_id, "pid": os.getpid(), "host": socket.gethostname(), "session": session,
+                 "job_id": t.job_id, "started": time.time()}
+        if t.local_rank == 0:
+            ident["watchdog_pid"] = spawn(self.run_dir, session, t.node_name, t.node_id == 0, _watchdog_cfg(self.m))
+        self.hb = Heartbeat(hdir / f"rank-{t.rank}.json", ident, self.m.heartbeat_s, self.m.straggler_window)
+        self.hb.step = trainer.state.step
+        self.hb.start()
+        atexit.register(self._on_exit)
+
+    def on_phase(self, trainer: Trainer, phase: str) -> None:
+        """Record the phase; the test-only slow rank sleeps in its data phase."""
+        if self.hb is None:
+            return
+        self.hb.mark_phase(phase)
+        if phase == "data" and self.topo.rank == self.m.debug_slow_rank and self.m.debug_slow_s > 0:
+            time.sleep(self.m.debug_slow_s)
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Count the step."""
+        if self.hb is not None:
+            self.hb.mark_step(trainer.state.step)
+
+    def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
+        """Mark this rank done so its exit is not a fault."""
+        if self.hb is not None:
+            self.hb.phase, self.hb.done = "done", True
+            self.hb.stop()
+
+    def _on_exit(self) -> None:
+        # Runs at interpreter exit, also after an unhandled exception; a SIGKILL leaves no record.
+        if self.hb is not None:
+            self.hb.exited = True
+            self.hb.ident["exit_time"] = time.time()
+            try:
+                self.hb.stop()
+            except OSError:
+                pass
+
+
+def _watchdog_cfg(m: MonitorConfig) -> dict[str, Any]:
+    keys = ("hang_s", "stale_s", "straggler_k", "straggler_min_s", "straggler_window", "abort_on_hang",
+            "abort_on_dead", "stack_signal")
+    return {k: getattr(m, k) for k in keys}

@@ -1,0 +1,177 @@
+"""The watchdog: a small process per node, independent of the ranks' main threads.
+
+Started by each node's local rank 0 (``python -m xirang_hpc.monitor.watchdog``), so it keeps
+working while every rank is blocked in a collective, stopped, or killed. The watchdog of the
+first node (the *leader*) reads every heartbeat, runs :func:`xirang_hpc.monitor.detect.assess`
+and appends events to ``run_dir/events.jsonl``. On a hang or a dead rank it writes
+``heartbeats/ABORT.json``; then every node's watchdog makes its local ranks dump their Python
+stacks (the ``monitor.stack_signal``, registered with faulthandler, into ``run_dir/stacks/``) and
+kills them, so the job ends and the requeue policy can exclude the failed node.
+
+A watchdog exits when its node's ranks are gone. Limit: a rank frozen on *another* host cannot
+be signalled from here; its node's own watchdog does that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess
+from xirang_hpc.monitor.events import append_event
+from xirang_hpc.monitor.heartbeat import ABORT_FILE, HEARTBEAT_DIR, read_heartbeats, read_json, write_json_atomic
+
+ABORT_KINDS = {"hang": "abort_on_hang", "dead": "abort_on_dead"}
+
+
+def probe(hb: dict[str, Any], host: str) -> str | None:
+    """State of the rank's process if it runs on this host: alive | stopped | gone; None elsewhere."""
+    if hb.get("host") != host:
+        return None
+    try:
+        p = psutil.Process(int(hb["pid"]))
+        # A recycled pid belongs to a process started after the rank's heartbeat began.
+        if p.create_time() > float(hb.get("started", 0)) + 1.0:
+            return GONE
+        status = p.status()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
+        return GONE
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return GONE
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return STOPPED
+    return ALIVE
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, grace_s: float = 1.0,
+                  send: Callable[[int, int], None] = _signal) -> list[int]:
+    """Make each live local rank dump its stacks, resume stopped ones so they can, then SIGKILL all.
+
+    Returns the ranks that were signalled.
+    """
+    hit = []
+    for hb in ranks:
+        state = probe(hb, host)
+        if state in (ALIVE, STOPPED):
+            send(int(hb["pid"]), stack_sig)
+            if state == STOPPED:
+                send(int(hb["pid"]), signal.SIGCONT)  # the pending dump signal runs on resume
+            hit.append(int(hb["rank"]))
+    if hit:
+        time.sleep(grace_s)
+    for hb in ranks:
+        if int(hb["rank"]) in hit:
+            send(int(hb["pid"]), signal.SIGKILL)
+    return hit
+
+
+class Watchdog:
+    """One node's watchdog loop (see the module docstring)."""
+
+    def __init__(self, run_dir: Path, session: str, node: str, leader: bool, cfg: dict[str, Any],
+                 poll_s: float = 0.5) -> None:
+        self.run_dir, self.session, self.node, self.leader, self.cfg = run_dir, session, node, leader, cfg
+        self.poll_s = poll_s
+        self.host = socket.gethostname()
+        self.th = Thresholds(hang_s=cfg["hang_s"], stale_s=cfg["stale_s"], straggler_k=cfg["straggler_k"],
+                             straggler_min_s=cfg["straggler_min_s"], straggler_window=cfg["straggler_window"])
+        self.state = WatchState()
+        self.stack_sig = int(getattr(signal, cfg.get("stack_signal", "SIGQUIT")))
+        self.abort_path = run_dir / HEARTBEAT_DIR / ABORT_FILE
+        self.aborted = False
+
+    def _log(self, msg: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} watchdog[{self.node}]: {msg}", flush=True)
+
+    def check(self, now: float) -> dict[int, dict[str, Any]]:
+        """One round: detect (leader), then enforce an abort (every node). Returns the heartbeats seen."""
+        beats = read_heartbeats(self.run_dir, self.session)
+        probes = {r: probe(hb, self.host) for r, hb in beats.items()}
+        abort = read_json(self.abort_path)
+        if abort is not None and abort.get("session") != self.session:
+            abort = None  # left by an earlier attempt
+        # Once an abort is under way the deaths are ours: stop assessing.
+        if self.leader and abort is None:
+            for f in assess(beats, probes, now, self.th, self.state):
+                ev = append_event(self.run_dir, f.kind, f.reason, rank=f.rank, node=f.node, phase=f.phase,
+                                  step=f.step, cause=f.cause, session=self.session, **f.extra)
+                self._log(ev["reason"])
+                flag = ABORT_KINDS.get(f.kind)
+                if flag and self.cfg.get(flag, True) and abort is None:
+                    write_json_atomic(self.abort_path, {"session": self.session, "time": now, "kind": f.kind,
+                                                        "rank": f.rank, "node": f.node, "reason": f.reason})
+                    abort = read_json(self.abort_path)
+        if abort is not None and not self.aborted:
+            self.aborted = True
+            mine = [hb for hb in beats.values() if hb.get("node") == self.node]
+            hit = dump_and_kill(mine, self.stack_sig, self.host)
+            self._log(f"abort ({abort.get('kind')}: rank {abort.get('rank')}): dumped stacks of and killed ranks {hit}")
+            if self.leader:
+                append_event(self.run_dir, "abort", f"job aborted after {abort.get('kind')} of rank "
+                             f"{abort.get('rank')} on {abort.get('node')}", node=abort.get("node"),
+                             rank=abort.get("rank"), stacks=str(self.run_dir / "stacks"), session=self.session)
+        return beats
+
+    def run(self, first_beat_timeout_s: float = 300.0) -> None:
+        """Loop until this node's ranks have all exited."""
+        t0, seen = time.time(), False
+        while True:
+            beats = self.check(time.time())
+            mine = [hb for hb in beats.values() if hb.get("node") == self.node and hb.get("host") == self.host]
+            if mine:
+                seen = True
+                if all(probe(hb, self.host) == GONE for hb in mine):
+                    self.check(time.time())  # last look: a death seen by this round is reported
+                    return
+            elif time.time() - t0 > first_beat_timeout_s:
+                return
+            elif seen:
+                return
+            time.sleep(self.poll_s)
+
+
+def spawn(run_dir: Path, session: str, node: str, leader: bool, cfg: dict[str, Any]) -> int:
+    """Start this node's watchdog as a detached process; returns its pid."""
+    import subprocess
+
+    log = (run_dir / HEARTBEAT_DIR / f"watchdog-{node}.log").open("a")
+    cmd = [sys.executable, "-m", "xirang_hpc.monitor.watchdog", str(run_dir), "--session", session, "--node", node,
+           "--config", json.dumps(cfg)] + (["--leader"] if leader else [])
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    log.close()
+    return proc.pid
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m xirang_hpc.monitor.watchdog RUN_DIR --session S --node N [--leader] --config JSON``."""
+    ap = argparse.ArgumentParser(prog="xirang-watchdog")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--session", required=True)
+    ap.add_argument("--node", required=True)
+    ap.add_argument("--leader", action="store_true")
+    ap.add_argument("--config", required=True, help="MonitorConfig fields as JSON")
+    ap.add_argument("--poll", type=float, default=0.5)
+    a = ap.parse_args(argv)
+    Watchdog(a.run_dir, a.session, a.node, a.leader, json.loads(a.config), a.poll).run()
+
+
+if __name__ == "__main__":
+    main()
