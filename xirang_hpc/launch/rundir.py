@@ -19,7 +19,8 @@ from xirang_hpc.config.schema import XirangConfig
 
 # Train fields that change how a run is executed or reported, not what it computes.
 _TRAIN_NON_SEMANTIC = {"name", "grad_accum", "eval_every", "eval_batches", "log_every", "runs_root",
-                       "run_dir", "wait", "resume_from"}
+                       "run_dir", "wait", "resume_from",
+                       "priority"}
 _DATA_NON_SEMANTIC = {"out_dir", "shard_tokens"}
 
 

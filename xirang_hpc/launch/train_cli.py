@@ -77,12 +77,16 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     """Submit the training job for a validated config; follow it when ``train.wait``."""
     run_dir = make_private_dir(run_dir_for(cfg), cfg.checkpoint.dir_mode)
     data_dir = _ensure_data(cfg)
+    if cfg.cluster.executor == "slurm":  # submit and return (issue 6); train.wait=true blocks
+        from xirang_hpc.launch.slurm import launch_slurm
+
+        return launch_slurm(cfg, run_dir, data_dir, run_training)
     executor = make_executor(cfg.cluster, run_dir / "submitit")
     executor.update_parameters(name=f"xirang-{cfg.train.name}")
     job = executor.submit(run_training, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
     print(f"submitted job {job.job_id} ({cfg.cluster.name}: {cfg.cluster.nodes} node(s) x "
           f"{cfg.cluster.tasks_per_node} ranks) | run dir {run_dir}", flush=True)
-    if not cfg.train.wait:
+    if cfg.train.wait is False:
         print(f"follow it with: tail -f {job.paths.stdout}", flush=True)
         return None
     try:
@@ -114,5 +118,7 @@ def _app(dcfg: DictConfig) -> None:
 def main() -> None:
     """Console entry point."""
     logging.basicConfig(level=logging.WARNING)
+    if "--wait" in sys.argv:  # block until a Slurm job ends (same as train.wait=true)
+        sys.argv = [a for a in sys.argv if a != "--wait"] + ["train.wait=true"]
     register_configs()
     _app()

@@ -1,0 +1,189 @@
+"""Submission to Slurm: the cluster config becomes sbatch parameters, a submitit executor, a job.
+
+- :func:`sbatch_parameters` is the single mapping from :class:`ClusterConfig` (+ scheduling class)
+  to sbatch flags; the executor and ``xirang-sbatch`` both use it, so they cannot drift.
+- Every job's batch script ends with a supervisor step (:mod:`xirang_hpc.launch.supervise`) that
+  applies the requeue policy when the training step itself fails (a crashed rank, a dead node),
+  which no in-job signal handler can do.
+- :func:`submit` returns at once (fire-and-forget) unless ``train.wait``; :func:`wait_for` polls
+  ``scontrol`` until the job has ended for good (requeues included).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import ClusterConfig, XirangConfig
+from xirang_hpc.monitor.events import append_event, read_events
+from xirang_hpc.runtime import slurmctl
+
+JOB_FILE = "slurm_job.json"
+RUN_DIR_MAP = "xirang_run_dirs.json"
+TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                   "DEADLINE"}
+
+
+def scheduling_class(c: ClusterConfig, priority: str) -> tuple[str | None, str | None]:
+    """(partition, qos) for ``train.priority``: exploratory -> the scavenger ones of the preset."""
+    if priority == "exploratory":
+        if not (c.scavenger_partition or c.scavenger_qos):
+            raise ConfigError("train.priority", priority,
+                              f"cluster {c.name!r} names no scavenger partition/QoS; set "
+                              "cluster.scavenger_partition or cluster.scavenger_qos, or use train.priority=normal")
+        return c.scavenger_partition or c.partition, c.scavenger_qos or c.qos
+    return c.partition, c.qos
+
+
+def sbatch_parameters(c: ClusterConfig, priority: str = "normal") -> dict[str, Any]:
+    """submitit ``SlurmExecutor`` parameters for ``c`` (names as in submitit's ``_make_sbatch_string``)."""
+    if c.min_time_min < 0 or c.min_time_min > c.time_min:
+        raise ConfigError("cluster.min_time_min", c.min_time_min,
+                          f"use 0 (unset) or a value <= cluster.time_min={c.time_min}")
+    if c.signal_delay_s >= 60 * c.time_min:
+        raise ConfigError("cluster.signal_delay_s", c.signal_delay_s,
+                          f"must be shorter than the time limit ({60 * c.time_min}s); "
+                          "lower it or raise cluster.time_min")
+    partition, qos = scheduling_class(c, priority)
+    params: dict[str, Any] = {
+        "nodes": c.nodes,
+        "ntasks_per_node": c.tasks_per_node,
+        "cpus_per_task": c.cpus_per_task,
+        "time": c.time_min,
+        "signal_delay_s": c.signal_delay_s,
+        "array_parallelism": c.array_parallelism,
+        "stderr_to_stdout": False,
+    }
+    extra: dict[str, Any] = {"requeue": True}
+    if c.min_time_min:
+        extra["time_min"] = c.min_time_min
+    if c.gpus_per_node:
+        params["gpus_per_node"] = c.gpus_per_node
+    if c.mem_gb:
+        params["mem"] = f"{int(c.mem_gb * 1024)}M"
+    if partition:
+        params["partition"] = partition
+    if qos:
+        params["qos"] = qos
+    for key in ("account", "constraint", "exclude"):
+        if getattr(c, key):
+            params[key] = getattr(c, key)
+    if c.setup:
+        params["setup"] = list(c.setup)
+    if c.srun_args:
+        params["srun_args"] = list(c.srun_args)
+    params["additional_parameters"] = extra
+    return params
+
+
+def supervisor_lines(folder: Path) -> list[str]:
+    """Batch-script lines after ``srun``: hand its exit code to the requeue supervisor."""
+    cmd = [sys.executable, "-m", "xirang_hpc.launch.supervise", "--rc", "$XIRANG_SRUN_RC",
+           "--map", str(folder / RUN_DIR_MAP)]
+    return ["XIRANG_SRUN_RC=$?", " ".join(shlex.quote(a) if not a.startswith("$") else f'"{a}"' for a in cmd),
+            "exit $XIRANG_SRUN_RC"]
+
+
+def make_slurm_executor(c: ClusterConfig, folder: Path, priority: str = "normal") -> submitit.SlurmExecutor:
+    """A submitit SlurmExecutor for ``c``; submitit's own timeout requeue is off (ours decides)."""
+    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
+    ex.update_parameters(**sbatch_parameters(c, priority), teardown=supervisor_lines(Path(folder)))
+    return ex
+
+
+def write_job_file(cfg: XirangConfig, run_dir: Path) -> None:
+    """What the supervisor needs inside the job: the requeue policy and the signal delay."""
+    import dataclasses
+
+    payload = {"requeue": dataclasses.asdict(cfg.requeue), "signal_delay_s": cfg.cluster.signal_delay_s,
+               "nodes": cfg.cluster.nodes, "partition": scheduling_class(cfg.cluster, cfg.train.priority)[0]}
+    (run_dir / JOB_FILE).write_text(json.dumps(payload, indent=1))
+
+
+def write_run_dir_map(folder: Path, run_dirs: list[Path], array: bool) -> None:
+    """Array task id (or "" for a single job) -> run directory, read by the supervisor."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mapping = {str(i): str(d) for i, d in enumerate(run_dirs)} if array else {"": str(run_dirs[0])}
+    (folder / RUN_DIR_MAP).write_text(json.dumps(mapping, indent=1))
+
+
+def final_status(run_dir: Path) -> dict[str, Any] | None:
+    """The run's final ``exit`` event (``final: true``), if it has ended for good."""
+    finals = [e for e in read_events(run_dir) if e.get("kind") == "exit" and e.get("final")]
+    return finals[-1] if finals else None
+
+
+def job_state(job_id: str) -> str:
+    """Slurm's ``JobState`` of ``job_id`` (``UNKNOWN`` once Slurm has forgotten the job)."""
+    try:
+        return slurmctl.job_info(job_id).get("JobState", "UNKNOWN")
+    except slurmctl.SlurmCommandError:
+        return "UNKNOWN"
+
+
+def wait_for(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None) -> str:
+    """Block until ``job_id`` has ended for good (a requeued job is followed through its reruns)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    seen_terminal = 0
+    while True:
+        state = job_state(job_id)
+        # Two consecutive terminal polls: a requeue in flight passes through brief states.
+        seen_terminal = seen_terminal + 1 if state in TERMINAL_STATES or state == "UNKNOWN" else 0
+        if seen_terminal >= 2:
+            return state
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} still {state} after {timeout_s:.0f}s")
+        time.sleep(poll_s)
+
+
+def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any) -> submitit.Job:
+    """Submit ``fn(*args)`` as one Slurm job for ``cfg``; log the submission in the run's event log."""
+    folder = run_dir / "submitit"
+    write_job_file(cfg, run_dir)
+    write_run_dir_map(folder, [run_dir], array=False)
+    ex = make_slurm_executor(cfg.cluster, folder, cfg.train.priority)
+    ex.update_parameters(job_name=f"xirang-{cfg.train.name}")
+    job = ex.submit(fn, *args)
+    append_event(run_dir, "submit", "submitted", job=str(job.job_id), cluster=cfg.cluster.name,
+                 nodes=cfg.cluster.nodes, tasks_per_node=cfg.cluster.tasks_per_node)
+    return job
+
+
+def follow_hint(job: submitit.Job, run_dir: Path) -> str:
+    """How to follow a submitted job."""
+    return (f"follow it with: squeue -j {job.job_id}; tail -f {job.paths.stdout}; "
+            f"events: {run_dir / 'events.jsonl'}")
+
+
+def cancel(job_id: str) -> None:
+    """``scancel`` (for interrupted --wait)."""
+    subprocess.run(["scancel", job_id], check=False)
+
+
+def launch_slurm(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any) -> dict[str, Any] | None:
+    """``xirang-train`` on Slurm: submit, print job id / run dir / how to follow; block if ``train.wait``."""
+    import dataclasses
+
+    job = submit(cfg, run_dir, data_dir, fn, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
+    print(f"submitted Slurm job {job.job_id} ({cfg.cluster.name}: {cfg.cluster.nodes} node(s) x "
+          f"{cfg.cluster.tasks_per_node} ranks) | run dir {run_dir}", flush=True)
+    print(follow_hint(job, run_dir), flush=True)
+    if not cfg.train.wait:
+        return None
+    try:
+        state = wait_for(str(job.job_id))
+    except KeyboardInterrupt:
+        cancel(str(job.job_id))
+        raise
+    final = final_status(run_dir)
+    print(f"job {job.job_id} ended: Slurm state {state}; run status "
+          f"{final['status'] if final else 'unknown'}", flush=True)
+    return {"job_id": str(job.job_id), "state": state, "final": final}

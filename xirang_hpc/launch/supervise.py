@@ -1,0 +1,101 @@
+"""``python -m xirang_hpc.launch.supervise``: the requeue policy after the training step ends.
+
+Runs in the batch script after ``srun`` (see :func:`xirang_hpc.launch.slurm.supervisor_lines`).
+A stop signal is handled inside the job (:mod:`xirang_hpc.runtime.signals`); this covers what the
+job cannot handle itself: a rank killed (``kill -9``, OOM killer, a node gone) or a non-zero exit.
+It names the failed ranks and nodes from the per-rank start/exit markers the job leaves in
+``<run dir>/ranks/r<restart>/`` (a rank that started and never exited died without Python
+unwinding), adds the monitor's fault events, applies the policy and requeues (``scontrol``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from xirang_hpc.config.schema import RequeueConfig
+from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
+from xirang_hpc.runtime import slurmctl
+from xirang_hpc.runtime.markers import missing_ranks
+from xirang_hpc.runtime.policy import decide
+
+
+def run_dir_for_task(map_file: Path, env: dict[str, str]) -> Path:
+    """This array task's (or this job's) run directory."""
+    mapping = json.loads(map_file.read_text())
+    return Path(mapping[env.get("SLURM_ARRAY_TASK_ID", "")] if "" not in mapping else mapping[""])
+
+
+def already_handled(run_dir: Path, restart: int) -> bool:
+    """The job itself logged an exit (completed, requeued or final) for this restart."""
+    return any(e.get("kind") == "exit" and e.get("restart") == restart for e in read_events(run_dir))
+
+
+def can_exclude(nodes_needed: int, partition: str | None, exclude: list[str]) -> bool:
+    """Excluding ``exclude`` leaves enough nodes in the partition for the job."""
+    try:
+        args = ["show", "partition", "-o", *([partition] if partition else [])]
+        info = slurmctl.parse_job(slurmctl.run_scontrol(args))
+        total = int(info.get("TotalNodes", "0"))
+    except (slurmctl.SlurmCommandError, ValueError):
+        return False
+    return total - len(exclude) >= nodes_needed
+
+
+def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
+    """Apply the policy after a step that exited with ``rc``; returns the batch script's exit code."""
+    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    if already_handled(run_dir, restart):
+        return rc
+    job = json.loads((run_dir / "slurm_job.json").read_text())
+    policy = RequeueConfig(**job["requeue"])
+    job_id = slurmctl.requeue_target(env)
+    if rc == 0:
+        append_event(run_dir, "exit", "completed", final=True, status="completed", job=job_id, restart=restart)
+        return 0
+    lost = missing_ranks(run_dir, restart)
+    nodes = sorted({n for _, n in lost} | set(failed_nodes(run_dir)))
+    reason = "node_failure" if lost else "nonzero_exit"
+    append_event(run_dir, "failure", reason, job=job_id, restart=restart, srun_rc=rc,
+                 ranks=[r for r, _ in lost], nodes=nodes, node=nodes[0] if nodes else None)
+    verdict = decide(reason, restart, policy)
+    if not verdict.requeue:
+        append_event(run_dir, "exit", reason, final=True, status=verdict.final_status, why=verdict.why,
+                     job=job_id, restart=restart)
+        print(f"xirang: not requeued: {verdict.why}", file=sys.stderr, flush=True)
+        return rc
+    try:
+        excluded: list[str] = []
+        if policy.exclude_failed_nodes and nodes and can_exclude(job["nodes"], job.get("partition"), nodes):
+            excluded = nodes
+        slurmctl.requeue(job_id)
+        if excluded:
+            slurmctl.run_scontrol(["update", f"jobid={job_id}", f"ExcNodeList={','.join(excluded)}"])
+        if verdict.start_now or verdict.backoff_s:
+            slurmctl.start_now_detached(job_id, verdict.backoff_s)
+    except slurmctl.SlurmCommandError as exc:
+        append_event(run_dir, "exit", "requeue_failed", final=True, status="requeue_failed", error=str(exc),
+                     job=job_id, restart=restart)
+        print(f"xirang: error: {exc}", file=sys.stderr, flush=True)
+        return rc
+    append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, restart=restart, excluded=excluded,
+                 nodes=nodes)
+    append_event(run_dir, "exit", "requeued", final=False, status="requeued", job=job_id, restart=restart)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point for the batch script."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rc", type=int, required=True, help="exit code of srun")
+    ap.add_argument("--map", type=Path, required=True, help="task id -> run dir JSON")
+    a = ap.parse_args(argv)
+    env = dict(os.environ)
+    sys.exit(supervise(a.rc, run_dir_for_task(a.map, env), env))
+
+
+if __name__ == "__main__":
+    main()

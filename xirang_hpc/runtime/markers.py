@@ -1,0 +1,43 @@
+"""Per-rank start/exit markers: which ranks of a (re)start died without unwinding.
+
+Each rank writes ``<run dir>/ranks/r<restart>/<rank>.start`` (its node) when it joins, and
+``<rank>.exit`` from an ``atexit`` handler, which runs on a normal return, ``sys.exit`` and an
+uncaught exception, but not on SIGKILL, the OOM killer or a lost node. The batch-script
+supervisor reads the difference to name the failed ranks and nodes.
+"""
+
+from __future__ import annotations
+
+import atexit
+from pathlib import Path
+
+
+def _dir(run_dir: Path, restart: int) -> Path:
+    return Path(run_dir) / "ranks" / f"r{restart}"
+
+
+def mark_start(run_dir: Path, restart: int, rank: int, node: str) -> None:
+    """Record that ``rank`` on ``node`` started, and arrange for its exit marker."""
+    d = _dir(run_dir, restart)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{rank}.start").write_text(node)
+    atexit.register(mark_exit, run_dir, restart, rank)
+
+
+def mark_exit(run_dir: Path, restart: int, rank: int) -> None:
+    """Record that ``rank`` left through Python (return, exit or exception)."""
+    d = _dir(run_dir, restart)
+    if d.is_dir():
+        (d / f"{rank}.exit").write_text("")
+
+
+def missing_ranks(run_dir: Path, restart: int) -> list[tuple[int, str]]:
+    """(rank, node) of ranks that started in ``restart`` and never wrote an exit marker."""
+    d = _dir(run_dir, restart)
+    if not d.is_dir():
+        return []
+    out = []
+    for start in sorted(d.glob("*.start"), key=lambda p: int(p.stem)):
+        if not (d / f"{start.stem}.exit").exists():
+            out.append((int(start.stem), start.read_text()))
+    return out

@@ -1,0 +1,59 @@
+"""Requeue policy: given why a job stopped and how often it was requeued, requeue or not.
+
+Pure logic over :class:`~xirang_hpc.config.schema.RequeueConfig` (the ``conf/requeue/`` presets a
+sysadmin can set site-wide); the side effects (``scontrol``) live in :mod:`slurmctl`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xirang_hpc.config.schema import RequeueConfig
+
+# Reasons a job can stop, and the policy switch that governs each.
+REASONS = {
+    "preemption": "on_preemption",
+    "timeout": "on_timeout",
+    "node_failure": "on_node_failure",
+    "nonzero_exit": "on_nonzero_exit",
+}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The verdict: requeue or not, why, and the final status when not."""
+
+    requeue: bool
+    reason: str
+    why: str
+    backoff_s: int = 0
+    start_now: bool = False
+
+    @property
+    def final_status(self) -> str:
+        """``requeued`` or the run's final status (``max_requeues_exceeded``, ``not_requeued``...)."""
+        if self.requeue:
+            return "requeued"
+        return "max_requeues_exceeded" if "max_requeues" in self.why else f"stopped_{self.reason}"
+
+
+def decide(reason: str, restarts: int, policy: RequeueConfig) -> Decision:
+    """Requeue after ``reason`` when the policy allows it and ``restarts < max_requeues``.
+
+    ``restarts`` is Slurm's ``SLURM_RESTART_COUNT`` (0 on the first run). Backoff grows
+    linearly with the restart count (``backoff_s * (restarts + 1)``), capped at one hour.
+    """
+    if reason not in REASONS and reason != "terminated":
+        raise ValueError(f"unknown stop reason {reason!r}; expected one of {sorted(REASONS)} or 'terminated'")
+    if not policy.enabled:
+        return Decision(False, reason, "requeue.enabled=false")
+    if reason == "terminated":
+        return Decision(False, reason, "SIGTERM without preemption or time limit (scancel or admin): not requeued")
+    switch = REASONS[reason]
+    if not getattr(policy, switch):
+        return Decision(False, reason, f"requeue.{switch}=false")
+    if restarts >= policy.max_requeues:
+        return Decision(False, reason, f"max_requeues={policy.max_requeues} reached after {restarts} requeue(s)")
+    backoff = min(3600, policy.backoff_s * (restarts + 1)) if policy.backoff_s else 0
+    return Decision(True, reason, f"requeue.{switch}=true, requeue {restarts + 1} of {policy.max_requeues}",
+                    backoff_s=backoff, start_now=policy.start_now)

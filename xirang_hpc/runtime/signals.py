@@ -1,0 +1,191 @@
+"""Stop signals inside the job: every rank agrees, saves, one requeue, every rank leaves.
+
+Slurm warns a job with SIGUSR2 (``--signal=USR2@delay``: time limit, or preemption with
+``preempt_send_user_signal``) and ends it with SIGTERM (preemption without a user signal, time
+limit, ``scancel``). The handler only records the signal; the decision happens at the next step
+boundary, where one all-reduce (MAX) of a flag makes every rank see the same verdict even if the
+signal reached only some of them (pain points 1, 2, 6). Then:
+
+1. every rank saves its shard through the checkpoint hook (if the save cannot finish within the
+   grace time, the last periodic checkpoint stands: checkpoints are committed atomically);
+2. rank 0 asks Slurm why (:func:`~xirang_hpc.runtime.slurmctl.classify_stop`: ``PreemptTime``,
+   ``TimeLimit``/``RunTime``), applies the requeue policy, logs the verdict, and requeues
+   ``ARRAYJOBID_TASKID`` or the job id with ``scontrol requeue`` (pain points 4, 5);
+3. **every** rank exits (pain point 8): :data:`EXIT_REQUEUED` (submitit's local requeue code, so
+   the local executor reruns the job too) or :data:`EXIT_STOPPED` when the policy said no.
+
+This hook replaces submitit's own USR2/SIGTERM handlers in every rank, so there is exactly one
+requeue manager (pain point 3).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.monitor.events import append_event, read_events
+from xirang_hpc.runtime import slurmctl
+from xirang_hpc.runtime.markers import mark_start
+from xirang_hpc.runtime.policy import decide
+from xirang_hpc.runtime.topology import Topology
+from xirang_hpc.runtime.trainer import Trainer, TrainerHook
+
+EXIT_REQUEUED = 144  # submitit.local.local.LOCAL_REQUEUE_RETURN_CODE
+EXIT_STOPPED = 3
+_CODES = {"SIGUSR2": 1, "SIGTERM": 2}
+_NAMES = {v: k for k, v in _CODES.items()}
+
+
+def exit_process(code: int) -> None:
+    """Leave the process (a tiny function so tests can observe the exit instead)."""
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+def restart_count(topo: Topology, run_dir: Path, env: Mapping[str, str]) -> int:
+    """How often this run was requeued: Slurm's ``SLURM_RESTART_COUNT``, else our own log."""
+    if topo.source == "slurm":
+        return int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    return sum(1 for e in read_events(run_dir) if e.get("kind") == "requeue")
+
+
+class StopSignalHook(TrainerHook):
+    """Signal consensus, save-on-stop, requeue and exit; see the module docstring."""
+
+    def __init__(self, cfg: XirangConfig, topo: Topology, run_dir: Path,
+                 env: Mapping[str, str] | None = None,
+                 exit_fn: Callable[[int], None] = exit_process,
+                 save_fn: Callable[[Trainer], int | None] | None = None,
+                 job_info: Callable[[str], dict[str, str]] = slurmctl.job_info,
+                 requeue_fn: Callable[[str], None] = slurmctl.requeue,
+                 start_now_fn: Callable[[str, int], None] = slurmctl.start_now_detached) -> None:
+        self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
+        self.env = os.environ if env is None else env
+        self.exit_fn, self.save_fn = exit_fn, save_fn
+        self.job_info, self.requeue_fn, self.start_now_fn = job_info, requeue_fn, start_now_fn
+        self.received: list[tuple[str, float]] = []
+        self.restarts = restart_count(topo, run_dir, self.env)
+        self.first_step_logged = False
+        self.start_step = 0
+        self.proc_start = psutil.Process().create_time()
+
+    # -- signals -------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Take over SIGUSR2 and SIGTERM (replacing submitit's handlers)."""
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        mark_start(self.run_dir, self.restarts, self.topo.rank, self.topo.node_name)
+
+    def installed(self) -> StopSignalHook:
+        """:meth:`install`, then return self (for one-line registration)."""
+        self.install()
+        return self
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Only record: the decision waits for the step boundary (no collective in a handler).
+        self.received.append((signal.Signals(signum).name, time.time()))
+
+    def _local_code(self) -> int:
+        return max((_CODES.get(name, 0) for name, _ in self.received), default=0)
+
+    def _agree(self, code: int) -> int:
+        if self.topo.world_size == 1 or not dist.is_initialized():
+            return code
+        flag = torch.tensor([code], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def _event(self, kind: str, reason: str, **fields: Any) -> None:
+        if self.topo.rank == 0:
+            append_event(self.run_dir, kind, reason, job=self.topo.job_id, restart=self.restarts, **fields)
+
+    # -- hook points ---------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self.start_step = trainer.state.step
+        self._event("start", f"restart {self.restarts}", step=trainer.state.step, node=self.topo.node_name,
+                    world_size=self.topo.world_size, nodes=self.topo.num_nodes)
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        if not self.first_step_logged:
+            self.first_step_logged = True
+            now = time.time()
+            self._event("first_step", "first step after (re)start", step=trainer.state.step,
+                        restored_step=self.start_step, since_process_start_s=round(now - self.proc_start, 3))
+        code = self._agree(self._local_code())
+        if code:
+            self.stop(trainer, _NAMES[code])
+
+    def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
+        if trainer.state.step >= self.cfg.train.max_steps:
+            self._event("exit", "completed", final=True, status="completed", step=trainer.state.step)
+
+    # -- the stop sequence ---------------------------------------------------------------------
+    def stop(self, trainer: Trainer, signame: str) -> None:
+        """Save on every rank, decide and requeue on rank 0, exit on every rank."""
+        trainer.stop_requested = True
+        t_signal = min((t for _, t in self.received), default=time.time())
+        step = trainer.state.step
+        saved = self.save_fn(trainer) if self.save_fn is not None else None
+        t_durable = time.time()
+        self._agree(0)  # barrier: every shard is durable before anyone requeues
+        code = EXIT_STOPPED
+        if self.topo.rank == 0:
+            code = self._decide_and_requeue(signame, step, saved, t_signal, t_durable)
+        if self.topo.world_size > 1 and dist.is_initialized():
+            buf = torch.tensor([code], dtype=torch.int32)
+            dist.broadcast(buf, src=0)
+            code = int(buf.item())
+        print(f"rank {self.topo.rank}: stopping at step {step} after {signame} "
+              f"({'requeued' if code == EXIT_REQUEUED else 'not requeued'}); exit {code}", flush=True)
+        self.exit_fn(code)
+
+    def _decide_and_requeue(self, signame: str, step: int, saved: int | None, t_signal: float,
+                            t_durable: float) -> int:
+        in_slurm = self.topo.source == "slurm"
+        stop = dict(signal=signame, step=step, saved_step=saved, node=self.topo.node_name,
+                    signal_to_durable_s=round(t_durable - t_signal, 3) if saved is not None else None)
+        try:
+            if in_slurm:
+                target = slurmctl.requeue_target(self.env)
+                cause = slurmctl.classify_stop(self.job_info(self.env["SLURM_JOB_ID"]), signame,
+                                               self.cfg.cluster.signal_delay_s)
+            else:
+                target, cause = self.topo.job_id, slurmctl.StopCause(
+                    "preemption" if signame == "SIGUSR2" else "terminated", f"{signame} outside Slurm")
+            self._event("stop", cause.reason, detail=cause.detail, **stop)
+            verdict = decide(cause.reason, self.restarts, self.cfg.requeue)
+            if not verdict.requeue:
+                self._event("exit", cause.reason, final=True, status=verdict.final_status, why=verdict.why, step=step)
+                print(f"xirang: not requeued: {verdict.why} (final status {verdict.final_status})", flush=True)
+                return EXIT_STOPPED
+            if in_slurm:
+                self.requeue_fn(target)
+                if verdict.start_now or verdict.backoff_s:
+                    self.start_now_fn(target, verdict.backoff_s)
+            self._event("requeue", cause.reason, why=verdict.why, target=target, step=step,
+                        start_now=verdict.start_now, backoff_s=verdict.backoff_s)
+            self._event("exit", "requeued", final=False, status="requeued", step=step)
+            return EXIT_REQUEUED
+        except slurmctl.SlurmCommandError as exc:
+            self._event("exit", "requeue_failed", final=True, status="requeue_failed", error=str(exc), step=step)
+            print(f"xirang: error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_STOPPED
+
+
+def find_saver(hooks: list[TrainerHook]) -> Callable[[Trainer], int | None] | None:
+    """The checkpoint hook's synchronous save (``save_now(trainer) -> step``), when one is registered."""
+    for h in hooks:
+        fn = getattr(h, "save_now", None)
+        if callable(fn):
+            return fn
+    return None
