@@ -43,6 +43,10 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
         from xirang_hpc.monitor.hook import MonitorHook  # heartbeats + node watchdog (issue 8)
 
         hooks.append(MonitorHook(cfg, topo, run_dir))
+    # Stop signals -> consensus -> save (through the checkpoint hook above) -> requeue -> exit (issue 6).
+    from xirang_hpc.runtime.signals import StopSignalHook, find_saver
+
+    hooks.append(StopSignalHook(cfg, topo, run_dir, save_fn=find_saver(hooks)).installed())
     return hooks
 
 
