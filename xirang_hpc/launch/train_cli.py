@@ -23,6 +23,7 @@ from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare
 from xirang_hpc.launch.executors import make_executor
 from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
+from xirang_hpc.planner.auto import plan_at_launch, record_measured
 from xirang_hpc.runtime.job import run_training
 
 log = logging.getLogger("xirang.train")
@@ -106,11 +107,12 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
 def _app(dcfg: DictConfig) -> None:
     try:
         cfg = load_config(dcfg)
+        cfg = plan_at_launch(cfg)  # parallel=auto: the planner fills in the layout, writes plan.json
         check_runnable(cfg)
     except ConfigError as exc:
         _fail(str(exc))
     try:
-        launch(cfg)
+        record_measured(cfg, launch(cfg))  # parallel=auto: measured tokens/s next to the prediction
     except CorpusError as exc:
         _fail(str(exc))
 

@@ -1,8 +1,8 @@
 """``parallel=auto``: plan at launch, restricted to what this build's runtime can run.
 
 The capability set is not a hand-kept list: a plan is allowed when it can be written into
-``ParallelConfig`` (no interleaving; ZeRO 0 = ddp or 3 = fsdp) and the resulting config passes
-:func:`validate` and :func:`check_runnable`. When the runtime learns tp/pp, the planner follows.
+``ParallelConfig`` (no interleaving; ZeRO 0 = ddp, 1 = ddp + optimizer_sharding, 3 = fsdp) and
+the resulting config passes :func:`validate` and :func:`check_runnable`. When the runtime learns tp/pp, the planner follows.
 
 Micro-batches: with pp > 1 the plan's m microbatches go to ``parallel.microbatches``; with pp = 1
 they become ``train.grad_accum`` (the data-parallel trainer accumulates over them).
@@ -36,13 +36,19 @@ def problem_of(cfg: XirangConfig) -> Problem:
     return Problem(Shape.from_model(cfg.model), hardware_for(c), c.nodes, c.tasks_per_node, cfg.train.global_batch)
 
 
+def expressible(plan: Plan) -> bool:
+    """ParallelConfig has no interleaving and no ZeRO-2 (ZeRO-1 = optimizer_sharding, ZeRO-3 = fsdp)."""
+    return plan.v == 1 and plan.zero != 2
+
+
 def apply_plan(cfg: XirangConfig, plan: Plan) -> XirangConfig:
     """``cfg`` with the plan's degrees written in (not validated)."""
-    if plan.v > 1 or plan.zero not in (0, 3):
-        raise ValueError(f"plan {plan.label()} cannot be expressed in ParallelConfig (interleaving, ZeRO-1/2)")
+    if not expressible(plan):
+        raise ValueError(f"plan {plan.label()} cannot be expressed in ParallelConfig (interleaving, ZeRO-2)")
     m = cfg.train.global_batch // (plan.dp * plan.micro)
     par = dataclasses.replace(
         cfg.parallel, dp=plan.dp, tp=plan.tp, pp=plan.pp, data_parallel="fsdp" if plan.zero == 3 else "ddp",
+        optimizer_sharding=plan.zero == 1, dp_replicate=1,
         microbatches=m if plan.pp > 1 else 1, schedule="1f1b", recompute=plan.recompute,
         sequence_parallel=plan.sp)
     train = dataclasses.replace(cfg.train, grad_accum=1 if plan.pp > 1 else m)
@@ -54,7 +60,7 @@ def runtime_allows(cfg: XirangConfig) -> Callable[[Plan], bool]:
     cache: dict[tuple[int, ...], bool] = {}
 
     def ok(plan: Plan) -> bool:
-        if plan.v > 1 or plan.zero not in (0, 3):
+        if not expressible(plan):
             return False
         key = (plan.dp, plan.tp, plan.pp, plan.zero, plan.sp, ("none", "selective", "full").index(plan.recompute))
         if key not in cache:
@@ -110,10 +116,12 @@ def write_plan(run_dir: Path, record: dict[str, Any]) -> Path:
     return path
 
 
-def record_measured(run_dir: Path, summary: dict[str, Any] | None, say: Callable[[str], None] = print) -> None:
-    """Add the measured tokens/s to ``plan.json`` and print it next to the prediction."""
-    path = Path(run_dir) / PLAN_FILE
-    if not summary or not path.exists():
+def record_measured(cfg: XirangConfig, summary: dict[str, Any] | None, say: Callable[[str], None] = print) -> None:
+    """With ``parallel.auto``: add the measured tokens/s to ``plan.json``, print it next to the prediction."""
+    from xirang_hpc.launch.rundir import run_dir_for
+
+    path = run_dir_for(cfg) / PLAN_FILE
+    if not cfg.parallel.auto or not summary or not path.exists():
         return
     record = json.loads(path.read_text())
     measured = float(summary["tokens_per_s"])

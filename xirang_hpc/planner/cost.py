@@ -11,8 +11,9 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   reduce-scatter + all-gather of the same volume;
 - bubble: (p-1)/v microbatch slots (Narayanan et al.: (p-1)/m of ideal time, (p-1)/(v*m) interleaved);
 - p2p: two sends of b*s*h/t (scatter-gather) per pipeline slot, 2*(v*m + p - 1) on the critical path;
-- DP: gradient all-reduce (hierarchical when the group spans nodes with >1 rank per node; ZeRO-3
-  moves 1.5x the volume), minus what ``dp_overlap`` of the last backward can hide.
+- DP: gradient all-reduce (hierarchical when the group spans nodes with >1 rank per node), minus what
+  ``dp_overlap`` of the last backward can hide; ZeRO-1/2 split it into a reduce-scatter (hideable)
+  and an all-gather after the step (exposed); ZeRO-3 adds a forward all-gather (1.5x volume).
 """
 
 from __future__ import annotations
@@ -195,13 +196,25 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     # Data parallel gradient all-reduce over dp ranks, k_dp per node.
     lp = layer_params(sh)
     stage_params = (layers * lp + max(embedding_params(sh), sh.vocab * sh.hidden)) / t
-    grad_bytes = stage_params * hw.grad_comm_bytes * (1.5 if pl.zero == 3 else 1.0)
+    grad_bytes = stage_params * hw.grad_comm_bytes
     k_dp = max(1, min(d, k // t)) if k % t == 0 else 1
     while d % k_dp:
         k_dp -= 1
     dp_full, algo = comm.group_allreduce(grad_bytes, k_dp, d // k_dp, links, flows=k)
     backward = compute_mb * (passes - 1) / passes  # backward (+ recompute) of the last microbatch
-    dp_exposed = max(0.0, dp_full - hw.dp_overlap * backward) if d > 1 else 0.0
+    forward = compute_mb - backward
+    hide = hw.dp_overlap
+    if d == 1:
+        dp_exposed = 0.0
+    elif pl.zero == 0:  # all-reduce in buckets as the backward runs
+        dp_exposed = max(0.0, dp_full - hide * backward)
+    elif pl.zero in (1, 2):  # reduce-scatter during backward; all-gather of updated weights after the step
+        dp_exposed = max(0.0, dp_full / 2 - hide * backward) + dp_full / 2
+    else:  # ZeRO-3: all-gather in forward and again in backward, reduce-scatter in backward (1.5x volume)
+        # FSDP units are layers: each gather/scatter pays the collective's latency once per layer.
+        per_layer = comm.group_allreduce(1.0, k_dp, d // k_dp, links, flows=k)[0]
+        dp_exposed = (max(0.0, dp_full - hide * backward) + max(0.0, dp_full / 2 - hide * forward)
+                      + 1.5 * layers * per_layer)
 
     # Adam reads and writes weights, grads and states of the parameters this rank updates.
     updated = stage_params / (d if pl.zero else 1)

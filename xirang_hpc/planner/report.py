@@ -24,7 +24,7 @@ def describe(e: Estimate, mem_cap_gb: float) -> list[str]:
         f"{_fmt_time(t['tp_comm'])} + bubble {_fmt_time(t['bubble'])} + p2p {_fmt_time(t['p2p'])} + "
         f"exposed DP comm {_fmt_time(t['dp_comm'])} ({e.dp_algo}) + optimizer {_fmt_time(t['optimizer'])}",
         f"throughput   {e.tokens_per_s:,.0f} tokens/s | MFU {100 * e.mfu:.1f}% | "
-        f"{e.tflops_per_gpu:.1f} TFLOP/s/rank incl. recompute | {e.microbatches} microbatches",
+        f"{e.tflops_per_gpu:.4g} TFLOP/s/rank incl. recompute | {e.microbatches} microbatches",
     ]
 
 

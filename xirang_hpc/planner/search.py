@@ -119,7 +119,7 @@ def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result
                                 else:
                                     oom.append(est)
                                     break  # larger micro-batches need more memory
-    fits.sort(key=lambda e: (e.step_time, e.peak_memory))
+    fits.sort(key=lambda e: (e.step_time * (1 + TIE_BREAK * complexity(e.plan)), e.peak_memory))
     oom.sort(key=lambda e: e.step_time)
     res = Result(ranked=fits, oom=oom[:keep_oom], evaluated=n, seconds=time.perf_counter() - t0, problem=pb)
     if fits:
@@ -129,6 +129,14 @@ def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result
         res.reasons[id(e)] = (f"OOM: needs {e.peak_memory / 1024**3:.1f} GiB of {pb.hw.mem_gb:g} GiB "
                               f"({_largest(e.memory)} largest)")
     return res
+
+
+TIE_BREAK = 0.002  # per feature: within model noise, prefer the plan with fewer moving parts
+
+
+def complexity(pl: Plan) -> int:
+    """How many non-default features a plan turns on (ZeRO-3 counts twice)."""
+    return (min(pl.zero, 2) + (pl.recompute != "none") + pl.sp + (pl.v > 1) + (pl.tp > 1) + (pl.pp > 1))
 
 
 def _largest(mem: dict[str, float]) -> str:

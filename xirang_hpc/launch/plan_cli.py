@@ -1,0 +1,103 @@
+"""``xirang-plan``: rank parallel plans for a model on a cluster, or calibrate the cluster.
+
+    xirang-plan model=gpt-175b cluster=a100-80gb-ib cluster.nodes=192 train.global_batch=1536
+    xirang-plan --json --top 3 model=gpt-7b cluster=h100-ib
+    xirang-plan --runnable ...        # only layouts this build's runtime can run (what parallel=auto uses)
+    xirang-plan --calibrate cluster=local [--out conf/cluster/local-calibrated.yaml]
+
+The same Hydra config groups as xirang-train; the parallel group is ignored (the planner chooses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.config.store import register_configs
+
+_OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    print(f"xirang-plan: error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def typed_config(dcfg: DictConfig) -> XirangConfig:
+    """Typed config without the cross-group layout checks (the layout is what we are choosing)."""
+    try:
+        container = OmegaConf.to_container(dcfg, resolve=True)
+        container.pop("hydra", None)
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(XirangConfig), container))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "config"
+        raise ConfigError(str(key), getattr(exc, "value", None), str(exc).splitlines()[0]) from None
+    assert isinstance(obj, XirangConfig)
+    return obj
+
+
+def plan(cfg: XirangConfig, as_json: bool, top: int, runnable: bool) -> str:
+    """The ranked plans for ``cfg`` as text or JSON."""
+    from xirang_hpc.planner.auto import plan_for
+    from xirang_hpc.planner.report import render, to_json
+
+    res = plan_for(cfg, runnable_only=runnable)
+    return json.dumps(to_json(res, top), indent=2) if as_json else render(res, top)
+
+
+def calibrate(cfg: XirangConfig, out: str) -> Path:
+    """Measure the cluster and save a preset; returns its path."""
+    from xirang_hpc.launch.rundir import make_private_dir
+    from xirang_hpc.planner.calibrate import run_calibration, write_preset
+
+    name = f"{cfg.cluster.name}-calibrated"
+    path = Path(out) if out else Path("conf") / "cluster" / f"{name}.yaml"
+    work = make_private_dir(Path(cfg.train.runs_root).expanduser().absolute() / "calibrate")
+    print(f"calibrating {cfg.cluster.name}: {cfg.cluster.nodes} node(s) x {cfg.cluster.tasks_per_node} ranks ...",
+          flush=True)
+    fields = run_calibration(cfg.cluster, work / "submitit")
+    for k, v in sorted(fields.items()):
+        print(f"  {k:20s} {v:.6g}")
+    write_preset(cfg.cluster, fields, path, path.stem)
+    print(f"wrote {path}; use it with cluster={path.stem}", flush=True)
+    return path
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _app(dcfg: DictConfig) -> None:
+    try:
+        cfg = typed_config(dcfg)
+        if _OPTS.calibrate:
+            calibrate(cfg, _OPTS.out)
+        else:
+            print(plan(cfg, _OPTS.json, _OPTS.top, _OPTS.runnable), flush=True)
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
+
+
+def parse_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Split our ``--flags`` from Hydra's ``key=value`` overrides."""
+    ap = argparse.ArgumentParser(prog="xirang-plan", add_help=False)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--runnable", action="store_true")
+    ap.add_argument("--calibrate", action="store_true")
+    ap.add_argument("--out", default="")
+    return ap.parse_known_args(argv)
+
+
+def main() -> None:
+    """Console entry point."""
+    global _OPTS
+    _OPTS, rest = parse_flags(sys.argv[1:])
+    sys.argv = [sys.argv[0], *rest]
+    register_configs()
+    _app()

@@ -1,0 +1,167 @@
+"""A short on-cluster microbenchmark that turns measured rates into a cluster preset.
+
+Every rank of a job on the cluster (submitit, Slurm or the local executor's virtual nodes) runs:
+- GEMMs of a transformer's shape (tokens x w by w x 4w) at two widths, all ranks at once, fitted to
+  rate(w) = R * w/(w + w_half) -> ``peak_tflops`` (R), ``gemm_half_width`` (w_half);
+- a streaming add (memory bandwidth) and a burst of tiny ops (per-kernel overhead);
+- all-reduce inside each node and across nodes (same local rank), all groups at once, at two sizes,
+  fitted to the ring's alpha-beta cost 2(p-1)a + 2(p-1)/p*n*b (anchors.md, "Communication").
+Rank 0 returns the fitted ``cluster.hardware`` fields; :func:`write_preset` saves them as YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from xirang_hpc.config.schema import ClusterConfig
+
+TOKENS = 512
+WIDTHS = (32, 256)
+SMALL, LARGE = 4 * 1024, 4 * 1024 * 1024  # all-reduce sizes in bytes
+OPS_PER_LAYER = 15  # elementwise kernels in one layer's pass
+
+
+def _timed(fn: Callable[[], Any], min_s: float = 0.15, min_reps: int = 3) -> float:
+    """Median seconds per call of ``fn`` after a warm-up."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_s:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _gemm_rate(width: int) -> float:
+    a, b = torch.randn(TOKENS, width), torch.randn(width, 4 * width)
+    return 2.0 * TOKENS * width * 4 * width / _timed(lambda: a @ b)
+
+
+def fit_saturation(w1: float, r1: float, w2: float, r2: float) -> tuple[float, float]:
+    """(R, w_half) with r = R * w/(w + w_half) through two points (w1 < w2)."""
+    q = r1 / r2
+    denom = q * w2 - w1
+    w_half = max(0.0, w1 * w2 * (1 - q) / denom) if denom > 0 else 0.0
+    return r2 * (w2 + w_half) / w2, w_half
+
+
+def fit_alpha_beta(p: int, n1: float, t1: float, n2: float, t2: float) -> tuple[float, float]:
+    """(a seconds, b seconds/byte) of a ring all-reduce over p ranks from two (size, time) points."""
+    steps = 2.0 * (p - 1)
+    vol = steps / p
+    b = max((t2 - t1) / (vol * (n2 - n1)), 1e-15)
+    a = max((t1 - vol * n1 * b) / steps, 1e-7)
+    return a, b
+
+
+def _allreduce_time(group: dist.ProcessGroup, nbytes: int) -> float:
+    x = torch.ones(nbytes // 4)
+
+    def run() -> None:
+        dist.all_reduce(x, group=group)
+
+    return _timed(run, min_s=0.2, min_reps=5)
+
+
+def _node_groups(world: int, per_node: int) -> tuple[list[Any], list[Any]]:
+    """Every rank creates every group (new_group is collective): intra per node, inter per local rank."""
+    nodes = world // per_node
+    intra = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(nodes)]
+    inter = [dist.new_group([n * per_node + lr for n in range(nodes)]) for lr in range(per_node)]
+    return intra, inter
+
+
+def _agree(value: float) -> float:
+    """The slowest rank's figure (rates are taken as the minimum over ranks)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure(rank: int, world: int, per_node: int) -> dict[str, float]:
+    """Run the microbenchmarks on this rank (process group up); returns fitted hardware fields."""
+    out: dict[str, float] = {}
+    dist.barrier()
+    rates = [1.0 / _agree(1.0 / _gemm_rate(w)) for w in WIDTHS]
+    peak, half = fit_saturation(WIDTHS[0], rates[0], WIDTHS[1], rates[1])
+    out.update(peak_tflops=peak / 1e12, gemm_efficiency=1.0, gemm_half_width=half)
+    x, y = torch.randn(4 * 1024 * 1024), torch.randn(4 * 1024 * 1024)
+    bw = 3 * x.numel() * 4 / _agree(_timed(lambda: torch.add(x, y)))
+    small = torch.ones(8)
+    per_op = _agree(_timed(lambda: [small.add(1.0) for _ in range(100)])) / 100
+    out.update(mem_bw_gbs=bw / 1e9, kernel_overhead_us=per_op * OPS_PER_LAYER * 1e6, elementwise_traffic=1.0)
+    nodes = world // per_node
+    intra, inter = _node_groups(world, per_node) if world > 1 else ([], [])
+    node, local = rank // per_node, rank % per_node
+    if per_node > 1:
+        t1 = _agree(_allreduce_time(intra[node], SMALL))
+        t2 = _agree(_allreduce_time(intra[node], LARGE))
+        a, b = fit_alpha_beta(per_node, SMALL, t1, LARGE, t2)
+        out.update(intra_latency_us=a * 1e6, intra_bw_gbs=1.0 / b / 1e9)
+    if nodes > 1:
+        # All local ranks cross at once, as the data-parallel groups of a node do in training.
+        t1 = _agree(_allreduce_time(inter[local], SMALL))
+        t2 = _agree(_allreduce_time(inter[local], LARGE))
+        a, b = fit_alpha_beta(nodes, SMALL, t1, LARGE, t2)
+        out.update(inter_latency_us=a * 1e6, inter_bw_gbs=per_node / b / 1e9, inter_nics=1)
+    try:
+        import psutil
+
+        out["mem_gb"] = psutil.virtual_memory().total / 1024**3 / per_node
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        pass
+    return out
+
+
+def calibration_job(cluster: dict[str, Any]) -> dict[str, float]:
+    """Job entry function: every rank measures; rank 0 returns the fitted fields."""
+    from xirang_hpc.runtime import dist as xdist
+    from xirang_hpc.runtime.topology import discover
+
+    virtual = int(cluster["nodes"]) if cluster.get("executor") == "local" else 1
+    topo = discover(virtual_nodes=virtual)
+    threads = int(cluster.get("threads_per_rank") or 0)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(threads or max(1, cores // topo.local_world_size))
+    xdist.init_distributed(topo, cluster.get("backend", "auto"))
+    try:
+        fields = measure(topo.rank, topo.world_size, topo.local_world_size)
+        dist.barrier()
+    finally:
+        xdist.shutdown()
+    return fields if topo.rank == 0 else {}
+
+
+def run_calibration(cluster: ClusterConfig, folder: Path) -> dict[str, float]:
+    """Submit :func:`calibration_job` to the cluster and wait for rank 0's figures."""
+    from xirang_hpc.launch.executors import make_executor
+
+    ex = make_executor(cluster, folder)
+    ex.update_parameters(name="xirang-calibrate")
+    job = ex.submit(calibration_job, dataclasses.asdict(cluster))
+    return job.results()[0]
+
+
+def write_preset(cluster: ClusterConfig, fields: dict[str, float], path: Path, name: str) -> Path:
+    """Save ``cluster`` with the measured ``hardware`` block as a ``cluster/`` preset YAML."""
+    data = dataclasses.asdict(cluster)
+    data["name"] = name
+    data["gpu"] = cluster.gpu or ("cpu" if cluster.gpus_per_node == 0 else "a100-80gb")
+    data["hardware"] = {k: float(round(v, 6)) for k, v in sorted(fields.items())}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = (f"# Measured by `xirang-plan --calibrate` on {time.strftime('%Y-%m-%d %H:%M')} "
+              f"({cluster.nodes} node(s) x {cluster.tasks_per_node} ranks). Use: cluster={name}\n")
+    path.write_text(header + OmegaConf.to_yaml(OmegaConf.create(data)))
+    return path
