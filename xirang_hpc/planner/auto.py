@@ -2,7 +2,8 @@
 
 The capability set is not a hand-kept list: a plan is allowed when it can be written into
 ``ParallelConfig`` (no interleaving; ZeRO 0 = ddp, 1 = ddp + optimizer_sharding, 3 = fsdp) and
-the resulting config passes :func:`validate` and :func:`check_runnable`. When the runtime learns tp/pp, the planner follows.
+the resulting config passes :func:`validate` and :func:`check_runnable`. When the runtime learns a
+layout, the planner follows.
 
 Micro-batches: with pp > 1 the plan's m microbatches go to ``parallel.microbatches``; with pp = 1
 they become ``train.grad_accum`` (the data-parallel trainer accumulates over them).
