@@ -6,7 +6,7 @@ about the ranks on this host, into findings:
 - ``dead``: a rank's process is gone before it finished. When several are gone (a killed rank
   makes its peers' collectives fail), the *primary* one is the rank that left no exit record
   (killed by a signal, OOM, segfault); if all left one, the earliest to exit. The others get an
-  ``exit`` finding (not a fault of their node).
+  ``peer_exit`` finding (not a fault of their node).
 - ``unresponsive``: a rank on another host whose heartbeat thread went silent for ``stale_s``.
 - ``hang``: some rank has not entered a new phase for ``hang_s``. In a synchronous job every rank
   stalls, so the culprit is chosen as (1) a rank whose process is stopped or whose heartbeat
@@ -89,8 +89,8 @@ def _dead(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], st: W
         out.append(_finding("dead", beats[primary], cause, pid=beats[primary].get("pid")))
     for r in sorted(new):
         if r != st.dead_primary:
-            out.append(_finding("exit", beats[r], f"exited after rank {st.dead_primary} died (its collectives failed)",
-                                pid=beats[r].get("pid")))
+            cause = f"exited after rank {st.dead_primary} died (its collectives failed)"
+            out.append(_finding("peer_exit", beats[r], cause, pid=beats[r].get("pid")))
     return out
 
 

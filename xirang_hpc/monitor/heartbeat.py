@@ -75,8 +75,10 @@ class Heartbeat:
 
     LOCAL_PHASES = ("data", "forward")  # work before the first collective of a step
 
-    def __init__(self, path: Path, ident: dict[str, Any], interval_s: float = 1.0, window: int = 5) -> None:
+    def __init__(self, path: Path, ident: dict[str, Any], interval_s: float = 1.0, window: int = 5,
+                 sampler: Any = None) -> None:
         self.path, self.ident, self.interval_s = path, dict(ident), interval_s
+        self.sampler = sampler  # e.g. resources.ProcessSampler: CPU/RSS/GPU of this rank
         self.step, self.phase = 0, "start"
         self.progress = time.time()
         self.done, self.exited = False, False
@@ -110,6 +112,8 @@ class Heartbeat:
         row: dict[str, Any] = dict(self.ident)
         row.update(step=self.step, phase=self.phase, progress=self.progress, beat=time.time(),
                    done=self.done, exited=self.exited)
+        if self.sampler is not None:
+            row.update(self.sampler.sample())
         if self.step_times:
             row["step_s"] = statistics.median(self.step_times)
             row["local_s"] = statistics.median(self.local_times)

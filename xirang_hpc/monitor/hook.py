@@ -30,6 +30,7 @@ import torch.distributed as dist
 from xirang_hpc.config.schema import MonitorConfig, XirangConfig
 from xirang_hpc.monitor.flops import flops_per_token_for
 from xirang_hpc.monitor.heartbeat import SESSION_FILE, SESSIONS_LOG, Heartbeat, heartbeat_dir, write_json_atomic
+from xirang_hpc.monitor.resources import ProcessSampler
 from xirang_hpc.monitor.watchdog import spawn
 from xirang_hpc.runtime.topology import Topology
 from xirang_hpc.runtime.trainer import TrainerHook
@@ -93,7 +94,9 @@ class MonitorHook(TrainerHook):
                  "job_id": t.job_id, "started": time.time()}
         if t.local_rank == 0:
             ident["watchdog_pid"] = spawn(self.run_dir, session, t.node_name, t.node_id == 0, _watchdog_cfg(self.m))
-        self.hb = Heartbeat(hdir / f"rank-{t.rank}.json", ident, self.m.heartbeat_s, self.m.straggler_window)
+        gpu = t.local_rank if self.cfg.cluster.gpus_per_node else None
+        self.hb = Heartbeat(hdir / f"rank-{t.rank}.json", ident, self.m.heartbeat_s, self.m.straggler_window,
+                            sampler=ProcessSampler(gpu_index=gpu))
         self.hb.step = trainer.state.step
         self.hb.start()
         atexit.register(self._on_exit)

@@ -1,0 +1,110 @@
+"""``xirang-status [RUN_DIR | JOB_ID]``: where a run (or a sweep) stands, from anywhere.
+
+- a run directory: the full view (job state, requeues, progress, loss, tokens/s, MFU, ETA, last
+  checkpoint, per-node resource use, recent events);
+- a directory of run directories (a runs root, an array sweep's runs): one line per run;
+- a job id: the runs under ``--runs-root`` launched by that job (array tasks ``ID_N`` included).
+
+``--watch`` refreshes (a progress bar on a terminal, plain lines in logs), ``--json`` prints
+machine-readable output, ``--plot [PNG]`` writes loss and throughput against step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from xirang_hpc.monitor.render import render_array, render_run
+from xirang_hpc.monitor.status import TERMINAL, find_runs, is_run_dir, run_status
+
+
+class StatusError(Exception):
+    """The argument names no run."""
+
+
+def resolve(target: str, runs_root: Path) -> tuple[list[Path], bool]:
+    """(run directories, whether to show one line each)."""
+    p = Path(target).expanduser()
+    if p.is_dir():
+        if is_run_dir(p):
+            return [p], False
+        runs = find_runs(p)
+        if runs:
+            return runs, True
+        raise StatusError(f"{p} is neither a run directory (no metrics.jsonl or heartbeats/) nor a directory of runs")
+    runs = find_runs(runs_root, target)
+    if not runs:
+        raise StatusError(f"no run directory for job {target!r} under {runs_root.absolute()}; "
+                          "pass the run directory, or --runs-root where the runs live")
+    return runs, len(runs) > 1
+
+
+def snapshot(runs: list[Path], many: bool) -> dict[str, Any]:
+    """Status of every run (``{"runs": [...]}`` for many, else the one run's dict)."""
+    rows = [run_status(r) for r in runs]
+    return {"runs": rows} if many else rows[0]
+
+
+def render(snap: dict[str, Any], tty: bool) -> str:
+    """Text for a snapshot."""
+    return render_array(snap["runs"]) if "runs" in snap else render_run(snap, tty)
+
+
+def _finished(snap: dict[str, Any]) -> bool:
+    rows = snap.get("runs", [snap])
+    return all(r["state"] in TERMINAL for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit code (2: nothing found)."""
+    ap = argparse.ArgumentParser(prog="xirang-status", description=__doc__.split("\n\n")[0])
+    ap.add_argument("target", nargs="?", default="runs", help="run directory, directory of runs, or job id")
+    ap.add_argument("--runs-root", type=Path, default=Path("runs"), help="where to look up a job id (default ./runs)")
+    ap.add_argument("--watch", action="store_true", help="refresh until the run ends (Ctrl-C to stop)")
+    ap.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --watch")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
+                    help="write loss/throughput vs step (default RUN_DIR/status.png)")
+    a = ap.parse_args(argv)
+    try:
+        runs, many = resolve(a.target, a.runs_root)
+    except StatusError as exc:
+        print(f"xirang-status: error: {exc}", file=sys.stderr)
+        return 2
+    if a.plot is not None:
+        from xirang_hpc.monitor.plot import plot_run
+
+        for r in runs:
+            out = Path(a.plot) if a.plot and not many else r / "status.png"
+            info = plot_run(r, out)
+            print(f"wrote {info['path']} ({info['points']} points, requeues at {info['requeue_steps']}, "
+                  f"checkpoints at {info['checkpoint_steps']})")
+        return 0
+    tty = sys.stdout.isatty()
+    while True:
+        snap = snapshot(runs, many)
+        if a.json:
+            print(json.dumps(snap, default=str), flush=True)
+        else:
+            if a.watch and tty:
+                print("\033[2J\033[H", end="")
+            print(render(snap, tty), flush=True)
+        if not a.watch or _finished(snap):
+            return 0
+        try:
+            time.sleep(a.interval)
+        except KeyboardInterrupt:
+            return 0
+
+
+def cli() -> None:
+    """setuptools console script."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

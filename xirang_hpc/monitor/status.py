@@ -1,0 +1,182 @@
+"""What ``xirang-status`` knows about a run, gathered from its directory (and Slurm when present).
+
+Sources, all optional: ``heartbeats/`` (session, per-rank heartbeats), ``metrics.jsonl``
+(rank 0's training rows), ``events.jsonl`` (faults, requeues, exits), ``checkpoints/``
+(``step_N`` directories, ``latest``) and the job state (the process table for the local
+executor, squeue/sacct/scontrol for Slurm). :func:`run_status` returns a JSON-ready dict.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from xirang_hpc.monitor.events import FAULT_KINDS, read_events
+from xirang_hpc.monitor.flops import mfu, peak_for_device
+from xirang_hpc.monitor.heartbeat import HEARTBEAT_DIR, SESSION_FILE, SESSIONS_LOG, read_heartbeats, read_json
+from xirang_hpc.monitor.jobstate import Runner, run_cmd, slurm_state
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file; torn lines are skipped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def is_run_dir(path: Path) -> bool:
+    """A directory a training job has written to."""
+    return (path / "metrics.jsonl").exists() or (path / HEARTBEAT_DIR / SESSION_FILE).exists()
+
+
+def checkpoints(run_dir: Path) -> list[dict[str, Any]]:
+    """Committed checkpoints ``checkpoints/step_N``, oldest first, with their mtimes."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            out.append({"step": int(m.group(1)), "path": str(p), "time": p.stat().st_mtime})
+    return sorted(out, key=lambda c: c["step"])
+
+
+def _alive(pid: int, started: float) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() <= started + 1.0 and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except (psutil.Error, ValueError):
+        return False
+
+
+def _job_state(session: dict[str, Any], beats: dict[int, dict[str, Any]], events: list[dict[str, Any]],
+               now: float, run: Runner) -> dict[str, Any]:
+    """State from the scheduler when it answers, else derived from the run's own files."""
+    job = str(session.get("job_id", ""))
+    if session.get("source") == "slurm" and job:
+        info = slurm_state(job, run)
+        if info:
+            return info
+    here = socket.gethostname()
+    local = [hb for hb in beats.values() if hb.get("host") == here]
+    started = float(session.get("started", 0))
+    if session.get("source") == "local" and session.get("host") == here and job.isdigit() \
+            and _alive(int(job), started):
+        return {"state": "RUNNING", "source": "process table"}
+    if any(_alive(int(hb["pid"]), float(hb.get("started", 0))) for hb in local):
+        return {"state": "RUNNING", "source": "process table"}
+    # Ranks on other hosts: a fresh heartbeat means running (their thread beats every second or so).
+    if any(now - hb.get("beat", 0) < 30 for hb in beats.values() if hb.get("host") != here):
+        return {"state": "RUNNING", "source": "heartbeats"}
+    since = [e for e in events if e.get("time", 0) >= started]
+    final = [e for e in since if e.get("kind") == "exit" and "status" in e]
+    if final:
+        st = str(final[-1]["status"]).upper()
+        return {"state": "REQUEUED" if st == "REQUEUED" else st, "source": "events", "reason": final[-1]["reason"]}
+    if beats and all(hb.get("done") for hb in beats.values()):
+        return {"state": "COMPLETED", "source": "heartbeats"}
+    faults = [e for e in since if e.get("kind") in FAULT_KINDS]
+    if faults:
+        return {"state": "FAILED", "source": "events", "reason": faults[0]["reason"]}
+    if beats:
+        return {"state": "FAILED", "source": "heartbeats", "reason": "ranks exited before finishing"}
+    return {"state": "UNKNOWN", "source": "none"}
+
+
+def _nodes(beats: dict[int, dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    nodes: dict[str, dict[str, Any]] = {}
+    for r, hb in beats.items():
+        n = nodes.setdefault(str(hb.get("node", "?")), {"node": str(hb.get("node", "?")), "ranks": [], "steps": [],
+                                                        "phases": [], "cpu_pct": 0.0, "rss_mb": 0.0, "beat_age_s": 0.0,
+                                                        "gpu_util": [], "gpu_mem_mb": 0.0, "gpu_name": None})
+        n["ranks"].append(r)
+        n["steps"].append(int(hb.get("step", 0)))
+        n["phases"].append(str(hb.get("phase")))
+        n["cpu_pct"] += float(hb.get("cpu_pct", 0.0))
+        n["rss_mb"] += float(hb.get("rss_mb", 0.0))
+        n["beat_age_s"] = max(n["beat_age_s"], now - float(hb.get("beat", now)))
+        if "gpu_util" in hb:
+            n["gpu_util"].append(float(hb["gpu_util"]))
+            n["gpu_mem_mb"] += float(hb.get("gpu_mem_mb", 0.0))
+            n["gpu_name"] = hb.get("gpu_name")
+    for n in nodes.values():
+        n["gpu_util"] = sum(n["gpu_util"]) / len(n["gpu_util"]) if n["gpu_util"] else None
+    return sorted(nodes.values(), key=lambda n: n["node"])
+
+
+def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_cmd,
+               n_events: int = 8) -> dict[str, Any]:
+    """Everything ``xirang-status`` shows for one run directory."""
+    run_dir = Path(run_dir).absolute()
+    now = time.time() if now is None else now
+    hdir = run_dir / HEARTBEAT_DIR
+    session = read_json(hdir / SESSION_FILE) or {}
+    sessions = read_jsonl(hdir / SESSIONS_LOG)
+    beats = read_heartbeats(run_dir, session.get("session")) if session else {}
+    events = read_events(run_dir)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    train = [r for r in rows if "loss" in r]
+    val = [r for r in rows if "val_loss" in r]
+    last = train[-1] if train else {}
+    step = max([int(last.get("step", 0))] + [int(hb.get("step", 0)) for hb in beats.values()])
+    total = int(session.get("max_steps", 0))
+    tok_s = float(last.get("tokens_per_s", 0.0))
+    fpt = float(session.get("flops_per_token", 0.0))
+    peak = float(session.get("peak_tflops", 0.0)) or max(
+        [peak_for_device(str(hb.get("gpu_name", ""))) for hb in beats.values()] + [0.0])
+    job = _job_state(session, beats, events, now, run)
+    requeue_events = [e for e in events if e.get("kind") == "requeue"]
+    requeues = max(len(sessions) - 1, len(requeue_events), int(session.get("restart_count", 0)),
+                   int(job.get("restarts", 0) or 0), 0)
+    tokens_per_step = int(session.get("global_batch", 0)) * int(session.get("seq_len", 0))
+    eta = None
+    if job["state"] == "RUNNING" and tok_s > 0 and total:
+        eta = max(0, total - step) * tokens_per_step / tok_s
+    ckpts = checkpoints(run_dir)
+    ckpt = dict(ckpts[-1], age_s=now - ckpts[-1]["time"]) if ckpts else None
+    return {
+        "run_dir": str(run_dir), "job_id": session.get("job_id"), "executor": session.get("source"),
+        "state": job["state"], "state_source": job.get("source"), "state_reason": job.get("reason"),
+        "requeues": requeues, "sessions": len(sessions), "world_size": session.get("world_size"),
+        "num_nodes": session.get("num_nodes"), "model": session.get("model"),
+        "step": step, "total_steps": total, "loss": last.get("loss"),
+        "val_loss": val[-1]["val_loss"] if val else None, "val_step": val[-1]["step"] if val else None,
+        "tokens_per_s": tok_s or None, "tflops": tok_s * fpt / 1e12 if tok_s and fpt else None,
+        "mfu": mfu(tok_s, fpt, int(session.get("devices", 0)), peak), "eta_s": eta,
+        "checkpoint": ckpt, "nodes": _nodes(beats, now), "events": events[-n_events:], "n_events": len(events),
+        "time": now,
+    }
+
+
+def find_runs(root: Path, job_id: str | None = None) -> list[Path]:
+    """Run directories under ``root`` (one level), optionally those of ``job_id`` or its array tasks."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.iterdir()):
+        if not (p.is_dir() and is_run_dir(p)):
+            continue
+        if job_id is not None:
+            jobs = {str(s.get("job_id")) for s in read_jsonl(p / HEARTBEAT_DIR / SESSIONS_LOG)}
+            if not any(j == job_id or j.startswith(job_id + "_") for j in jobs):
+                continue
+        out.append(p)
+    return out
