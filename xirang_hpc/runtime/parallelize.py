@@ -87,8 +87,10 @@ def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None) 
     module: nn.Module = model
     if dims.dp > 1:
         # DDP cannot hold tensor-parallel DTensors without swapping parameters (which breaks
-        # their names); FSDP2 with a shard degree of 1 is exactly replication, DTensor-aware.
-        if p.data_parallel == "fsdp" or dims.tp > 1:
+        # their names), and its reducer rejects the several forwards before a backward that a
+        # 1F1B pipeline runs. FSDP2 with a shard degree of 1 is exactly replication (gradient
+        # all-reduce over dp), DTensor- and pipeline-aware, so it stands in for DDP there.
+        if p.data_parallel == "fsdp" or dims.tp > 1 or dims.pp > 1:
             apply_fsdp(model, mesh, dims)
             kind = "fsdp"
         else:
@@ -127,7 +129,8 @@ def _grad_sq_weighted(params: Iterable[nn.Parameter], replicas: int) -> torch.Te
                 # e.g. sequence-parallel norm weights: pending sums must be reduced before squaring.
                 g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
             for i, pl in enumerate(g.placements):
-                if pl.is_shard():
+                # Not ``is_shard()``: FSDP over a TP-sharded dim uses _StridedShard, for which it is False.
+                if not (pl.is_replicate() or pl.is_partial()):
                     shards *= g.device_mesh.size(i)
             g = g.to_local()
         total += g.detach().double().pow(2).sum().cpu() * (shards / replicas)
