@@ -1,0 +1,229 @@
+"""Monitor logic without processes: detection rules, heartbeat timing, events, FLOPs, status views,
+plot markers. Inputs are real files written by the monitor's own writers; the only substitute is
+the Slurm command runner (no Slurm here), passed in explicitly."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import MonitorConfig
+from xirang_hpc.launch.status_cli import main as status_main
+from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess
+from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
+from xirang_hpc.monitor.flops import flops_per_token, mfu, peak_for_device
+from xirang_hpc.monitor.heartbeat import (
+    HEARTBEAT_DIR,
+    SESSION_FILE,
+    SESSIONS_LOG,
+    Heartbeat,
+    heartbeat_dir,
+    read_heartbeats,
+    write_json_atomic,
+)
+from xirang_hpc.monitor.jobstate import slurm_state
+from xirang_hpc.monitor.plot import plot_run
+from xirang_hpc.monitor.status import run_status
+
+TH = Thresholds(hang_s=30, stale_s=5, straggler_k=2.0, straggler_min_s=0.05, straggler_window=3)
+NOW = 1000.0
+
+
+def beat(rank: int, step: int = 10, phase: str = "backward", progress: float = NOW - 1, last: float = NOW - 0.5,
+         **kw: object) -> dict:
+    return {"rank": rank, "node": f"n{rank // 2}", "step": step, "phase": phase, "progress": progress, "beat": last,
+            "pid": 100 + rank, **kw}
+
+
+def test_dead_rank_without_exit_record_is_primary_peers_are_not_faults() -> None:
+    beats = {r: beat(r) for r in range(4)}
+    beats[0]["exited"], beats[0]["exit_time"] = True, NOW - 0.1  # crashed because rank 3 vanished
+    st = WatchState()
+    fs = assess(beats, {0: GONE, 1: ALIVE, 2: ALIVE, 3: GONE}, NOW, TH, st)
+    assert [(f.kind, f.rank, f.node) for f in fs] == [("dead", 3, "n1"), ("peer_exit", 0, "n0")]
+    assert "without an exit record" in fs[0].cause
+    # Reported once; a later death is a peer exit; no hang is assessed after a death.
+    fs = assess(beats, {0: GONE, 1: GONE, 2: ALIVE, 3: GONE}, NOW + 100, TH, st)
+    assert [(f.kind, f.rank) for f in fs] == [("peer_exit", 1)]
+
+
+def test_finished_rank_that_exits_is_not_dead() -> None:
+    beats = {0: beat(0, done=True), 1: beat(1, done=True)}
+    assert assess(beats, {0: GONE, 1: GONE}, NOW, TH, WatchState()) == []
+
+
+def test_hang_names_stopped_rank_then_lagging_then_odd_phase_then_first_stalled() -> None:
+    stalled = NOW - 40
+    base = {r: beat(r, progress=stalled) for r in range(4)}
+    # (1) a stopped process wins, whatever the others say
+    fs = assess(base, {0: ALIVE, 1: ALIVE, 2: STOPPED, 3: ALIVE}, NOW, TH, WatchState())
+    assert [(f.kind, f.rank) for f in fs] == [("hang", 2)] and "stopped" in fs[0].cause
+    assert fs[0].extra["stalled_ranks"] == [0, 1, 2, 3]
+    # (2) a silent heartbeat on another host
+    b = {**base, 1: beat(1, progress=stalled, last=NOW - 20)}
+    fs = assess(b, {r: None for r in b}, NOW, TH, WatchState())
+    assert [(f.kind, f.rank) for f in fs if f.kind == "hang"] == [("hang", 1)]
+    assert [f.rank for f in fs if f.kind == "unresponsive"] == [1]
+    # (3) one rank a step behind
+    b = {**base, 3: beat(3, step=9, phase="data", progress=stalled)}
+    fs = assess(b, {r: ALIVE for r in b}, NOW, TH, WatchState())
+    assert [(f.rank, f.phase) for f in fs] == [(3, "data")] and "step 9 while others reached step 10" in fs[0].cause
+    # (4) same step, odd phase out
+    b = {**base, 0: beat(0, phase="forward", progress=stalled)}
+    fs = assess(b, {r: ALIVE for r in b}, NOW, TH, WatchState())
+    assert [f.rank for f in fs] == [0] and "wait in 'backward'" in fs[0].cause
+    # (5) nobody stands out: the first to stall
+    b = {**base, 2: beat(2, progress=stalled - 3)}
+    fs = assess(b, {r: ALIVE for r in b}, NOW, TH, WatchState())
+    assert [f.rank for f in fs] == [2] and "network hang" in fs[0].cause
+
+
+def test_no_hang_below_threshold_and_hang_reported_once() -> None:
+    b = {r: beat(r, progress=NOW - 29) for r in range(2)}
+    st = WatchState()
+    assert assess(b, {0: ALIVE, 1: ALIVE}, NOW, TH, st) == []
+    assert len(assess(b, {0: ALIVE, 1: ALIVE}, NOW + 2, TH, st)) == 1
+    assert assess(b, {0: ALIVE, 1: ALIVE}, NOW + 4, TH, st) == []
+
+
+def test_straggler_needs_k_times_median_and_absolute_excess() -> None:
+    def beats(slow: float) -> dict:
+        return {r: beat(r, local_s=slow if r == 1 else 0.02, timed_steps=3) for r in range(4)}
+
+    st = WatchState()
+    fs = assess(beats(0.30), {r: ALIVE for r in range(4)}, NOW, TH, st)
+    assert [(f.kind, f.rank) for f in fs] == [("straggler", 1)] and fs[0].extra["median_local_s"] == 0.02
+    assert assess(beats(0.30), {r: ALIVE for r in range(4)}, NOW, TH, st) == []  # once
+    # 3x the median but only 40 ms more: noise, not a straggler
+    assert assess(beats(0.06), {r: ALIVE for r in range(4)}, NOW, TH, WatchState()) == []
+    # too few timed steps
+    b = {r: beat(r, local_s=0.3 if r == 1 else 0.02, timed_steps=2) for r in range(4)}
+    assert assess(b, {r: ALIVE for r in range(4)}, NOW, TH, WatchState()) == []
+
+
+def test_heartbeat_times_local_work_and_writes_atomically(tmp_path: Path) -> None:
+    hb = Heartbeat(heartbeat_dir(tmp_path) / "rank-0.json", {"rank": 0, "session": "s"}, window=2)
+    for k in range(3):
+        t = 100.0 * k
+        hb.mark_phase("data", t)
+        hb.mark_phase("forward", t + 1.0)
+        hb.mark_phase("backward", t + 3.0)   # data+forward = 3 s of local work
+        hb.mark_phase("optimizer", t + 10.0)
+        hb.mark_step(k + 1, t + 11.0)
+    hb.write()
+    got = read_heartbeats(tmp_path, "s")[0]
+    assert (got["step"], got["step_s"], got["local_s"], got["timed_steps"]) == (3, 11.0, 3.0, 2)
+    assert read_heartbeats(tmp_path, "other") == {}
+    assert [p.name for p in (tmp_path / HEARTBEAT_DIR).iterdir()] == ["rank-0.json"]  # no temp files left
+    assert oct((tmp_path / HEARTBEAT_DIR).stat().st_mode & 0o777) == "0o700"
+
+
+def test_events_append_read_and_failed_nodes(tmp_path: Path) -> None:
+    append_event(tmp_path, "straggler", "slow", node="n1")
+    append_event(tmp_path, "dead", "gone", node="n2", rank=5)
+    with (tmp_path / "events.jsonl").open("a") as f:
+        f.write('{"torn": \n')
+    append_event(tmp_path, "hang", "stuck", node="n3")
+    append_event(tmp_path, "dead", "again", node="n2")
+    assert [e["kind"] for e in read_events(tmp_path)] == ["straggler", "dead", "hang", "dead"]
+    assert failed_nodes(tmp_path) == ["n2", "n3"]
+    assert oct((tmp_path / "events.jsonl").stat().st_mode & 0o777) == "0o600"
+
+
+def test_flops_match_narayanan_and_mfu() -> None:
+    l_, h, s, v = 24, 2304, 2048, 51200
+    # Narayanan et al. (SC21) without recomputation: 72*l*h^2*(1 + s/(6h)) + 6*h*V per token.
+    expect = 72 * l_ * h * h * (1 + s / (6 * h)) + 6 * h * v
+    assert flops_per_token(l_, h, s, v, 4 * h) == pytest.approx(expect, rel=1e-12)
+    assert peak_for_device("NVIDIA H100 80GB HBM3") == 989.0 and peak_for_device("cpu") == 0.0
+    assert mfu(1000.0, 1e9, 2, 1.0) == 0.5 and mfu(1000.0, 1e12, 0, 312.0) is None
+
+
+def test_monitor_config_rejects_requeue_signals_and_bad_staleness() -> None:
+    with pytest.raises(ConfigError, match="monitor.stack_signal.*requeue signals"):
+        MonitorConfig(stack_signal="SIGUSR2")
+    with pytest.raises(ConfigError, match="monitor.stale_s"):
+        MonitorConfig(heartbeat_s=5, stale_s=6)
+
+
+def _fake_run(tmp: Path, job: str, sessions: list[int], steps: int, total: int, done: bool,
+              events: list[tuple[str, dict]] = ()) -> Path:
+    """A run directory as the monitor and trainer leave it, for a process that is no longer running."""
+    run = tmp / f"run-{job}"
+    hdir = heartbeat_dir(run)
+    t0 = time.time() - 100
+    for k, start in enumerate(sessions):
+        row = {"session": f"s{k}", "job_id": job, "source": "local", "host": socket.gethostname(),
+               "started": t0 + k, "start_step": start, "max_steps": total, "global_batch": 8, "seq_len": 16,
+               "flops_per_token": 1e6, "devices": 0, "peak_tflops": 0, "world_size": 2, "num_nodes": 1,
+               "model": "tiny"}
+        write_json_atomic(hdir / SESSION_FILE, row)
+        with (hdir / SESSIONS_LOG).open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    for r in range(2):
+        write_json_atomic(hdir / f"rank-{r}.json", {"rank": r, "node": "vnode0", "pid": 2**22 + 7, "host": "elsewhere",
+                                                     "session": f"s{len(sessions) - 1}", "step": steps, "phase": "done"
+                                                     if done else "forward", "progress": t0, "beat": t0, "done": done,
+                                                     "started": t0, "rss_mb": 100.0, "cpu_pct": 50.0})
+    with (run / "metrics.jsonl").open("w") as f:
+        for s in range(5, steps + 1, 5):
+            f.write(json.dumps({"step": s, "loss": 5.0 / s, "tokens_per_s": 1000.0, "time": t0 + s}) + "\n")
+    for kind, fields in events:
+        append_event(run, kind, fields.pop("reason", kind), **fields)
+    return run
+
+
+def test_status_requeued_run_counts_requeues_and_plot_marks_them(tmp_path: Path) -> None:
+    run = _fake_run(tmp_path, "9999977", sessions=[0, 30], steps=60, total=100, done=True,
+                    events=[("requeue", {"reason": "preempted"})])
+    (run / "checkpoints" / "step_50").mkdir(parents=True)
+    (run / "checkpoints" / "step_25").mkdir(parents=True)
+    s = run_status(run)
+    assert (s["state"], s["requeues"], s["sessions"], s["step"], s["total_steps"]) == ("COMPLETED", 1, 2, 60, 100)
+    assert s["checkpoint"]["step"] == 50 and s["checkpoint"]["age_s"] < 60
+    assert s["loss"] == pytest.approx(5.0 / 60) and s["tflops"] == pytest.approx(1000.0 * 1e6 / 1e12)
+    info = plot_run(run, tmp_path / "p.png")
+    # the second session restarted at step 30; the requeue event (no step) lands at the last logged step
+    assert info["requeue_steps"] == [30, 60] and info["checkpoint_steps"] == [25, 50] and info["points"] == 12
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_status_failed_run_and_array_view_one_line_per_task(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "sweep"
+    root.mkdir()
+    _fake_run(root, "500_0", sessions=[0], steps=40, total=40, done=True)
+    _fake_run(root, "500_1", sessions=[0], steps=15, total=40, done=False,
+              events=[("dead", {"reason": "rank 1 on vnode0 (forward, step 15): dead: killed", "node": "vnode0"})])
+    _fake_run(root, "501", sessions=[0], steps=5, total=40, done=False)
+    s = run_status(root / "run-500_1")
+    assert s["state"] == "FAILED" and s["state_reason"].startswith("rank 1 on vnode0")
+    assert status_main([str(root)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("task")
+    assert lines[1].split()[:3] == ["500_0", "COMPLETED", "40/40"]
+    assert lines[2].split()[:3] == ["500_1", "FAILED", "15/40"] and "rank 1 on vnode0" in lines[2]
+    # by job id: the array's two tasks, not job 501
+    assert status_main(["500", "--runs-root", str(root), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["job_id"] for r in got["runs"]] == ["500_0", "500_1"]
+    assert status_main(["999", "--runs-root", str(root)]) == 2
+    assert "no run directory for job '999'" in capsys.readouterr().err
+
+
+def test_slurm_state_prefers_squeue_then_sacct_then_scontrol_and_degrades() -> None:
+    # No Slurm here: the single subprocess function is replaced by canned outputs of the real commands.
+    def runner(table: dict[str, str | None]):
+        return lambda argv: table.get(argv[0])
+
+    sc = "JobId=7 JobName=x JobState=PENDING Reason=BeginTime Restarts=2 BatchFlag=1"
+    assert slurm_state("7", runner({"squeue": "RUNNING|None\n", "scontrol": sc})) == {
+        "state": "RUNNING", "reason": "None", "source": "squeue", "restarts": "2"}
+    assert slurm_state("7", runner({"squeue": "", "sacct": "COMPLETED|0:0\n"})) == {
+        "state": "COMPLETED", "exit_code": "0:0", "source": "sacct"}
+    assert slurm_state("7", runner({"squeue": None, "sacct": None, "scontrol": sc}))["state"] == "PENDING"
+    assert slurm_state("7", runner({})) == {}
