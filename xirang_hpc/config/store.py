@@ -15,4 +15,7 @@ def register_configs() -> None:
     if _REGISTERED:
         return
     ConfigStore.instance().store(name="xirang_schema", node=XirangConfig)
+    from xirang_hpc.launch.sweep import register_launcher  # hydra/launcher=xirang: sweeps -> one array job
+
+    register_launcher()
     _REGISTERED = True

@@ -119,9 +119,10 @@ def classify_stop(info: Mapping[str, str], signal_name: str, signal_delay_s: flo
 def start_now_detached(job_id: str, delay_s: int = 0, wait_s: int = 120) -> None:
     """After a requeue, make the job eligible again at once (or after ``delay_s``: the backoff).
 
-    Slurm holds a requeued job in ``BeginTime`` for about two minutes, and resets the begin time
-    only once the job has left the nodes, so the update must come from a process that outlives
-    the job: a small detached shell polls until the job is PENDING, then sets ``StartTime``.
+    Slurm holds a requeued job in ``BeginTime`` for about two minutes, and sets that begin time
+    only once the job has left the nodes (an earlier update is overwritten), so the update must come
+    from a process that outlives the job: a small detached shell polls until the job is PENDING
+    with ``Reason=BeginTime``, then sets ``StartTime``.
     Where the site's process tracking (cgroups) kills it with the job, Slurm's default delay stands.
     """
     exe = shutil.which("scontrol")
@@ -130,9 +131,9 @@ def start_now_detached(job_id: str, delay_s: int = 0, wait_s: int = 120) -> None
     when = "now" if delay_s <= 0 else f"now+{int(delay_s)}"
     script = (
         f"for i in $(seq 1 {int(wait_s)}); do sleep 1; "
-        f"if {exe} show job -o {job_id} | grep -q 'JobState=PENDING'; then "
+        f"if {exe} show job -o {job_id} | grep 'JobState=PENDING' | grep -q 'Reason=BeginTime'; then "
         f"{exe} update jobid={job_id} StartTime={when}; exit 0; fi; done"
     )
     # A double fork (the intermediate shell exits) so the helper is no child of the job's tasks.
-    subprocess.Popen(["sh", "-c", f"setsid sh -c \"{script}\" </dev/null >/dev/null 2>&1 &"],
+    subprocess.Popen(["sh", "-c", 'setsid sh -c "$1" </dev/null >/dev/null 2>&1 &', "sh", script],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait()

@@ -1,0 +1,8 @@
+"""Hydra discovers launcher plugins only under the ``hydra_plugins`` namespace; the logic lives in
+:mod:`xirang_hpc.launch.sweep` (``hydra/launcher=xirang``: a Slurm sweep becomes one array job)."""
+
+from xirang_hpc.launch.sweep import XirangLauncher as _XirangLauncher
+
+
+class XirangLauncher(_XirangLauncher):
+    """The registered plugin class (Hydra requires it to live in ``hydra_plugins``)."""
