@@ -1,0 +1,94 @@
+"""Node grouping for the hierarchical all-reduce, from the Topology (never from hostnames).
+
+For the data-parallel group a DDP module reduces over, the ranks are split by node
+(``Topology.node_id``: ``SLURM_NODEID`` on Slurm, the virtual nodes of ``cluster=local``).
+With ``m`` nodes holding ``k`` ranks of the group each, local index ``j`` of every node forms one
+*cross-node* subgroup: the k subgroups are the k parallel inter-node flows of Horovod's
+hierarchical all-reduce. Subgroup creation is collective over the whole world (every rank calls
+``new_group`` for every subgroup in the same order), so several dp groups (under tp or pp) work.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from xirang_hpc.runtime.topology import Topology
+
+
+class CommLayoutError(ValueError):
+    """The data-parallel group cannot be split into equal node groups."""
+
+
+@dataclass
+class CommLayout:
+    """This rank's place in the two-level (node, local index) view of its data-parallel group."""
+
+    group: Any  # the data-parallel ProcessGroup (DDP's), or None for a single process
+    group_ranks: list[int]
+    nodes: int  # m: nodes the group spans
+    local: int  # k: ranks of the group per node
+    node_index: int  # which of the m nodes this rank is on
+    local_index: int  # j: this rank's index among the group's ranks on its node
+    node_id: int  # Topology.node_id of this rank's node
+    token: str  # names this communicator's shared-memory segments
+    cross_group: Any = None  # ProcessGroup of the same-j peers on the other nodes (None if m == 1)
+    intra_group: Any = None  # ProcessGroup of this node's ranks (NCCL only; CPU uses shared memory)
+    intra_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        """p = m x k ranks in the group."""
+        return self.nodes * self.local
+
+
+def split_by_node(members: list[tuple[int, int, int]]) -> list[list[int]]:
+    """``[(global rank, node_id, local_rank)]`` -> ranks per node (nodes sorted, ranks by local rank).
+
+    Raises :class:`CommLayoutError` if the nodes hold different numbers of the group's ranks.
+    """
+    by_node: dict[int, list[tuple[int, int]]] = {}
+    for rank, node, local in members:
+        by_node.setdefault(node, []).append((local, rank))
+    rows = [[r for _, r in sorted(by_node[n])] for n in sorted(by_node)]
+    counts = {len(r) for r in rows}
+    if len(counts) != 1:
+        detail = ", ".join(f"node {n}: {len(by_node[n])}" for n in sorted(by_node))
+        raise CommLayoutError(
+            f"the hierarchical all-reduce needs the same number of data-parallel ranks on every node ({detail}); "
+            "use comm.hierarchical=false or a layout with equal ranks per node")
+    return rows
+
+
+def build_layout(topo: Topology, group: Any = None, backend: str = "gloo") -> CommLayout:
+    """Collective over the world: build the node groups for ``group`` (default: the world)."""
+    if not dist.is_initialized():
+        return CommLayout(group=None, group_ranks=[0], nodes=1, local=1, node_index=0, local_index=0,
+                          node_id=topo.node_id, token=uuid.uuid4().hex[:12], intra_ranks=[0])
+    group = group if group is not None else dist.group.WORLD
+    mine = tuple(dist.get_process_group_ranks(group))
+    world = dist.get_world_size()
+    info: list[Any] = [None] * world
+    dist.all_gather_object(info, (topo.node_id, topo.local_rank, mine, uuid.uuid4().hex[:12]))
+    me = dist.get_rank()
+    groups = sorted({tuple(i[2]) for i in info})
+    layout: CommLayout | None = None
+    for g in groups:
+        rows = split_by_node([(r, info[r][0], info[r][1]) for r in g])
+        m, k = len(rows), len(rows[0])
+        token = info[g[0]][3]
+        cross = [dist.new_group([rows[n][j] for n in range(m)]) if m > 1 else None for j in range(k)]
+        intra = [dist.new_group(row, backend="nccl") if backend == "nccl" and k > 1 else None for row in rows]
+        if g != mine:
+            continue
+        for n, row in enumerate(rows):
+            if me in row:
+                j = row.index(me)
+                layout = CommLayout(group=group, group_ranks=list(g), nodes=m, local=k, node_index=n, local_index=j,
+                                    node_id=topo.node_id, token=token, cross_group=cross[j], intra_group=intra[n],
+                                    intra_ranks=row)
+    assert layout is not None, "this rank is not in its own data-parallel group"
+    return layout

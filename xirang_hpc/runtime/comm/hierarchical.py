@@ -1,0 +1,151 @@
+"""Hierarchical all-reduce: intra-node reduce-scatter, k parallel inter-node all-reduces, intra-node all-gather.
+
+Horovod's scheme (anchors.md): for ``p = m`` nodes x ``k`` ranks, each local rank ``j`` owns
+shard ``j`` of the message; it sums the k inputs of that shard inside the node, all-reduces the
+shard with the rank-``j`` peers of the other nodes (k flows in parallel, one gloo subgroup each),
+and the node then reads the full result back. Alpha-beta cost (anchors.md):
+``2(k-1)a_l + 2(k-1)/k n b_l + 2(m-1)a_g + 2(m-1)/m (n/k) b_g``; each node's NIC carries
+``2(m-1)/m n`` bytes instead of ``2(p-1)/p n`` for a node-ordered flat ring.
+
+On CPU the intra-node steps use :class:`~xirang_hpc.runtime.comm.shm.NodeShm` (no gloo
+reduce-scatter: in torch 2.13 it is a full all-reduce). On GPU they use NCCL's
+``reduce_scatter_tensor``/``all_gather_into_tensor`` on an intra-node group; that path cannot
+run on this CPU-only machine and is untested here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from xirang_hpc.runtime.comm.groups import CommLayout
+from xirang_hpc.runtime.comm.shm import NodeShm, shm_path
+
+
+def shard_bounds(n: int, k: int, j: int, align: int = 16) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` of shard ``j`` of ``k`` over ``n`` (aligned; trailing shards may be short or empty)."""
+    per = -(-n // k)
+    per = -(-per // align) * align
+    lo = min(n, j * per)
+    return lo, min(n, lo + per)
+
+
+def _pieces(tensors: list[torch.Tensor], start: int, n: int) -> list[tuple[torch.Tensor, int, int, int]]:
+    """(tensor, offset in tensor, offset in chunk, length) of the virtual concatenation's ``[start, start+n)``."""
+    out, base = [], 0
+    for t in tensors:
+        lo, hi = max(start, base), min(start + n, base + t.numel())
+        if lo < hi:
+            out.append((t, lo - base, lo - start, hi - lo))
+        base += t.numel()
+    return out
+
+
+class HierarchicalAllreduce:
+    """Averages flat tensors over a :class:`CommLayout`'s group, node-aware."""
+
+    def __init__(self, layout: CommLayout, slot_bytes: int = 32 << 20, timeout_s: float = 300.0) -> None:
+        self.layout = layout
+        self.gpu = dist.is_initialized() and dist.get_backend(layout.group) == "nccl"
+        self.shm: NodeShm | None = None
+        self.slot_bytes = slot_bytes
+        self.region = 0
+        # Measured inter-node traffic of this rank (ring: 2(m-1)/m of each shard's bytes).
+        self.internode_bytes = 0.0
+        self.internode_s = 0.0
+        if layout.local > 1 and not self.gpu:
+            path = shm_path(layout.token, layout.node_id)
+            creator = layout.local_index == 0
+            if creator:
+                self.shm = NodeShm(path, 0, layout.local, slot_bytes, create=True, timeout_s=timeout_s)
+            dist.barrier(group=layout.group)
+            if not creator:
+                self.shm = NodeShm(path, layout.local_index, layout.local, slot_bytes, create=False,
+                                   timeout_s=timeout_s)
+            dist.barrier(group=layout.group)
+            self.shm.unlink()
+
+    def close(self) -> None:
+        """Release the shared segment."""
+        if self.shm is not None:
+            self.shm.unlink()
+            self.shm.close()
+            self.shm = None
+
+    def _cross(self, t: torch.Tensor) -> None:
+        lay = self.layout
+        if lay.nodes == 1 or t.numel() == 0:
+            return
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=lay.cross_group)
+        self.internode_s += time.perf_counter() - t0
+        self.internode_bytes += 2 * (lay.nodes - 1) / lay.nodes * t.numel() * t.element_size()
+
+    def allreduce_(self, tensors: list[torch.Tensor], inter_node: bool = True, chunk_bytes: int = 0) -> None:
+        """Average the 1-D ``tensors`` (one dtype) in place over the group, or over this node only.
+
+        The virtual concatenation of ``tensors`` is processed in chunks of ``chunk_bytes``
+        (at most the shared slot; 0 = the slot size).
+        """
+        if not tensors:
+            return
+        lay = self.layout
+        divisor = lay.size if inter_node else lay.local
+        if lay.local == 1:
+            for t in tensors:
+                t.div_(divisor)
+                if inter_node:
+                    self._cross(t)
+            return
+        if self.gpu:
+            self._allreduce_nccl(tensors, divisor, inter_node)
+            return
+        dtype = tensors[0].dtype
+        total = sum(t.numel() for t in tensors)
+        limit = min(self.slot_bytes, chunk_bytes) if chunk_bytes > 0 else self.slot_bytes
+        cap = max(1, limit // tensors[0].element_size())
+        for start in range(0, total, cap):
+            self._chunk(_pieces(tensors, start, min(cap, total - start)), min(cap, total - start), dtype,
+                        divisor, inter_node)
+
+    def _chunk(self, pieces: list[tuple[torch.Tensor, int, int, int]], n: int, dtype: torch.dtype,
+               divisor: int, inter_node: bool) -> None:
+        shm, lay = self.shm, self.layout
+        assert shm is not None
+        ins, out = shm.slots(self.region, n, dtype)
+        self.region ^= 1  # double buffering: the next chunk never waits for this one's readers
+        me = lay.local_index
+        for t, t_lo, c_lo, ln in pieces:
+            ins[me, c_lo : c_lo + ln].copy_(t[t_lo : t_lo + ln])
+        shm.barrier()  # every input of this chunk is written
+        lo, hi = shard_bounds(n, lay.local, me)
+        if hi > lo:
+            shard = out[lo:hi]
+            torch.sum(ins[:, lo:hi], dim=0, out=shard)
+            shard.div_(divisor)
+            if inter_node:
+                self._cross(shard)
+        shm.barrier()  # every shard is reduced (and all-reduced across nodes)
+        for t, t_lo, c_lo, ln in pieces:
+            t[t_lo : t_lo + ln].copy_(out[c_lo : c_lo + ln])
+
+    def _allreduce_nccl(self, tensors: list[torch.Tensor], divisor: int, inter_node: bool) -> None:
+        """GPU path: NCCL reduce-scatter / all-reduce / all-gather (untested on this CPU machine)."""
+        lay = self.layout
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        n = flat.numel()
+        padded = -(-n // lay.local) * lay.local
+        if padded != n:
+            flat = torch.cat([flat, flat.new_zeros(padded - n)])
+        shard = flat.new_empty(padded // lay.local)
+        dist.reduce_scatter_tensor(shard, flat, group=lay.intra_group)
+        shard.div_(divisor)
+        if inter_node:
+            self._cross(shard)
+        dist.all_gather_into_tensor(flat, shard, group=lay.intra_group)
+        pos = 0
+        for t in tensors:
+            t.copy_(flat[pos : pos + t.numel()].view_as(t))
+            pos += t.numel()

@@ -1,0 +1,138 @@
+"""``install_comm``: put the hierarchical hook (and, if asked, the bandwidth budget) on a DDP module.
+
+Everything is opt-in through ``cfg.comm``: with ``hierarchical=false`` and no budget nothing is
+installed and DDP's own flat all-reduce runs; with no budget and no ``sync_period`` training is
+exact synchronous data parallelism (the hook only changes how the average is computed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from xirang_hpc.config.schema import CommConfig
+from xirang_hpc.runtime.comm.budget import ModelAverager
+from xirang_hpc.runtime.comm.groups import CommLayout, build_layout
+from xirang_hpc.runtime.comm.hierarchical import HierarchicalAllreduce
+from xirang_hpc.runtime.comm.hook import MB, BucketTuner, CommHook
+from xirang_hpc.runtime.topology import Topology
+from xirang_hpc.runtime.trainer import TrainerHook
+
+
+@dataclass
+class CommState:
+    """What ``install_comm`` set up on this rank; checkpoint ``state_dict()`` with the model."""
+
+    layout: CommLayout
+    ar: HierarchicalAllreduce
+    hook: CommHook
+    averager: ModelAverager | None = None
+    steps: int = 0
+    _bytes_at: list[float] = field(default_factory=lambda: [0.0])
+
+    def after_step(self, step_s: float, final: bool = False) -> None:
+        """Call after every optimizer step on every rank of the data-parallel group."""
+        self.steps += 1
+        if self.averager is not None:
+            self.averager.after_step(step_s, final)
+
+    def stats(self) -> dict[str, float]:
+        """Inter-node bytes per step through this rank's node NIC (k flows x this rank's flow, logical count)."""
+        b = self.ar.internode_bytes * self.layout.local
+        return {"internode_bytes": b, "internode_bytes_per_step": b / max(1, self.steps),
+                "bucket_bytes": float(self.hook.bucket_bytes),
+                "sync_period": float(self.averager.period if self.averager else 1)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Averaging state (period, position in the period, outer optimizer) and the bucket decision."""
+        sd: dict[str, Any] = {"steps": self.steps, "bucket_bytes": self.hook.bucket_bytes,
+                              "internode_bytes": self.ar.internode_bytes}
+        if self.averager is not None:
+            sd["averager"] = self.averager.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after the model's parameters)."""
+        self.steps = int(sd["steps"])
+        self.ar.internode_bytes = float(sd.get("internode_bytes", 0.0))
+        if self.hook.tuner is not None and sd.get("bucket_bytes"):
+            self.hook.tuner.chosen = int(sd["bucket_bytes"])
+        self.hook.bucket_bytes = int(sd["bucket_bytes"])
+        if self.averager is not None and "averager" in sd:
+            self.averager.load_state_dict(sd["averager"])
+
+    def close(self) -> None:
+        """Stop the worker and release shared memory."""
+        self.hook.close()
+        self.ar.close()
+
+
+def parse_bucket(cfg: CommConfig) -> tuple[int, BucketTuner | None]:
+    """(fixed message bytes, tuner or None) from ``comm.bucket``."""
+    if str(cfg.bucket) == "auto":
+        cands = [int(c * MB) for c in cfg.auto_candidates_mb]
+        return max(cands), BucketTuner(cands, steps_each=cfg.auto_steps)
+    return int(float(cfg.bucket) * MB), None
+
+
+def install_comm(ddp: nn.Module, topo: Topology, cfg: CommConfig,
+                 log_fn: Callable[[str], None] | None = None) -> CommState:
+    """Register the hierarchical hook on ``ddp`` (collective over the world; before the first backward)."""
+    layout = build_layout(topo, getattr(ddp, "process_group", None))
+    bucket, tuner = parse_bucket(cfg)
+    ar = HierarchicalAllreduce(layout, slot_bytes=bucket, timeout_s=cfg.timeout_s)
+    hook = CommHook(ar, bucket, tuner, log_fn=log_fn)
+    # A lambda: DDP inspects the hook's annotations, which ``from __future__ import annotations`` turns into strings.
+    ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))  # type: ignore[operator]
+    state = CommState(layout=layout, ar=ar, hook=hook)
+    if cfg.sync_period != 1 and (cfg.sync_period > 1 or cfg.inter_node_budget > 0) and layout.nodes > 1:
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        state.averager = ModelAverager(
+            params, ar, lambda on: setattr(hook, "inter_node", on), period=cfg.sync_period,
+            budget=cfg.inter_node_budget, calibration_steps=cfg.calibration_steps, outer=cfg.outer_optimizer,
+            outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, log_fn=log_fn)
+    if log_fn is not None and topo.rank == 0:
+        log_fn(f"comm: hierarchical all-reduce over {layout.nodes} node(s) x {layout.local} rank(s), "
+               f"bucket {'auto' if tuner else f'{bucket / MB:g} MB'}, "
+               f"sync period {state.averager.period if state.averager else 1} (0 = from budget)")
+    return state
+
+
+class CommTrainerHook(TrainerHook):
+    """Installs the hook at fit start (DDP only) and drives the averager after every step."""
+
+    def __init__(self, cfg: CommConfig) -> None:
+        self.cfg = cfg
+        self.state: CommState | None = None
+        self._t0 = 0.0
+
+    def on_fit_start(self, trainer: Any) -> None:
+        c = self.cfg
+        if not c.hierarchical and c.inter_node_budget == 0 and c.sync_period <= 1:
+            return  # DDP's own flat all-reduce
+        if isinstance(trainer.ddp, nn.parallel.DistributedDataParallel):
+            self.state = install_comm(trainer.ddp, trainer.topo, self.cfg,
+                                      log_fn=trainer.log if trainer.topo.rank == 0 else None)
+            trainer.comm_state = self.state  # for the checkpoint hook: include state_dict()
+        elif trainer.topo.rank == 0 and trainer.dp_size > 1:
+            trainer.log("comm: hierarchical hook skipped (data_parallel is not plain DDP; FSDP/HSDP reduce internally)")
+
+    def on_phase(self, trainer: Any, phase: str) -> None:
+        if phase == "data":
+            self._t0 = time.perf_counter()
+
+    def on_step_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+        if self.state is None:
+            return
+        final = trainer.state.step >= trainer.cfg.train.max_steps
+        self.state.after_step(time.perf_counter() - self._t0, final=final)
+
+    def on_fit_end(self, trainer: Any, summary: dict[str, object]) -> None:
+        if self.state is None:
+            return
+        summary["comm"] = self.state.stats()
+        self.state.close()
