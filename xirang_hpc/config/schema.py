@@ -191,20 +191,28 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoint policy (storage arrives with the checkpointing issue)."""
+    """Checkpoint policy: HDF5 DCP checkpoints under ``<run>/checkpoints`` (see xirang_hpc/checkpoint)."""
 
     enabled: bool = True
     every_steps: int = 50
     keep_last: int = 3
-    keep_every: int = 0
+    keep_every: int = 0  # also keep every K-th step as a milestone (0 = none)
+    pinned: list[int] = field(default_factory=list)  # steps never pruned
     async_save: bool = True
     compression: str = "none"  # none | lzf | gzip
+    dedup: bool = False  # store chunks identical to the previous checkpoint's as references
+    verify_checksums: bool = True  # sha256 of every file before loading
+    auto_interval: bool = False  # adapt every_steps with Daly's formula from measured costs
+    mtbf_hours: float = 24.0  # MTBF for the interval tuner until the run has its own history
     dir_mode: int = 0o700
 
     def __post_init__(self) -> None:
         _positive("checkpoint", "every_steps", self.every_steps)
+        _positive("checkpoint", "mtbf_hours", self.mtbf_hours)
         if self.keep_last < 1:
             raise ConfigError("checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint")
+        if self.dir_mode & ~0o777 or not self.dir_mode & 0o700 == 0o700:
+            raise ConfigError("checkpoint.dir_mode", oct(self.dir_mode), "use a mode like 0o700 or 0o750 (owner rwx)")
         if self.compression not in ("none", "lzf", "gzip"):
             raise ConfigError("checkpoint.compression", self.compression, "choose none, lzf or gzip")
 

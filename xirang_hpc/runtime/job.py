@@ -39,6 +39,10 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
     Each feature adds its hook here (one line each) so the loop itself stays small.
     """
     hooks: list[TrainerHook] = []
+    if cfg.checkpoint.enabled:
+        from xirang_hpc.checkpoint.hook import CheckpointHook  # restore, periodic async save, final save (issue 5)
+
+        hooks.append(CheckpointHook(cfg, topo, run_dir))
     if cfg.monitor.enabled:
         from xirang_hpc.monitor.hook import MonitorHook  # heartbeats + node watchdog (issue 8)
 

@@ -1,0 +1,160 @@
+"""The trainer hook: restore at fit start, save every ``checkpoint.every_steps`` (async), save at the end.
+
+Resume is exact because the data position is the step (sampling is a pure function of
+(seed, step)), the LR is a function of the step, and model, optimizer and every rank's RNG
+states are restored bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from xirang_hpc.checkpoint import state as S
+from xirang_hpc.checkpoint.manager import CheckpointManager
+from xirang_hpc.checkpoint.retention import RetentionPolicy
+from xirang_hpc.checkpoint.rollback import fork_for_resume
+from xirang_hpc.checkpoint.snapshot import restore_rng
+from xirang_hpc.checkpoint.tuner import IntervalTuner, read_history
+from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.runtime.topology import Topology
+from xirang_hpc.runtime.trainer import TrainerHook, lr_at
+
+log = logging.getLogger(__name__)
+STARTS = "starts.jsonl"
+
+
+class CheckpointHook(TrainerHook):
+    """Checkpoint restore/save for :class:`~xirang_hpc.runtime.trainer.Trainer`."""
+
+    def __init__(self, cfg: XirangConfig, topo: Topology, run_dir: Path) -> None:
+        self.cfg, self.topo, self.run_dir = cfg, topo, Path(run_dir)
+        self.mgr: CheckpointManager | None = None
+        self.group: Any = None
+        self.every = cfg.checkpoint.every_steps
+        self.last_saved = -1
+        self.tuner: IntervalTuner | None = None
+        self._last_step_t: float | None = None
+        self._step_times: list[float] = []
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _bcast(self, obj: Any) -> Any:
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _resolve_run_dir(self, trainer: Any) -> Path:
+        """``train.resume_from``: continue in a fork of the run (made once, by rank 0)."""
+        step = self.cfg.train.resume_from
+        if step < 0:
+            return self.run_dir
+        target = str(fork_for_resume(self.run_dir, step, self.cfg.checkpoint.dir_mode)) if self.topo.rank == 0 else None
+        new = Path(self._bcast(target))
+        if new != self.run_dir and self.topo.rank == 0:
+            trainer.log(f"checkpoint: train.resume_from={step} forked {self.run_dir} -> {new}; "
+                        "the original history is untouched")
+        trainer.run_dir, trainer.metrics_path = new, new / "metrics.jsonl"
+        return new
+
+    # ---- hook points -------------------------------------------------------------------
+    def on_fit_start(self, trainer: Any) -> None:
+        """Make the checkpoint group and manager, clean leftovers, restore the newest good checkpoint."""
+        c = self.cfg.checkpoint
+        if dist.is_initialized() and self.topo.world_size > 1:
+            # Background saves must never share a communicator with training.
+            self.group = dist.new_group(backend="gloo")
+        self.run_dir = self._resolve_run_dir(trainer)
+        self.mgr = CheckpointManager(
+            self.run_dir / "checkpoints", rank=self.topo.rank, world_size=self.topo.world_size, group=self.group,
+            compression=c.compression, dedup=c.dedup, dir_mode=c.dir_mode, async_save=c.async_save,
+            retention=RetentionPolicy(c.keep_last, c.keep_every, tuple(c.pinned)), verify_checksums=c.verify_checksums)
+        self.mgr.cleanup_leftovers()
+        restored = self.restore(trainer)
+        if self.topo.rank == 0:
+            with (self.mgr.root / STARTS).open("a") as f:
+                f.write(json.dumps({"time": time.time(), "step": restored}) + "\n")
+        if c.auto_interval:
+            self.tuner = IntervalTuner(mtbf_s=c.mtbf_hours * 3600, history=read_history(self.mgr.root))
+        self.last_saved = restored
+
+    def restore(self, trainer: Any) -> int:
+        """Load the newest good checkpoint into the trainer; returns its step (0 when none)."""
+        assert self.mgr is not None
+        if not self.mgr.candidates():
+            return 0
+        # Building the template initialises optimizer state; only do it when there is something to load.
+        tensors, _ = S.tensor_state(trainer.model, trainer.opt)
+        res = self.mgr.load(tensors)
+        if res is None:
+            return 0
+        S.apply_tensor_state(trainer.model, trainer.opt, tensors, res.state["param_groups"])
+        S.restore_run_state(trainer, res.state)
+        if res.rank_state is not None:
+            restore_rng(res.rank_state["rng"])
+        elif self.topo.rank == 0:
+            trainer.log("checkpoint: saved under another world size; RNG states not restored")
+        if self.topo.rank == 0:
+            S.rewrite_metrics(Path(trainer.metrics_path), res.state.get("metrics", []))
+            trainer.log(f"checkpoint: resumed from {res.path} (step {res.step})")
+        return res.step
+
+    def _save(self, trainer: Any, block: bool) -> int:
+        assert self.mgr is not None
+        step = trainer.state.step
+        tensors, groups = S.tensor_state(trainer.model, trainer.opt)
+        state = S.run_state_json(trainer, lr_at(max(step - 1, 0), self.cfg.train))
+        state["param_groups"] = groups
+        self.mgr.save(step, tensors, state=state, rank_state=S.rank_state_json(trainer),
+                      info={"layout": S.layout_json(trainer)}, block=block)
+        self.last_saved = step
+        return step
+
+    def save_now(self, trainer: Any) -> int | None:
+        """Synchronous save of the current step (used by the stop-signal path); returns the step."""
+        if self.mgr is None or trainer.state.step == 0:
+            return None
+        if trainer.state.step != self.last_saved:
+            self._save(trainer, block=True)
+        self.mgr.wait()
+        return trainer.state.step
+
+    def on_step_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+        """Save every ``every_steps`` steps (asynchronously when configured)."""
+        now = time.perf_counter()
+        if self._last_step_t is not None:
+            self._step_times.append(now - self._last_step_t)
+        self._last_step_t = now
+        step = trainer.state.step
+        if step % self.every == 0 and step != self.last_saved:
+            trainer._phase("checkpoint")
+            self._save(trainer, block=False)
+            self._retune()
+            self._last_step_t = time.perf_counter()  # the stall is not step time
+
+    def _retune(self) -> None:
+        if self.tuner is None or not self._step_times or self.mgr is None:
+            return
+        hist = [r for r in self.mgr.history if r.persist_s > 0]
+        if not hist:
+            return
+        self.tuner.observe(stall_s=hist[-1].stall_s, persist_s=hist[-1].persist_s,
+                           step_s=sorted(self._step_times)[len(self._step_times) // 2])
+        self.every = self.tuner.interval_steps()
+
+    def on_fit_end(self, trainer: Any, summary: dict[str, object]) -> None:
+        """Final save (synchronous), and wait for any save still in flight."""
+        if self.mgr is None:
+            return
+        if trainer.state.step > 0 and trainer.state.step != self.last_saved:
+            self._save(trainer, block=True)
+        self.mgr.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
