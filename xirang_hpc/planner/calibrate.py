@@ -65,13 +65,17 @@ def fit_alpha_beta(p: int, n1: float, t1: float, n2: float, t2: float) -> tuple[
     return a, b
 
 
-def _allreduce_time(group: dist.ProcessGroup, nbytes: int) -> float:
+def _allreduce_time(group: dist.ProcessGroup, nbytes: int, reps: int = 8) -> float:
+    """Median seconds of an all-reduce; a fixed count on every rank (collectives must match)."""
     x = torch.ones(nbytes // 4)
-
-    def run() -> None:
+    dist.all_reduce(x, group=group)
+    dist.barrier()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
         dist.all_reduce(x, group=group)
-
-    return _timed(run, min_s=0.2, min_reps=5)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _node_groups(world: int, per_node: int) -> tuple[list[Any], list[Any]]:

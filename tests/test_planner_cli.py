@@ -1,0 +1,105 @@
+"""xirang-plan end to end, parallel=auto at launch, and calibration on the local virtual cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import compose_cfg
+from omegaconf import OmegaConf
+
+from xirang_hpc.config.schema import ClusterConfig
+from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.planner.auto import PLAN_FILE, plan_at_launch, record_measured, runtime_allows
+from xirang_hpc.planner.cost import Plan
+from xirang_hpc.planner.hardware import hardware_for
+
+EXE = Path(sys.executable).parent / "xirang-plan"
+
+
+def _plan_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(EXE), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_plan_cli_json_for_gpt175b(tmp_path: Path) -> None:
+    r = _plan_cli(["--json", "--top", "3", "model=gpt-175b", "cluster=a100-80gb-ib", "cluster.nodes=128",
+                   "train.global_batch=1536"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["problem"]["hardware"] == "a100-80gb" and out["problem"]["nodes"] == 128
+    best, runner = out["plans"][0], out["plans"][1]
+    assert best["fits"] and best["lost_because"] is None and runner["lost_because"]
+    p = best["plan"]
+    assert p["dp"] * p["tp"] * p["pp"] == 1024
+    assert p["dp"] * p["micro_batch"] * p["microbatches"] == 1536
+    assert set(best["memory_gib"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+    assert set(best["time_s"]) >= {"compute", "tp_comm", "bubble", "p2p", "dp_comm", "total"}
+    assert best["memory_gib"]["total"] <= 80
+    assert best["tokens_per_s"] >= runner["tokens_per_s"]
+    assert out["search_seconds"] < 1.0
+
+
+def test_plan_cli_text_and_bad_hardware_key(tmp_path: Path) -> None:
+    r = _plan_cli(["model=gpt-7b", "cluster=h100-ib", "train.global_batch=256"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "-- recommended" in r.stdout and "memory/rank" in r.stdout and "exposed DP comm" in r.stdout
+    assert "lost:" in r.stdout
+    r = _plan_cli(["model=tiny", "+cluster.hardware.bogus=1"], tmp_path)
+    assert r.returncode == 2
+    assert "cluster.hardware.bogus" in r.stderr and "unknown field" in r.stderr
+
+
+def test_runtime_allows_only_expressible_runnable_plans() -> None:
+    cfg = load_config(compose_cfg())
+    ok = runtime_allows(cfg)
+    assert ok(Plan(dp=4, tp=1, pp=1, micro=8))
+    assert not ok(Plan(dp=2, tp=1, pp=2, micro=4, v=2))  # no interleaving in ParallelConfig
+    assert not ok(Plan(dp=4, tp=1, pp=1, micro=8, zero=2))  # no ZeRO-2 in ParallelConfig
+    assert not ok(Plan(dp=1, tp=4, pp=1, micro=8))  # tp across the 2 virtual nodes: validate refuses
+
+
+def test_parallel_auto_fills_layout_and_records(tmp_path: Path) -> None:
+    cfg = load_config(compose_cfg(["parallel=auto", f"train.runs_root={tmp_path}"]))
+    assert cfg.parallel.auto
+    said: list[str] = []
+    new = plan_at_launch(cfg, said.append)
+    check_runnable(new)  # what the planner picked, this build runs
+    assert said and said[0].startswith("parallel=auto chose dp=")
+    runs = list(tmp_path.iterdir())
+    assert len(runs) == 1
+    path = runs[0] / PLAN_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    rec = json.loads(path.read_text())
+    p = rec["predicted"]["plan"]
+    assert (new.parallel.dp, new.parallel.tp, new.parallel.pp) == (p["dp"], p["tp"], p["pp"])
+    assert new.parallel.dp * new.parallel.tp * new.parallel.pp == 4
+    assert rec["hardware"]["name"] == "cpu"
+    record_measured(new, {"tokens_per_s": rec["predicted"]["tokens_per_s"] / 2}, said.append)
+    rec = json.loads(path.read_text())
+    assert rec["measured"]["predicted_over_measured"] == pytest.approx(2.0)
+    assert "prediction +100%" in said[-1]
+    # Without parallel=auto nothing is planned or recorded.
+    plain = load_config(compose_cfg([f"train.runs_root={tmp_path}"]))
+    assert plan_at_launch(plain) is plain
+
+
+@pytest.mark.slow
+def test_calibrate_local_cluster_writes_usable_preset(tmp_path: Path) -> None:
+    out = tmp_path / "local-calibrated.yaml"
+    r = _plan_cli(["--calibrate", "--out", str(out), f"train.runs_root={tmp_path}/runs"], tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = OmegaConf.to_container(OmegaConf.load(out))
+    assert data["name"] == "local-calibrated" and data["gpu"] == "cpu"
+    hw = data["hardware"]
+    for key in ("peak_tflops", "mem_bw_gbs", "intra_bw_gbs", "intra_latency_us", "inter_bw_gbs", "inter_latency_us"):
+        assert hw[key] > 0, key
+    fields = {f.name for f in dataclasses.fields(ClusterConfig)}
+    cluster = ClusterConfig(**{k: v for k, v in data.items() if k in fields})
+    measured = hardware_for(cluster)
+    assert measured.peak_tflops == pytest.approx(hw["peak_tflops"])
+    assert measured.intra_bw_gbs == pytest.approx(hw["intra_bw_gbs"])

@@ -1,0 +1,116 @@
+"""Planner building blocks: Korthikanti activations, ZeRO bytes, alpha-beta costs, search, hardware."""
+
+from __future__ import annotations
+
+import pytest
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import ClusterConfig
+from xirang_hpc.planner import comm
+from xirang_hpc.planner.calibrate import fit_alpha_beta, fit_saturation
+from xirang_hpc.planner.cost import GiB, Plan, Problem, estimate
+from xirang_hpc.planner.formulas import Shape, layer_activation_bytes, state_bytes_per_param
+from xirang_hpc.planner.hardware import PRESETS, hardware_for
+from xirang_hpc.planner.search import search, why_lost
+
+SH = Shape(layers=80, hidden=12288, heads=96, seq=2048, vocab=51200, ffn=4 * 12288)
+A100 = PRESETS["a100-80gb"]
+
+
+def test_korthikanti_activation_bytes() -> None:
+    s, b, h, a = 2048, 1, 12288, 96
+    sbh = s * b * h
+    assert layer_activation_bytes(SH, 1, 1, False, "none", 2) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    tp8 = sbh * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert layer_activation_bytes(SH, 1, 8, False, "none", 2) == pytest.approx(tp8)
+    assert layer_activation_bytes(SH, 1, 8, True, "none", 2) == pytest.approx(sbh * (34 / 8 + 5 * a * s / (h * 8)))
+    assert layer_activation_bytes(SH, 1, 8, True, "selective", 2) == pytest.approx(sbh * 34 / 8)
+    assert layer_activation_bytes(SH, 1, 8, False, "full", 2) == pytest.approx(2 * sbh)
+    # fp32 activations take twice the bytes.
+    assert layer_activation_bytes(SH, 2, 1, False, "full", 4) == pytest.approx(2 * 2 * 2 * sbh)
+
+
+def test_zero_stages_match_rajbhandari() -> None:
+    nd = 8
+    assert sum(state_bytes_per_param(0, nd, 2, 2, 12)) == 16
+    assert sum(state_bytes_per_param(1, nd, 2, 2, 12)) == pytest.approx(4 + 12 / nd)
+    assert sum(state_bytes_per_param(2, nd, 2, 2, 12)) == pytest.approx(2 + 14 / nd)
+    assert sum(state_bytes_per_param(3, nd, 2, 2, 12)) == pytest.approx(16 / nd)
+
+
+def test_alpha_beta_ring_and_hierarchical() -> None:
+    n, a, b = 100e6, 5e-6, 1 / 20e9
+    assert comm.ring_allreduce(n, 4, a, b) == pytest.approx(2 * 3 * a + 2 * 3 / 4 * n * b)
+    assert comm.ring_allreduce(n, 1, a, b) == 0.0
+    links = comm.Links(a_intra=3e-6, b_intra=1 / 240e9, a_inter=8e-6, b_inter_node=1 / 160e9, nics=8)
+    k, m = 8, 4
+    hier = comm.hierarchical_allreduce(n, k, m, links, flows=8)
+    expected = (2 * 7 * 3e-6 + 2 * 7 / 8 * n / 240e9) + (2 * 3 * 8e-6 + 2 * 3 / 4 * (n / 8) * 8 / 160e9)
+    assert hier == pytest.approx(expected)
+    # 8 ranks/node x 4 nodes: the hierarchical algorithm beats one flat ring through a single NIC.
+    t, algo = comm.group_allreduce(n, k, m, links, flows=8)
+    assert algo == "hierarchical" and t == pytest.approx(hier)
+    assert comm.group_allreduce(n, 8, 1, links, flows=8)[1] == "ring-intra"
+    assert comm.p2p(1e6, True, links, flows=8) == pytest.approx(8e-6 + 1e6 * 8 / 160e9)
+
+
+def test_pipeline_bubble_and_interleaving() -> None:
+    pb = Problem(SH, A100, nodes=192, per_node=8, global_batch=2304)
+    e1 = estimate(pb, Plan(dp=24, tp=8, pp=8, micro=1, recompute="full"))
+    e2 = estimate(pb, Plan(dp=24, tp=8, pp=8, micro=1, v=2, recompute="full"))
+    m = 2304 // 24
+    slot = (e1.time["compute"] + e1.time["tp_comm"]) / m
+    assert e1.time["bubble"] == pytest.approx(7 * slot)  # (p-1)/m of the ideal time
+    assert e2.time["bubble"] == pytest.approx(7 / 2 * slot)  # (p-1)/(v*m)
+    assert e2.time["p2p"] > e1.time["p2p"]  # interleaving communicates more
+
+
+def test_search_reports_oom_and_no_plan() -> None:
+    pb = Problem(SH, A100, nodes=1, per_node=8, global_batch=64)  # 145B on 8 GPUs cannot fit
+    res = search(pb)
+    assert res.ranked == []
+    with pytest.raises(ValueError, match="no plan fits"):
+        _ = res.best
+    big = Problem(SH, A100, nodes=64, per_node=8, global_batch=512)
+    res = search(big)
+    assert res.best.fits
+    for e in res.oom:
+        assert not e.fits and e.peak_memory > 80 * GiB
+        assert res.reasons[id(e)].startswith("OOM: needs")
+
+
+def test_why_lost_names_the_component() -> None:
+    pb = Problem(SH, A100, nodes=192, per_node=8, global_batch=2304)
+    fast = estimate(pb, Plan(dp=24, tp=8, pp=8, micro=1, v=2, recompute="full"))
+    deep = estimate(pb, Plan(dp=12, tp=8, pp=16, micro=1, recompute="full"))
+    assert why_lost(deep, fast).startswith("pipeline bubble")
+    rc = estimate(pb, Plan(dp=24, tp=8, pp=8, micro=1, v=2, recompute="none", sp=True))
+    assert why_lost(fast, rc).startswith("compute (recompute=full)")
+
+
+def test_hardware_overrides_and_errors() -> None:
+    c = ClusterConfig(name="x", gpus_per_node=8, tasks_per_node=8, gpu="h200", hardware={"inter_bw_gbs": 50.0})
+    hw = hardware_for(c)
+    assert hw.name == "h200" and hw.mem_gb == 141.0 and hw.inter_bw_gbs == 50.0
+    assert hardware_for(ClusterConfig(name="cpu")).name == "cpu"
+    assert hardware_for(ClusterConfig(name="g", gpus_per_node=8)).name == "a100-80gb"
+    with pytest.raises(ConfigError, match=r"cluster.hardware.bogus.*unknown field"):
+        hardware_for(ClusterConfig(name="x", hardware={"bogus": 1.0}))
+    with pytest.raises(ConfigError, match=r"cluster.gpu='tpu'.*choose one of"):
+        hardware_for(ClusterConfig(name="x", gpu="tpu"))
+    with pytest.raises(ConfigError, match=r"cluster.hardware.peak_tflops.*must be positive"):
+        hardware_for(ClusterConfig(name="x", hardware={"peak_tflops": 0.0}))
+
+
+def test_calibration_fits_recover_parameters() -> None:
+    a, b, p = 20e-6, 1 / 3e9, 4
+    t = [comm.ring_allreduce(n, p, a, b) for n in (4096, 4 << 20)]
+    fa, fb = fit_alpha_beta(p, 4096, t[0], 4 << 20, t[1])
+    assert fa == pytest.approx(a, rel=1e-6) and fb == pytest.approx(b, rel=1e-6)
+    r_peak, half = 2e11, 40.0
+
+    def rate(w: float) -> float:
+        return r_peak * w / (w + half)
+
+    fr, fh = fit_saturation(32, rate(32), 256, rate(256))
+    assert fr == pytest.approx(r_peak) and fh == pytest.approx(half)
