@@ -105,7 +105,8 @@ def run_layout(cfg: XirangConfig, topo: Topology, data_dir: Path, steps: int, wa
         params = full_params(tr) if want_params else {}
         keep = tr.pm.coords["dp"] == 0 and tr.pm.coords["tp"] == 0
         out = {"losses": losses, "norms": norms, "times": times, "params": params if keep else {},
-               "n_local_params": sum(p.numel() for p in tr.model.parameters())}
+               "n_local_params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                                     for p in tr.model.parameters())}
         del tr
         if dist.is_initialized():
             dist.barrier()

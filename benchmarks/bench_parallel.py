@@ -1,0 +1,201 @@
+"""Parallel layouts side by side on real gloo process groups (CPU), in one run.
+
+1. Our data parallel (xirang Trainer, dp=4 DDP) vs a plain ``DistributedDataParallel`` loop on
+   the same model, data and optimizer: tokens/s ratio of medians (target >= 0.95). The two are
+   interleaved in rounds so machine noise hits both.
+2. tokens/s and peak RSS per rank for each 4-rank layout (2 virtual nodes x 2 ranks).
+3. Peak memory (RSS high-water mark above the pre-build baseline, per rank) with activation
+   recomputation and with optimizer-state sharding vs without, on a model big enough to see it.
+
+Peak RSS is the kernel's VmHWM, reset before each measurement via /proc/self/clear_refs.
+
+Run:  python benchmarks/bench_parallel.py [--steps 12] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import re
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import parallel_harness as H  # noqa: E402
+
+from xirang_hpc.data.dataset import TokenWindows  # noqa: E402
+from xirang_hpc.models.gpt import GPT, lm_loss  # noqa: E402
+from xirang_hpc.runtime.trainer import Trainer, build_optimizer, lr_at  # noqa: E402
+
+TINY = {"n_layer": 4, "n_head": 4, "d_model": 64, "d_ff": 256, "seq_len": 64}  # conf/model/tiny.yaml
+TRAIN = {"global_batch": 32, "grad_clip": 1.0, "warmup_steps": 2}
+LAYOUTS = {
+    "dp4": {"dp": 4},
+    "dp2xtp2": {"dp": 2, "tp": 2},
+    "dp2xpp2": {"dp": 2, "pp": 2, "microbatches": 4},
+    "tp2xpp2": {"tp": 2, "pp": 2, "microbatches": 4},
+    "fsdp4": {"dp": 4, "data_parallel": "fsdp"},
+    "fsdp2xtp2": {"dp": 2, "tp": 2, "data_parallel": "fsdp"},
+}
+BIG = {"n_layer": 6, "n_head": 8, "d_model": 384, "d_ff": 1536, "seq_len": 256}
+MEMORY = {
+    "dp4 (baseline)": {"dp": 4},
+    "dp4 recompute=full": {"dp": 4, "recompute": "full"},
+    "dp4 recompute=selective": {"dp": 4, "recompute": "selective"},
+    "dp4 optimizer_sharding (ZeRO-1)": {"dp": 4, "optimizer_sharding": True},
+    "fsdp4 (ZeRO-3)": {"dp": 4, "data_parallel": "fsdp"},
+    "fsdp4 + recompute=full": {"dp": 4, "data_parallel": "fsdp", "recompute": "full"},
+}
+
+
+def _kb(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def _reset_peak() -> int:
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    return _kb("VmRSS")
+
+
+def ours(cfg, topo, data_dir: Path, steps: int) -> dict[str, Any]:
+    base = _reset_peak()
+    with tempfile.TemporaryDirectory() as d:
+        tr = Trainer(cfg, topo, Path(d), data_dir, log=lambda s: None)
+        times = []
+        for s in range(steps):
+            t0 = time.perf_counter()
+            tr.train_step(s)
+            times.append(time.perf_counter() - t0)
+        peak = _kb("VmHWM")
+        del tr
+    dist.barrier()
+    return {"times": times, "peak_mb": peak / 1024, "peak_above_base_mb": (peak - base) / 1024}
+
+
+def plain_ddp(cfg, topo, data_dir: Path, steps: int) -> dict[str, Any]:
+    """The textbook loop: DDP, AdamW, local clip_grad_norm_, same batches."""
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    model = DDP(GPT(cfg.model))
+    opt = build_optimizer(model.module, t)
+    data = TokenWindows(data_dir, "train", cfg.model.seq_len)
+    times = []
+    for s in range(steps):
+        t0 = time.perf_counter()
+        x, y = data.batch(t.seed, s, t.global_batch, topo.rank, topo.world_size)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(s, t)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return {"times": times}
+
+
+def _worker(rank: int, world: int, port: int, data_dir: str, steps: int, rounds: int, queue: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        topo = H.topology(rank, world, port)
+        d = Path(data_dir)
+        dp_cfg = H.make_cfg(world, {"dp": 4}, steps, model=TINY, train=TRAIN)
+        for rnd in range(rounds):
+            queue.put((rank, f"ratio/ours/{rnd}", ours(dp_cfg, topo, d, steps)))
+            queue.put((rank, f"ratio/ddp/{rnd}", plain_ddp(dp_cfg, topo, d, steps)))
+        for name, lay in LAYOUTS.items():
+            queue.put((rank, f"layout/{name}", ours(H.make_cfg(world, lay, steps, model=TINY, train=TRAIN),
+                                                      topo, d, steps)))
+        for name, lay in MEMORY.items():
+            cfg = H.make_cfg(world, lay, 3, model=BIG, train={**TRAIN, "global_batch": 16})
+            queue.put((rank, f"memory/{name}", ours(cfg, topo, d, 3)))
+        queue.put((rank, "__done__", None))
+    except Exception:
+        queue.put((rank, "__error__", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _collect(world: int, data_dir: Path, steps: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = H.free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, str(data_dir), steps, rounds, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[str, list[dict[str, Any]]] = {}
+    done = 0
+    while done < world:
+        rank, name, res = queue.get()
+        if name == "__error__":
+            raise RuntimeError(f"rank {rank}:\n{res}")
+        if name == "__done__":
+            done += 1
+            continue
+        out.setdefault(name, [{}] * world)
+        out[name] = [*out[name][:rank], res, *out[name][rank + 1 :]]
+    for p in procs:
+        p.join()
+    return out
+
+
+def _tok_s(per_rank: list[dict[str, Any]], tokens: int, warmup: int = 2) -> float:
+    # A step ends when the slowest rank ends it: per step, max over ranks; then the median step.
+    steps = [max(r["times"][i] for r in per_rank) for i in range(warmup, len(per_rank[0]["times"]))]
+    return tokens / statistics.median(steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--data", default="", help="prepared data dir (default: stdlib 'email' package, prepared)")
+    args = ap.parse_args()
+    from xirang_hpc.data.prepare import is_prepared, prepare
+
+    data_dir = Path(args.data) if args.data else Path(tempfile.gettempdir()) / "xirang-bench-email"
+    if not is_prepared(data_dir):
+        import sysconfig
+
+        prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), data_dir, val_fraction=0.2)
+    t0 = time.time()
+    res = _collect(4, data_dir, args.steps, args.rounds)
+    tokens = TRAIN["global_batch"] * TINY["seq_len"]
+    ours_t = [_tok_s(res[f"ratio/ours/{i}"], tokens) for i in range(args.rounds)]
+    ddp_t = [_tok_s(res[f"ratio/ddp/{i}"], tokens) for i in range(args.rounds)]
+    print(f"## bench_parallel: 4 ranks (2 virtual nodes x 2), gloo, 1 thread/rank, model tiny, "
+          f"global batch {TRAIN['global_batch']} x {TINY['seq_len']}")
+    print(f"\nData parallel vs plain DDP (median of {args.rounds} interleaved rounds x {args.steps - 2} steps):")
+    print(f"  ours {statistics.median(ours_t):,.0f} tok/s | plain DDP {statistics.median(ddp_t):,.0f} tok/s | "
+          f"ratio {statistics.median(ours_t) / statistics.median(ddp_t):.3f} (target >= 0.95)")
+    print("\n| layout | tokens/s | peak RSS per rank (MB) |\n|---|---|---|")
+    for name in LAYOUTS:
+        r = res[f"layout/{name}"]
+        rss = " / ".join(f"{x['peak_mb']:.0f}" for x in r)
+        print(f"| {name} | {_tok_s(r, tokens):,.0f} | {rss} |")
+    print(f"\nPeak memory above the pre-build baseline, model {BIG}, batch 16 (max over ranks, MB):")
+    print("| configuration | peak above baseline (MB) | vs baseline |\n|---|---|---|")
+    base = max(x["peak_above_base_mb"] for x in res["memory/dp4 (baseline)"])
+    for name in MEMORY:
+        v = max(x["peak_above_base_mb"] for x in res[f"memory/{name}"])
+        print(f"| {name} | {v:.0f} | {v / base:.2f}x |")
+    print(f"\n(total {time.time() - t0:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
