@@ -100,6 +100,9 @@ def test_hardware_overrides_and_errors() -> None:
         hardware_for(ClusterConfig(name="x", gpu="tpu"))
     with pytest.raises(ConfigError, match=r"cluster.hardware.peak_tflops.*must be positive"):
         hardware_for(ClusterConfig(name="x", hardware={"peak_tflops": 0.0}))
+    with pytest.raises(ConfigError, match=r"cluster.hardware.dp_overlap.*must be 0 or more"):
+        hardware_for(ClusterConfig(name="x", hardware={"dp_overlap": -0.5}))
+    assert hardware_for(ClusterConfig(name="x", hardware={"gemm_half_width": 0.0})).gemm_half_width == 0.0
 
 
 def test_calibration_fits_recover_parameters() -> None:

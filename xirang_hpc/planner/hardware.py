@@ -77,6 +77,7 @@ PRESETS: dict[str, Hardware] = {
                     grad_comm_bytes=4),
 }
 
+_MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", "dp_overlap", "reserved_gb"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
 
 
@@ -97,8 +98,9 @@ def hardware_for(cluster: ClusterConfig) -> Hardware:
     for key, value in dict(cluster.hardware).items():
         if key not in TUNABLE:
             raise ConfigError(f"cluster.hardware.{key}", value, f"unknown field; known: {', '.join(TUNABLE)}")
-        if key != "dp_overlap" and float(value) <= 0:
-            raise ConfigError(f"cluster.hardware.{key}", value, "must be positive")
+        if float(value) < 0 or (key not in _MAY_BE_ZERO and float(value) == 0):
+            raise ConfigError(f"cluster.hardware.{key}", value,
+                              "must be positive" if key not in _MAY_BE_ZERO else "must be 0 or more")
         kind = type(getattr(hw, key))
         overrides[key] = kind(value)
     return hw.scaled(**overrides) if overrides else hw

@@ -7,7 +7,8 @@ Megatron-LM), ZeRO stage 0-3, recompute none/selective/full, sequence parallel (
 
 Pruning: (1) a (tp, pp, zero) whose weights+grads+optimizer alone exceed memory is skipped whole;
 (2) for fixed everything else, memory grows with b, so the first b that does not fit ends that
-loop. GPipe is never searched: it has the 1F1B bubble and more activation memory.
+loop; (3) without a capability veto, tp > 1 without sequence parallelism is skipped (same
+predicted time or more, more memory). GPipe is never searched: it has the 1F1B bubble and more activation memory.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result
                         for sq in sp_.sequence_parallel:
                             if sq and t == 1:
                                 continue
+                            if not sq and t > 1 and sp_.allow is None and True in sp_.sequence_parallel:
+                                continue  # dominated: sequence parallel is no slower and uses less memory
                             for b in micros:
                                 m = per_rank // b
                                 if v > 1 and m % p:

@@ -1,0 +1,66 @@
+"""Planner benchmark: accuracy on the public rows and search time at 1,024 / 16,384 GPUs.
+
+    python benchmarks/bench_planner.py [--repeats 5]
+
+Prints, for each Narayanan et al. SC21 Table 1 row, the predicted TFLOP/s/GPU of the published
+configuration next to the published figure, and the recommended plan's speed-up over it (both
+predicted); then the median wall time of a full search over GPT-3 175B on 1,024 and 16,384 A100s.
+The baselines for search time are published figures, not runs: DeepSpeed autotuning ~27 min of
+trial runs, Alpa ~40 min of compilation, Calculon ~1 s per configuration (anchors.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from xirang_hpc.planner.cost import Plan, Problem, estimate
+from xirang_hpc.planner.formulas import Shape
+from xirang_hpc.planner.hardware import PRESETS
+from xirang_hpc.planner.search import search
+
+ROWS = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+def main() -> None:
+    """Run both parts and print tables."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    hw = PRESETS["a100-80gb"]
+    print("| params | published TFLOP/s | predicted | error | recommended plan | predicted speed-up |")
+    print("|---|---|---|---|---|---|")
+    errs = []
+    for params, a, h, nl, t, p, n, batch, ref in ROWS:
+        sh = Shape(layers=nl, hidden=h, heads=a, seq=2048, vocab=51200, ffn=4 * h)
+        pb = Problem(sh, hw, n // 8, 8, batch)
+        pub = estimate(pb, Plan(dp=n // (t * p), tp=t, pp=p, micro=1, recompute="full"))
+        best = search(pb).best
+        err = pub.tflops_per_gpu / ref - 1
+        errs.append(abs(err))
+        print(f"| {params}B | {ref} | {pub.tflops_per_gpu:.1f} | {100 * err:+.1f}% | {best.plan.label()} | "
+              f"{best.tokens_per_s / pub.tokens_per_s:.2f}x |")
+    print(f"mean |error| {100 * statistics.mean(errs):.1f}%, max {100 * max(errs):.1f}%\n")
+    sh = Shape(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, ffn=4 * 12288)
+    print("| GPUs | global batch | plans evaluated | median search time | target |")
+    print("|---|---|---|---|---|")
+    for gpus, batch, target in ((1024, 1536, 1.0), (16384, 1536, 10.0), (16384, 16384, 10.0)):
+        pb = Problem(sh, hw, gpus // 8, 8, batch)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            res = search(pb)
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        print(f"| {gpus} | {batch} | {res.evaluated} | {1e3 * med:.0f} ms | < {target:g} s "
+              f"({target / med:.0f}x margin) |")
+
+
+if __name__ == "__main__":
+    main()
