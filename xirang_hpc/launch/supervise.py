@@ -57,7 +57,10 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
         append_event(run_dir, "exit", "completed", final=True, status="completed", job=job_id, restart=restart)
         return 0
     lost = missing_ranks(run_dir, restart)
-    nodes = sorted({n for _, n in lost} | set(failed_nodes(run_dir)))
+    # The monitor's watchdog names the culprit (dead/hung rank) precisely; ranks killed in the
+    # aftermath also lack exit markers, so the markers are the fallback when it did not run.
+    starts = [e["time"] for e in read_events(run_dir) if e.get("kind") == "start" and e.get("restart") == restart]
+    nodes = failed_nodes(run_dir, since=starts[-1] if starts else 0.0) or sorted({n for _, n in lost})
     reason = "node_failure" if lost else "nonzero_exit"
     append_event(run_dir, "failure", reason, job=job_id, restart=restart, srun_rc=rc,
                  ranks=[r for r, _ in lost], nodes=nodes, node=nodes[0] if nodes else None)

@@ -9,6 +9,7 @@ supervisor reads the difference to name the failed ranks and nodes.
 from __future__ import annotations
 
 import atexit
+import os
 from pathlib import Path
 
 
@@ -17,10 +18,10 @@ def _dir(run_dir: Path, restart: int) -> Path:
 
 
 def mark_start(run_dir: Path, restart: int, rank: int, node: str) -> None:
-    """Record that ``rank`` on ``node`` started, and arrange for its exit marker."""
+    """Record that ``rank`` started on ``node`` (file text: ``node pid``); arrange for its exit marker."""
     d = _dir(run_dir, restart)
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"{rank}.start").write_text(node)
+    (d / f"{rank}.start").write_text(f"{node} {os.getpid()}")
     atexit.register(mark_exit, run_dir, restart, rank)
 
 
@@ -39,5 +40,11 @@ def missing_ranks(run_dir: Path, restart: int) -> list[tuple[int, str]]:
     out = []
     for start in sorted(d.glob("*.start"), key=lambda p: int(p.stem)):
         if not (d / f"{start.stem}.exit").exists():
-            out.append((int(start.stem), start.read_text()))
+            out.append((int(start.stem), start.read_text().split()[0]))
     return out
+
+
+def rank_pid(run_dir: Path, restart: int, rank: int) -> int | None:
+    """The pid ``rank`` recorded in ``restart`` (None before it started)."""
+    p = _dir(run_dir, restart) / f"{rank}.start"
+    return int(p.read_text().split()[1]) if p.exists() else None

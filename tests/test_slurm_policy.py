@@ -1,0 +1,100 @@
+"""Requeue policy, Slurm record parsing, timeout-vs-preemption, requeue targets, and the
+"scontrol missing" error: pure logic plus a real subprocess with a PATH lacking scontrol."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import compose_cfg
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import RequeueConfig
+from xirang_hpc.config.validate import load_config
+from xirang_hpc.runtime import slurmctl
+from xirang_hpc.runtime.policy import decide
+
+# A real `scontrol show job -o` line from the testbed (job preempted by a `high` job), trimmed.
+PREEMPTED = ("JobId=7 JobName=xirang-pre UserId=root(0) JobState=RUNNING Reason=None Requeue=1 Restarts=0 "
+             "RunTime=00:00:18 TimeLimit=00:30:00 TimeMin=N/A SubmitTime=2026-11-29T21:25:54 "
+             "PreemptEligibleTime=2026-11-29T21:25:54 PreemptTime=2026-11-29T21:26:12 Partition=low")
+TIMED_OUT = PREEMPTED.replace("PreemptTime=2026-11-29T21:26:12", "PreemptTime=None").replace(
+    "RunTime=00:00:18 TimeLimit=00:30:00", "RunTime=00:29:02 TimeLimit=00:30:00")
+
+
+def test_parse_job_and_durations():
+    info = slurmctl.parse_job(PREEMPTED)
+    assert info["JobState"] == "RUNNING" and info["PreemptTime"] == "2026-11-29T21:26:12"
+    assert slurmctl.parse_duration("00:30:00") == 1800
+    assert slurmctl.parse_duration("1-02:00:05") == 93605
+    assert slurmctl.parse_duration("05:07") == 307
+    assert slurmctl.parse_duration("UNLIMITED") is None
+
+
+def test_classify_preemption_from_preempt_time():
+    cause = slurmctl.classify_stop(slurmctl.parse_job(PREEMPTED), "SIGUSR2", signal_delay_s=90)
+    assert cause.reason == "preemption" and "PreemptTime=2026-11-29T21:26:12" in cause.detail
+
+
+def test_classify_timeout_from_time_limit_and_run_time():
+    cause = slurmctl.classify_stop(slurmctl.parse_job(TIMED_OUT), "SIGUSR2", signal_delay_s=60)
+    assert cause.reason == "timeout"
+    # The same record with time left far beyond the warning window is not a timeout.
+    early = TIMED_OUT.replace("RunTime=00:29:02", "RunTime=00:10:00")
+    assert slurmctl.classify_stop(slurmctl.parse_job(early), "SIGUSR2", 60).reason == "preemption"
+    # SIGTERM alone, neither preempted nor near the limit (scancel): not requeued by policy.
+    assert slurmctl.classify_stop(slurmctl.parse_job(early), "SIGTERM", 60).reason == "terminated"
+    # SIGTERM-only sites (pain point 6): a preemption still reads as preemption.
+    assert slurmctl.classify_stop(slurmctl.parse_job(PREEMPTED), "SIGTERM", 60).reason == "preemption"
+
+
+def test_requeue_target_names_the_array_task_not_the_array():
+    env = {"SLURM_JOB_ID": "118", "SLURM_ARRAY_JOB_ID": "115", "SLURM_ARRAY_TASK_ID": "3"}
+    assert slurmctl.requeue_target(env) == "115_3"
+    assert slurmctl.requeue_target({"SLURM_JOB_ID": "42"}) == "42"
+    with pytest.raises(slurmctl.SlurmCommandError, match="not inside a Slurm job"):
+        slurmctl.requeue_target({})
+
+
+def test_policy_switches_limits_and_backoff():
+    p = RequeueConfig(max_requeues=2, backoff_s=30, start_now=True)
+    d = decide("preemption", 0, p)
+    assert d.requeue and d.backoff_s == 30 and d.start_now and d.final_status == "requeued"
+    assert decide("preemption", 1, p).backoff_s == 60
+    over = decide("timeout", 2, p)
+    assert not over.requeue and over.final_status == "max_requeues_exceeded"
+    assert "max_requeues=2 reached after 2 requeue(s)" in over.why
+    assert not decide("nonzero_exit", 0, p).requeue  # off by default
+    assert decide("nonzero_exit", 0, RequeueConfig(on_nonzero_exit=True)).requeue
+    assert not decide("node_failure", 0, RequeueConfig(enabled=False)).requeue
+    assert decide("terminated", 0, p).final_status == "stopped_terminated"
+    with pytest.raises(ValueError, match="unknown stop reason 'oom'"):
+        decide("oom", 0, p)
+
+
+@pytest.mark.parametrize("preset", ["default", "testbed", "never", "site-strict"])
+def test_requeue_presets_compose(preset):
+    cfg = load_config(compose_cfg([f"requeue={preset}"]))
+    assert cfg.requeue.max_requeues >= 0
+
+
+def test_missing_scontrol_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(slurmctl.SlurmCommandError, match="scontrol not found on PATH.*requeue.enabled=false"):
+        slurmctl.requeue("42")
+
+
+def test_sbatch_parameters_and_scheduling_classes():
+    from xirang_hpc.launch.slurm import sbatch_parameters
+
+    cfg = load_config(compose_cfg(["cluster=testbed", "cluster.min_time_min=10", "cluster.account=proj"]))
+    p = sbatch_parameters(cfg.cluster)
+    assert p["partition"] == "high" and p["nodes"] == 2 and p["ntasks_per_node"] == 2
+    assert p["additional_parameters"] == {"requeue": True, "time_min": 10} and p["account"] == "proj"
+    assert sbatch_parameters(cfg.cluster, "exploratory")["partition"] == "low"
+    bare = load_config(compose_cfg(["cluster=slurm"]))
+    with pytest.raises(ConfigError, match="names no scavenger partition/QoS"):
+        sbatch_parameters(bare.cluster, "exploratory")
+    late = load_config(compose_cfg(["cluster=testbed", "cluster.min_time_min=99"]))
+    with pytest.raises(ConfigError, match="cluster.min_time_min=99"):
+        sbatch_parameters(late.cluster)
+    with pytest.raises(ConfigError, match="train.priority"):
+        load_config(compose_cfg(["train.priority=urgent"]))
