@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import compose_cfg
+
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import RequeueConfig
 from xirang_hpc.config.validate import load_config

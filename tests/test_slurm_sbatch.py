@@ -11,8 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import compose_cfg
+
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.launch.sbatch import render
 
@@ -21,8 +21,10 @@ CASES = {
     "sbatch_testbed.sbatch": ["cluster=testbed"],
     "sbatch_slurm_gpu.sbatch": [
         "cluster=slurm", "cluster.nodes=4", "cluster.partition=gpu", "cluster.qos=normal", "cluster.account=llm",
-        "cluster.mem_gb=480", "cluster.constraint=h100", "cluster.exclude='node[07-08]'", "cluster.min_time_min=60",
-        "cluster.setup=['module load cuda/12.4','source /opt/venv/bin/activate']", "cluster.srun_args=['--cpu-bind=none']",
+        "cluster.mem_gb=480", "cluster.constraint=h100", "cluster.exclude='node[07-08]'",
+        "cluster.min_time_min=60",
+        "cluster.setup=['module load cuda/12.4','source /opt/venv/bin/activate']",
+        "cluster.srun_args=['--cpu-bind=none']",
         "train.name=pretrain", "model=gpt2-small", "train.global_batch=64"],
     "sbatch_exploratory.sbatch": ["cluster=testbed", "train.priority=exploratory", "cluster.time_min=120",
                                   "cluster.min_time_min=20", "train.name=explore"],

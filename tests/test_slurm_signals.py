@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-
 from conftest import compose_cfg
 
 
