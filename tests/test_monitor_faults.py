@@ -42,7 +42,7 @@ class Run:
                 self.pids.add(int(b["watchdog_pid"]))
         return hb
 
-    def wait_steps(self, n: int, timeout_s: float = 90) -> dict[int, dict]:
+    def wait_steps(self, n: int, timeout_s: float = 150) -> dict[int, dict]:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             hb = self.beats()
@@ -131,7 +131,8 @@ def test_sigstop_hang_is_localized_stacks_dumped_job_aborted(launch, capsys) -> 
     os.kill(hb[2]["pid"], signal.SIGSTOP)
     ev = run.wait_event("hang", hang_s + 10)
     latency = ev["time"] - t_stop
-    assert hang_s <= latency <= hang_s + 10, latency
+    # Stall time counts from the rank's last phase change, which may precede the SIGSTOP by a phase.
+    assert hang_s - 2 <= latency <= hang_s + 10, latency
     assert (ev["rank"], ev["node"]) == (2, "vnode1")
     assert "stopped" in ev["cause"]
     assert ev["stalled_ranks"] == [0, 1, 2, 3]  # everyone stalled; the stopped one is named
@@ -170,16 +171,16 @@ def test_kill9_rank_is_named_within_10s(launch) -> None:
 
 
 def test_slow_rank_is_reported_as_straggler_and_run_finishes(launch, tmp_path) -> None:
-    run = launch("monitor.debug_slow_rank=3", "monitor.debug_slow_s=0.25", "monitor.straggler_window=4", steps=20)
+    run = launch("monitor.debug_slow_rank=3", "monitor.debug_slow_s=0.25", "monitor.straggler_window=3", steps=14)
     ev = run.wait_event("straggler", 90)
     assert (ev["rank"], ev["node"]) == (3, "vnode1")
     assert ev["local_s"] >= 0.25 and ev["local_s"] > 2 * ev["median_local_s"]
-    run.wait_end(60)
+    run.wait_end(120)
     run.beats()
     kinds = [e["kind"] for e in read_events(run.run_dir)]
     assert kinds.count("straggler") == 1 and "hang" not in kinds and "dead" not in kinds  # report only
     s = run_status(run.run_dir)
-    assert s["state"] == "COMPLETED" and s["step"] == 20 and s["total_steps"] == 20
+    assert s["state"] == "COMPLETED" and s["step"] == 14 and s["total_steps"] == 14
     assert s["tokens_per_s"] > 0 and s["tflops"] > 0 and s["mfu"] is None  # CPU: no peak, no MFU
     png = tmp_path / "p.png"
     assert status_main([str(run.run_dir), "--plot", str(png)]) == 0
