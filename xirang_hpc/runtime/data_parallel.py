@@ -19,7 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xirang_hpc.config.schema import TrainConfig
-from xirang_hpc.runtime.parallel_dims import ParallelDims
+from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_after_forward: bool = True) -> None:
@@ -32,7 +32,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_a
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> DDP:
     """Wrap ``model`` in DDP over the flattened dp sub-mesh."""
-    return DDP(model, device_mesh=mesh["dp"])
+    return DDP(model, device_mesh=dp_mesh(mesh))
 
 
 def param_groups(model: nn.Module, t: TrainConfig) -> list[dict[str, object]]:

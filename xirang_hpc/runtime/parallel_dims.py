@@ -126,7 +126,7 @@ class ParallelDims:
         order = self.placement(nodes)  # type: ignore[arg-type]
         mesh_tensor = torch.tensor(order, dtype=torch.int).view(self.shape)
         mesh = DeviceMesh(device_type, mesh_tensor, mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        dp_mesh(mesh)
         if dist.get_rank() == 0:
             (log_fn or log.info)(format_table(self, self.table(nodes)))  # type: ignore[arg-type]
         return mesh
@@ -147,3 +147,8 @@ def mesh_coords(dims: ParallelDims, mesh: DeviceMesh | None) -> dict[str, int]:
     c = {name: mesh.get_local_rank(name) for name in MESH_DIMS}
     c["dp"] = c["dp_replicate"] * dims.dp_shard + c["dp_shard"]
     return c
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The flattened data-parallel (replicate x shard) 1-D mesh; created once, then cached by torch."""
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -26,7 +26,7 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.runtime import pipeline
 from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer
-from xirang_hpc.runtime.parallel_dims import ParallelDims, mesh_coords
+from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh, mesh_coords
 from xirang_hpc.runtime.recompute import apply_recompute
 from xirang_hpc.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -108,7 +108,7 @@ def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None) 
 def make_optimizer(pm: ParallelModel, cfg: XirangConfig) -> torch.optim.Optimizer:
     """AdamW over this rank's parameters; ZeRO-1 over dp when asked (DDP only)."""
     zero = cfg.parallel.optimizer_sharding and pm.data_parallel == "ddp"
-    return build_optimizer(pm.model, cfg.train, pm.mesh["dp"] if zero else None)
+    return build_optimizer(pm.model, cfg.train, dp_mesh(pm.mesh) if zero else None)
 
 
 def _grad_sq_weighted(params: Iterable[nn.Parameter], replicas: int) -> torch.Tensor:
