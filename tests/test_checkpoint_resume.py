@@ -20,12 +20,16 @@ import torch.distributed.checkpoint as dcp
 from conftest import compose_cfg
 
 from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint.rollback import fork_run
 from xirang_hpc.checkpoint.storage import HDF5StorageReader, read_metadata
 from xirang_hpc.config.validate import load_config
 
-# Layouts to check; adding one (e.g. "parallel.pp=2") is one line.
-LAYOUTS = {
-    "dp2xtp2": ["parallel.tp=2"],
+# The layout the reference and the interrupted run use (hybrid: dp2 x tp2 on 2 virtual nodes x 2 ranks).
+SAVE_LAYOUT = ["parallel.tp=2"]
+# Resume the step-10 checkpoint under another layout: (ranks, overrides). Adding one is one line.
+RESHARD = {
+    "dp2xtp2->dp2 (4->2 ranks)": (2, ["cluster.nodes=1", "cluster.tasks_per_node=2"]),
+    "dp2xtp2->pp2xdp2": (4, ["parallel.pp=2", "parallel.microbatches=2"]),
 }
 
 
@@ -65,7 +69,7 @@ def run_job(cfg: dict, run_dir: Path, data_dir: Path, world: int = 4, stop_at: i
 
 def make_cfg(data_dir: Path, run_dir: Path, extra: list[str]) -> dict:
     over = ["model=tiny", "cluster=local", "train.max_steps=20", "train.global_batch=8", "train.warmup_steps=2",
-            "train.eval_batches=1", "train.log_every=5", "checkpoint.every_steps=5", "checkpoint.keep_last=10",
+            "train.eval_batches=1", "train.log_every=5", "checkpoint.every_steps=10", "checkpoint.keep_last=10",
             "monitor.enabled=false", f"data.out_dir={data_dir}", f"train.run_dir={run_dir}", *extra]
     return dataclasses.asdict(load_config(compose_cfg(over)))
 
@@ -78,29 +82,53 @@ def saved_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, stdlib_data) -> dict[str, Path]:
+    """The uninterrupted 20-step run, and a run stopped at step 10 (plus forks of it for resharding)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    full, split = tmp / "full", tmp / "split"
+    run_job(make_cfg(stdlib_data, full, SAVE_LAYOUT), full, stdlib_data)
+    run_job(make_cfg(stdlib_data, split, SAVE_LAYOUT), split, stdlib_data, stop_at=10)
+    forks = {name: fork_run(split, 10, tmp / f"fork{i}") for i, name in enumerate(RESHARD)}
+    return {"full": full, "split": split, "data": stdlib_data, **forks}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_exact_resume_20_vs_10_plus_10(tmp_path, stdlib_data, layout):
-    extra = LAYOUTS[layout]
-    full, split = tmp_path / "full", tmp_path / "split"
-    cfg_full, cfg_split = make_cfg(stdlib_data, full, extra), make_cfg(stdlib_data, split, extra)
-    run_job(cfg_full, full, stdlib_data)
-    run_job(cfg_split, split, stdlib_data, stop_at=10)
-    assert L.committed_steps(split / "checkpoints") == [5, 10]
-    run_job(cfg_split, split, stdlib_data)
+def test_exact_resume_20_vs_10_plus_10(runs):
+    full, split = runs["full"], runs["split"]
+    assert L.committed_steps(split / "checkpoints") == [10]
+    run_job(make_cfg(runs["data"], split, SAVE_LAYOUT), split, runs["data"])
     a, b = saved_tensors(full / "checkpoints" / "step_20"), saved_tensors(split / "checkpoints" / "step_20")
     assert a.keys() == b.keys() and any(k.startswith("model.") for k in a)
     assert any(k.startswith("optim.state.") for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after resume"
-    # The model really trained between 5 and 20 (the comparison is not between untouched tensors).
-    early = saved_tensors(full / "checkpoints" / "step_5")
+    # The model really trained between 10 and 20 (the comparison is not between untouched tensors).
+    early = saved_tensors(full / "checkpoints" / "step_10")
     assert all(not torch.equal(a[k], early[k]) for k in a if k.startswith("model.") and "weight" in k)
     sa = L.read_state(full / "checkpoints" / "step_20")
     sb = L.read_state(split / "checkpoints" / "step_20")
     assert sa["step"] == sb["step"] == 20 and sa["tokens_seen"] == sb["tokens_seen"]
     assert sa["initial_val_loss"] == sb["initial_val_loss"]
-    losses = lambda s: [(r["step"], r["loss"]) for r in s["metrics"] if "loss" in r]  # noqa: E731
-    assert losses(sa) == losses(sb) and len(losses(sa)) == 4
+    assert _losses(full) == _losses(split) and sorted(_losses(full)) == [5, 10, 15, 20]
     rng = [json.loads((split / "checkpoints" / "step_20" / f"rank_{r}.json").read_text()) for r in range(4)]
     assert [x["rank"] for x in rng] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", list(RESHARD))
+def test_resharded_resume_continues_training(runs, change):
+    """Step 10 saved under dp2xtp2, resumed under another layout: losses match the uninterrupted run."""
+    world, over = RESHARD[change]
+    fork = runs[change]
+    run_job(make_cfg(runs["data"], fork, over), fork, runs["data"], world=world)
+    ref, got = _losses(runs["full"]), _losses(fork)
+    assert sorted(got) == [5, 10, 15, 20]
+    for step in (15, 20):
+        assert got[step] == pytest.approx(ref[step], rel=1e-4), f"step {step}: {got[step]} vs {ref[step]}"
+    assert L.read_manifest(fork / "checkpoints" / "step_20")["world_size"] == world

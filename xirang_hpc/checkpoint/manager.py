@@ -182,7 +182,7 @@ class CheckpointManager:
             for entries, _ in gathered:
                 files.update(entries)
             meta = {"step": rec.step, "world_size": self.world_size, "new_bytes": rec.new_bytes,
-                    "ref_bytes": rec.ref_bytes, **info}
+                    "ref_bytes": rec.ref_bytes, "stall_s": rec.stall_s, "persist_s": now() - t0, **info}
             L.commit(tmp, final, files, L.refs_of_metadata(tmp), meta)
             L.write_latest(self.root, rec.step)
             prune(self.root, self.retention)

@@ -1,0 +1,42 @@
+"""Read a checkpoint's tensors whole (unsharded), and export model weights as safetensors + JSON config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint.storage import HDF5StorageReader, read_metadata
+
+
+def load_full(step_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor whose flattened name starts with ``prefix``, assembled from all shards (one process)."""
+    md = read_metadata(step_dir)
+    sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+          for k, m in md.state_dict_metadata.items() if k.startswith(prefix) and hasattr(m, "size")}
+    if sd:
+        dcp.load(sd, storage_reader=HDF5StorageReader(step_dir), no_dist=True)
+    return sd
+
+
+def export_safetensors(step_dir: Path, out_dir: Path, mode: int = 0o700) -> tuple[Path, Path]:
+    """Write ``model.safetensors`` (full weights, names without the ``model.`` prefix) and ``config.json``."""
+    from safetensors.torch import save_file
+
+    L.verify(step_dir)
+    weights = {k.removeprefix("model."): v.contiguous() for k, v in load_full(step_dir, "model.").items()}
+    if not weights:
+        raise ValueError(f"{step_dir}: no model tensors in this checkpoint")
+    state: dict[str, Any] = L.read_state(step_dir)
+    L.make_dir(out_dir, mode)
+    wpath, cpath = out_dir / "model.safetensors", out_dir / "config.json"
+    save_file(weights, str(wpath), metadata={"format": "pt", "step": str(state.get("step", ""))})
+    cfg = state.get("config", {})
+    cpath.write_text(json.dumps({"model": cfg.get("model", {}), "step": state.get("step"),
+                                 "tokens_seen": state.get("tokens_seen"), "source": str(step_dir),
+                                 "architecture": "xirang_hpc.models.gpt.GPT"}, indent=1))
+    return wpath, cpath
