@@ -337,6 +337,49 @@ class CommConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation of a checkpoint (xirang_hpc/eval): loss, perplexity, a generation sample."""
+
+    batches: int = 16
+    batch_size: int = 8
+    seed: int = 0
+    step: int = -1  # checkpoint step to evaluate; -1 = the newest good one
+    sample_prompt: str = "def "
+    sample_tokens: int = 64
+    # Quality gate for xirang-pipeline: > 0 fails the eval stage (and stops the chain) above this loss.
+    max_val_loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("batches", "batch_size"):
+            _positive("eval", name, getattr(self, name))
+        if self.sample_tokens < 0 or self.max_val_loss < 0:
+            raise ConfigError("eval.sample_tokens/max_val_loss", (self.sample_tokens, self.max_val_loss),
+                              "use 0 or more")
+
+
+@dataclass
+class ServeConfig:
+    """HTTP serving of a checkpoint (xirang_hpc/serve, xirang-serve)."""
+
+    host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 exposes the server to the network
+    port: int = 8000  # 0 = any free port (written to <run>/serve.json)
+    max_batch: int = 16  # requests decoded together in one generation loop
+    max_prompt_tokens: int = 0  # 0 = model.seq_len
+    max_new_tokens: int = 256
+    token_env: str = "XIRANG_SERVE_TOKEN"  # bearer token read from this env var; unset or empty = no auth
+    duration_s: float = 0.0  # 0 = serve until interrupted; > 0 = stop after this long (smoke runs, tests)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError("serve.port", self.port, "use a TCP port in [0, 65535] (0 = any free port)")
+        for name in ("max_batch", "max_new_tokens"):
+            _positive("serve", name, getattr(self, name))
+        if self.max_prompt_tokens < 0 or self.duration_s < 0:
+            raise ConfigError("serve.max_prompt_tokens/duration_s", (self.max_prompt_tokens, self.duration_s),
+                              "use 0 or more")
+
+
+@dataclass
 class XirangConfig:
     """The composed root config."""
 
@@ -349,6 +392,8 @@ class XirangConfig:
     data: DataConfig = field(default_factory=DataConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
 GROUPS: dict[str, type] = {
@@ -361,4 +406,6 @@ GROUPS: dict[str, type] = {
     "data": DataConfig,
     "monitor": MonitorConfig,
     "comm": CommConfig,
+    "eval": EvalConfig,
+    "serve": ServeConfig,
 }
