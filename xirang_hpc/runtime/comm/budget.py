@@ -50,9 +50,10 @@ class ModelAverager:
     optimizer step on every rank.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], ar: HierarchicalAllreduce, set_inter_node: Callable[[bool], None],
-                 period: int = 0, budget: float = 0.0, calibration_steps: int = 3, outer: str = "average",
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, log_fn: Callable[[str], None] | None = None) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], ar: HierarchicalAllreduce,
+                 set_inter_node: Callable[[bool], None], period: int = 0, budget: float = 0.0,
+                 calibration_steps: int = 3, outer: str = "average", outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, log_fn: Callable[[str], None] | None = None) -> None:
         self.params, self.ar, self._set_inter_node = params, ar, set_inter_node
         self.period, self.budget, self.calibration_steps = period, budget, calibration_steps
         self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
@@ -93,7 +94,6 @@ class ModelAverager:
 
     def after_step(self, step_s: float, final: bool = False) -> None:
         """Bookkeeping after an optimizer step: calibrate, or average across nodes when due."""
-        lay = self.ar.layout
         if self.period == 0:
             b, s = self.ar.internode_bytes, self.ar.internode_s
             self._calib.append((step_s, b - self._last_counters[0], s - self._last_counters[1]))
@@ -124,7 +124,8 @@ class ModelAverager:
         self.decision = {"period": self.period, "link_bytes_per_s": link, "budget_bytes_per_s": budget,
                          "local_step_s": local_s, "sync_step_s": step_s, "param_bytes": self.param_bytes}
         self._say(f"comm: inter-node budget {budget / 1e6:.2f} MB/s (link measured {link / 1e6:.1f} MB/s), "
-                  f"params {self.param_bytes / 1e6:.2f} MB, local step {local_s * 1e3:.1f} ms -> sync every H={self.period} steps")
+                  f"params {self.param_bytes / 1e6:.2f} MB, local step {local_s * 1e3:.1f} ms "
+                  f"-> sync every H={self.period} steps")
         if self.period > 1:
             self._start_local()
 

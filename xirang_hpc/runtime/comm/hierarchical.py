@@ -46,8 +46,10 @@ def _pieces(tensors: list[torch.Tensor], start: int, n: int) -> list[tuple[torch
 class HierarchicalAllreduce:
     """Averages flat tensors over a :class:`CommLayout`'s group, node-aware."""
 
-    def __init__(self, layout: CommLayout, slot_bytes: int = 32 << 20, timeout_s: float = 300.0) -> None:
+    def __init__(self, layout: CommLayout, slot_bytes: int = 32 << 20, timeout_s: float = 300.0,
+                 pipeline_bytes: int = 4 << 20) -> None:
         self.layout = layout
+        self.pipeline_bytes = pipeline_bytes
         self.gpu = dist.is_initialized() and dist.get_backend(layout.group) == "nccl"
         self.shm: NodeShm | None = None
         self.slot_bytes = slot_bytes
@@ -105,29 +107,56 @@ class HierarchicalAllreduce:
         dtype = tensors[0].dtype
         total = sum(t.numel() for t in tensors)
         limit = min(self.slot_bytes, chunk_bytes) if chunk_bytes > 0 else self.slot_bytes
-        cap = max(1, limit // tensors[0].element_size())
+        # Pipeline: chunks of at most pipeline_bytes, so the intra-node work of chunk c+1 overlaps
+        # the inter-node all-reduce of chunk c (gloo runs it on its own thread).
+        cap = max(1, min(limit, self.pipeline_bytes) // tensors[0].element_size())
+        prev: tuple | None = None
         for start in range(0, total, cap):
-            self._chunk(_pieces(tensors, start, min(cap, total - start)), min(cap, total - start), dtype,
-                        divisor, inter_node)
+            n = min(cap, total - start)
+            cur = self._reduce_chunk(_pieces(tensors, start, n), n, dtype, divisor, inter_node)
+            if prev is not None:
+                self._finish_chunk(*prev)
+            prev = cur
+        if prev is not None:
+            self._finish_chunk(*prev)
 
-    def _chunk(self, pieces: list[tuple[torch.Tensor, int, int, int]], n: int, dtype: torch.dtype,
-               divisor: int, inter_node: bool) -> None:
+    def _reduce_chunk(self, pieces: list[tuple[torch.Tensor, int, int, int]], n: int, dtype: torch.dtype,
+                      divisor: int, inter_node: bool) -> tuple:
+        """Copy in, reduce this rank's shard, start its inter-node all-reduce (async)."""
         shm, lay = self.shm, self.layout
         assert shm is not None
         ins, out = shm.slots(self.region, n, dtype)
-        self.region ^= 1  # double buffering: the next chunk never waits for this one's readers
+        self.region ^= 1  # double buffering (see _finish_chunk for why two regions suffice)
         me = lay.local_index
         for t, t_lo, c_lo, ln in pieces:
             ins[me, c_lo : c_lo + ln].copy_(t[t_lo : t_lo + ln])
         shm.barrier()  # every input of this chunk is written
         lo, hi = shard_bounds(n, lay.local, me)
+        work = None
         if hi > lo:
             shard = out[lo:hi]
-            torch.sum(ins[:, lo:hi], dim=0, out=shard)
+            if lay.local == 2:
+                torch.add(ins[0, lo:hi], ins[1, lo:hi], out=shard)
+            else:
+                torch.sum(ins[:, lo:hi], dim=0, out=shard)
             shard.div_(divisor)
-            if inter_node:
-                self._cross(shard)
-        shm.barrier()  # every shard is reduced (and all-reduced across nodes)
+            if inter_node and lay.nodes > 1:
+                work = dist.all_reduce(shard, group=lay.cross_group, async_op=True)
+                self.internode_bytes += 2 * (lay.nodes - 1) / lay.nodes * shard.numel() * shard.element_size()
+        return pieces, out, work, time.perf_counter()
+
+    def _finish_chunk(self, pieces: list[tuple[torch.Tensor, int, int, int]], out: torch.Tensor, work: object,
+                      t0: float) -> None:
+        """Wait for the shard's all-reduce, then read the whole chunk back.
+
+        Chunk c+2 reuses chunk c's region; a rank writes it only after passing chunk c+1's first
+        barrier, which every rank reaches only after finishing chunk c here. So two regions suffice.
+        """
+        if work is not None:
+            work.wait()  # type: ignore[attr-defined]
+            self.internode_s += time.perf_counter() - t0
+        assert self.shm is not None
+        self.shm.barrier()  # every shard is reduced (and all-reduced across nodes)
         for t, t_lo, c_lo, ln in pieces:
             t[t_lo : t_lo + ln].copy_(out[c_lo : c_lo + ln])
 
