@@ -1,0 +1,196 @@
+"""End-to-end on a real Slurm cluster (``tools/slurm-testbed``: slurmctld + 2 slurmd on this machine).
+
+CI (``.ci/run``) starts the testbed and exports ``XIRANG_SLURM_CONF``; without it, a root user's
+run starts the testbed here (it installs Slurm with apt-get if missing), anyone else skips.
+Jobs are submitted with the real ``xirang-train``; preemption is a real ``high`` job; the crash is
+a real ``kill -9``. Requeued jobs use the ``requeue=testbed`` policy (``start_now``), so they do
+not sit two minutes in BeginTime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from xirang_hpc.monitor.events import read_events
+from xirang_hpc.runtime.markers import rank_pid
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()"]
+
+
+@pytest.fixture(scope="module")
+def slurm() -> str:
+    """SLURM_CONF of a running testbed (started here when CI did not and we are root)."""
+    conf = os.environ.get("XIRANG_SLURM_CONF")
+    if not conf:
+        if os.geteuid() != 0:
+            pytest.skip("no Slurm testbed: run `tools/slurm-testbed start` as root and export XIRANG_SLURM_CONF")
+        out = subprocess.run([str(ROOT / "tools" / "slurm-testbed"), "start"], capture_output=True, text=True)
+        assert out.returncode == 0, f"tools/slurm-testbed start failed:\n{out.stderr}"
+        conf = out.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf
+    yield conf
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+
+
+def _base(data: Path, runs: Path) -> list[str]:
+    return ["cluster=testbed", "requeue=testbed", f"data.out_dir={data}", f"train.runs_root={runs}",
+            "train.warmup_steps=2", "train.log_every=10", "train.eval_batches=2", "monitor.enabled=true",
+            "parallel.pp=1", "parallel.tp=1"]
+
+
+def _submit(args: list[str]) -> tuple[str, Path]:
+    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    m = re.search(r"submitted Slurm job (\d+) .*\| run dir (\S+)", out.stdout)
+    assert m, out.stdout
+    return m.group(1), Path(m.group(2))
+
+
+def _wait(pred, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _ev(run_dir: Path, kind: str, restart: int | None = None) -> list[dict]:
+    return [e for e in read_events(run_dir)
+            if e.get("kind") == kind and (restart is None or e.get("restart") == restart)]
+
+
+def _final(run_dir: Path, timeout: float = 300) -> dict:
+    def done():
+        f = [e for e in _ev(run_dir, "exit") if e.get("final")]
+        return f[-1] if f else None
+    return _wait(done, timeout, f"the final exit of {run_dir.name}: {read_events(run_dir)[-3:]}")
+
+
+def _preempt(*args: str) -> None:
+    """A `high` job that needs CPUs held by `low` jobs: Slurm preempts them."""
+    out = subprocess.run(["sbatch", "--parsable", "-p", "high", "-o", "/dev/null", *args, "--wrap", "sleep 2"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip().isdigit(), out
+
+
+def _datasets(h: h5py.File) -> list[str]:
+    names: list[str] = []
+    h.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+    return names
+
+
+def _weights(run_dir: Path, step: int) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for f in sorted((run_dir / "checkpoints" / f"step_{step}").glob("rank_*.h5")):
+        with h5py.File(f, "r") as h:
+            out.update({f"{f.name}/{n}": h[n][()] for n in _datasets(h)})
+    assert out, f"no checkpoint at step {step} in {run_dir}"
+    return out
+
+
+def test_preempted_twice_finishes_bitwise_identical(slurm, stdlib_data, tmp_path):
+    """2 nodes x 2 ranks, tp=2 x dp=2, preempted twice by `high` jobs: same final weights as no preemption."""
+    steps = 60
+    common = [*_base(stdlib_data, tmp_path / "runs"), f"train.max_steps={steps}", "checkpoint.every_steps=25",
+              "parallel.tp=2"]
+    _, ref = _submit([*common, f"train.runs_root={tmp_path / 'ref'}"])  # `high`: never preempted
+    job, run = _submit([*common, "train.priority=exploratory"])  # `low`: preemptible
+    for restart in (0, 1):
+        _wait(lambda r=restart: _ev(run, "first_step", r), 240, f"restart {restart} to train")
+        # 5 CPUs per node in `high` only fit once the `low` job's 2 per node are freed.
+        _preempt("-N2", "--ntasks-per-node=5")
+        _wait(lambda r=restart: _ev(run, "requeue", r), 120, f"requeue {restart + 1}")
+    assert _final(run)["status"] == "completed" and _final(ref)["status"] == "completed"
+    stops, starts = _ev(run, "stop"), _ev(run, "start")
+    assert [s["reason"] for s in stops] == ["preemption", "preemption"]
+    assert all(s["signal"] == "SIGUSR2" and s["detail"].startswith("PreemptTime=") for s in stops)
+    # Zero steps lost: each rerun resumed at the step where the preempted run stopped and saved.
+    assert [s["step"] for s in starts[1:]] == [s["saved_step"] for s in stops] == [s["step"] for s in stops]
+    a, b = _weights(run, steps), _weights(ref, steps)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), f"{k} differs"
+
+
+def test_time_limit_usr2_requeue_then_finish(slurm, stdlib_data, tmp_path):
+    """A 1-minute limit with USR2 30 s before it: told apart from preemption by Slurm's record."""
+    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.time_min=1",
+                        "cluster.signal_delay_s=30", "train.max_steps=250", "checkpoint.every_steps=100",
+                        "requeue.max_requeues=8"])
+    final = _final(run, timeout=480)
+    assert final["status"] == "completed", read_events(run)
+    stops = _ev(run, "stop")
+    assert stops and all(s["reason"] == "timeout" for s in stops), stops
+    assert "TimeLimit=00:01:00" in stops[0]["detail"]
+    assert len(_ev(run, "requeue")) == len(stops) >= 1
+
+
+def test_array_sweep_only_the_preempted_task_reruns(slurm, stdlib_data, tmp_path):
+    """4 tasks of one array (4 CPUs each: 2 per node); a `high` job on n2 preempts exactly one."""
+    args = ["-m", "train.seed=1,2,3,4", *_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1",
+            "cluster.tasks_per_node=1", "cluster.cpus_per_task=4", "train.priority=exploratory",
+            "train.max_steps=120", "checkpoint.every_steps=50"]
+    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"submitted Slurm array job (\d+): 4 task\(s\)", out.stdout), out.stdout
+    runs = [Path(p) for p in re.findall(r"-> (\S+)", out.stdout)]
+    assert len(set(runs)) == 4
+    _wait(lambda: all(_ev(r, "first_step", 0) for r in runs), 300, "all 4 tasks to train")
+    _preempt("-N1", "-w", "n2", "-n1", "-c4")
+    finals = [_final(r, timeout=300) for r in runs]
+    assert [f["status"] for f in finals] == ["completed"] * 4
+    requeued = [r for r in runs if _ev(r, "requeue")]
+    assert len(requeued) == 1, [read_events(r) for r in runs]
+    target = _ev(requeued[0], "requeue")[0]["target"]
+    assert re.fullmatch(r"\d+_\d", target), target  # ARRAYJOBID_TASKID, never the whole array
+    for r in runs:
+        assert {e["restart"] for e in _ev(r, "start")} == ({0, 1} if r in requeued else {0})
+
+
+def test_kill9_rank_policy_requeue_resumes_from_periodic_checkpoint(slurm, stdlib_data, tmp_path):
+    """kill -9 of rank 3 (node n2): the supervisor requeues, the rerun resumes at a periodic checkpoint."""
+    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "train.max_steps=100", "checkpoint.every_steps=10"])
+    latest = run / "checkpoints" / "latest"
+    _wait(lambda: latest.exists() and int(latest.read_text().split("_")[-1]) >= 10, 240, "a periodic checkpoint")
+    pid = _wait(lambda: rank_pid(run, 0, 3), 30, "rank 3's pid")
+    os.kill(pid, 9)
+    final = _final(run, timeout=300)
+    assert final["status"] == "completed", read_events(run)
+    failure = _ev(run, "failure", 0)[0]
+    assert failure["reason"] == "node_failure" and failure["node"] == "n2", failure
+    assert _ev(run, "requeue", 0)[0]["reason"] == "node_failure"
+    resumed = _ev(run, "start", 1)[0]["step"]
+    assert resumed >= 10 and resumed % 10 == 0, resumed  # a periodic checkpoint, not a save-on-stop
+
+
+def test_max_requeues_exceeded_gives_final_status(slurm, stdlib_data, tmp_path):
+    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "requeue.max_requeues=0", "train.max_steps=400",
+                        "train.priority=exploratory"])
+    _wait(lambda: _ev(run, "first_step"), 240, "training to start")
+    _preempt("-N2", "--ntasks-per-node=7")
+    final = _final(run, timeout=120)
+    assert final["status"] == "max_requeues_exceeded" and final["why"] == "max_requeues=0 reached after 0 requeue(s)"
+    state = _wait(lambda: (s := subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                                               text=True).stdout) and "JobState=FAILED" in s and s, 60, "FAILED")
+    assert "Restarts=0" in state and not _ev(run, "requeue")
+    # The requeue summary the user reads.
+    summary = json.dumps(final)
+    assert "max_requeues" in summary
