@@ -39,6 +39,10 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
     Each feature adds its hook here (one line each) so the loop itself stays small.
     """
     hooks: list[TrainerHook] = []
+    if cfg.model.init_from:  # exported weights first, so a checkpoint restore (next hook) wins (issue 9)
+        from xirang_hpc.serve.weights import InitFromHook
+
+        hooks.append(InitFromHook(cfg.model.init_from))
     if cfg.checkpoint.enabled:
         from xirang_hpc.checkpoint.hook import CheckpointHook  # restore, periodic async save, final save (issue 5)
 

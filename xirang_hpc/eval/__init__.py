@@ -1,0 +1,1 @@
+"""xirang_hpc.eval: held-out loss, perplexity and a generation sample of a checkpoint."""

@@ -1,0 +1,206 @@
+"""The pipeline's stages and its record: prepare -> train -> eval -> serve, one config for all.
+
+Every stage receives the *same* validated config (composed from the usual groups). On Slurm each
+stage is its own job, submitted up front and chained with ``--dependency=afterok:<previous>``
+plus ``--kill-on-invalid-dep=yes``, so a failed stage cancels the rest instead of leaving them
+pending forever. On the local executor the stages run in sequence in the launching process.
+
+State lives in the run directory:
+- ``pipeline.json``: the chain as submitted (stage, job id, dependency), written by the launcher;
+- ``pipeline/<stage>.json``: what each stage itself reports (running / completed / failed + error).
+:func:`chain_status` merges both with Slurm's view of the jobs (a job cancelled because its
+dependency failed never starts, so only Slurm knows about it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+STAGES = ("prepare", "train", "eval", "serve")
+PIPELINE_FILE = "pipeline.json"
+STAGE_DIR = "pipeline"
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON file, or None when missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_stage(run_dir: Path, stage: str, status: str, **extra: Any) -> None:
+    """Record ``status`` (running | completed | failed) of ``stage`` under ``<run>/pipeline/``."""
+    d = Path(run_dir) / STAGE_DIR
+    d.mkdir(mode=0o700, exist_ok=True)
+    prev = read_json(d / f"{stage}.json") or {}
+    row = {**prev, "stage": stage, "status": status, "time": time.time(), **extra}
+    if status == "running":
+        row["start"] = row["time"]
+        row.pop("error", None)
+    else:
+        row["end"] = row["time"]
+    _write_json(d / f"{stage}.json", row)
+
+
+@contextmanager
+def stage_record(run_dir: Path, stage: str, enabled: bool = True) -> Iterator[None]:
+    """Mark ``stage`` running, then completed, or failed with the error (re-raised)."""
+    if enabled:
+        write_stage(run_dir, stage, "running", host=os.uname().nodename, job=os.environ.get("SLURM_JOB_ID"))
+    try:
+        yield
+    except BaseException as exc:
+        if enabled:
+            msg = str(exc) or type(exc).__name__
+            write_stage(run_dir, stage, "failed", error=f"{type(exc).__name__}: {msg}",
+                        trace=traceback.format_exc()[-2000:])
+        raise
+    if enabled:
+        write_stage(run_dir, stage, "completed")
+
+
+def _cfg(cfg_dict: dict[str, Any]) -> Any:
+    from xirang_hpc.config.validate import load_config
+
+    return load_config(OmegaConf.create(cfg_dict))
+
+
+# ---- stage entry points (run inside the stage's job, or in-process on the local executor) ----
+def prepare_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> str:
+    """Tokenize the corpus into ``data_dir`` (skipped when already prepared)."""
+    from xirang_hpc.data.prepare import is_prepared, prepare
+
+    cfg = _cfg(cfg_dict)
+    with stage_record(Path(run_dir), "prepare"):
+        if not is_prepared(data_dir):
+            d = cfg.data
+            prepare(d.corpus, data_dir, d.val_fraction, d.shard_tokens, d.split_seed)
+    return data_dir
+
+
+def _rank() -> int:
+    for var in ("SLURM_PROCID", "RANK", "SUBMITIT_LOCAL_GLOBAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def train_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
+    """The training job (every rank); rank 0 records the stage."""
+    from xirang_hpc.runtime.job import run_training
+
+    with stage_record(Path(run_dir), "train", enabled=_rank() == 0):
+        return run_training(cfg_dict, run_dir, data_dir)
+
+
+def eval_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
+    """Evaluate the newest checkpoint; fails (nonzero exit on Slurm) when ``eval.max_val_loss`` is exceeded."""
+    from xirang_hpc.eval.evaluate import run_eval
+
+    cfg = _cfg(cfg_dict)
+    with stage_record(Path(run_dir), "eval"):
+        return run_eval(run_dir, data_dir, cfg.eval)
+
+
+def serve_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str,
+                log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Serve the newest checkpoint (``<run>/serve.json`` says where) until stopped or ``serve.duration_s``."""
+    from xirang_hpc.serve.run import SERVE_FILE, serve
+    from xirang_hpc.serve.weights import load_checkpoint
+
+    cfg = _cfg(cfg_dict)
+    with stage_record(Path(run_dir), "serve"):
+        loaded = load_checkpoint(run_dir, cfg.eval.step if cfg.eval.step >= 0 else None)
+        return serve(loaded, cfg.serve, Path(run_dir) / SERVE_FILE, log=log)
+
+
+STAGE_FNS: dict[str, Callable[..., Any]] = {"prepare": prepare_stage, "train": train_stage, "eval": eval_stage,
+                                            "serve": serve_stage}
+
+
+# ---- the record -------------------------------------------------------------------------------
+def write_pipeline(run_dir: Path, executor: str, stages: list[dict[str, Any]]) -> None:
+    """``<run>/pipeline.json``: the chain as launched."""
+    _write_json(Path(run_dir) / PIPELINE_FILE, {"executor": executor, "created": time.time(),
+                                                "run_dir": str(run_dir), "stages": stages})
+
+
+def _slurm_state(job_id: str) -> str | None:
+    from xirang_hpc.launch.slurm import job_state
+
+    try:
+        return job_state(job_id)
+    except Exception:  # noqa: BLE001 - no Slurm here: fall back to the stages' own records
+        return None
+
+
+def chain_status(run_dir: Path, slurm_state: Callable[[str], str | None] = _slurm_state) -> dict[str, Any]:
+    """The whole chain: each stage's status and detail, and the overall status.
+
+    Overall: ``failed at <stage>`` when a stage failed (later stages read ``cancelled``),
+    ``completed`` when all are, else ``running`` / ``pending``.
+    """
+    run_dir = Path(run_dir)
+    pipe = read_json(run_dir / PIPELINE_FILE)
+    if pipe is None:
+        raise FileNotFoundError(f"{run_dir}: no {PIPELINE_FILE}; was it started with xirang-pipeline?")
+    rows, failed_at = [], None
+    for st in pipe["stages"]:
+        name = st["stage"]
+        own = read_json(run_dir / STAGE_DIR / f"{name}.json") or {}
+        status, detail = own.get("status", "pending"), own.get("error", "")
+        job = st.get("job_id")
+        sstate = slurm_state(job) if (job and pipe["executor"] == "slurm") else None
+        if sstate in ("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL") and status != "failed":
+            status, detail = "failed", detail or f"Slurm job {job} ended {sstate}"
+        elif sstate == "CANCELLED" and status not in ("failed", "completed"):
+            status = "cancelled"
+        if failed_at is not None and status in ("pending", "cancelled"):
+            status, detail = "cancelled", f"not run: stage {failed_at} failed"
+        if status == "failed" and failed_at is None:
+            failed_at = name
+        if name == "eval" and status == "completed":
+            ev = read_json(run_dir / "eval.json") or {}
+            if "val_loss" in ev:
+                detail = f"val loss {ev['val_loss']:.4f}, perplexity {ev['perplexity']:.2f} (step {ev['step']})"
+        if name == "serve" and status in ("running", "completed"):
+            sv = read_json(run_dir / "serve.json") or {}
+            detail = f"{sv.get('status', '')} {sv.get('url', '')}".strip()
+        rows.append({"stage": name, "job_id": job, "depends_on": st.get("depends_on"), "status": status,
+                     "slurm_state": sstate, "detail": detail})
+    statuses = [r["status"] for r in rows]
+    if failed_at is not None:
+        overall = f"failed at {failed_at}"
+    elif all(s == "completed" for s in statuses):
+        overall = "completed"
+    elif any(s == "running" for s in statuses) or "completed" in statuses:
+        overall = "running"
+    else:
+        overall = "pending"
+    return {"run_dir": str(run_dir), "executor": pipe["executor"], "status": overall, "stages": rows}
+
+
+def format_chain(chain: dict[str, Any]) -> str:
+    """A small table of the chain for terminals."""
+    lines = [f"pipeline {chain['run_dir']} ({chain['executor']}): {chain['status']}"]
+    for r in chain["stages"]:
+        job = f"job {r['job_id']}" if r["job_id"] else "in-process"
+        dep = f" after {r['depends_on']}" if r.get("depends_on") else ""
+        lines.append(f"  {r['stage']:<8} {r['status']:<10} {job}{dep}  {r['detail']}".rstrip())
+    return "\n".join(lines)

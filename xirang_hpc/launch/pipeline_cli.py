@@ -1,0 +1,170 @@
+"""``xirang-pipeline``: prepare -> train -> eval -> serve from one composed config.
+
+    xirang-pipeline [hydra overrides]            # e.g. cluster=testbed eval.max_val_loss=2.5
+    xirang-pipeline --status RUN_DIR [--json]    # the whole chain, stage by stage
+
+On Slurm (``cluster.executor=slurm``) the four stages are submitted at once as four jobs, each
+depending on the previous one (``afterok``); the command prints the job ids and returns. On the
+local executor they run in sequence here; a failing stage stops the chain (exit code 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.config.store import register_configs
+from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.launch import pipeline as P
+from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    print(f"xirang-pipeline: error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _data_dir(cfg: XirangConfig) -> Path:
+    return Path(cfg.data.out_dir).expanduser().absolute()
+
+
+def _stage_executor(cfg: XirangConfig, folder: Path, name: str, dep: str | None) -> Any:
+    """A one-task Slurm job for prepare/eval/serve, on the cluster's (normal) partition."""
+    import submitit
+
+    from xirang_hpc.launch.slurm import scheduling_class
+
+    c = cfg.cluster
+    partition, qos = scheduling_class(c, cfg.train.priority)
+    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
+    params: dict[str, Any] = {"nodes": 1, "ntasks_per_node": 1, "cpus_per_task": max(1, c.cpus_per_task),
+                              "time": c.time_min, "job_name": f"xirang-{cfg.train.name}-{name}",
+                              "additional_parameters": _dep_params(dep)}
+    if partition:
+        params["partition"] = partition
+    if qos:
+        params["qos"] = qos
+    if c.account:
+        params["account"] = c.account
+    if c.setup:
+        params["setup"] = list(c.setup)
+    ex.update_parameters(**params)
+    return ex
+
+
+def _dep_params(dep: str | None) -> dict[str, Any]:
+    return {"dependency": f"afterok:{dep}", "kill_on_invalid_dep": "yes"} if dep else {}
+
+
+def _submit_train(cfg: XirangConfig, run_dir: Path, data_dir: Path, dep: str) -> Any:
+    """The training job exactly as xirang-train submits it (requeue supervisor included), plus the dependency."""
+    from xirang_hpc.launch import slurm as S
+    from xirang_hpc.monitor.events import append_event
+
+    folder = run_dir / "submitit"
+    S.write_job_file(cfg, run_dir)
+    S.write_run_dir_map(folder, [run_dir], array=False)
+    ex = S.make_slurm_executor(cfg.cluster, folder, cfg.train.priority)
+    extra = {**S.sbatch_parameters(cfg.cluster, cfg.train.priority)["additional_parameters"], **_dep_params(dep)}
+    ex.update_parameters(job_name=f"xirang-{cfg.train.name}-train", additional_parameters=extra)
+    job = ex.submit(P.train_stage, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
+    append_event(run_dir, "submit", "submitted", job=str(job.job_id), cluster=cfg.cluster.name,
+                 nodes=cfg.cluster.nodes, tasks_per_node=cfg.cluster.tasks_per_node, stage="train")
+    return job
+
+
+def launch_slurm_chain(cfg: XirangConfig, run_dir: Path) -> list[dict[str, Any]]:
+    """Submit the four stages as dependent Slurm jobs; returns the chain as recorded in pipeline.json."""
+    data_dir, cfg_dict = _data_dir(cfg), dataclasses.asdict(cfg)
+    stages: list[dict[str, Any]] = []
+    prev: str | None = None
+    for name in P.STAGES:
+        if name == "train":
+            assert prev is not None
+            job = _submit_train(cfg, run_dir, data_dir, prev)
+        else:
+            ex = _stage_executor(cfg, run_dir / P.STAGE_DIR / name, name, prev)
+            job = ex.submit(P.STAGE_FNS[name], cfg_dict, str(run_dir), str(data_dir))
+        stages.append({"stage": name, "job_id": str(job.job_id), "depends_on": prev,
+                       "stdout": str(job.paths.stdout)})
+        prev = str(job.job_id)
+        P.write_pipeline(run_dir, "slurm", stages)  # after each submit: a partial chain is still visible
+    return stages
+
+
+def run_local_chain(cfg: XirangConfig, run_dir: Path) -> bool:
+    """Run the stages in sequence on this machine; False (after recording why) when one fails."""
+    from xirang_hpc.launch.train_cli import launch
+
+    data_dir, cfg_dict = _data_dir(cfg), dataclasses.asdict(cfg)
+    P.write_pipeline(run_dir, "local", [{"stage": s, "job_id": None, "depends_on": None} for s in P.STAGES])
+    for name in P.STAGES:
+        print(f"== pipeline stage {name}", flush=True)
+        try:
+            if name == "train":  # the usual local launch (submitit local executor, all ranks), blocking
+                with P.stage_record(run_dir, "train"):
+                    launch(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, wait=True)))
+            elif name == "serve":
+                P.serve_stage(cfg_dict, str(run_dir), str(data_dir), log=lambda m: print(m, flush=True))
+            else:
+                out = P.STAGE_FNS[name](cfg_dict, str(run_dir), str(data_dir))
+                if name == "eval":
+                    print(f"eval: val loss {out['val_loss']:.4f} | perplexity {out['perplexity']:.2f} | "
+                          f"sample {out['sample'][:60]!r}", flush=True)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - xirang-train's launch exits on failure
+            if isinstance(exc, SystemExit) and exc.code in (0, None):
+                continue
+            if not (run_dir / P.STAGE_DIR / f"{name}.json").exists():
+                P.write_stage(run_dir, name, "failed", error=str(exc))
+            print(P.format_chain(P.chain_status(run_dir)), flush=True)
+            return False
+    print(P.format_chain(P.chain_status(run_dir)), flush=True)
+    return True
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _app(dcfg: DictConfig) -> None:
+    try:
+        cfg = load_config(dcfg)
+        check_runnable(cfg)
+    except ConfigError as exc:
+        _fail(str(exc))
+    run_dir = make_private_dir(run_dir_for(cfg), cfg.checkpoint.dir_mode)
+    if cfg.cluster.executor == "slurm":
+        stages = launch_slurm_chain(cfg, run_dir)
+        chain = " -> ".join(f"{s['stage']} ({s['job_id']})" for s in stages)
+        print(f"submitted pipeline: {chain} | run dir {run_dir}", flush=True)
+        print(f"follow it with: xirang-pipeline --status {run_dir}", flush=True)
+        return
+    if not run_local_chain(cfg, run_dir):
+        sys.exit(1)
+
+
+def status_main(argv: list[str]) -> int:
+    """``--status RUN_DIR [--json]``: print the chain; exit 1 when a stage failed."""
+    run = Path(argv[0])
+    try:
+        chain = P.chain_status(run)
+    except FileNotFoundError as exc:
+        print(f"xirang-pipeline: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(chain, indent=1) if "--json" in argv else P.format_chain(chain))
+    return 1 if chain["status"].startswith("failed") else 0
+
+
+def main() -> None:
+    """Console entry point."""
+    if len(sys.argv) > 1 and sys.argv[1] == "--status":
+        if len(sys.argv) < 3:
+            _fail("usage: xirang-pipeline --status RUN_DIR [--json]")
+        sys.exit(status_main(sys.argv[2:]))
+    register_configs()
+    _app()

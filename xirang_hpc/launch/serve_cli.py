@@ -1,0 +1,63 @@
+"""``xirang-serve PATH``: serve a checkpoint (any training layout) or exported safetensors over HTTP.
+
+PATH is a run directory, its ``checkpoints`` directory, one ``step_N`` directory, or a
+``.safetensors`` file with its JSON config. Binds 127.0.0.1 unless ``--host`` says otherwise;
+set ``$XIRANG_SERVE_TOKEN`` (or the variable ``--token-env`` names) to require a bearer token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import ServeConfig
+from xirang_hpc.serve.run import SERVE_FILE, serve
+from xirang_hpc.serve.weights import WeightsError, load_any
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = ServeConfig()
+    p = argparse.ArgumentParser(prog="xirang-serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("path", help="run dir, checkpoints dir, step_N dir, or FILE.safetensors")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest that verifies)")
+    p.add_argument("--host", default=d.host, help=f"bind address (default {d.host}; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=d.port, help=f"TCP port (default {d.port}; 0 = any free port)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests decoded together")
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="0 = model.seq_len")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--token-env", default=d.token_env, help="env var holding the bearer token (unset = no auth)")
+    p.add_argument("--duration-s", type=float, default=0.0, help="stop after this long (0 = until interrupted)")
+    p.add_argument("--info-file", default=None,
+                   help=f"where to write url/port/pid JSON (default: <run dir>/{SERVE_FILE} for a run dir)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        scfg = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch,
+                           max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                           token_env=args.token_env, duration_s=args.duration_s)
+        loaded = load_any(args.path, args.step)
+    except (ConfigError, WeightsError, FileNotFoundError) as exc:
+        print(f"xirang-serve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    info = Path(args.info_file) if args.info_file else None
+    run_dir = Path(args.path)
+    if info is None and (run_dir / "checkpoints").is_dir():
+        info = run_dir / SERVE_FILE
+    serve(loaded, scfg, info, log=lambda m: print(m, flush=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Batched generation: one loop decodes every active request together (continuous batching).
+
+Each iteration admits waiting requests (up to ``max_batch``), runs *one* forward pass over all
+active sequences and appends one token to each; finished requests leave at once and new ones
+join at the next iteration. Sequences of different lengths are right-padded: attention is
+causal, so the logits at a sequence's last real position never see the padding, and each row
+is decoded exactly as it would be alone. Sequences longer than ``model.seq_len`` keep their
+last ``seq_len`` tokens (sliding window). There is no KV cache: the tiny models this platform
+serves on CPU are dominated by per-call overhead, which batching amortises.
+
+Sampling is per request: ``temperature <= 0`` is greedy; otherwise softmax(logits / T) over the
+``top_k`` largest logits (0 = all), drawn with the request's own seeded generator, so a given
+(prompt, seed) gives the same text whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenRequest:
+    """One generation request (token ids in, token ids out)."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+    # Called from the engine thread: on_token(token) per new token; on_done(tokens, error) once.
+    on_token: Callable[[int], None] | None = None
+    on_done: Callable[[list[int], BaseException | None], None] | None = None
+    out: list[int] = field(default_factory=list)
+    gen: torch.Generator | None = None
+    t_submit: float = 0.0
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator | None) -> int:
+    """One token from a (V,) logits row: greedy at ``temperature <= 0``, else top-k sampling."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+class Engine:
+    """Owns the model and the generation loop (a background thread); thread-safe :meth:`submit`."""
+
+    def __init__(self, model: nn.Module, seq_len: int, max_batch: int = 16) -> None:
+        self.model, self.seq_len, self.max_batch = model.eval(), seq_len, max_batch
+        self._queue: queue.Queue[GenRequest] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stats = {"requests": 0, "tokens": 0, "forward_passes": 0, "batched_rows": 0, "max_batch_seen": 0}
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> Engine:
+        """Start the loop thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="xirang-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the loop; requests still queued fail with RuntimeError."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        while not self._queue.empty():
+            self._finish(self._queue.get_nowait(), RuntimeError("server shutting down"))
+
+    def submit(self, req: GenRequest) -> GenRequest:
+        """Queue a request; its ``on_done`` fires from the engine thread when it completes."""
+        if req.seed is None:
+            req.seed = random.randrange(2**31)
+        req.gen = torch.Generator().manual_seed(int(req.seed))
+        req.t_submit = time.perf_counter()
+        self._queue.put(req)
+        return req
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 seed: int | None = 0) -> list[list[int]]:
+        """Synchronous helper (eval, tests): generate for several prompts in one batch."""
+        done = threading.Event()
+        results: list[list[int] | BaseException] = [[] for _ in prompts]
+        left = [len(prompts)]
+        lock = threading.Lock()
+
+        def finisher(i: int) -> Callable[[list[int], BaseException | None], None]:
+            def fn(tokens: list[int], err: BaseException | None) -> None:
+                results[i] = err if err is not None else tokens
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+            return fn
+
+        if not prompts:
+            return []
+        self.start()
+        for i, p in enumerate(prompts):
+            self.submit(GenRequest(list(p), max_tokens, temperature, top_k, seed, on_done=finisher(i)))
+        done.wait()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results  # type: ignore[return-value]
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _finish(self, req: GenRequest, err: BaseException | None = None) -> None:
+        if req.on_done is not None:
+            try:
+                req.on_done(list(req.out), err)
+            except Exception:  # noqa: BLE001 - a broken callback must not kill the loop
+                log.exception("on_done callback failed")
+
+    def _admit(self, active: list[GenRequest]) -> None:
+        block = not active
+        while len(active) < self.max_batch:
+            try:
+                req = self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            self.stats["requests"] += 1
+            if req.max_tokens <= 0:
+                self._finish(req)
+            else:
+                active.append(req)
+
+    @torch.inference_mode()
+    def step(self, active: list[GenRequest]) -> None:
+        """One forward pass over every active sequence; one new token each."""
+        seqs = [(r.prompt + r.out)[-self.seq_len:] for r in active]
+        lens = [len(s) for s in seqs]
+        width = max(lens)
+        x = torch.zeros(len(seqs), width, dtype=torch.long)  # right padding, invisible to causal attention
+        for i, s in enumerate(seqs):
+            x[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        logits = self.model(x)  # (B, T, V)
+        last = logits[torch.arange(len(seqs)), torch.tensor(lens) - 1]  # (B, V)
+        self.stats["forward_passes"] += 1
+        self.stats["batched_rows"] += len(seqs)
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(seqs))
+        for r, row in zip(active, last):
+            tok = sample_next(row, r.temperature, r.top_k, r.gen)
+            r.out.append(tok)
+            self.stats["tokens"] += 1
+            if r.on_token is not None:
+                r.on_token(tok)
+
+    def _loop(self) -> None:
+        active: list[GenRequest] = []
+        while not self._stop.is_set():
+            self._admit(active)
+            if not active:
+                continue
+            try:
+                self.step(active)
+            except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
+                log.exception("generation step failed")
+                for r in active:
+                    self._finish(r, exc)
+                active.clear()
+                continue
+            still = []
+            for r in active:
+                if len(r.out) >= r.max_tokens:
+                    self._finish(r)
+                else:
+                    still.append(r)
+            active[:] = still
+        for r in active:
+            self._finish(r, RuntimeError("server shutting down"))

@@ -1,0 +1,199 @@
+"""Model weights into one process: from a checkpoint of any training layout, or from safetensors.
+
+- :func:`load_checkpoint` builds a plain :class:`GPT` from a run's checkpoint: the model config
+  comes from the checkpoint's ``state.json``, the tensors go through DCP's load-time resharding
+  (:func:`xirang_hpc.checkpoint.export.load_full`), so a checkpoint written by dp x tp x pp ranks loads into a
+  single unsharded process. Only the ``model`` entries are read (no optimizer state).
+- :func:`load_safetensors` reads exported weights (``xirang-ckpt export --format safetensors``)
+  plus their JSON config; :func:`init_model_from` copies such weights into a (possibly sharded)
+  model for ``model.init_from=PATH.safetensors``; :class:`InitFromHook` does that at fit start,
+  before the checkpoint hook, so a run's own checkpoint wins on restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint.export import load_full
+from xirang_hpc.config.schema import ModelConfig
+from xirang_hpc.models.gpt import GPT
+from xirang_hpc.runtime.trainer import TrainerHook
+
+log = logging.getLogger(__name__)
+
+
+class WeightsError(RuntimeError):
+    """Weights cannot be found or do not fit the model; the message names the path and the fix."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference, with where it came from."""
+
+    model: GPT
+    cfg: ModelConfig
+    source: str
+    step: int | None = None
+
+
+def model_config_from(d: dict[str, Any]) -> ModelConfig:
+    """A :class:`ModelConfig` from a JSON dict (unknown keys are ignored, so newer exports load)."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in d.items() if k in names})
+
+
+def checkpoint_root(path: str | Path) -> Path:
+    """``<run>/checkpoints`` for a run directory; the path itself for a checkpoints root."""
+    p = Path(path).expanduser().absolute()
+    if (p / "checkpoints").is_dir():
+        return p / "checkpoints"
+    if L.committed_steps(p):
+        return p
+    raise WeightsError(f"{p}: no checkpoints found (expected a run directory with checkpoints/step_N, "
+                       "a checkpoints directory, or a step_N directory); train first, or pass the right path")
+
+
+def find_step_dir(path: str | Path, step: int | None = None) -> Path:
+    """The step directory to load: ``path`` itself if it is one, else ``step`` or the newest that verifies."""
+    p = Path(path).expanduser().absolute()
+    if (p / L.MANIFEST).is_file():
+        L.verify(p)
+        return p
+    root = checkpoint_root(p)
+    steps = L.committed_steps(root)
+    if step is not None and step >= 0:
+        if step not in steps:
+            raise WeightsError(f"no checkpoint for step {step} under {root}; have steps {steps}")
+        d = root / L.step_dir_name(step)
+        L.verify(d)
+        return d
+    problems = []
+    for s in reversed(steps):
+        d = root / L.step_dir_name(s)
+        try:
+            L.verify(d)
+            return d
+        except L.CheckpointCorruptError as exc:
+            log.error("skipping checkpoint %s: %s", d, exc)
+            problems.append(str(exc))
+    raise WeightsError(f"no usable checkpoint under {root}: {problems or 'none committed'}")
+
+
+def load_checkpoint(path: str | Path, step: int | None = None) -> LoadedModel:
+    """A single-process GPT from a run's checkpoint, whatever layout wrote it (DCP resharding)."""
+    d = find_step_dir(path, step)
+    state = L.read_state(d)
+    cfg = model_config_from(state["config"]["model"])
+    model = GPT(cfg)
+    # No process group: DCP loads in this one process and reassembles every saved shard.
+    sd = {k.removeprefix("model."): v for k, v in load_full(d, "model.").items()}
+    check_fits(model.state_dict(), sd, str(d))
+    model.load_state_dict(sd)
+    model.eval()
+    return LoadedModel(model, cfg, str(d), int(state["step"]))
+
+
+def _sibling_config(path: Path) -> Path | None:
+    for cand in (path.with_suffix(".json"), path.parent / "config.json"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def load_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """(tensors, model config dict or None) from a safetensors file and its JSON config.
+
+    The config is looked up in the file's metadata (key ``config``), then ``<stem>.json``, then
+    ``config.json`` beside it; a ``{"model": {...}}`` wrapper is unwrapped.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    p = Path(path).expanduser().absolute()
+    if not p.is_file():
+        raise WeightsError(f"{p}: no such weights file; export one with `xirang-ckpt export --format safetensors`")
+    try:
+        tensors = load_file(str(p))
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad file
+        raise WeightsError(f"{p}: not a readable safetensors file ({exc})") from exc
+    cfg: dict[str, Any] | None = None
+    if "config" in meta:
+        cfg = json.loads(meta["config"])
+    elif (side := _sibling_config(p)) is not None:
+        cfg = json.loads(side.read_text())
+    if cfg is not None and isinstance(cfg.get("model"), dict):
+        cfg = cfg["model"]
+    return tensors, cfg
+
+
+def load_exported(path: str | Path) -> LoadedModel:
+    """A single-process GPT from exported safetensors weights and their JSON config."""
+    tensors, cfg_dict = load_safetensors(path)
+    if cfg_dict is None:
+        raise WeightsError(f"{path}: no model config found (safetensors metadata 'config', "
+                           f"{Path(path).with_suffix('.json').name} or config.json beside it)")
+    cfg = model_config_from(cfg_dict)
+    model = GPT(cfg)
+    check_fits(model.state_dict(), tensors, str(path))
+    model.load_state_dict(tensors)
+    model.eval()
+    return LoadedModel(model, cfg, str(Path(path).absolute()))
+
+
+def load_any(path: str | Path, step: int | None = None) -> LoadedModel:
+    """A ``.safetensors`` file, a run directory, a checkpoints directory or a step directory."""
+    if str(path).endswith(".safetensors"):
+        return load_exported(path)
+    return load_checkpoint(path, step)
+
+
+def check_fits(expected: dict[str, Any], got: dict[str, torch.Tensor], source: str) -> None:
+    """Raise :class:`WeightsError` naming missing tensors and shape mismatches."""
+    missing = sorted(set(expected) - set(got))
+    if missing:
+        raise WeightsError(f"{source}: missing {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}; "
+                           "was it exported from a model of this preset?")
+    for k, v in expected.items():
+        if tuple(v.shape) != tuple(got[k].shape):
+            raise WeightsError(f"{source}: tensor {k} has shape {tuple(got[k].shape)}, the model preset needs "
+                               f"{tuple(v.shape)}; choose the model preset the weights were exported from")
+
+
+def init_model_from(model: nn.Module, path: str | Path) -> int:
+    """Copy exported weights into ``model`` (plain, DDP-wrapped, TP/FSDP DTensors or a pipeline stage).
+
+    Every rank reads the full file and keeps its own shard. Returns the number of tensors set.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    tensors, _ = load_safetensors(path)
+    # Full (unsharded) shapes of this rank's parameters; a pipeline stage holds a subset of names.
+    ours = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    check_fits(ours, tensors, str(path))
+    wanted = {k: tensors[k].to(ours[k].dtype) for k in ours}
+    set_model_state_dict(model, wanted, options=StateDictOptions(full_state_dict=True, strict=True))
+    return len(wanted)
+
+
+class InitFromHook(TrainerHook):
+    """``model.init_from=PATH.safetensors``: load exported weights at fit start (before checkpoint restore)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_start(self, trainer: Any) -> None:
+        """Initialise the model from the weights file; a later checkpoint restore overrides it."""
+        n = init_model_from(trainer.model, self.path)
+        if trainer.topo.rank == 0:
+            trainer.log(f"model.init_from: {n} tensors from {self.path}")
