@@ -70,7 +70,7 @@ def test_verify_reports_the_bad_file_and_exit_code(run, capsys):
     assert main(["verify", str(run[0])]) == 1
     out = capsys.readouterr().out
     assert "step 1: OK" in out and "step 3: OK" in out
-    assert f"step 2: CORRUPT: {bad}: sha256" in out
+    assert f"step 2: CORRUPT: {bad}: checksum" in out
 
 
 def test_rollback_forks_and_keeps_history(run, tmp_path, capsys):

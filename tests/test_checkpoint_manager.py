@@ -111,8 +111,8 @@ def test_garbage_shard_is_named_and_falls_back(two_steps, caplog):
         res = mgr.load(t)
     assert res.step == 1
     _assert_is_step(t, 1)
-    assert "step_2/rank_0.h5: sha256" in caplog.text
-    with pytest.raises(L.CheckpointCorruptError, match=r"step_2/rank_0\.h5: sha256 .* \(corrupted\)"):
+    assert "step_2/rank_0.h5: checksum" in caplog.text
+    with pytest.raises(L.CheckpointCorruptError, match=r"step_2/rank_0\.h5: checksum \(xxh3_128\) .* \(corrupted\)"):
         mgr.load(_template(), step=2, fallback=False)
 
 

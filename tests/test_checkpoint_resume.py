@@ -25,11 +25,12 @@ from xirang_hpc.checkpoint.storage import HDF5StorageReader, read_metadata
 from xirang_hpc.config.validate import load_config
 
 # The layout the reference and the interrupted run use (hybrid: dp2 x tp2 on 2 virtual nodes x 2 ranks).
-SAVE_LAYOUT = ["parallel.tp=2"]
+SAVE_LAYOUT = ["parallel.tp=2", "parallel.pp=1", "parallel.microbatches=1"]
 # Resume the step-10 checkpoint under another layout: (ranks, overrides). Adding one is one line.
 RESHARD = {
-    "dp2xtp2->dp2 (4->2 ranks)": (2, ["cluster.nodes=1", "cluster.tasks_per_node=2"]),
-    "dp2xtp2->pp2xdp2": (4, ["parallel.pp=2", "parallel.microbatches=2"]),
+    "dp2xtp2->dp2 (4->2 ranks)": (2, ["cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.pp=1",
+                                      "parallel.microbatches=1"]),
+    "dp2xtp2->pp2xdp2": (4, ["parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2"]),
 }
 
 
@@ -113,6 +114,7 @@ def test_exact_resume_20_vs_10_plus_10(runs):
     assert all(not torch.equal(a[k], early[k]) for k in a if k.startswith("model.") and "weight" in k)
     sa = L.read_state(full / "checkpoints" / "step_20")
     sb = L.read_state(split / "checkpoints" / "step_20")
+    assert L.read_manifest(full / "checkpoints" / "step_20")["layout"]["dims"] == {"dp": 2, "tp": 2, "pp": 1}
     assert sa["step"] == sb["step"] == 20 and sa["tokens_seen"] == sb["tokens_seen"]
     assert sa["initial_val_loss"] == sb["initial_val_loss"]
     assert _losses(full) == _losses(split) and sorted(_losses(full)) == [5, 10, 15, 20]
@@ -131,4 +133,5 @@ def test_resharded_resume_continues_training(runs, change):
     assert sorted(got) == [5, 10, 15, 20]
     for step in (15, 20):
         assert got[step] == pytest.approx(ref[step], rel=1e-4), f"step {step}: {got[step]} vs {ref[step]}"
-    assert L.read_manifest(fork / "checkpoints" / "step_20")["world_size"] == world
+    m = L.read_manifest(fork / "checkpoints" / "step_20")
+    assert m["world_size"] == world and m["layout"]["dims"]["tp"] == 1

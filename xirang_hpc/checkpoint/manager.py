@@ -6,7 +6,7 @@ checksums, write the manifest last, rename to ``step_N``, move ``latest``, apply
 All collectives run on the manager's own process group (a separate gloo group in training),
 so a background save never shares a communicator with the training step.
 
-Load = newest committed step that verifies (sizes + sha256 of every file, recursively through
+Load = newest committed step that verifies (sizes + checksums of every file, recursively through
 dedup references); a bad one is logged with the file that failed and the previous one is tried.
 """
 

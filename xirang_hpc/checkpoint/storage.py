@@ -19,7 +19,6 @@ checkpoint manager keeps those out of the DCP state dict and stores them as JSON
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import os
@@ -30,6 +29,7 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -93,7 +93,7 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def chunk_hash(a: np.ndarray) -> str:
     """Content hash of one chunk (dtype and shape included)."""
-    h = hashlib.blake2b(digest_size=16)
+    h = xxhash.xxh3_128()
     h.update(f"{a.dtype.str}{a.shape}".encode())
     h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
     return h.hexdigest()

@@ -111,7 +111,7 @@ def simulate_waste(interval: float, delta: float, mtbf: float, work: float, rest
     total_wall = 0.0
     for _ in range(trials):
         done, wall = 0.0, 0.0
-        durable, durable_at = 0.0, 0.0  # work saved, wall time it became durable
+        durable = 0.0  # work saved durably
         next_fail = rng.expovariate(1 / mtbf)
         while done < work:
             seg = min(interval, work - done)
@@ -119,13 +119,11 @@ def simulate_waste(interval: float, delta: float, mtbf: float, work: float, rest
             if end <= next_fail:
                 wall, done = end, done + seg
                 if done < work:
-                    pending, pending_at = done, wall + persist
-                    if pending_at <= next_fail:
-                        durable, durable_at = pending, pending_at
+                    if wall + persist <= next_fail:
+                        durable = done
             else:
                 wall = next_fail + restart
                 done = durable
                 next_fail = wall + rng.expovariate(1 / mtbf)
-            _ = durable_at
         total_wall += wall
     return 1 - work * trials / total_wall

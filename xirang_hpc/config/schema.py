@@ -201,7 +201,7 @@ class CheckpointConfig:
     async_save: bool = True
     compression: str = "none"  # none | lzf | gzip
     dedup: bool = False  # store chunks identical to the previous checkpoint's as references
-    verify_checksums: bool = True  # sha256 of every file before loading
+    verify_checksums: bool = True  # checksum (xxh3-128) of every file before loading
     auto_interval: bool = False  # adapt every_steps with Daly's formula from measured costs
     mtbf_hours: float = 24.0  # MTBF for the interval tuner until the run has its own history
     dir_mode: int = 0o700

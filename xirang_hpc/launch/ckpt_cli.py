@@ -73,7 +73,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    """Check sizes and sha256 of every file (all steps, or one); exit 1 if any is bad."""
+    """Check sizes and checksums of every file (all steps, or one); exit 1 if any is bad."""
     root = _root(a.run)
     steps = [_step(root, a.step)] if a.step is not None else L.committed_steps(root)
     bad = 0
