@@ -36,6 +36,7 @@ from xirang_hpc.runtime.trainer import Trainer
 # name -> ParallelConfig fields (world size = product of the degrees).
 LAYOUTS: dict[str, dict[str, Any]] = {
     "dp2": {"dp": 2},
+    "dp2zero": {"dp": 2, "optimizer_sharding": True},
     "tp2": {"tp": 2},
     "pp2": {"pp": 2, "microbatches": 2},
     "dp2xtp2": {"dp": 2, "tp": 2},

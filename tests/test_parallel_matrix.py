@@ -22,7 +22,7 @@ import pytest
 
 GROUPS = {
     2: [("dp2", "none"), ("dp2", "full"), ("tp2", "none"), ("tp2", "full"), ("tp2", "selective"),
-        ("pp2", "none"), ("pp2", "full"), ("tp2sp", "none")],
+        ("pp2", "none"), ("pp2", "full"), ("tp2sp", "none"), ("dp2zero", "none")],
     4: [(n, r) for n in ("dp2xtp2", "dp2xpp2", "tp2xpp2", "fsdp4", "fsdp2xtp2", "hsdp2x2") for r in ("none", "full")],
     8: [("dp2xtp2xpp2", "none"), ("dp2xtp2xpp2", "full")],
 }
