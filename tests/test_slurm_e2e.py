@@ -111,14 +111,20 @@ def test_preempted_twice_finishes_bitwise_identical(slurm, stdlib_data, tmp_path
     steps = 60
     common = [*_base(stdlib_data, tmp_path / "runs"), f"train.max_steps={steps}", "checkpoint.every_steps=25",
               "parallel.tp=2"]
-    _, ref = _submit([*common, f"train.runs_root={tmp_path / 'ref'}"])  # `high`: never preempted
+    # The uninterrupted reference: the same 2 x 2 layout and threads on the local executor, meanwhile.
+    ref_cmd = [*TRAIN, *[a for a in common if not a.startswith(("cluster=", "train.runs_root="))], "cluster=local",
+               "cluster.threads_per_rank=1", f"train.runs_root={tmp_path / 'ref'}", "train.wait=true"]
+    ref_proc = subprocess.Popen(ref_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     job, run = _submit([*common, "train.priority=exploratory"])  # `low`: preemptible
     for restart in (0, 1):
         _wait(lambda r=restart: _ev(run, "first_step", r), 240, f"restart {restart} to train")
-        # 5 CPUs per node in `high` only fit once the `low` job's 2 per node are freed.
-        _preempt("-N2", "--ntasks-per-node=5")
+        # All 8 CPUs of both nodes in `high`: they only fit once the `low` job is preempted.
+        _preempt("-N2", "--ntasks-per-node=8")
         _wait(lambda r=restart: _ev(run, "requeue", r), 120, f"requeue {restart + 1}")
-    assert _final(run)["status"] == "completed" and _final(ref)["status"] == "completed"
+    assert _final(run)["status"] == "completed"
+    ref_out = ref_proc.communicate(timeout=300)[0]
+    assert ref_proc.returncode == 0, ref_out
+    ref = Path(re.search(r"run dir (\S+)", ref_out).group(1))
     stops, starts = _ev(run, "stop"), _ev(run, "start")
     assert [s["reason"] for s in stops] == ["preemption", "preemption"]
     assert all(s["signal"] == "SIGUSR2" and s["detail"].startswith("PreemptTime=") for s in stops)
@@ -185,7 +191,7 @@ def test_max_requeues_exceeded_gives_final_status(slurm, stdlib_data, tmp_path):
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "requeue.max_requeues=0", "train.max_steps=400",
                         "train.priority=exploratory"])
     _wait(lambda: _ev(run, "first_step"), 240, "training to start")
-    _preempt("-N2", "--ntasks-per-node=7")
+    _preempt("-N2", "--ntasks-per-node=8")
     final = _final(run, timeout=120)
     assert final["status"] == "max_requeues_exceeded" and final["why"] == "max_requeues=0 reached after 0 requeue(s)"
     state = _wait(lambda: (s := subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
