@@ -28,6 +28,10 @@ from xirang_hpc.runtime.job import run_training
 pytestmark = pytest.mark.slow
 
 
+class PortClash(RuntimeError):
+    """The rendezvous port derived from the job id was taken by another process (busy machine)."""
+
+
 class Run:
     """A submitted job, its run directory, and every pid it spawned (for the cleanup check)."""
 
@@ -50,6 +54,9 @@ class Run:
                     all("watchdog_pid" in hb[r] for r in (0, 2)):
                 return hb
             assert not self.job.done(), "job ended before training got going"
+            logs = " ".join(p.read_text(errors="replace") for p in (self.run_dir / "submitit").glob("*_log.err"))
+            if "EADDRINUSE" in logs:
+                raise PortClash(logs[-500:])
             time.sleep(0.2)
         raise AssertionError(f"ranks did not reach step {n} in {timeout_s}s")
 
@@ -93,6 +100,20 @@ def launch(tmp_path: Path, stdlib_data: Path) -> Iterator:
         runs.append(Run(run_dir, job))
         return runs[-1]
 
+    def _launch_running(*overrides: str, steps: int = 400, n: int = 3) -> tuple[Run, dict[int, dict]]:
+        # The foundation derives the rendezvous port from the job id; on a busy machine it can be
+        # taken. That is not what these tests are about: start again with a new job id.
+        for attempt in range(3):
+            run = _launch(*overrides, steps=steps)
+            try:
+                return run, run.wait_steps(n)
+            except PortClash:
+                run.job._process.kill()
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    _launch.running = _launch_running
     yield _launch
     for r in runs:  # leave nothing behind, whatever happened
         r.beats()
@@ -114,8 +135,7 @@ def _assert_all_gone(run: Run) -> None:
 
 def test_sigstop_hang_is_localized_stacks_dumped_job_aborted(launch, capsys) -> None:
     hang_s = 8.0
-    run = launch(f"monitor.hang_s={hang_s}")
-    hb = run.wait_steps(3)
+    run, hb = launch.running(f"monitor.hang_s={hang_s}")
 
     # Status of a running run.
     s = run_status(run.run_dir)
@@ -143,7 +163,8 @@ def test_sigstop_hang_is_localized_stacks_dumped_job_aborted(launch, capsys) -> 
     # Every rank's Python stacks, taken by faulthandler while blocked (0,1,3) or frozen (2).
     for r in range(4):
         text = (run.run_dir / "stacks" / f"rank-{r}.txt").read_text()
-        assert "most recent call first" in text and "in train_step" in text, (r, text[-2000:])
+        ok = "most recent call first" in text and "runtime/trainer.py" in text and " in fit" in text
+        assert ok, (r, text[-2000:])
     assert failed_nodes(run.run_dir) == ["vnode1"]
     _assert_all_gone(run)
 
@@ -153,8 +174,7 @@ def test_sigstop_hang_is_localized_stacks_dumped_job_aborted(launch, capsys) -> 
 
 
 def test_kill9_rank_is_named_within_10s(launch) -> None:
-    run = launch()
-    hb = run.wait_steps(3)
+    run, hb = launch.running()
     t_kill = time.time()
     os.kill(hb[1]["pid"], signal.SIGKILL)
     ev = run.wait_event("dead", 10)
@@ -171,7 +191,8 @@ def test_kill9_rank_is_named_within_10s(launch) -> None:
 
 
 def test_slow_rank_is_reported_as_straggler_and_run_finishes(launch, tmp_path) -> None:
-    run = launch("monitor.debug_slow_rank=3", "monitor.debug_slow_s=0.25", "monitor.straggler_window=3", steps=14)
+    run = launch("monitor.debug_slow_rank=3", "monitor.debug_slow_s=0.25", "monitor.straggler_window=3",
+                 "train.warmup_steps=2", steps=40)
     ev = run.wait_event("straggler", 90)
     assert (ev["rank"], ev["node"]) == (3, "vnode1")
     assert ev["local_s"] >= 0.25 and ev["local_s"] > 2 * ev["median_local_s"]
@@ -180,7 +201,7 @@ def test_slow_rank_is_reported_as_straggler_and_run_finishes(launch, tmp_path) -
     kinds = [e["kind"] for e in read_events(run.run_dir)]
     assert kinds.count("straggler") == 1 and "hang" not in kinds and "dead" not in kinds  # report only
     s = run_status(run.run_dir)
-    assert s["state"] == "COMPLETED" and s["step"] == 14 and s["total_steps"] == 14
+    assert s["state"] == "COMPLETED" and s["step"] == 40 and s["total_steps"] == 40
     assert s["tokens_per_s"] > 0 and s["tflops"] > 0 and s["mfu"] is None  # CPU: no peak, no MFU
     png = tmp_path / "p.png"
     assert status_main([str(run.run_dir), "--plot", str(png)]) == 0

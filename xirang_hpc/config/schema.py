@@ -266,7 +266,7 @@ class MonitorConfig:
     hang_s: float = 300.0
     # Heartbeat silence after which a rank's process counts as frozen or lost (its thread stopped too).
     stale_s: float = 10.0
-    # Straggler: median local work time (data + forward) over the window exceeds k x the ranks' median.
+    # Straggler: median local work time (data phase) over the window exceeds k x the ranks' median.
     straggler_k: float = 2.0
     straggler_min_s: float = 0.05
     straggler_window: int = 5

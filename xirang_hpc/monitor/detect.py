@@ -13,8 +13,9 @@ about the ranks on this host, into findings:
   thread is silent (frozen process, lost node), else (2) the rank behind the others (lower step,
   or a phase the majority is not in: stuck before the collective), else (3) the rank that
   stalled first (a collective/network hang where no rank stands out).
-- ``straggler``: a rank whose local work per step (data + forward, before the first collective)
-  exceeds ``k`` x the median over ranks, and by at least ``min_s``. Report only.
+- ``straggler``: a rank whose local work per step (its data phase, before any collective) exceeds
+  ``k`` x the median over ranks, and by at least ``min_s``. Report only. Limit: slowness inside
+  forward/backward is invisible here (every rank waits at DDP's collectives for the slowest).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def _stragglers(beats: dict[int, dict[str, Any]], th: Thresholds, st: WatchState
             hb = beats[r]
             out.append(_finding(
                 "straggler", hb,
-                f"local work (data + forward) takes {t:.3f}s per step vs a median of {med:.3f}s over ranks "
+                f"local work (data phase) takes {t:.3f}s per step vs a median of {med:.3f}s over ranks "
                 f"({t / max(med, 1e-9):.1f}x > k={th.straggler_k:g}): slow device, throttling, a noisy "
                 "neighbour or slow data loading", local_s=t, median_local_s=med, step_s=hb.get("step_s")))
         elif not slow:

@@ -73,7 +73,9 @@ class Heartbeat:
     attributes; the file is written every ``interval_s`` by :meth:`start`'s thread.
     """
 
-    LOCAL_PHASES = ("data", "forward")  # work before the first collective of a step
+    # Work before any collective of a step. Not "forward": DDP broadcasts buffers at the start of
+    # forward, so there every rank also waits for the slowest one.
+    LOCAL_PHASES = ("data",)
 
     def __init__(self, path: Path, ident: dict[str, Any], interval_s: float = 1.0, window: int = 5,
                  sampler: Any = None) -> None:
@@ -100,7 +102,7 @@ class Heartbeat:
         self.phase, self.progress = phase, t
 
     def mark_step(self, step: int, t: float | None = None) -> None:
-        """A step completed; records its wall time and its local work time (data + forward)."""
+        """A step completed; records its wall time and its local work time (the data phase)."""
         t = time.time() if t is None else t
         if self._step_start is not None:
             self.step_times.append(t - self._step_start)
