@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ def pick_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _wait_for_all(store: dist.TCPStore, topo: Topology, timeout_s: float) -> None:
+def _wait_for_all(store: dist.TCPStore, topo: Topology, port: int, timeout_s: float) -> None:
     """Every rank checks in under ``arrived/<rank>``; rank 0 reports who is missing."""
     store.set(f"arrived/{topo.rank}", topo.node_name)
     deadline = time.monotonic() + timeout_s
@@ -37,23 +39,43 @@ def _wait_for_all(store: dist.TCPStore, topo: Topology, timeout_s: float) -> Non
         if time.monotonic() > deadline:
             missing = [r for r in range(topo.world_size) if not store.check([f"arrived/{r}"])]
             raise RendezvousError(
-                f"rendezvous at {topo.master_addr}:{topo.master_port} timed out after {timeout_s:.0f}s: "
+                f"rendezvous at {topo.master_addr}:{port} timed out after {timeout_s:.0f}s: "
                 f"ranks {missing} of {topo.world_size} never arrived (job {topo.job_id})"
             )
         time.sleep(0.05)
 
 
-def init_distributed(topo: Topology, backend: str = "auto", timeout_s: float = 300.0) -> str:
-    """Start the default process group for ``topo``; returns the backend in use."""
-    backend = pick_backend(backend)
-    if topo.world_size == 1 and dist.is_initialized():
-        return backend
-    os.environ.setdefault("MASTER_ADDR", topo.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(topo.master_port))
+def _port_file(rendezvous_dir: Path, topo: Topology) -> Path:
+    return rendezvous_dir / f"rendezvous-{topo.job_id}.json"
+
+
+def _connect_published(rendezvous_dir: Path, topo: Topology, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """Connect to the port rank 0 published (local jobs only).
+
+    A file left by an earlier attempt of the same job may name a dead port: keep re-reading
+    until a store answers or the deadline passes.
+    """
+    path = _port_file(rendezvous_dir, topo)
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            port = int(json.loads(path.read_text())["port"])
+            return _open_store(topo, port, min(5.0, timeout_s)), port
+        except (OSError, ValueError, KeyError, RendezvousError) as exc:
+            last = str(exc)
+            time.sleep(0.1)
+    raise RendezvousError(
+        f"rank {topo.rank} on {topo.node_name}: rank 0 never published a live rendezvous port in {path} "
+        f"within {timeout_s:.0f}s (job {topo.job_id}); last error: {last}"
+    )
+
+
+def _open_store(topo: Topology, port: int, timeout_s: float) -> dist.TCPStore:
     try:
-        store = dist.TCPStore(
+        return dist.TCPStore(
             topo.master_addr,
-            topo.master_port,
+            port,
             topo.world_size,
             is_master=topo.rank == 0,
             timeout=timedelta(seconds=timeout_s),
@@ -62,18 +84,47 @@ def init_distributed(topo: Topology, backend: str = "auto", timeout_s: float = 3
     except (RuntimeError, dist.DistStoreError) as exc:
         who = "could not host it" if topo.rank == 0 else "rank 0 (the store host) never arrived"
         raise RendezvousError(
-            f"rank {topo.rank} on {topo.node_name}: rendezvous at {topo.master_addr}:{topo.master_port} "
+            f"rank {topo.rank} on {topo.node_name}: rendezvous at {topo.master_addr}:{port} "
             f"failed, {who} (job {topo.job_id}): {exc}"
         ) from exc
+
+
+def init_distributed(
+    topo: Topology, backend: str = "auto", timeout_s: float = 300.0, rendezvous_dir: Path | None = None
+) -> str:
+    """Start the default process group for ``topo``; returns the backend in use.
+
+    Multi-host jobs meet on the port derived from the job id. Jobs on one host (the local
+    executor) with a ``rendezvous_dir`` let rank 0 bind any free port and publish it there
+    (a private run directory), so a port that happens to be taken cannot break the start.
+    """
+    backend = pick_backend(backend)
+    if topo.world_size == 1 and dist.is_initialized():
+        return backend
+    port = topo.master_port
+    if topo.source == "local" and rendezvous_dir is not None:
+        if topo.rank == 0:
+            _port_file(rendezvous_dir, topo).unlink(missing_ok=True)
+            store = _open_store(topo, 0, timeout_s)
+            port = store.port
+            tmp = _port_file(rendezvous_dir, topo).with_suffix(".tmp")
+            tmp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+            os.replace(tmp, _port_file(rendezvous_dir, topo))
+        else:
+            store, port = _connect_published(rendezvous_dir, topo, timeout_s)
+    else:
+        store = _open_store(topo, port, timeout_s)
+    os.environ.setdefault("MASTER_ADDR", topo.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
     store.add("arrived_count", 1)
-    _wait_for_all(store, topo, timeout_s)
+    _wait_for_all(store, topo, port, timeout_s)
     if backend == "nccl":
         torch.cuda.set_device(topo.local_rank)
     dist.init_process_group(
         backend, store=store, rank=topo.rank, world_size=topo.world_size, timeout=timedelta(seconds=timeout_s)
     )
     log.info("rank %d/%d joined %s process group via %s:%d", topo.rank, topo.world_size, backend,
-             topo.master_addr, topo.master_port)
+             topo.master_addr, port)
     return backend
 
 

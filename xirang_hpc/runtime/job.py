@@ -69,7 +69,7 @@ def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[
     )
     torch.set_num_threads(_threads_per_rank(cfg.cluster.threads_per_rank, topo.local_world_size))
     check_runnable(cfg)
-    xdist.init_distributed(topo, cfg.cluster.backend)
+    xdist.init_distributed(topo, cfg.cluster.backend, rendezvous_dir=Path(run_dir))
     try:
         hooks = build_hooks(cfg, topo, Path(run_dir))
         summary = Trainer(cfg, topo, Path(run_dir), Path(data_dir), log=_say, hooks=hooks).fit()
