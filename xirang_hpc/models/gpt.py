@@ -178,3 +178,9 @@ def num_params(model: nn.Module) -> int:
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy: logits (B, T, V), targets (B, T)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def full_model_params(cfg: ModelConfig) -> int:
+    """Parameters of the whole model (not one rank's stage or shard), counted without allocating."""
+    with torch.device("meta"):
+        return num_params(GPT(cfg))

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xirang_hpc.config.schema import TrainConfig, XirangConfig
 from xirang_hpc.data.dataset import TokenWindows
-from xirang_hpc.models.gpt import lm_loss, num_params
+from xirang_hpc.models.gpt import full_model_params, lm_loss
 from xirang_hpc.runtime.data_parallel import build_optimizer
 from xirang_hpc.runtime.parallel_dims import ParallelDims
 from xirang_hpc.runtime.parallelize import clip_and_reduce, global_mean, make_optimizer, parallelize
@@ -187,7 +187,7 @@ class Trainer:
         tokens_per_step = t.global_batch * self.cfg.model.seq_len
         if topo.rank == 0:
             self.log(
-                f"model {self.cfg.model.name}: {num_params(self.model) / 1e6:.2f}M params | "
+                f"model {self.cfg.model.name}: {full_model_params(self.cfg.model) / 1e6:.2f}M params | "
                 f"{topo.world_size} ranks on {topo.num_nodes} node(s) | dp={self.dp_size} | "
                 f"global batch {t.global_batch} x {self.cfg.model.seq_len} tokens | run dir {self.run_dir}"
             )
