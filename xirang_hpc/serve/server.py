@@ -93,7 +93,7 @@ def parse_generate(raw: bytes, limits: Limits, vocab: int, tok: ByteTokenizer) -
                          "(serve.max_prompt_tokens); shorten it")
     if max(ids) >= vocab:
         raise BadRequest(f"'prompt' has token ids >= the model's vocabulary ({vocab})")
-    max_tokens = _int(body, "max_tokens", 64, 0, limits.max_new_tokens)
+    max_tokens = _int(body, "max_tokens", min(64, limits.max_new_tokens), 0, limits.max_new_tokens)
     top_k = _int(body, "top_k", 0, 0, vocab)
     seed = _int(body, "seed", None, 0, _MAX_SEED)
     temp = body.get("temperature", 0.0)
