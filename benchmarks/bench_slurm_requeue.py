@@ -43,24 +43,26 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=25, help="checkpoint.every_steps")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--data", default="data/stdlib-bytes")
+    ap.add_argument("--no-start-now", action="store_true", help="Slurm's own BeginTime delay after a requeue")
     a = ap.parse_args()
     runs = Path(tempfile.mkdtemp(prefix="bench-slurm-"))
     cmd = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()", "cluster=testbed",
            "requeue=testbed", f"requeue.max_requeues={a.preemptions + 1}", "train.priority=exploratory",
            f"train.max_steps={a.steps}", "train.warmup_steps=2", "train.log_every=1", "train.eval_batches=2",
            "parallel.pp=1",
-           f"checkpoint.every_steps={a.every}", f"data.out_dir={Path(a.data).absolute()}", f"train.runs_root={runs}"]
+           f"checkpoint.every_steps={a.every}", f"requeue.start_now={not a.no_start_now}",
+           f"data.out_dir={Path(a.data).absolute()}", f"train.runs_root={runs}"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     run = Path(re.search(r"run dir (\S+)", out).group(1))
     for k in range(a.preemptions):
         # Preempt 7 steps after each (re)start, so the stop step is not a checkpoint step.
-        _wait(lambda k=k: any(e["restart"] == k for e in _ev(run, "start")), 300)
+        _wait(lambda k=k: any(e["restart"] == k for e in _ev(run, "start")), 400)
         base = next(e["step"] for e in _ev(run, "start") if e["restart"] == k)
         _wait(lambda b=base: _progress(run) >= b + 7, 300)
         subprocess.run(["sbatch", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null", "--wrap", "sleep 1"],
                        check=True, capture_output=True)
         _wait(lambda k=k: any(e["restart"] == k for e in _ev(run, "requeue")), 120)
-    _wait(lambda: any(e.get("final") for e in _ev(run, "exit")), 600)
+    _wait(lambda: any(e.get("final") for e in _ev(run, "exit")), 900)
     stops, starts, firsts, requeues = _ev(run, "stop"), _ev(run, "start"), _ev(run, "first_step"), _ev(run, "requeue")
     rows = []
     for i, s in enumerate(stops):

@@ -200,3 +200,10 @@ def test_max_requeues_exceeded_gives_final_status(slurm, stdlib_data, tmp_path):
     # The requeue summary the user reads.
     summary = json.dumps(final)
     assert "max_requeues" in summary
+
+
+def test_wait_blocks_until_the_job_ends(slurm, stdlib_data, tmp_path):
+    out = subprocess.run(TRAIN + [*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=1",
+                                  "train.max_steps=5", "--wait"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"job \d+ ended: Slurm state COMPLETED; run status completed", out.stdout), out.stdout

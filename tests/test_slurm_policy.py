@@ -98,3 +98,26 @@ def test_sbatch_parameters_and_scheduling_classes():
         sbatch_parameters(late.cluster)
     with pytest.raises(ConfigError, match="train.priority"):
         load_config(compose_cfg(["train.priority=urgent"]))
+
+
+def test_sweep_points_must_share_one_resource_set():
+    from xirang_hpc.launch.sweep import check_same_resources
+
+    ov = [["cluster.nodes=1"], ["cluster.nodes=2"]]
+    cfgs = [load_config(compose_cfg(["cluster=testbed", "parallel.pp=1", *o])) for o in ov]
+    with pytest.raises(ConfigError, match=r"cluster.nodes=2.*one Slurm array with one resource set"):
+        check_same_resources(cfgs, ov)
+    same = [load_config(compose_cfg(["cluster=testbed", f"train.lr={lr}"])) for lr in (1e-3, 3e-4)]
+    check_same_resources(same, [["train.lr=1e-3"], ["train.lr=3e-4"]])  # no error
+
+
+def test_rank_markers_name_ranks_that_never_exited(tmp_path):
+    from xirang_hpc.runtime.markers import mark_exit, mark_start, missing_ranks, rank_pid
+
+    for r, node in enumerate(["n1", "n1", "n2", "n2"]):
+        mark_start(tmp_path, 1, r, node)
+    for r in (0, 1, 2):
+        mark_exit(tmp_path, 1, r)
+    assert missing_ranks(tmp_path, 1) == [(3, "n2")]
+    assert rank_pid(tmp_path, 1, 3) == __import__("os").getpid()
+    assert missing_ranks(tmp_path, 0) == []  # a restart that never started
