@@ -90,6 +90,9 @@ def test_sbatch_parameters_and_scheduling_classes():
     assert p["partition"] == "high" and p["nodes"] == 2 and p["ntasks_per_node"] == 2
     assert p["additional_parameters"] == {"requeue": True, "time_min": 10} and p["account"] == "proj"
     assert sbatch_parameters(cfg.cluster, "exploratory")["partition"] == "low"
+    plain = load_config(compose_cfg(["cluster=testbed"])).cluster
+    assert "time_min" not in sbatch_parameters(plain)["additional_parameters"]
+    assert sbatch_parameters(plain, "exploratory")["additional_parameters"]["time_min"] == 30 // 4
     bare = load_config(compose_cfg(["cluster=slurm"]))
     with pytest.raises(ConfigError, match="names no scavenger partition/QoS"):
         sbatch_parameters(bare.cluster, "exploratory")

@@ -65,6 +65,9 @@ def sbatch_parameters(c: ClusterConfig, priority: str = "normal") -> dict[str, A
     extra: dict[str, Any] = {"requeue": True}
     if c.min_time_min:
         extra["time_min"] = c.min_time_min
+    elif priority == "exploratory":
+        # Requeue makes a short allocation safe: let backfill start it in any gap >= a quarter of the limit.
+        extra["time_min"] = max(1, c.time_min // 4)
     if c.gpus_per_node:
         params["gpus_per_node"] = c.gpus_per_node
     if c.mem_gb:
