@@ -49,3 +49,9 @@ def test_local_pipeline_stops_at_a_failing_eval_then_completes(tmp_path: Path) -
     chain = json.loads(subprocess.run([str(BIN / "xirang-pipeline"), "--status", str(run), "--json"],
                                       capture_output=True, text=True).stdout)
     assert [s["status"] for s in chain["stages"]] == ["completed"] * 4
+    # xirang-status shows the evaluation and the whole chain.
+    view = subprocess.run([str(BIN / "xirang-status"), str(run)], capture_output=True, text=True).stdout
+    ev = json.loads((run / "eval.json").read_text())
+    assert f"eval      val loss {ev['val_loss']:.4f}, perplexity {ev['perplexity']:.2f} @ step 8" in view
+    assert ("pipeline  completed: prepare completed -> train completed -> eval completed -> serve completed"
+            in view), view

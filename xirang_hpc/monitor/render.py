@@ -44,6 +44,15 @@ def render_run(s: dict[str, Any], tty: bool = False) -> str:
     c = s["checkpoint"]
     ck = f"step {c['step']}, {fmt_duration(c['age_s'])} ago  ({c['path']})" if c else "none"
     lines.append(f"ckpt      {ck}")
+    ev = s.get("eval")
+    if ev:  # <run>/eval.json (xirang_hpc/eval)
+        lines.append(f"eval      val loss {ev['val_loss']:.4f}, perplexity {ev['perplexity']:.2f} @ step {ev['step']}"
+                     f"{'' if ev.get('passed', True) else '  (FAILED the eval.max_val_loss gate)'}"
+                     f"  | sample {ev.get('sample', '')[:40]!r}")
+    if s.get("pipeline"):  # xirang-pipeline chain
+        pl = s["pipeline"]
+        lines.append(f"pipeline  {pl['status']}: " + " -> ".join(
+            f"{r['stage']} {r['status']}" + (f" ({r['job_id']})" if r.get("job_id") else "") for r in pl["stages"]))
     if s["nodes"]:
         lines.append(f"{'node':<10}{'ranks':<10}{'steps':<12}{'phases':<22}{'beat':>6}{'cpu%':>7}{'rss MB':>9}  gpu")
         for n in s["nodes"]:

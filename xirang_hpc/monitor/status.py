@@ -162,8 +162,20 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
         "tokens_per_s": tok_s or None, "tflops": tok_s * fpt / 1e12 if tok_s and fpt else None,
         "mfu": mfu(tok_s, fpt, int(session.get("devices", 0)), peak), "eta_s": eta,
         "checkpoint": ckpt, "nodes": _nodes(beats, now), "events": events[-n_events:], "n_events": len(events),
-        "time": now,
+        "time": now, "eval": read_json(run_dir / "eval.json"), "pipeline": _pipeline(run_dir),
     }
+
+
+def _pipeline(run_dir: Path) -> dict[str, Any] | None:
+    """The xirang-pipeline chain of this run (issue 9), if it was started by one."""
+    if not (run_dir / "pipeline.json").is_file():
+        return None
+    from xirang_hpc.launch.pipeline import chain_status
+
+    try:
+        return chain_status(run_dir)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def find_runs(root: Path, job_id: str | None = None) -> list[Path]:
