@@ -193,3 +193,21 @@ def test_dedup_frozen_half_stores_about_half(tmp_path):
     assert mgr.load(out).step == 2
     for k, v in {**frozen, **live}.items():
         assert torch.equal(out["model"][k], v), k
+
+
+def test_corrupt_dedup_reference_is_caught_through_the_referencing_step(tmp_path, caplog):
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, async_save=False, dedup=True)
+    mgr.save(1, _tensors(1))
+    t2 = _tensors(1)
+    t2["optim"]["m"].fill_(-2.0)  # only this tensor changes; the rest of step 2 points into step 1
+    rec = mgr.save(2, t2)
+    assert rec.ref_bytes > 0 and L.read_manifest(root / "step_2")["refs"] == ["../step_1"]
+    bad = root / "step_1" / "rank_0.h5"
+    data = bytearray(bad.read_bytes())
+    data[-100:] = b"\xff" * 100
+    bad.write_bytes(bytes(data))
+    with caplog.at_level(logging.ERROR):
+        assert mgr.load(_template()) is None  # neither step is usable; nothing garbage was loaded
+    ours = [r.getMessage() for r in caplog.records if r.name == "xirang_hpc.checkpoint.manager"]
+    assert len(ours) == 2 and all("ckpt/step_1/rank_0.h5: checksum" in m for m in ours)

@@ -23,6 +23,7 @@ from xirang_hpc.checkpoint import layout as L
 from xirang_hpc.checkpoint.rollback import fork_run
 from xirang_hpc.checkpoint.storage import HDF5StorageReader, read_metadata
 from xirang_hpc.config.validate import load_config
+from xirang_hpc.launch.rundir import make_private_dir
 
 # The layout the reference and the interrupted run use (hybrid: dp2 x tp2 on 2 virtual nodes x 2 ranks).
 SAVE_LAYOUT = ["parallel.tp=2", "parallel.pp=1", "parallel.microbatches=1"]
@@ -31,6 +32,8 @@ RESHARD = {
     "dp2xtp2->dp2 (4->2 ranks)": (2, ["cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.pp=1",
                                       "parallel.microbatches=1"]),
     "dp2xtp2->pp2xdp2": (4, ["parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2"]),
+    "dp2xtp2->dp4+zero1": (4, ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1",
+                               "parallel.optimizer_sharding=true"]),
 }
 
 
@@ -53,6 +56,7 @@ def _rank_main(rank: int, world: int, job: str, cfg: dict, run_dir: str, data_di
 
 def run_job(cfg: dict, run_dir: Path, data_dir: Path, world: int = 4, stop_at: int = 0) -> None:
     """Run the job function on ``world`` local ranks (spawned processes); fail if any rank fails."""
+    make_private_dir(run_dir)  # as the launcher does before submitting
     ctx = mp.get_context("spawn")
     job = f"ckpt-test-{uuid.uuid4().hex[:8]}"
     procs = [ctx.Process(target=_rank_main, args=(r, world, job, cfg, str(run_dir), str(data_dir), stop_at))

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from xirang_hpc.checkpoint import extra as E
 from xirang_hpc.checkpoint import state as S
 from xirang_hpc.checkpoint.manager import CheckpointManager
 from xirang_hpc.checkpoint.retention import RetentionPolicy
@@ -90,16 +91,20 @@ class CheckpointHook(TrainerHook):
         if not self.mgr.candidates():
             return 0
         # Building the template initialises optimizer state; only do it when there is something to load.
-        tensors, _ = S.tensor_state(trainer.model, trainer.opt)
+        tensors, groups = S.tensor_state(trainer.model, trainer.opt)
         res = self.mgr.load(tensors)
         if res is None:
             return 0
-        S.apply_tensor_state(trainer.model, trainer.opt, tensors, res.state["param_groups"])
+        S.apply_tensor_state(trainer.model, trainer.opt, tensors, res.state["param_groups"], groups)
         S.restore_run_state(trainer, res.state)
         if res.rank_state is not None:
             restore_rng(res.rank_state["rng"])
         elif self.topo.rank == 0:
             trainer.log("checkpoint: saved under another world size; RNG states not restored")
+        extra = getattr(trainer, "extra_state", {})  # per-rank hook state, e.g. local-SGD averaging (issue 4)
+        missing = set(extra) - set(E.restore(extra, res.path, res.rank_state, self.topo.rank))
+        if missing and self.topo.rank == 0:
+            trainer.log(f"checkpoint: no saved state for {sorted(missing)} in {res.path}; starting it fresh")
         if self.topo.rank == 0:
             S.rewrite_metrics(Path(trainer.metrics_path), res.state.get("metrics", []))
             trainer.log(f"checkpoint: resumed from {res.path} (step {res.step})")
@@ -111,7 +116,10 @@ class CheckpointHook(TrainerHook):
         tensors, groups = S.tensor_state(trainer.model, trainer.opt)
         state = S.run_state_json(trainer, lr_at(max(step - 1, 0), self.cfg.train))
         state["param_groups"] = groups
-        self.mgr.save(step, tensors, state=state, rank_state=S.rank_state_json(trainer),
+        extra_tensors, extra_json = E.save_parts(getattr(trainer, "extra_state", {}), self.topo.rank)
+        tensors.update(extra_tensors)
+        rank_state = {**S.rank_state_json(trainer), **({"extra": extra_json} if extra_json else {})}
+        self.mgr.save(step, tensors, state=state, rank_state=rank_state,
                       info={"layout": S.layout_json(trainer)}, block=block)
         self.last_saved = step
         return step

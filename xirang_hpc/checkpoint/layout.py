@@ -29,7 +29,7 @@ from typing import Any
 
 import xxhash
 
-from xirang_hpc.checkpoint.storage import METADATA_FILE, fsync_path
+from xirang_hpc.checkpoint.storage import METADATA_FILE, CheckpointCorruptError, fsync_path
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -37,10 +37,6 @@ LATEST = "latest"
 PINNED = "PINNED"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^step_\d+\.(tmp|old)-")
-
-
-class CheckpointCorruptError(RuntimeError):
-    """A checkpoint failed verification; the message names the file and the problem."""
 
 
 def step_dir_name(step: int) -> str:
@@ -159,11 +155,13 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
         raise CheckpointCorruptError(f"{path}: manifest missing or unreadable ({exc})") from exc
 
 
-def verify(step_dir: Path, checksums: bool = True, _seen: set[Path] | None = None) -> dict[str, Any]:
+def verify(step_dir: Path, checksums: bool = True, _seen: set[Path] | None = None,
+           skip_suffix: str | None = None) -> dict[str, Any]:
     """Check a committed step (and the steps it references); returns its manifest.
 
     Raises :class:`CheckpointCorruptError` naming the first bad file: missing, wrong size
-    (truncated), or wrong checksum (garbage).
+    (truncated), or wrong checksum (garbage). Files ending in ``skip_suffix`` get the size check
+    only (the loader verifies their checksums as it reads them).
     """
     seen = _seen if _seen is not None else set()
     m = read_manifest(step_dir)
@@ -175,7 +173,7 @@ def verify(step_dir: Path, checksums: bool = True, _seen: set[Path] | None = Non
         if size != e["bytes"]:
             raise CheckpointCorruptError(f"{p}: size {size} bytes, manifest says {e['bytes']} (truncated or altered)")
         algo = CHECKSUM if CHECKSUM in e else "sha256"
-        if checksums:
+        if checksums and not (skip_suffix and name.endswith(skip_suffix)):
             got = checksum_file(p, algo)
             if got != e[algo]:
                 raise CheckpointCorruptError(f"{p}: checksum ({algo}) {got[:16]}... does not match the manifest's "
@@ -187,8 +185,19 @@ def verify(step_dir: Path, checksums: bool = True, _seen: set[Path] | None = Non
         seen.add(rdir)
         if not rdir.is_dir():
             raise CheckpointCorruptError(f"{rdir}: referenced by {step_dir} (dedup) but missing")
-        verify(rdir, checksums, seen)
+        verify(rdir, checksums, seen, skip_suffix)
     return m
+
+
+def expected_checksums(step_dir: Path) -> dict[str, dict[str, Any]]:
+    """Manifest entries of every file a load of ``step_dir`` may read, keyed as the metadata names them
+    (own files by name, dedup references as ``../step_K/name``)."""
+    m = read_manifest(step_dir)
+    out = dict(m["files"])
+    for ref in m.get("refs", []):
+        for name, e in read_manifest(step_dir / ref).get("files", {}).items():
+            out[f"{ref}/{name}"] = e
+    return out
 
 
 def read_state(step_dir: Path) -> dict[str, Any]:

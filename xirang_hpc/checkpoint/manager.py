@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from xirang_hpc.checkpoint import layout as L
 from xirang_hpc.checkpoint.retention import RetentionPolicy, prune
@@ -54,6 +55,13 @@ class LoadResult:
     state: dict[str, Any]
     rank_state: dict[str, Any] | None
     skipped: list[tuple[int, str]] = field(default_factory=list)
+
+
+def _explain(exc: BaseException) -> str:
+    """The underlying messages of a DCP failure (which wraps each rank's exception)."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"rank {r}: {e}" for r, (e, _) in sorted(exc.failures.items()))
+    return str(exc)
 
 
 class CheckpointManager:
@@ -216,16 +224,17 @@ class CheckpointManager:
             d = self.root / L.step_dir_name(s)
             problem = None
             if self.rank == 0:
-                try:
-                    L.verify(d, checksums=self.verify_checksums)
+                try:  # manifest, sizes, small files; the loader checksums the tensor files it reads
+                    L.verify(d, checksums=self.verify_checksums, skip_suffix=".h5")
                 except L.CheckpointCorruptError as exc:
                     problem = str(exc)
             problem = self._bcast(problem)
             if problem is None:
                 try:
-                    dcp.load(tensors, storage_reader=HDF5StorageReader(d), process_group=self.group)
-                except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure
-                    problem = f"{d}: unreadable: {exc}"
+                    sums = L.expected_checksums(d) if self.verify_checksums else None
+                    dcp.load(tensors, storage_reader=HDF5StorageReader(d, sums), process_group=self.group)
+                except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every rank's failure
+                    problem = _explain(exc)
             if problem is None:
                 rank_file = d / f"rank_{self.rank}.json"
                 rank_state = json.loads(rank_file.read_text()) if rank_file.exists() else None

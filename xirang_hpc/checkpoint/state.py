@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from xirang_hpc.checkpoint.snapshot import capture_rng
 
@@ -31,33 +36,67 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def _check_supported(opt: torch.optim.Optimizer) -> None:
-    if type(opt).__name__ == "ZeroRedundancyOptimizer":
-        raise NotImplementedError(
-            "checkpointing a ZeroRedundancyOptimizer (parallel.optimizer_sharding=true) is not supported by "
-            "DCP's get_state_dict; use parallel.data_parallel=fsdp for sharded optimizer state")
+def _is_zero(opt: torch.optim.Optimizer) -> bool:
+    return type(opt).__name__ == "ZeroRedundancyOptimizer"
+
+
+def _zero_local_state(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
+    """ZeRO-1: this rank's partition of the optimizer state, keyed by parameter name.
+
+    Each name lives on exactly one rank, so DCP writes every entry once and the checkpoint has
+    the same keys as a full ``get_state_dict`` (loads under any layout, with or without ZeRO).
+    Missing entries are created as AdamW would on its first step (step 0, zero moments).
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    local = opt.optim
+    out: dict[str, Any] = {}
+    for g in local.param_groups:
+        for p in g["params"]:
+            st = local.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            out[names[id(p)]] = st
+    return out
 
 
 def tensor_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(DCP tensor state dict, JSON-able optimizer param_groups). Initialises empty optimizer state."""
-    _check_supported(opt)
+    if _is_zero(opt):
+        groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return {"model": get_model_state_dict(model), "optim": {"state": _zero_local_state(model, opt)}}, groups
     msd, osd = get_state_dict(model, opt)
     groups = [{k: _jsonable(v) for k, v in g.items()} for g in osd.get("param_groups", [])]
     return {"model": msd, "optim": {"state": osd["state"]}}, groups
 
 
+def _merge_groups(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Saved hyperparameters over the current groups (which keep their own ``params``)."""
+    if len(saved) != len(current):
+        raise ValueError(f"checkpoint has {len(saved)} optimizer param groups, this optimizer {len(current)}")
+    out = []
+    for s, cur in zip(saved, current):
+        g = dict(cur)
+        for k, v in s.items():
+            if k != "params" and k in cur:
+                g[k] = tuple(v) if isinstance(cur[k], tuple) else v
+        out.append(g)
+    return out
+
+
 def apply_tensor_state(model: torch.nn.Module, opt: torch.optim.Optimizer, tensors: dict[str, Any],
-                       groups: list[dict[str, Any]]) -> None:
-    """Put loaded tensors and param_groups back into ``model``/``opt``."""
-    current = opt.state_dict()["param_groups"]
-    fixed = []
-    for saved, cur in zip(groups, current):
-        g = dict(saved)
-        for k, v in cur.items():
-            if isinstance(v, tuple) and k in g:
-                g[k] = tuple(g[k])
-        fixed.append(g)
-    osd = {"state": tensors["optim"]["state"], "param_groups": fixed}
+                       saved_groups: list[dict[str, Any]], current_groups: list[dict[str, Any]]) -> None:
+    """Put loaded tensors and hyperparameters back (``current_groups``: from :func:`tensor_state`)."""
+    if _is_zero(opt):
+        # DCP loaded the optimizer tensors in place into the local state; only weights and groups remain.
+        set_model_state_dict(model, tensors["model"])
+        for g, m in zip(opt.param_groups, _merge_groups(saved_groups, current_groups)):
+            g.update({k: v for k, v in m.items() if k != "params"})
+        for g, m in zip(opt.optim.param_groups, opt.param_groups):
+            g.update({k: v for k, v in m.items() if k != "params"})
+        return
+    osd = {"state": tensors["optim"]["state"], "param_groups": _merge_groups(saved_groups, current_groups)}
     set_state_dict(model, opt, model_state_dict=tensors["model"], optim_state_dict=osd)
 
 
@@ -72,6 +111,9 @@ def run_state_json(trainer: Any, lr: float) -> dict[str, Any]:
         "step": s.step,
         "tokens_seen": s.tokens_seen,
         "initial_val_loss": s.initial_val_loss if math.isfinite(s.initial_val_loss) else None,
+        # Sampling is a pure function of (seed, step): this is the whole data position, in any layout.
+        "data_position": {"seed": trainer.cfg.train.seed, "next_step": s.step,
+                          "global_batch": trainer.cfg.train.global_batch},
         "lr_schedule": {"kind": "warmup_cosine", "lr_at_step": lr, "lr": trainer.cfg.train.lr,
                         "warmup_steps": trainer.cfg.train.warmup_steps, "max_steps": trainer.cfg.train.max_steps,
                         "min_lr_ratio": trainer.cfg.train.min_lr_ratio},

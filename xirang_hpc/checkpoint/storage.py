@@ -19,6 +19,7 @@ checkpoint manager keeps those out of the DCP state dict and stores them as JSON
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -64,6 +65,24 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
 
 class CheckpointFormatError(RuntimeError):
     """A checkpoint file is missing, truncated or not what the metadata says."""
+
+
+class CheckpointCorruptError(CheckpointFormatError):
+    """A checkpoint failed verification; the message names the file and the problem."""
+
+
+def verify_bytes(path: Path, data: bytes, entry: dict[str, Any]) -> None:
+    """Check ``data`` (the content of ``path``) against its manifest entry (size + checksum)."""
+    if len(data) != entry["bytes"]:
+        raise CheckpointCorruptError(f"{path}: size {len(data)} bytes, manifest says {entry['bytes']} "
+                                     "(truncated or altered)")
+    algo = "xxh3_128" if "xxh3_128" in entry else "sha256"
+    h = xxhash.xxh3_128() if algo == "xxh3_128" else hashlib.new(algo)
+    h.update(data)
+    got = h.hexdigest()
+    if got != entry[algo]:
+        raise CheckpointCorruptError(f"{path}: checksum ({algo}) {got[:16]}... does not match the manifest's "
+                                     f"{entry[algo][:16]}... (corrupted)")
 
 
 def dtype_from_str(name: str) -> torch.dtype:
@@ -239,11 +258,17 @@ class HDF5StorageWriter(StorageWriter):
 
 
 class HDF5StorageReader(StorageReader):
-    """Reads a checkpoint written by :class:`HDF5StorageWriter`, one hyperslab per request."""
+    """Reads a checkpoint written by :class:`HDF5StorageWriter`, one hyperslab per request.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    With ``checksums`` (file name relative to ``path`` -> manifest entry), every file this rank
+    reads is read once into memory, verified, and parsed from there: the data that is loaded is
+    exactly the data that was checked, and the verification costs no second pass over the disk.
+    """
+
+    def __init__(self, path: str | os.PathLike, checksums: dict[str, dict[str, Any]] | None = None) -> None:
         super().__init__()
         self.path = Path(path)
+        self.checksums = checksums
         self.storage_data: dict[MetadataIndex, dict[str, Any]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -273,9 +298,14 @@ class HDF5StorageReader(StorageReader):
         for req in plan.items:
             by_file.setdefault(self.storage_data[req.storage_index]["file"], []).append(req)
         for fname, reqs in by_file.items():
-            fpath = self.path / fname
+            fpath = Path(os.path.normpath(self.path / fname))  # dedup refs: step_N/../step_K/x -> step_K/x
             try:
-                f = h5py.File(fpath, "r", locking=False)
+                if self.checksums is not None and fname in self.checksums:
+                    data = fpath.read_bytes()
+                    verify_bytes(fpath, data, self.checksums[fname])
+                    f = h5py.File(io.BytesIO(data), "r")
+                else:
+                    f = h5py.File(fpath, "r", locking=False)
             except OSError as exc:
                 raise CheckpointFormatError(f"cannot open checkpoint file {fpath}: {exc}") from exc
             with f:
