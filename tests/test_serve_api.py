@@ -188,3 +188,29 @@ def test_top_k_restricts_sampling(top_k: int) -> None:
     picks = {sample_next(logits, 2.0, top_k, g) for _ in range(200)}
     assert picks == ({1} if top_k == 1 else {1, 2, 3})
     assert sample_next(logits, 0.0, 0, None) == 1  # greedy
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_kv_cache_decoding_equals_full_recompute_past_the_context_window(pos: str) -> None:
+    cfg = ModelConfig(name="t", n_layer=2, n_head=2, d_model=32, seq_len=16, pos=pos)
+    torch.manual_seed(3)
+    model = GPT(cfg).eval()
+    prompts = [[1, 2, 3], list(range(40, 52)), [7] * 16, [9]]  # 16 = a full window; 3 + 20 > 16 slides
+    outs = {}
+    for kv, batch in ((True, 4), (True, 1), (False, 4)):
+        eng = Engine(model, cfg.seq_len, batch, kv_cache=kv)
+        try:
+            outs[(kv, batch)] = eng.generate(prompts, 20, temperature=0.0)
+            if kv:
+                assert eng.cache is not None
+        finally:
+            eng.stop()
+    # Reference: the plain model over the last seq_len tokens, one token at a time.
+    ref = []
+    for p in prompts:
+        seq = list(p)
+        for _ in range(20):
+            with torch.no_grad():
+                seq.append(int(model(torch.tensor([seq[-16:]]))[0, -1].argmax()))
+        ref.append(seq[len(p):])
+    assert outs[(True, 4)] == outs[(True, 1)] == outs[(False, 4)] == ref

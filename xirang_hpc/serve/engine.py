@@ -1,12 +1,14 @@
 """Batched generation: one loop decodes every active request together (continuous batching).
 
-Each iteration admits waiting requests (up to ``max_batch``), runs *one* forward pass over all
-active sequences and appends one token to each; finished requests leave at once and new ones
-join at the next iteration. Sequences of different lengths are right-padded: attention is
-causal, so the logits at a sequence's last real position never see the padding, and each row
-is decoded exactly as it would be alone. Sequences longer than ``model.seq_len`` keep their
-last ``seq_len`` tokens (sliding window). There is no KV cache: the tiny models this platform
-serves on CPU are dominated by per-call overhead, which batching amortises.
+Each iteration admits waiting requests (up to ``max_batch``), gives each new request its slot
+in a key/value cache (:mod:`xirang_hpc.serve.kvcache`) filled by one forward over its prompt,
+then runs *one* batched decode step (one token per active request, attending over its cached
+prefix) and appends one token to each; finished requests leave at once and new ones join at the
+next iteration. Sequences longer than ``model.seq_len`` keep their last ``seq_len`` tokens
+(sliding window: the window is re-encoded, as learned positions are absolute). Without a cache
+(``kv_cache=False``, or a module that is not a whole GPT) every step re-runs all windows,
+right-padded: attention is causal, so a row's last real position never sees the padding.
+Either way each row is decoded exactly as it would be alone (tests compare).
 
 Sampling is per request: ``temperature <= 0`` is greedy; otherwise softmax(logits / T) over the
 ``top_k`` largest logits (0 = all), drawn with the request's own seeded generator, so a given
@@ -26,6 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from xirang_hpc.models.gpt import GPT
+from xirang_hpc.serve.kvcache import KVCache
+
 log = logging.getLogger(__name__)
 
 
@@ -44,6 +49,8 @@ class GenRequest:
     out: list[int] = field(default_factory=list)
     gen: torch.Generator | None = None
     t_submit: float = 0.0
+    slot: int = -1  # KV-cache slot while active
+    cached: int = 0  # tokens of this request in its slot
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator | None) -> int:
@@ -61,8 +68,12 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, gen: torch
 class Engine:
     """Owns the model and the generation loop (a background thread); thread-safe :meth:`submit`."""
 
-    def __init__(self, model: nn.Module, seq_len: int, max_batch: int = 16) -> None:
+    def __init__(self, model: nn.Module, seq_len: int, max_batch: int = 16, kv_cache: bool = True) -> None:
         self.model, self.seq_len, self.max_batch = model.eval(), seq_len, max_batch
+        # KV cache: a whole GPT only (a pipeline stage or another module decodes by full recompute).
+        use = kv_cache and isinstance(model, GPT) and model.tok_emb is not None and model.head is not None
+        self.cache: KVCache | None = KVCache(model, max_batch) if use else None
+        self._free = list(range(max_batch))
         self._queue: queue.Queue[GenRequest] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -124,6 +135,9 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------
     def _finish(self, req: GenRequest, err: BaseException | None = None) -> None:
+        if req.slot >= 0:
+            self._free.append(req.slot)
+            req.slot = -1
         if req.on_done is not None:
             try:
                 req.on_done(list(req.out), err)
@@ -142,11 +156,47 @@ class Engine:
             if req.max_tokens <= 0:
                 self._finish(req)
             else:
+                req.slot, req.cached = self._free.pop(), 0
                 active.append(req)
+
+    def _emit(self, r: GenRequest, row: torch.Tensor) -> None:
+        tok = sample_next(row, r.temperature, r.top_k, r.gen)
+        r.out.append(tok)
+        self.stats["tokens"] += 1
+        if r.on_token is not None:
+            r.on_token(tok)
 
     @torch.inference_mode()
     def step(self, active: list[GenRequest]) -> None:
-        """One forward pass over every active sequence; one new token each."""
+        """One new token for every active sequence."""
+        if self.cache is None:
+            return self.step_recompute(active)
+        decode = [r for r in active if 0 < r.cached < self.seq_len and len(r.prompt) + len(r.out) == r.cached + 1]
+        in_decode = {id(r) for r in decode}
+        for r in active:  # new requests, and windows sliding past seq_len: (re)fill the cache
+            if id(r) in in_decode:
+                continue
+            seq = (r.prompt + r.out)[-self.seq_len:]
+            logits = self.cache.forward(torch.tensor([seq], dtype=torch.long), torch.tensor([r.slot]),
+                                        torch.tensor([0]))
+            r.cached = len(seq) if len(r.prompt) + len(r.out) < self.seq_len else 0
+            self.stats["forward_passes"] += 1
+            self.stats["batched_rows"] += 1
+            self._emit(r, logits[0, -1])
+        if decode:
+            last = torch.tensor([[(r.prompt + r.out)[-1]] for r in decode], dtype=torch.long)
+            logits = self.cache.forward(last, torch.tensor([r.slot for r in decode]),
+                                        torch.tensor([r.cached for r in decode]))
+            self.stats["forward_passes"] += 1
+            self.stats["batched_rows"] += len(decode)
+            self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(decode))
+            for r, row in zip(decode, logits[:, -1]):
+                r.cached += 1
+                self._emit(r, row)
+
+    @torch.inference_mode()
+    def step_recompute(self, active: list[GenRequest]) -> None:
+        """One forward pass over every active sequence's whole window; one new token each."""
         seqs = [(r.prompt + r.out)[-self.seq_len:] for r in active]
         lens = [len(s) for s in seqs]
         width = max(lens)
@@ -159,11 +209,7 @@ class Engine:
         self.stats["batched_rows"] += len(seqs)
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(seqs))
         for r, row in zip(active, last):
-            tok = sample_next(row, r.temperature, r.top_k, r.gen)
-            r.out.append(tok)
-            self.stats["tokens"] += 1
-            if r.on_token is not None:
-                r.on_token(tok)
+            self._emit(r, row)
 
     def _loop(self) -> None:
         active: list[GenRequest] = []

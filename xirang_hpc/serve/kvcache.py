@@ -1,0 +1,68 @@
+"""A key/value cache for batched decoding with the (unchanged) :class:`GPT` modules.
+
+The cache holds ``slots`` sequences: per layer, keys and values of shape (slots, heads, seq_len,
+head_dim). :meth:`KVCache.forward` runs T new tokens of B slots (prefill: B=1, T=prompt; decode:
+B=active requests, T=1) through the model's own submodules (embeddings, norms, q/k/v/o, MLP),
+writes their keys/values at each slot's positions, and attends over every slot's cached prefix.
+The result equals the full forward's logits at those positions (same math, fewer FLOPs: a
+decode step costs one token per row instead of the whole window).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from xirang_hpc.models.gpt import GPT
+
+
+def _rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, nh, T, hd) with per-row position tables cos/sin (B, T, hd/2)."""
+    c, s = cos[:, None], sin[:, None]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+class KVCache:
+    """Keys/values of ``slots`` sequences of up to ``model.cfg.seq_len`` tokens."""
+
+    def __init__(self, model: GPT, slots: int) -> None:
+        cfg = model.cfg
+        self.model, self.seq_len = model, cfg.seq_len
+        self.n_head, self.head_dim = cfg.n_head, cfg.d_model // cfg.n_head
+        p = next(model.parameters())
+        shape = (slots, cfg.n_head, cfg.seq_len, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=p.dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, dtype=p.dtype) for _ in range(cfg.n_layer)]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) at positions start[b]..start[b]+T-1 of slot slots[b] -> logits (B, T, V)."""
+        m, cfg = self.model, self.model.cfg
+        b, t = tokens.shape
+        pos = start[:, None] + torch.arange(t)[None, :]  # (B, T)
+        h = m.tok_emb(tokens)  # type: ignore[misc]
+        if m.pos_emb is not None:
+            h = h + m.pos_emb(pos)
+        rope = None
+        if cfg.pos == "rope":
+            rope = (m.rope_cos[pos], m.rope_sin[pos])  # (B, T, hd/2) each
+        # Key j of a row is visible to its query i when j <= position of i (causal over the cache).
+        visible = torch.arange(self.seq_len)[None, None, :] <= pos[:, :, None]  # (B, T, S)
+        mask = visible[:, None]  # (B, 1, T, S)
+        rows = slots[:, None].expand(b, t)
+        for i, block in enumerate(m.layers.values()):
+            a = block.attn
+            x = block.attn_norm(h)
+            q = a.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+            k = a.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            v = a.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            if rope is not None:
+                q, k = _rope_at(q, *rope), _rope_at(k, *rope)
+            self.k[i][rows, :, pos] = k.transpose(1, 2)  # (B, T, nh, hd) into (slot, :, position)
+            self.v[i][rows, :, pos] = v.transpose(1, 2)
+            keys, vals = self.k[i].index_select(0, slots), self.v[i].index_select(0, slots)  # (B, nh, S, hd)
+            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # (B, nh, T, hd)
+            h = h + a.o(y.transpose(1, 2).reshape(b, t, -1))
+            h = h + block.mlp(block.mlp_norm(h))
+        return m.head(m.norm(h))  # type: ignore[misc]
