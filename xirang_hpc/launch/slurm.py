@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -104,8 +105,6 @@ def make_slurm_executor(c: ClusterConfig, folder: Path, priority: str = "normal"
 
 def write_job_file(cfg: XirangConfig, run_dir: Path) -> None:
     """What the supervisor needs inside the job: the requeue policy and the signal delay."""
-    import dataclasses
-
     payload = {"requeue": dataclasses.asdict(cfg.requeue), "signal_delay_s": cfg.cluster.signal_delay_s,
                "nodes": cfg.cluster.nodes, "partition": scheduling_class(cfg.cluster, cfg.train.priority)[0]}
     (run_dir / JOB_FILE).write_text(json.dumps(payload, indent=1))
@@ -173,8 +172,6 @@ def cancel(job_id: str) -> None:
 
 def launch_slurm(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any) -> dict[str, Any] | None:
     """``xirang-train`` on Slurm: submit, print job id / run dir / how to follow; block if ``train.wait``."""
-    import dataclasses
-
     job = submit(cfg, run_dir, data_dir, fn, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
     print(f"submitted Slurm job {job.job_id} ({cfg.cluster.name}: {cfg.cluster.nodes} node(s) x "
           f"{cfg.cluster.tasks_per_node} ranks) | run dir {run_dir}", flush=True)

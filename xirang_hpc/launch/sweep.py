@@ -123,8 +123,10 @@ class XirangLauncher(Launcher):
             raise SystemExit(f"xirang-train: error: {exc}") from None
         print(f"submitted Slurm array job {array_id}: {len(cfgs)} task(s), at most "
               f"{min(len(cfgs), cfgs[0].cluster.array_parallelism)} at once", flush=True)
+        common = set.intersection(*(set(o) for o in job_overrides))
         for i, (ov, d) in enumerate(zip(job_overrides, run_dirs)):
-            print(f"  {array_id}_{i}: {' '.join(filter_overrides(ov)) or '(defaults)'} -> {d}", flush=True)
+            varying = [o for o in filter_overrides(ov) if o not in common]
+            print(f"  {array_id}_{i}: {' '.join(varying) or '(defaults)'} -> {d}", flush=True)
         print(f"follow it with: squeue -j {array_id}; xirang-status {run_dirs[0].parent}", flush=True)
         return [JobReturn(overrides=list(ov), cfg=c, hydra_cfg=self.config, working_dir=str(d),
                           task_name="xirang-train", status=JobStatus.COMPLETED, _return_value=f"{array_id}_{i}")
