@@ -17,7 +17,6 @@ temporary, so it is either complete or (after disk damage) detectably corrupt.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -27,9 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
-from xirang_hpc.checkpoint.storage import METADATA_FILE, CheckpointCorruptError, fsync_path
+from xirang_hpc.checkpoint.storage import METADATA_FILE, CheckpointCorruptError, checksum_file, fsync_path, verify_file
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -54,21 +51,6 @@ def make_dir(path: Path, mode: int) -> Path:
 # xxh3-128 hashes at several GB/s (sha256 ran at 0.2-0.3 GB/s here), so verifying is cheap next to
 # reading; it detects corruption, not tampering (the directories are private to the user).
 CHECKSUM = "xxh3_128"
-
-
-def _hasher(algo: str) -> Any:
-    return xxhash.xxh3_128() if algo == "xxh3_128" else hashlib.new(algo)
-
-
-def checksum_file(path: Path, algo: str = CHECKSUM, bufsize: int = 16 << 20) -> str:
-    """Hex digest of a file (``xxh3_128`` by default; any hashlib name too)."""
-    h = _hasher(algo)
-    with path.open("rb", buffering=0) as f:
-        buf = bytearray(bufsize)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def file_entry(path: Path) -> dict[str, Any]:
@@ -167,17 +149,10 @@ def verify(step_dir: Path, checksums: bool = True, _seen: set[Path] | None = Non
     m = read_manifest(step_dir)
     for name, e in m["files"].items():
         p = step_dir / name
-        if not p.is_file():
-            raise CheckpointCorruptError(f"{p}: listed in the manifest but missing")
-        size = p.stat().st_size
-        if size != e["bytes"]:
-            raise CheckpointCorruptError(f"{p}: size {size} bytes, manifest says {e['bytes']} (truncated or altered)")
-        algo = CHECKSUM if CHECKSUM in e else "sha256"
         if checksums and not (skip_suffix and name.endswith(skip_suffix)):
-            got = checksum_file(p, algo)
-            if got != e[algo]:
-                raise CheckpointCorruptError(f"{p}: checksum ({algo}) {got[:16]}... does not match the manifest's "
-                                             f"{e[algo][:16]}... (corrupted)")
+            verify_file(p, e)
+        else:
+            _size_only(p, e)
     for ref in m.get("refs", []):
         rdir = (step_dir / ref).resolve()
         if rdir in seen:
@@ -198,6 +173,14 @@ def expected_checksums(step_dir: Path) -> dict[str, dict[str, Any]]:
         for name, e in read_manifest(step_dir / ref).get("files", {}).items():
             out[f"{ref}/{name}"] = e
     return out
+
+
+def _size_only(p: Path, e: dict[str, Any]) -> None:
+    if not p.is_file():
+        raise CheckpointCorruptError(f"{p}: listed in the manifest but missing")
+    if p.stat().st_size != e["bytes"]:
+        raise CheckpointCorruptError(f"{p}: size {p.stat().st_size} bytes, manifest says {e['bytes']} "
+                                     "(truncated or altered)")
 
 
 def read_state(step_dir: Path) -> dict[str, Any]:

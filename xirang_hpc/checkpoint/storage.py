@@ -71,15 +71,31 @@ class CheckpointCorruptError(CheckpointFormatError):
     """A checkpoint failed verification; the message names the file and the problem."""
 
 
-def verify_bytes(path: Path, data: bytes, entry: dict[str, Any]) -> None:
-    """Check ``data`` (the content of ``path``) against its manifest entry (size + checksum)."""
-    if len(data) != entry["bytes"]:
-        raise CheckpointCorruptError(f"{path}: size {len(data)} bytes, manifest says {entry['bytes']} "
+def _hasher(algo: str) -> Any:
+    return xxhash.xxh3_128() if algo == "xxh3_128" else hashlib.new(algo)
+
+
+def checksum_file(path: Path, algo: str = "xxh3_128", bufsize: int = 16 << 20) -> str:
+    """Hex digest of a file, streamed (``xxh3_128`` by default; any hashlib name too)."""
+    h = _hasher(algo)
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(bufsize)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def verify_file(path: Path, entry: dict[str, Any]) -> None:
+    """Check ``path`` against its manifest entry (size, then checksum); raises CheckpointCorruptError."""
+    if not path.is_file():
+        raise CheckpointCorruptError(f"{path}: listed in the manifest but missing")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointCorruptError(f"{path}: size {size} bytes, manifest says {entry['bytes']} "
                                      "(truncated or altered)")
     algo = "xxh3_128" if "xxh3_128" in entry else "sha256"
-    h = xxhash.xxh3_128() if algo == "xxh3_128" else hashlib.new(algo)
-    h.update(data)
-    got = h.hexdigest()
+    got = checksum_file(path, algo)
     if got != entry[algo]:
         raise CheckpointCorruptError(f"{path}: checksum ({algo}) {got[:16]}... does not match the manifest's "
                                      f"{entry[algo][:16]}... (corrupted)")
@@ -301,11 +317,9 @@ class HDF5StorageReader(StorageReader):
             fpath = Path(os.path.normpath(self.path / fname))  # dedup refs: step_N/../step_K/x -> step_K/x
             try:
                 if self.checksums is not None and fname in self.checksums:
-                    data = fpath.read_bytes()
-                    verify_bytes(fpath, data, self.checksums[fname])
-                    f = h5py.File(io.BytesIO(data), "r")
-                else:
-                    f = h5py.File(fpath, "r", locking=False)
+                    # Streamed first (the file then sits in the page cache for the reads below).
+                    verify_file(fpath, self.checksums[fname])
+                f = h5py.File(fpath, "r", locking=False)
             except OSError as exc:
                 raise CheckpointFormatError(f"cannot open checkpoint file {fpath}: {exc}") from exc
             with f:
@@ -317,21 +331,31 @@ class HDF5StorageReader(StorageReader):
                             planner.load_bytes(req, io.BytesIO(ds[()].tobytes()))
                             continue
                         sel = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
-                        arr = ds[sel] if sel else ds[()]
-                    except (KeyError, OSError) as exc:
+                        target = planner.resolve_tensor(req).detach()
+                        if tuple(target.shape) != tuple(req.lengths):
+                            raise CheckpointFormatError(
+                                f"checkpoint file {fpath}: {info['ds']!r} slice has shape {tuple(req.lengths)}, "
+                                f"expected {tuple(target.shape)}")
+                        self._read_into(ds, sel, target, dtype_from_str(info["dtype"]))
+                    except (KeyError, OSError, ValueError, TypeError) as exc:
                         raise CheckpointFormatError(
                             f"checkpoint file {fpath}: cannot read dataset {info['ds']!r}: {exc}") from exc
-                    src = from_numpy(np.asarray(arr), dtype_from_str(info["dtype"]))
-                    target = planner.resolve_tensor(req).detach()
-                    if tuple(target.shape) != tuple(src.shape):
-                        raise CheckpointFormatError(
-                            f"checkpoint file {fpath}: {info['ds']!r} slice has shape {tuple(src.shape)}, "
-                            f"expected {tuple(target.shape)}")
-                    target.copy_(src)
                     planner.commit_tensor(req, target)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    @staticmethod
+    def _read_into(ds: h5py.Dataset, sel: tuple[slice, ...], target: torch.Tensor, dtype: torch.dtype) -> None:
+        """Hyperslab ``sel`` of ``ds`` into ``target``: straight into its memory when it is a plain CPU tensor."""
+        if sel and target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype:
+            view = target.view(_VIEW_AS[dtype]) if dtype in _VIEW_AS else target
+            out = view.numpy()
+            if out.dtype == ds.dtype:
+                ds.read_direct(out, source_sel=sel)
+                return
+        arr = ds[sel] if sel else ds[()]
+        target.copy_(from_numpy(np.asarray(arr), dtype))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
