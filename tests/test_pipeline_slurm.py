@@ -76,7 +76,10 @@ def _wait_done(run: Path, timeout_s: float = 400) -> tuple[int, dict, str]:
     while True:
         rc, chain, text = _status(run)
         if chain["status"] == "completed" or chain["status"].startswith("failed"):
-            if all(s["status"] in ("completed", "failed", "cancelled") for s in chain["stages"]):
+            # Slurm too: a stage reports completed a moment before its job leaves RUNNING/COMPLETING.
+            if all(s["status"] in ("completed", "failed", "cancelled")
+                   and s["slurm_state"] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+                   for s in chain["stages"]):
                 return rc, chain, text
         assert time.monotonic() < deadline, text
         time.sleep(3)
