@@ -43,6 +43,11 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
         from xirang_hpc.serve.weights import InitFromHook
 
         hooks.append(InitFromHook(cfg.model.init_from))
+    # Hierarchical all-reduce / bandwidth budget on plain DDP (issue 4). Before the checkpoint hook, so a
+    # restore can fill ``trainer.extra_state["comm"]`` and a save sees the step's averaging done.
+    from xirang_hpc.runtime.comm.install import CommTrainerHook
+
+    hooks.append(CommTrainerHook(cfg.comm))
     if cfg.checkpoint.enabled:
         from xirang_hpc.checkpoint.hook import CheckpointHook  # restore, periodic async save, final save (issue 5)
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,9 @@ class Trainer:
         self.cfg, self.topo, self.run_dir, self.log = cfg, topo, run_dir, log
         self.hooks: list[TrainerHook] = list(hooks or [])
         self.stop_requested = False
+        # Per-rank state owned by hooks (name -> object with state_dict()/load_state_dict()), saved and
+        # restored by the checkpoint hook for every rank (e.g. "comm": the local-SGD averaging state).
+        self.extra_state: dict[str, Any] = {}
         t = cfg.train
         # One ParallelDims object, passed explicitly; the mesh is built from the real topology.
         self.dims = ParallelDims.from_config(cfg.parallel, topo.world_size)

@@ -12,11 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from xirang_hpc.config.schema import CommConfig
 from xirang_hpc.runtime.comm.budget import ModelAverager
-from xirang_hpc.runtime.comm.groups import CommLayout, build_layout
+from xirang_hpc.runtime.comm.groups import CommLayout, CommLayoutError, build_layout
 from xirang_hpc.runtime.comm.hierarchical import HierarchicalAllreduce
 from xirang_hpc.runtime.comm.hook import MB, BucketTuner, CommHook
 from xirang_hpc.runtime.topology import Topology
@@ -32,6 +34,10 @@ class CommState:
     hook: CommHook
     averager: ModelAverager | None = None
     steps: int = 0
+    # Set by the trainer hook: under local SGD (H > 1) replicas on different nodes differ, so a checkpoint
+    # (one replicated copy of model and optimizer) must also carry this rank's own parameters and
+    # optimizer moments; ``state_dict()`` then includes them under "local".
+    opt: Any = None
     _bytes_at: list[float] = field(default_factory=lambda: [0.0])
 
     def after_step(self, step_s: float, final: bool = False) -> None:
@@ -53,6 +59,8 @@ class CommState:
                               "internode_bytes": self.ar.internode_bytes}
         if self.averager is not None:
             sd["averager"] = self.averager.state_dict()
+            if self.opt is not None and self.averager.period > 1:
+                sd["local"] = local_replica_state(self.averager.params, self.opt)
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -62,6 +70,8 @@ class CommState:
         if self.hook.tuner is not None and sd.get("bucket_bytes"):
             self.hook.tuner.chosen = int(sd["bucket_bytes"])
         self.hook.bucket_bytes = int(sd["bucket_bytes"])
+        if self.averager is not None and sd.get("local") is not None and self.opt is not None:
+            load_local_replica_state(self.averager.params, self.opt, sd["local"])
         if self.averager is not None and "averager" in sd:
             self.averager.load_state_dict(sd["averager"])
 
@@ -69,6 +79,37 @@ class CommState:
         """Stop the worker and release shared memory."""
         self.hook.close()
         self.ar.close()
+
+
+def local_replica_state(params: list[nn.Parameter], opt: Any) -> dict[str, torch.Tensor]:
+    """This rank's parameters and optimizer state as flat tensors (``params``; ``opt.<key>`` per state key)."""
+    out = {"params": _flatten_dense_tensors([p.detach() for p in params]).clone()}
+    states = [opt.state.get(p, {}) for p in params]
+    if states and all(states):
+        for key in sorted(states[0]):
+            if all(isinstance(s.get(key), torch.Tensor) for s in states):
+                out[f"opt.{key}"] = torch.cat([s[key].detach().reshape(-1) for s in states])
+    return out
+
+
+def load_local_replica_state(params: list[nn.Parameter], opt: Any, sd: dict[str, torch.Tensor]) -> None:
+    """Inverse of :func:`local_replica_state`, in place (optimizer state must exist, as after a restore)."""
+    with torch.no_grad():
+        flat = sd["params"]
+        for p, v in zip(params, _unflatten_dense_tensors(flat, [p.detach() for p in params])):
+            p.copy_(v)
+        for name, flat in sd.items():
+            if not name.startswith("opt."):
+                continue
+            key, off = name[4:], 0
+            for p in params:
+                t = opt.state[p][key]
+                n = t.numel()
+                t.copy_(flat[off:off + n].reshape(t.shape).to(t.dtype))
+                off += n
+            if off != flat.numel():
+                raise ValueError(f"comm checkpoint: optimizer state {key!r} has {flat.numel()} values, "
+                                 f"this model {off}; was it saved under another model or layout?")
 
 
 def parse_bucket(cfg: CommConfig) -> tuple[int, BucketTuner | None]:
@@ -115,9 +156,22 @@ class CommTrainerHook(TrainerHook):
         if not c.hierarchical and c.inter_node_budget == 0 and c.sync_period <= 1:
             return  # DDP's own flat all-reduce
         if isinstance(trainer.ddp, nn.parallel.DistributedDataParallel):
-            self.state = install_comm(trainer.ddp, trainer.topo, self.cfg,
-                                      log_fn=trainer.log if trainer.topo.rank == 0 else None)
-            trainer.comm_state = self.state  # for the checkpoint hook: include state_dict()
+            say = trainer.log if trainer.topo.rank == 0 else None
+            try:
+                self.state = install_comm(trainer.ddp, trainer.topo, self.cfg, log_fn=say)
+            except CommLayoutError as exc:  # same decision on every rank (from the gathered topology)
+                if c.inter_node_budget > 0 or c.sync_period > 1:
+                    raise
+                if say is not None:
+                    say(f"comm: hierarchical hook not installed, DDP's flat all-reduce runs ({exc})")
+                return
+            self.state.opt = trainer.opt
+            trainer.comm_state = self.state
+            # The checkpoint hook saves/restores every entry of ``trainer.extra_state`` per rank.
+            extra = getattr(trainer, "extra_state", None)
+            if extra is None:
+                extra = trainer.extra_state = {}
+            extra["comm"] = self.state
         elif trainer.topo.rank == 0 and trainer.dp_size > 1:
             trainer.log("comm: hierarchical hook skipped (data_parallel is not plain DDP; FSDP/HSDP reduce internally)")
 
