@@ -85,3 +85,11 @@ def test_training_starts_from_exported_weights_and_a_checkpoint_wins_on_restart(
     rows2 = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     vals2 = [x["val_loss"] for x in rows2 if "val_loss" in x]
     assert vals2[0] == vals[0] and vals2[-1] == pytest.approx(vals[-1], rel=1e-6)
+
+
+def test_init_from_must_name_a_safetensors_file_before_anything_starts(tmp_path: Path) -> None:
+    r = subprocess.run([str(BIN / "xirang-train"), f"model.init_from={tmp_path}/run/checkpoints",
+                        f"train.runs_root={tmp_path}/runs"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "model.init_from" in r.stderr and "xirang-ckpt export RUN --format safetensors" in r.stderr
+    assert not (tmp_path / "runs").exists()

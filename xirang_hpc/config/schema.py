@@ -36,7 +36,7 @@ class ModelConfig:
     pos: str = "learned"  # learned | rope
     bias: bool = True
     init_std: float = 0.02
-    # Path to a checkpoint or weight file to initialise from (filled in by later issues).
+    # Exported weights (.safetensors) to initialise from, for fine-tuning (xirang_hpc/serve/weights.py).
     init_from: str | None = None
 
     def __post_init__(self) -> None:
@@ -54,6 +54,9 @@ class ModelConfig:
             raise ConfigError("model.pos", self.pos, "choose learned or rope")
         if self.pos == "rope" and (self.d_model // self.n_head) % 2:
             raise ConfigError("model.pos", self.pos, "rope needs an even head dimension (d_model/n_head)")
+        if self.init_from and not str(self.init_from).endswith(".safetensors"):
+            raise ConfigError("model.init_from", self.init_from,
+                              "point it at a .safetensors file (xirang-ckpt export RUN --format safetensors)")
 
     @property
     def ffn_dim(self) -> int:
