@@ -142,3 +142,23 @@ def test_comm_group_composes() -> None:
     cfg = compose_cfg(["comm.bucket=auto", "comm.sync_period=8", "comm.outer_optimizer=nesterov"])
     assert cfg.comm.bucket == "auto" and cfg.comm.sync_period == 8 and cfg.comm.outer_lr == 0.7
     assert compose_cfg().comm.inter_node_budget == 0  # unset by default: exact synchronous training
+
+
+def test_ddp_bucket_cap_follows_comm_bucket(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xirang_hpc.runtime.data_parallel import apply_ddp, ddp_bucket_cap_mb
+
+    assert ddp_bucket_cap_mb(CommConfig(bucket="4")) == 4.0
+    # auto: DDP buckets of the smallest candidate, which the hook coalesces into the chosen message size
+    assert ddp_bucket_cap_mb(CommConfig(bucket="auto", auto_candidates_mb=[8.0, 2.0])) == 2.0
+    assert ddp_bucket_cap_mb(CommConfig(bucket="auto", hierarchical=False)) == 25.0  # DDP's default
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+        ddp = apply_ddp(torch.nn.Linear(8, 8), mesh, 4.0)
+        assert ddp.bucket_bytes_cap == 4 * (1 << 20)
+    finally:
+        dist.destroy_process_group()

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from xirang_hpc.config.schema import TrainConfig
+from xirang_hpc.config.schema import CommConfig, TrainConfig
 from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh
 
 
@@ -30,9 +30,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_a
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> DDP:
-    """Wrap ``model`` in DDP over the flattened dp sub-mesh."""
-    return DDP(model, device_mesh=dp_mesh(mesh))
+def ddp_bucket_cap_mb(comm: CommConfig) -> float:
+    """DDP's bucket cap from ``comm.bucket``: the size itself; for ``auto`` the smallest candidate.
+
+    The hierarchical hook (xirang_hpc/runtime/comm) coalesces DDP's buckets into messages of the
+    chosen size, so with small buckets every auto-tune candidate is reachable without losing overlap.
+    """
+    if str(comm.bucket) == "auto":
+        return min(comm.auto_candidates_mb) if comm.hierarchical else 25.0
+    return float(comm.bucket)
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -> DDP:
+    """Wrap ``model`` in DDP over the flattened dp sub-mesh (buckets of ``bucket_cap_mb`` MB)."""
+    return DDP(model, device_mesh=dp_mesh(mesh), bucket_cap_mb=bucket_cap_mb)
 
 
 def param_groups(model: nn.Module, t: TrainConfig) -> list[dict[str, object]]:

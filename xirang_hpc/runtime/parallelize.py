@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.runtime import pipeline
-from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer
+from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer, ddp_bucket_cap_mb
 from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh, mesh_coords
 from xirang_hpc.runtime.recompute import apply_recompute
 from xirang_hpc.runtime.tensor_parallel import apply_tensor_parallel
@@ -94,7 +94,7 @@ def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None) 
             apply_fsdp(model, mesh, dims)
             kind = "fsdp"
         else:
-            module = apply_ddp(model, mesh)
+            module = apply_ddp(model, mesh, ddp_bucket_cap_mb(cfg.comm))
             kind = "ddp"
     pm = ParallelModel(dims=dims, mesh=mesh, model=model, module=module, data_parallel=kind, coords=coords,
                        stage_layers=ranges[coords["pp"]])
