@@ -93,3 +93,29 @@ def test_init_from_must_name_a_safetensors_file_before_anything_starts(tmp_path:
     assert r.returncode == 2
     assert "model.init_from" in r.stderr and "xirang-ckpt export RUN --format safetensors" in r.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_init_from_fills_tensor_parallel_shards(tmp_path: Path) -> None:
+    """4 ranks, dp2 x tp2 (DTensor shards): each rank keeps its shard of the full exported tensors."""
+    from xirang_hpc.data.dataset import TokenWindows
+    from xirang_hpc.data.prepare import prepare
+
+    data = tmp_path / "data"
+    prepare(str(ROOT / "xirang_hpc"), data, val_fraction=0.05)
+    torch.manual_seed(9)
+    pre = GPT(TINY)
+    with torch.no_grad():
+        pre.head.weight.mul_(40.0)
+    weights = _export(pre, tmp_path / "pre.safetensors")
+    val = TokenWindows(data, "val", 64)
+    expected = sum(lm_loss(pre(x), y).item() for x, y in (val.batch(1234, i, 32) for i in range(2))) / 2
+    r = subprocess.run([str(BIN / "xirang-train"), f"model.init_from={weights}", "parallel=dp2xtp2",
+                        "train.max_steps=1", "train.warmup_steps=1", "train.eval_batches=2",
+                        f"train.runs_root={tmp_path}/runs", f"data.out_dir={data}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "4 ranks on 2 node(s)" in r.stdout
+    (run,) = (tmp_path / "runs").iterdir()
+    first = next(json.loads(x)["val_loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if "val_loss" in x)
+    assert first == pytest.approx(expected, rel=1e-4)
