@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -97,7 +98,7 @@ def worker(a: argparse.Namespace) -> None:
         elif rank == k:
             dist.recv(probe, src=0)
     link_Bps = probe.numel() * 4 / _timed(p2p, 3)
-    res.update(alpha_s=alpha, link_Bps=link_Bps)
+    res.update(alpha_s=alpha, link_Bps=link_Bps, chunk_bytes=ar.pipeline_bytes, nodes=m, per_node=k)
 
     for mb in a.sizes_mb:
         n = int(mb * MB) // 4
@@ -107,14 +108,8 @@ def worker(a: argparse.Namespace) -> None:
         inter = _timed(lambda x=x: pg_inter.allreduce([x]).wait(), reps)
         hier = _timed(lambda x=x: ar.allreduce_([x]), reps)
         intra = _timed(lambda x=x: ar.allreduce_([x], inter_node=False), reps)
-        nbytes, p = n * 4, world
-        model = {  # anchors.md alpha-beta; the k hierarchical flows share one link per node
-            "flat_by_node": 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / link_Bps,
-            "flat_interleaved": 2 * (p - 1) * alpha + 2 * (2 * (p - 1) / p * nbytes) / link_Bps,
-            "hierarchical": intra + 2 * (m - 1) * alpha + 2 * (m - 1) / m * nbytes / link_Bps,
-        }
         res["sizes"][str(mb)] = {"flat_by_node": flat, "flat_interleaved": inter, "hierarchical": hier,
-                                 "intra_only": intra, "model": model}
+                                 "intra_only": intra}
         if rank == 0:
             print(f"  {mb:>5g} MB: flat {flat * 1e3:8.1f} ms | interleaved {inter * 1e3:8.1f} ms | "
                   f"hier {hier * 1e3:8.1f} ms (intra {intra * 1e3:.1f}) | flat/hier {flat / hier:.2f}x", flush=True)
@@ -183,18 +178,74 @@ def worker(a: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- parent
+def fit_shm(res: dict) -> tuple[float, float]:
+    """Calibrate the intra-node (shared-memory) step: ``intra(n) = C(n) a_l + n b_l``, least squares.
+
+    From the benchmark's own intra-only runs (``allreduce_(inter_node=False)``: copy-in, barrier, shard
+    sum, barrier, copy-out per chunk of ``chunk_bytes``; the link is not touched), over all sizes.
+    """
+    rows = [(math.ceil(float(mb) * MB / res["chunk_bytes"]), float(mb) * MB, r["intra_only"])
+            for mb, r in res["sizes"].items()]
+    scc = sum(c * c for c, _, _ in rows)
+    scn = sum(c * n for c, n, _ in rows)
+    snn = sum(n * n for _, n, _ in rows)
+    sct = sum(c * t for c, _, t in rows)
+    snt = sum(n * t for _, n, t in rows)
+    det = scc * snn - scn * scn
+    if len(rows) < 2 or det == 0:
+        return 0.0, rows[0][2] / rows[0][1]
+    a_l = (sct * snn - snt * scn) / det
+    b_l = (scc * snt - scn * sct) / det
+    if a_l < 0:  # not resolvable: all per-byte
+        a_l, b_l = 0.0, snt / snn
+    return a_l, b_l
+
+
+def predict(res: dict, nbytes: float, a_l: float, b_l: float) -> dict[str, float]:
+    """Alpha-beta predictions (anchors.md) for the three all-reduces of ``nbytes`` on ``m`` nodes x ``k`` ranks.
+
+    veth: ``alpha`` = tiny all-reduce time / 2(p-1) steps, ``B`` = bytes/s of a lone 16 MB cross-node send;
+    flat ring by node: every byte of 2(p-1)/p n crosses each node link once per direction; interleaved:
+    twice. Hierarchical, pipelined in chunks of ``chunk_bytes`` (the intra-node work of chunk c+1 overlaps
+    the inter-node all-reduce of chunk c): per chunk intra ``t_i = a_l + c b_l`` (shared memory, fitted by
+    :func:`fit_shm`) and inter ``t_g = 2(m-1) alpha + 2(m-1)/m c / B`` (the k flows share the link), total
+    ``t_i + t_g + (C-1) max(t_i, t_g)`` (fill + drain + steady state).
+    """
+    m, k = res["nodes"], res["per_node"]
+    p, alpha, bw = m * k, res["alpha_s"], res["link_Bps"]
+    chunks = max(1, math.ceil(nbytes / res["chunk_bytes"]))
+    c = nbytes / chunks
+    t_i = a_l + c * b_l
+    t_g = 2 * (m - 1) * alpha + 2 * (m - 1) / m * c / bw
+    return {
+        "flat_by_node": 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / bw,
+        "flat_interleaved": 2 * (p - 1) * alpha + 2 * (2 * (p - 1) / p * nbytes) / bw,
+        "hierarchical": t_i + t_g + (chunks - 1) * max(t_i, t_g),
+        "hierarchical_serial": nbytes / c * t_i + 2 * (m - 1) * alpha + 2 * (m - 1) / m * nbytes / bw,
+    }
+
+
+def add_model(res: dict) -> dict:
+    """Calibrate the shared-memory step and attach predictions and errors to every size (in place)."""
+    a_l, b_l = fit_shm(res)
+    res["shm_alpha_s"], res["shm_Bps"] = a_l, (1 / b_l if b_l > 0 else float("inf"))
+    for mb, r in res["sizes"].items():
+        r["model"] = predict(res, float(mb) * MB, a_l, b_l)
+        r["error"] = {key: r[key] / r["model"][key] - 1 for key in ("flat_by_node", "flat_interleaved", "hierarchical")}
+    return res
+
+
 def report(res: dict) -> str:
     lines = [f"link {res['rate']}: measured {res['link_Bps'] * 8 / 1e9:.2f} Gbit/s, "
-             f"alpha {res['alpha_s'] * 1e6:.0f} us",
-             f"{'size':>7} | {'flat(node)':>10} {'model':>7} | {'flat(intl)':>10} {'model':>7} | "
-             f"{'hier':>8} {'model':>7} | {'flat/hier':>9} {'intl/hier':>9}"]
+             f"alpha {res['alpha_s'] * 1e6:.0f} us; shared memory (fitted): alpha {res['shm_alpha_s'] * 1e6:.0f} us "
+             f"per {res['chunk_bytes'] / MB:g} MB chunk, {res['shm_Bps'] / 1e9:.2f} GB/s",
+             f"{'size':>7} | {'flat(node)':>10} {'model':>7} {'err':>5} | {'flat(intl)':>10} {'model':>7} {'err':>5} | "
+             f"{'hier':>8} {'model':>7} {'err':>5} | {'flat/hier':>9} {'intl/hier':>9}"]
     for mb, r in res["sizes"].items():
-        mo = r["model"]
-        lines.append(
-            f"{mb:>4} MB | {r['flat_by_node'] * 1e3:8.1f}ms {mo['flat_by_node'] * 1e3:6.1f} | "
-            f"{r['flat_interleaved'] * 1e3:8.1f}ms {mo['flat_interleaved'] * 1e3:6.1f} | "
-            f"{r['hierarchical'] * 1e3:6.1f}ms {mo['hierarchical'] * 1e3:6.1f} | "
-            f"{r['flat_by_node'] / r['hierarchical']:8.2f}x {r['flat_interleaved'] / r['hierarchical']:8.2f}x")
+        cols = " | ".join(f"{r[key] * 1e3:8.1f}ms {r['model'][key] * 1e3:6.1f} {r['error'][key]:+5.0%}"
+                          for key in ("flat_by_node", "flat_interleaved", "hierarchical"))
+        lines.append(f"{mb:>4} MB | {cols} | "
+                     f"{r['flat_by_node'] / r['hierarchical']:8.2f}x {r['flat_interleaved'] / r['hierarchical']:8.2f}x")
     dd = res["ddp_step"]
     lines.append(f"DDP step ({res['model_params_mb']:.1f} MB params): "
                  f"flat(node) {dd['flat_by_node'] * 1e3:.1f} ms | "
@@ -244,7 +295,7 @@ def main() -> int:
         if any(rcs):
             print(f"bench_comm: workers exited with {rcs}", file=sys.stderr)
             return 1
-        res = json.loads(Path(out).read_text())
+        res = add_model(json.loads(Path(out).read_text()))
     print(report(res))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
