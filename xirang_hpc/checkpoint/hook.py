@@ -56,8 +56,16 @@ class CheckpointHook(TrainerHook):
         step = self.cfg.train.resume_from
         if step < 0:
             return self.run_dir
-        target = str(fork_for_resume(self.run_dir, step, self.cfg.checkpoint.dir_mode)) if self.topo.rank == 0 else None
-        new = Path(self._bcast(target))
+        target: str | None = None
+        if self.topo.rank == 0:
+            try:
+                target = str(fork_for_resume(self.run_dir, step, self.cfg.checkpoint.dir_mode))
+            except Exception as exc:  # noqa: BLE001 - broadcast first, then every rank raises
+                target = f"error: {exc}"
+        target = self._bcast(target)
+        if target.startswith("error: "):  # every rank stops with rank 0's reason (no rank left waiting)
+            raise FileNotFoundError(target.removeprefix("error: "))
+        new = Path(target)
         if new != self.run_dir and self.topo.rank == 0:
             trainer.log(f"checkpoint: train.resume_from={step} forked {self.run_dir} -> {new}; "
                         "the original history is untouched")
