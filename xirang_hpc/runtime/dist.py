@@ -104,6 +104,7 @@ def init_distributed(
     port = topo.master_port
     if topo.source == "local" and rendezvous_dir is not None:
         if topo.rank == 0:
+            rendezvous_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             _port_file(rendezvous_dir, topo).unlink(missing_ok=True)
             store = _open_store(topo, 0, timeout_s)
             port = store.port
