@@ -104,7 +104,8 @@ def measure(rank: int, world: int, per_node: int) -> dict[str, float]:
     bw = 3 * x.numel() * 4 / _agree(_timed(lambda: torch.add(x, y)))
     small = torch.ones(8)
     per_op = _agree(_timed(lambda: [small.add(1.0) for _ in range(100)])) / 100
-    out.update(mem_bw_gbs=bw / 1e9, kernel_overhead_us=per_op * OPS_PER_LAYER * 1e6, elementwise_traffic=1.0)
+    out.update(mem_bw_gbs=bw / 1e9, kernel_overhead_us=per_op * OPS_PER_LAYER * 1e6, elementwise_traffic=1.0,
+               dp_overlap=0.0)  # gloo DDP buckets: little overlap measured on a few cores
     nodes = world // per_node
     intra, inter = _node_groups(world, per_node) if world > 1 else ([], [])
     node, local = rank // per_node, rank % per_node
@@ -128,8 +129,12 @@ def measure(rank: int, world: int, per_node: int) -> dict[str, float]:
     return out
 
 
-def calibration_job(cluster: dict[str, Any]) -> dict[str, float]:
-    """Job entry function: every rank measures; rank 0 returns the fitted fields."""
+def calibration_job(cluster: dict[str, Any], folder: str = "", overheads: bool = True) -> dict[str, float]:
+    """Job entry function: every rank measures; rank 0 returns the fitted fields.
+
+    With ``overheads`` (CPU clusters) the runtime's fixed costs are probed too (planner/probe.py),
+    using ``folder`` for a small prepared corpus.
+    """
     from xirang_hpc.runtime import dist as xdist
     from xirang_hpc.runtime.topology import discover
 
@@ -141,6 +146,13 @@ def calibration_job(cluster: dict[str, Any]) -> dict[str, float]:
     xdist.init_distributed(topo, cluster.get("backend", "auto"))
     try:
         fields = measure(topo.rank, topo.world_size, topo.local_world_size)
+        if overheads:
+            from xirang_hpc.planner.hardware import PRESETS
+            from xirang_hpc.planner.probe import measure_overheads
+
+            base = PRESETS[cluster.get("gpu") or "cpu"]
+            hw = base.scaled(**{k: type(getattr(base, k))(v) for k, v in fields.items()})
+            fields.update(measure_overheads(hw, topo, Path(folder)))
         dist.barrier()
     finally:
         xdist.shutdown()
@@ -153,7 +165,7 @@ def run_calibration(cluster: ClusterConfig, folder: Path) -> dict[str, float]:
 
     ex = make_executor(cluster, folder)
     ex.update_parameters(name="xirang-calibrate")
-    job = ex.submit(calibration_job, dataclasses.asdict(cluster))
+    job = ex.submit(calibration_job, dataclasses.asdict(cluster), str(folder), cluster.gpus_per_node == 0)
     return job.results()[0]
 
 

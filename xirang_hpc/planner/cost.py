@@ -177,12 +177,15 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     # (Korthikanti et al.'s per-layer bytes, no recompute) through device memory on every pass.
     act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes)
     elementwise = layers * passes * hw.elementwise_traffic * act_stream / (hw.mem_bw_gbs * 1e9)
-    compute_mb = stage_flops / (hw.peak_tflops * 1e12 * eff) + overhead + elementwise
+    compute_mb = (stage_flops / (hw.peak_tflops * 1e12 * eff) + overhead + elementwise
+                  + hw.microbatch_overhead_us * 1e-6)
 
     # Tensor parallel all-reduces of b*s*h activations, inside the node.
     n_ar = 6 if pl.recompute == "full" else 4
     tp_mb = layers * n_ar * comm.ring_allreduce(tokens * sh.hidden * hw.act_bytes, t, links.a_intra,
                                                 links.b_intra)
+    if t > 1:  # DTensor dispatch and redistribution around each sharded layer (calibrated on CPU)
+        tp_mb += layers * passes * hw.tp_overhead_us * 1e-6
     slot = compute_mb + tp_mb
     bubble = (p - 1) / v * slot
 
@@ -192,6 +195,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     if p > 1:
         n = tokens * sh.hidden * hw.act_bytes / t
         p2p = 2 * (v * m + p - 1) * comm.p2p(n, t * d >= k, links, flows=k)
+        p2p += (v * m + p - 1) * hw.pp_overhead_us * 1e-6  # schedule bookkeeping per slot
 
     # Data parallel gradient all-reduce over dp ranks, k_dp per node.
     lp = layer_params(sh)
@@ -216,9 +220,15 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
         dp_exposed = (max(0.0, dp_full - hide * backward) + max(0.0, dp_full / 2 - hide * forward)
                       + 1.5 * layers * per_layer)
 
+    # FSDP units (one per layer + the root) each add hook and collective-launch costs per step. This
+    # runtime also uses FSDP2 (replicate) instead of DDP for dp > 1 with tp > 1 or pp > 1.
+    if d > 1 and (pl.zero == 3 or (pl.zero == 0 and (t > 1 or p > 1))):
+        dp_exposed += (layers + 1) * hw.fsdp_unit_overhead_us * 1e-6
+
     # Adam reads and writes weights, grads and states of the parameters this rank updates.
     updated = stage_params / (d if pl.zero else 1)
     optim = updated * (hw.optim_bytes + hw.weight_bytes + hw.grad_bytes) * 2 / (hw.mem_bw_gbs * 1e9)
+    optim += hw.step_overhead_us * 1e-6
 
     total = m * slot + bubble + p2p + dp_exposed + optim
     est = Estimate(plan=pl, microbatches=m, dp_algo=algo)

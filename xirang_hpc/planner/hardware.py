@@ -44,6 +44,13 @@ class Hardware:
     grad_bytes: int = 2
     optim_bytes: int = 12  # fp32 master + Adam m, v (mixed precision)
     grad_comm_bytes: int = 2  # bytes per gradient element on the wire
+    # Fixed runtime costs that matter where compute is small (CPU ranks); 0 on the GPU presets.
+    # ``xirang-plan --calibrate`` measures them (planner/probe.py); all are per rank, in microseconds.
+    microbatch_overhead_us: float = 0.0  # embedding + head + loss dispatch, per microbatch
+    step_overhead_us: float = 0.0  # per optimizer step: grad-norm/loss all-reduce, Adam's per-tensor loop
+    tp_overhead_us: float = 0.0  # extra per layer, microbatch and pass under tensor parallelism (DTensor)
+    pp_overhead_us: float = 0.0  # per pipeline slot (one microbatch's forward+backward on a stage)
+    fsdp_unit_overhead_us: float = 0.0  # per FSDP unit (layer) and step: gather/reduce hooks
 
     def scaled(self, **overrides: float) -> Hardware:
         """A copy with some fields replaced."""
@@ -77,7 +84,9 @@ PRESETS: dict[str, Hardware] = {
                     grad_comm_bytes=4),
 }
 
-_MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", "dp_overlap", "reserved_gb"}
+_MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", "dp_overlap", "reserved_gb",
+                "microbatch_overhead_us", "step_overhead_us", "tp_overhead_us", "pp_overhead_us",
+                "fsdp_unit_overhead_us"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
 
 

@@ -1,0 +1,198 @@
+"""Runtime overheads for the CPU cost model, measured on a small *probe* model during calibration.
+
+Where compute is tiny (CPU ranks, small models) a step is dominated by fixed costs the FLOP model
+cannot see: Python dispatch per layer, DTensor redistribution under tensor parallelism, the
+pipelining schedule's bookkeeping per microbatch, FSDP2's hooks per unit, and per-step work
+(grad-norm all-reduce, Adam's loop over tensors). Calibration measures them in this order:
+
+1. per-layer and per-microbatch dispatch: forward+backward of the probe GPT with 1 and 3 layers on
+   every rank at once, no communication (slope -> ``kernel_overhead_us`` per layer and pass,
+   intercept -> ``microbatch_overhead_us``);
+2. four runs of the real :class:`Trainer` on the probe model (dp, fsdp, dp x tp2, dp x pp2), each
+   residual over the model's prediction attributed to one term: ``step_overhead_us`` (dp),
+   ``fsdp_unit_overhead_us`` (fsdp), ``tp_overhead_us`` (tp), ``pp_overhead_us`` (pp);
+3. the peak RSS of the dp run minus its predicted model state -> ``reserved_gb`` (the torch + gloo
+   process footprint).
+
+The probe's shape (2 layers, width 32, seq 16) is not one the planner is evaluated on; the
+layouts it uses are the runtime's mechanisms, so tp x pp and fsdp x tp are predicted by composition.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from xirang_hpc.config.schema import ClusterConfig, ModelConfig, ParallelConfig, TrainConfig, XirangConfig
+from xirang_hpc.planner.cost import Plan, Problem, estimate
+from xirang_hpc.planner.formulas import Shape
+from xirang_hpc.planner.hardware import Hardware
+
+PROBE_MODEL = {"name": "probe", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 128, "seq_len": 16}
+PROBE_BATCH = 8
+PROBE_STEPS = 8  # timed steps after 2 warm-up steps
+
+
+def probe_layouts(world: int, per_node: int) -> dict[str, dict[str, Any]]:
+    """Layouts to probe, in fitting order (each residual uses the terms fitted before it)."""
+    out: dict[str, dict[str, Any]] = {"dp": {"dp": world}, "fsdp": {"dp": world, "data_parallel": "fsdp"}}
+    if world % 2 == 0 and per_node % 2 == 0:
+        out["tp"] = {"dp": world // 2, "tp": 2}
+    if world % 2 == 0 and world // 2 >= 1:
+        out["pp"] = {"dp": world // 2, "pp": 2, "microbatches": 2}
+    return out
+
+
+def plan_of(par: dict[str, Any], global_batch: int) -> Plan:
+    """The planner's Plan for a ParallelConfig-style dict (grad_accum 1)."""
+    dp, pp = par.get("dp", 1), par.get("pp", 1)
+    m = par.get("microbatches", 1) if pp > 1 else 1
+    zero = 3 if par.get("data_parallel") == "fsdp" else (1 if par.get("optimizer_sharding") else 0)
+    return Plan(dp=dp, tp=par.get("tp", 1), pp=pp, micro=global_batch // (dp * m), zero=zero,
+                recompute=par.get("recompute", "none"), sp=par.get("sequence_parallel", False))
+
+
+def fit_overheads(hw: Hardware, nodes: int, per_node: int, measured: dict[str, float]) -> dict[str, float]:
+    """Overhead fields (us) from probe step times (seconds per step, by :func:`probe_layouts` name)."""
+    sh = Shape.from_model(ModelConfig(**PROBE_MODEL))
+    terms = {"dp": "step_overhead_us", "fsdp": "fsdp_unit_overhead_us", "tp": "tp_overhead_us",
+             "pp": "pp_overhead_us"}
+    out: dict[str, float] = {}
+    for name, par in probe_layouts(nodes * per_node, per_node).items():
+        if name not in measured:
+            continue
+        plan = plan_of(par, PROBE_BATCH)
+        cur = hw.scaled(**out)
+        key = terms[name]
+        base = estimate(Problem(sh, cur.scaled(**{key: 0.0}), nodes, per_node, PROBE_BATCH), plan).step_time
+        unit = estimate(Problem(sh, cur.scaled(**{key: 1.0}), nodes, per_node, PROBE_BATCH), plan).step_time - base
+        out[key] = max(0.0, (measured[name] - base) / unit) if unit > 0 else 0.0
+    return out
+
+
+def layer_dispatch(reps: int = 10) -> tuple[float, float]:
+    """(us per layer and pass, us per microbatch) from fwd+bwd of the probe GPT with 1 and 3 layers."""
+    from xirang_hpc.models.gpt import GPT, lm_loss
+
+    times = []
+    for layers in (1, 3):
+        cfg = ModelConfig(**{**PROBE_MODEL, "n_layer": layers})
+        model = GPT(cfg)
+        x = torch.randint(0, cfg.vocab_size, (PROBE_BATCH, cfg.seq_len))
+
+        def step(model: torch.nn.Module = model, x: torch.Tensor = x) -> None:
+            lm_loss(model(x), x).backward()
+
+        step()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            step()
+            ts.append(time.perf_counter() - t0)
+        times.append(statistics.median(ts))
+    per_layer = max(0.0, (times[1] - times[0]) / 2)
+    return per_layer / 3 * 1e6, max(0.0, times[0] - per_layer) * 1e6
+
+
+def _kb(field: str) -> int:
+    m = re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text())
+    return int(m.group(1)) if m else 0
+
+
+def reset_peak() -> None:
+    """Hand freed heap back and reset VmHWM (Linux), so the next peak is this run's."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # pragma: no cover - not Linux/glibc
+        pass
+
+
+def peak_rss_bytes() -> float:
+    """This process's RSS high-water mark since :func:`reset_peak`."""
+    return _kb("VmHWM") * 1024.0
+
+
+def probe_config(par: dict[str, Any], nodes: int, per_node: int) -> XirangConfig:
+    """A validated config for the probe model in layout ``par``."""
+    from xirang_hpc.config.validate import check_runnable, validate
+
+    cfg = XirangConfig(model=ModelConfig(**PROBE_MODEL),
+                       cluster=ClusterConfig(name="probe", nodes=nodes, tasks_per_node=per_node, backend="gloo"),
+                       parallel=ParallelConfig(**par),
+                       train=TrainConfig(max_steps=PROBE_STEPS + 2, global_batch=PROBE_BATCH, warmup_steps=2,
+                                         eval_batches=1, log_every=1000))
+    cfg = validate(cfg)
+    check_runnable(cfg)
+    return cfg
+
+
+def time_layout(cfg: XirangConfig, topo: Any, data_dir: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
+    """(median step seconds of the slowest rank, max peak RSS bytes over ranks) of ``steps`` real steps."""
+    from xirang_hpc.runtime.trainer import Trainer
+
+    reset_peak()
+    with tempfile.TemporaryDirectory() as d:
+        tr = Trainer(cfg, topo, Path(d), data_dir, log=lambda s: None)
+        times = []
+        for s in range(warmup + steps):
+            t0 = time.perf_counter()
+            tr.train_step(s)
+            times.append(time.perf_counter() - t0)
+        peak = peak_rss_bytes()
+        del tr
+    per_step = torch.tensor(times[warmup:] + [peak], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+    vals = per_step.tolist()
+    return statistics.median(vals[:-1]), vals[-1]
+
+
+def ensure_data(folder: Path, rank: int) -> Path:
+    """A small prepared corpus (the stdlib ``email`` package) under ``folder``, made by rank 0."""
+    import sysconfig
+
+    from xirang_hpc.data.prepare import is_prepared, prepare
+
+    out = Path(folder) / "probe-data"
+    if rank == 0 and not is_prepared(out):
+        prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), out, val_fraction=0.2)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def measure_overheads(hw: Hardware, topo: Any, folder: Path, say: Callable[[str], None] = lambda s: None,
+                      ) -> dict[str, float]:
+    """Steps 1-3 of the module docstring, on this rank (process group up); same result on every rank."""
+    from xirang_hpc.planner.cost import GiB
+
+    nodes, per_node = topo.num_nodes, topo.local_world_size
+    per_layer, per_mb = layer_dispatch()
+    t = torch.tensor([per_layer, per_mb], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    out = {"kernel_overhead_us": float(t[0]), "microbatch_overhead_us": float(t[1])}
+    data = ensure_data(folder, topo.rank)
+    measured: dict[str, float] = {}
+    peaks: dict[str, float] = {}
+    for name, par in probe_layouts(topo.world_size, per_node).items():
+        measured[name], peaks[name] = time_layout(probe_config(par, nodes, per_node), topo, data, PROBE_STEPS)
+        say(f"probe {name}: {1e3 * measured[name]:.1f} ms/step, peak RSS {peaks[name] / 2**20:.0f} MiB")
+    out.update(fit_overheads(hw.scaled(**out), nodes, per_node, measured))
+    sh = Shape.from_model(ModelConfig(**PROBE_MODEL))
+    plan = plan_of(probe_layouts(topo.world_size, per_node)["dp"], PROBE_BATCH)
+    mem = estimate(Problem(sh, hw.scaled(**out, reserved_gb=0.0), nodes, per_node, PROBE_BATCH), plan).memory
+    out["reserved_gb"] = max(0.0, peaks["dp"] - mem["total"]) / GiB
+    return out
