@@ -83,6 +83,53 @@ def test_hang_names_stopped_rank_then_lagging_then_odd_phase_then_first_stalled(
     assert [f.rank for f in fs] == [2] and "network hang" in fs[0].cause
 
 
+def test_hang_culprit_is_the_rank_outside_comm_even_when_tied() -> None:
+    # 2 ranks, 1-1: rank 0 announced the consensus all-reduce ("comm"), rank 1 is still saving.
+    # A majority vote cannot decide; the rank in the collective is waiting, so rank 1 is named,
+    # whichever order the heartbeats come in.
+    stalled = NOW - 40
+    for order in ((0, 1), (1, 0)):
+        phases = {0: "comm", 1: "checkpoint"}
+        b = {r: beat(r, phase=phases[r], progress=stalled) for r in order}
+        fs = assess(b, {0: ALIVE, 1: ALIVE}, NOW, TH, WatchState())
+        assert [(f.kind, f.rank, f.phase) for f in fs] == [("hang", 1, "checkpoint")], fs
+        assert "1 rank(s) wait in a collective ('comm')" in fs[0].cause
+    # every rank in comm: a collective/network hang, the first to stall is named
+    b = {r: beat(r, phase="comm", progress=stalled + r) for r in range(3)}
+    fs = assess(b, {r: ALIVE for r in b}, NOW, TH, WatchState())
+    assert [(f.rank, f.phase) for f in fs] == [(0, "comm")] and "network hang" in fs[0].cause
+
+
+def test_signal_hook_announces_comm_before_its_all_reduce(tmp_path: Path) -> None:
+    # The consensus all-reduce is what a rank blocks in at the step boundary; the hook must say so.
+    import types
+
+    from conftest import compose_cfg
+
+    from xirang_hpc.config.validate import load_config
+    from xirang_hpc.runtime import signals
+    from xirang_hpc.runtime.topology import Topology
+
+    seen: list[str] = []
+
+    class Recorder(signals.StopSignalHook):
+        def _agree(self, code: int) -> int:
+            seen.append("all_reduce")
+            return code
+
+    cfg = load_config(compose_cfg(["cluster=local"]))
+    for world, want in ((2, ["comm", "all_reduce"]), (1, ["all_reduce"])):
+        seen.clear()
+        topo = Topology(rank=0, world_size=world, local_rank=0, local_world_size=world, node_id=0, num_nodes=1,
+                        node_name="n1", master_addr="127.0.0.1", master_port=1, job_id="1", source="local")
+        hook = Recorder(cfg, topo, tmp_path)
+        trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=1), stop_requested=False,
+                                        _phase=seen.append)
+        hook.first_step_logged = True
+        hook.on_step_end(trainer, {})
+        assert seen == want
+
+
 def test_no_hang_below_threshold_and_hang_reported_once() -> None:
     b = {r: beat(r, progress=NOW - 29) for r in range(2)}
     st = WatchState()

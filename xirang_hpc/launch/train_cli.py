@@ -44,23 +44,40 @@ def _ensure_data(cfg: XirangConfig) -> Path:
 
 
 def _follow(job: submitit.Job, poll_s: float = 0.5) -> None:
-    """Echo rank 0's output while the job runs (local executor logs go to files)."""
+    """Echo rank 0's output while the job runs (local executor logs go to files).
+
+    On a terminal the step lines become one progress line updated in place (monitor/progress.py);
+    elsewhere (pipes, Slurm logs, tests) every line is printed as logged.
+    """
+    from xirang_hpc.monitor.progress import make_echo
+
     path = Path(job.paths.stdout)
-    pos = 0
-    while True:
-        done = job.done()
-        if path.exists():
-            with path.open("rb") as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos += len(chunk)
-            for line in chunk.decode(errors="replace").splitlines():
-                # submitit's own bookkeeping lines are noise for users.
-                if "submitit" not in line:
-                    print(line, flush=True)
-        if done:
-            return
-        time.sleep(poll_s)
+    pos, pending = 0, b""
+    echo = make_echo(sys.stdout)
+    try:
+        while True:
+            done = job.done()
+            if path.exists():
+                with path.open("rb") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                    pos += len(chunk)
+                # Only whole lines: a step line cut in two by a poll would be neither parsed nor echoed right.
+                pending += chunk
+                lines = pending.split(b"\n")
+                pending = lines.pop()
+                if done and pending:
+                    lines.append(pending)
+                for line in lines:
+                    text = line.decode(errors="replace").rstrip("\r")
+                    # submitit's own bookkeeping lines are noise for users.
+                    if "submitit" not in text:
+                        echo.line(text)
+            if done:
+                return
+            time.sleep(poll_s)
+    finally:
+        echo.close()
 
 
 def _print_summary(s: dict[str, Any]) -> None:

@@ -11,8 +11,9 @@ about the ranks on this host, into findings:
 - ``hang``: some rank has not entered a new phase for ``hang_s``. In a synchronous job every rank
   stalls, so the culprit is chosen as (1) a rank whose process is stopped or whose heartbeat
   thread is silent (frozen process, lost node), else (2) the rank behind the others (lower step,
-  or a phase the majority is not in: stuck before the collective), else (3) the rank that
-  stalled first (a collective/network hang where no rank stands out).
+  or outside the ``comm`` phase others announced, or a phase the majority is not in: stuck before
+  the collective), else (3) the rank that stalled first (a collective/network hang where no rank
+  stands out).
 - ``straggler``: a rank whose local work per step (its data phase, before any collective) exceeds
   ``k`` x the median over ranks, and by at least ``min_s``. Report only. Limit: slowness inside
   forward/backward is invisible here (every rank waits at DDP's collectives for the slowest).
@@ -25,6 +26,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+# Phases announced right before a standalone collective (the signal consensus all-reduce): a rank
+# in one waits for its peers, so a hang culprit is never one of them while another rank is elsewhere.
+COLLECTIVE_PHASES = ("comm",)
 # Process states from the local process table (None: the rank is on another host).
 ALIVE, STOPPED, GONE = "alive", "stopped", "gone"
 
@@ -110,6 +114,12 @@ def _culprits(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], n
     if lo < hi:
         return [(r, f"at step {lo} while others reached step {hi}: stuck in local work before the collective")
                 for r, s in steps.items() if s == lo]
+    waiting = [r for r, hb in beats.items() if hb.get("phase") in COLLECTIVE_PHASES]
+    if waiting and len(waiting) < len(beats):
+        # Ranks that announced a collective wait for the others, whatever the majority.
+        return [(r, f"in phase '{hb.get('phase')}' while {len(waiting)} rank(s) wait in a collective "
+                 f"('{beats[waiting[0]].get('phase')}'): stuck before entering it (data loading, compute, I/O)")
+                for r, hb in beats.items() if hb.get("phase") not in COLLECTIVE_PHASES]
     phases = Counter(str(hb.get("phase")) for hb in beats.values())
     if len(phases) > 1:
         common = phases.most_common(1)[0][0]

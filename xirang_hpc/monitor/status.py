@@ -42,8 +42,18 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def is_run_dir(path: Path) -> bool:
-    """A directory a training job has written to."""
-    return (path / "metrics.jsonl").exists() or (path / HEARTBEAT_DIR / SESSION_FILE).exists()
+    """A directory a training job has written to, or a submitted job's (its ``submit`` event; still pending)."""
+    return ((path / "metrics.jsonl").exists() or (path / HEARTBEAT_DIR / SESSION_FILE).exists()
+            or any(e.get("kind") == "submit" for e in read_events(path)))
+
+
+def _submitted(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A stand-in session for a job that has not started training yet: its id from the last ``submit`` event."""
+    subs = [e for e in events if e.get("kind") == "submit" and e.get("job")]
+    if not subs:
+        return {}
+    # Only Slurm submissions log a ``submit`` event (launch/slurm.py, launch/sweep.py, launch/pipeline_cli.py).
+    return {"job_id": str(subs[-1]["job"]), "source": "slurm", "started": float(subs[-1].get("time", 0))}
 
 
 def checkpoints(run_dir: Path) -> list[dict[str, Any]]:
@@ -142,7 +152,8 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
     fpt = float(session.get("flops_per_token", 0.0))
     peak = float(session.get("peak_tflops", 0.0)) or max(
         [peak_for_device(str(hb.get("gpu_name", ""))) for hb in beats.values()] + [0.0])
-    job = _job_state(session, beats, events, now, run)
+    who = session or _submitted(events)
+    job = _job_state(who, beats, events, now, run)
     requeue_events = [e for e in events if e.get("kind") == "requeue"]
     requeues = max(len(sessions) - 1, len(requeue_events), int(session.get("restart_count", 0)),
                    int(job.get("restarts", 0) or 0), 0)
@@ -153,7 +164,7 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
     ckpts = checkpoints(run_dir)
     ckpt = dict(ckpts[-1], age_s=now - ckpts[-1]["time"]) if ckpts else None
     return {
-        "run_dir": str(run_dir), "job_id": session.get("job_id"), "executor": session.get("source"),
+        "run_dir": str(run_dir), "job_id": who.get("job_id"), "executor": who.get("source"),
         "state": job["state"], "state_source": job.get("source"), "state_reason": job.get("reason"),
         "requeues": requeues, "sessions": len(sessions), "world_size": session.get("world_size"),
         "num_nodes": session.get("num_nodes"), "model": session.get("model"),
@@ -188,6 +199,7 @@ def find_runs(root: Path, job_id: str | None = None) -> list[Path]:
             continue
         if job_id is not None:
             jobs = {str(s.get("job_id")) for s in read_jsonl(p / HEARTBEAT_DIR / SESSIONS_LOG)}
+            jobs |= {str(e["job"]) for e in read_events(p) if e.get("kind") == "submit" and e.get("job")}
             if not any(j == job_id or j.startswith(job_id + "_") for j in jobs):
                 continue
         out.append(p)

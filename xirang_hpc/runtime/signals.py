@@ -121,9 +121,17 @@ class StopSignalHook(TrainerHook):
             now = time.time()
             self._event("first_step", "first step after (re)start", step=trainer.state.step,
                         restored_step=self.start_step, since_process_start_s=round(now - self.proc_start, 3))
+        # Announce the collective, so a hang in it is reported in "comm", not in the phase before it.
+        self._announce(trainer, "comm")
         code = self._agree(self._local_code())
         if code:
             self.stop(trainer, _NAMES[code])
+
+    def _announce(self, trainer: Trainer, phase: str) -> None:
+        """Tell the monitor (``trainer._phase``) that this rank enters ``phase``; only when a collective follows."""
+        mark = getattr(trainer, "_phase", None)
+        if self.topo.world_size > 1 and callable(mark):
+            mark(phase)
 
     def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
         if trainer.state.step >= self.cfg.train.max_steps:
@@ -137,6 +145,7 @@ class StopSignalHook(TrainerHook):
         step = trainer.state.step
         saved = self.save_fn(trainer) if self.save_fn is not None else None
         t_durable = time.time()
+        self._announce(trainer, "comm")
         self._agree(0)  # barrier: every shard is durable before anyone requeues
         code = EXIT_STOPPED
         if self.topo.rank == 0:
