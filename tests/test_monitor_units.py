@@ -274,3 +274,25 @@ def test_slurm_state_prefers_squeue_then_sacct_then_scontrol_and_degrades() -> N
         "state": "COMPLETED", "exit_code": "0:0", "source": "sacct"}
     assert slurm_state("7", runner({"squeue": None, "sacct": None, "scontrol": sc}))["state"] == "PENDING"
     assert slurm_state("7", runner({})) == {}
+
+
+def test_submitted_run_not_yet_started_shows_its_slurm_state(tmp_path: Path) -> None:
+    # Only the launcher's submit event exists (no session, no metrics): the job id comes from it.
+    # No Slurm here: canned squeue output through the single subprocess function.
+    root = tmp_path / "runs"
+    run = root / "run-a"
+    run.mkdir(parents=True)
+    append_event(run, "submit", "submitted", job="77_1", array="77", task=1, cluster="testbed")
+    asked: list[list[str]] = []
+
+    def runner(argv: list[str]) -> str | None:
+        asked.append(argv)
+        return "PENDING|JobArrayTaskLimit\n" if argv[0] == "squeue" else None
+
+    s = run_status(run, run=runner)
+    assert (s["job_id"], s["executor"], s["state"], s["state_reason"]) == ("77_1", "slurm", "PENDING",
+                                                                           "JobArrayTaskLimit")
+    assert asked[0][:4] == ["squeue", "-h", "-j", "77_1"]
+    from xirang_hpc.monitor.status import find_runs
+
+    assert find_runs(root, "77") == [run] and find_runs(root, "78") == []
