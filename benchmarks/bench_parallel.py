@@ -10,6 +10,13 @@
 Peak RSS is the kernel's VmHWM, reset before each measurement via /proc/self/clear_refs.
 
 Run:  python benchmarks/bench_parallel.py [--steps 12] [--rounds 3]
+      python benchmarks/bench_parallel.py --paired 9   # only the paired comparisons, 9 rounds
+
+``--paired N`` runs only the two head-to-head comparisons, in N rounds inside one process group:
+our DP vs plain DDP, and the default-layout candidates dp2xpp2 vs dp2xtp2. Within a round the two
+sides of each pair run back to back, and the order alternates between rounds (AB, BA, ...), so
+drift in machine load hits both sides alike. It prints the median tokens/s of each side and the
+median of the per-round ratios with its range.
 """
 
 from __future__ import annotations
@@ -108,13 +115,33 @@ def plain_ddp(cfg, topo, data_dir: Path, steps: int) -> dict[str, Any]:
     return {"times": times}
 
 
+PAIRS = {"ratio": ("ours", "ddp"), "default": ("dp2xpp2", "dp2xtp2")}
+
+
+def _paired(topo, d: Path, world: int, steps: int, rounds: int, queue: Any) -> None:
+    """Both pairs, ``rounds`` times, alternating the order inside each pair every round."""
+    dp_cfg = H.make_cfg(world, {"dp": 4}, steps, model=TINY, train=TRAIN)
+    run = {"ours": lambda: ours(dp_cfg, topo, d, steps), "ddp": lambda: plain_ddp(dp_cfg, topo, d, steps)}
+    for name in PAIRS["default"]:
+        cfg = H.make_cfg(world, LAYOUTS[name], steps, model=TINY, train=TRAIN)
+        run[name] = lambda cfg=cfg: ours(cfg, topo, d, steps)
+    for rnd in range(rounds):
+        for pair in PAIRS.values():
+            for side in pair if rnd % 2 == 0 else pair[::-1]:
+                queue.put((topo.rank, f"paired/{side}/{rnd}", run[side]()))
+
+
 def _worker(rank: int, world: int, port: int, data_dir: str, steps: int, rounds: int, queue: Any,
-            memory: str = "") -> None:
+            memory: str = "", paired: bool = False) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         topo = H.topology(rank, world, port)
         d = Path(data_dir)
+        if paired:
+            _paired(topo, d, world, steps, rounds, queue)
+            queue.put((rank, "__done__", None))
+            return
         if memory:  # one configuration per fresh process group: nothing earlier hides its peak
             cfg = H.make_cfg(world, MEMORY[memory], 3, model=BIG, train={**TRAIN, "global_batch": 16})
             queue.put((rank, f"memory/{memory}", ours(cfg, topo, d, 3)))
@@ -135,11 +162,12 @@ def _worker(rank: int, world: int, port: int, data_dir: str, steps: int, rounds:
             dist.destroy_process_group()
 
 
-def _collect(world: int, data_dir: Path, steps: int, rounds: int, memory: str = "") -> dict[str, list[dict[str, Any]]]:
+def _collect(world: int, data_dir: Path, steps: int, rounds: int, memory: str = "", paired: bool = False,
+             ) -> dict[str, list[dict[str, Any]]]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = H.free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, str(data_dir), steps, rounds, queue, memory))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, str(data_dir), steps, rounds, queue, memory, paired))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -165,10 +193,29 @@ def _tok_s(per_rank: list[dict[str, Any]], tokens: int, warmup: int = 2) -> floa
     return tokens / statistics.median(steps)
 
 
+def report_paired(res: dict[str, list[dict[str, Any]]], steps: int, rounds: int) -> None:
+    """Median tokens/s per side and the median (min..max) of the per-round ratios."""
+    tokens = TRAIN["global_batch"] * TINY["seq_len"]
+    print(f"## bench_parallel --paired {rounds}: 4 ranks (2 virtual nodes x 2), gloo, 1 thread/rank, model tiny, "
+          f"global batch {TRAIN['global_batch']} x {TINY['seq_len']}, {steps - 2} timed steps per run, "
+          f"order alternating per round")
+    print("\n| pair | A tok/s (median) | B tok/s (median) | A/B per-round ratios | median ratio (min..max) |")
+    print("|---|---|---|---|---|")
+    for a, b in PAIRS.values():
+        ta = [_tok_s(res[f"paired/{a}/{i}"], tokens) for i in range(rounds)]
+        tb = [_tok_s(res[f"paired/{b}/{i}"], tokens) for i in range(rounds)]
+        ratios = [x / y for x, y in zip(ta, tb)]
+        print(f"| {a} vs {b} | {statistics.median(ta):,.0f} | {statistics.median(tb):,.0f} | "
+              f"{' '.join(f'{r:.2f}' for r in ratios)} | **{statistics.median(ratios):.3f}** "
+              f"({min(ratios):.2f}..{max(ratios):.2f}) |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--paired", type=int, default=0, metavar="N",
+                    help="only the paired comparisons (ours vs DDP, dp2xpp2 vs dp2xtp2), N alternating rounds")
     ap.add_argument("--data", default="", help="prepared data dir (default: stdlib 'email' package, prepared)")
     args = ap.parse_args()
     from xirang_hpc.data.prepare import is_prepared, prepare
@@ -179,6 +226,10 @@ def main() -> None:
 
         prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), data_dir, val_fraction=0.2)
     t0 = time.time()
+    if args.paired:
+        report_paired(_collect(4, data_dir, args.steps, args.paired, paired=True), args.steps, args.paired)
+        print(f"\n(total {time.time() - t0:.0f}s)")
+        return
     res = _collect(4, data_dir, args.steps, args.rounds)
     for name in MEMORY:
         res.update(_collect(4, data_dir, args.steps, args.rounds, memory=name))

@@ -47,6 +47,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "hsdp2x2": {"dp": 4, "data_parallel": "fsdp", "dp_replicate": 2},
     "tp2sp": {"tp": 2, "sequence_parallel": True},
     "dp2xtp2xpp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2},
+    # Interleaved 1F1B: 2 ranks x 2 virtual stages = 4 stages of one block each.
+    "pp2v2": {"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2},
+    "dp2xpp2v2": {"dp": 2, "pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2},
 }
 
 
@@ -103,9 +106,10 @@ def run_layout(cfg: XirangConfig, topo: Topology, data_dir: Path, steps: int, wa
             times.append(time.perf_counter() - t0)
             losses.append(loss)
             norms.append(gnorm)
+        val = tr.evaluate()  # through the same forward path (pipeline schedule's eval, autocast)
         params = full_params(tr) if want_params else {}
         keep = tr.pm.coords["dp"] == 0 and tr.pm.coords["tp"] == 0
-        out = {"losses": losses, "norms": norms, "times": times, "params": params if keep else {},
+        out = {"losses": losses, "norms": norms, "times": times, "params": params if keep else {}, "val": val,
                "n_local_params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                                      for p in tr.model.parameters())}
         del tr

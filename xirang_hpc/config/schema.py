@@ -128,7 +128,9 @@ class ParallelConfig:
     pp: int = 1
     data_parallel: str = "ddp"  # ddp | fsdp
     microbatches: int = 1
-    schedule: str = "1f1b"  # gpipe | 1f1b
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (interleaved 1F1B, virtual_stages per rank)
+    # Interleaved only: pipeline stages (model chunks) per rank; the model is split into pp*virtual_stages.
+    virtual_stages: int = 2
     recompute: str = "none"  # none | selective | full
     sequence_parallel: bool = False
     # FSDP only: replicate groups of HSDP (shard inside a group of dp/dp_replicate ranks).
@@ -145,8 +147,11 @@ class ParallelConfig:
             _positive("parallel", name, getattr(self, name))
         if self.data_parallel not in ("ddp", "fsdp"):
             raise ConfigError("parallel.data_parallel", self.data_parallel, "choose ddp or fsdp")
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise ConfigError("parallel.schedule", self.schedule, "choose gpipe or 1f1b")
+        if self.schedule not in ("gpipe", "1f1b", "interleaved"):
+            raise ConfigError("parallel.schedule", self.schedule, "choose gpipe, 1f1b or interleaved")
+        if self.schedule == "interleaved" and self.virtual_stages < 2:
+            raise ConfigError("parallel.virtual_stages", self.virtual_stages,
+                              "interleaved needs 2 or more stages per rank; use schedule=1f1b for one")
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigError("parallel.recompute", self.recompute, "choose none, selective or full")
         _positive("parallel", "dp_replicate", self.dp_replicate)
@@ -180,6 +185,8 @@ class TrainConfig:
     priority: str = "normal"
     # Resume from a specific step (later issues: checkpoint rollback); -1 = latest.
     resume_from: int = -1
+    # Mixed precision (issue 3): auto = bf16 autocast on CUDA (nccl), fp32 on CPU | fp32 | bf16.
+    precision: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "global_batch", "grad_accum", "lr", "log_every", "eval_batches"):
@@ -190,6 +197,8 @@ class TrainConfig:
             raise ConfigError("train.min_lr_ratio", self.min_lr_ratio, "use a ratio in [0, 1]")
         if self.priority not in ("normal", "exploratory"):
             raise ConfigError("train.priority", self.priority, "choose normal or exploratory")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError("train.precision", self.precision, "choose auto, fp32 or bf16")
 
 
 @dataclass

@@ -58,6 +58,23 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             p.pp,
             f"pipeline stages cannot exceed model.n_layer={m.n_layer}; use parallel.pp <= {m.n_layer}",
         )
+    if p.schedule == "interleaved" and p.pp * p.virtual_stages > m.n_layer:
+        raise ConfigError(
+            "parallel.virtual_stages",
+            p.virtual_stages,
+            f"interleaved splits the model into pp*virtual_stages={p.pp * p.virtual_stages} stages, more than "
+            f"model.n_layer={m.n_layer}; use parallel.virtual_stages <= {max(1, m.n_layer // p.pp)}",
+        )
+    rounds = max(1, p.microbatches * t.grad_accum // p.pp)
+    if p.schedule == "interleaved" and (p.microbatches * t.grad_accum) % rounds:
+        raise ConfigError(  # torch's ScheduleInterleaved1F1B runs the microbatches in rounds of ~pp
+            "parallel.microbatches",
+            p.microbatches,
+            f"interleaved needs microbatches*grad_accum={p.microbatches * t.grad_accum} to be a multiple of "
+            f"max(1, microbatches*grad_accum // pp)={rounds}; use a multiple of parallel.pp={p.pp}",
+        )
+    if p.schedule == "interleaved" and p.pp == 1:
+        raise ConfigError("parallel.schedule", p.schedule, "interleaved is a pipeline schedule: set parallel.pp > 1")
     if p.tp > c.tasks_per_node:
         raise ConfigError(
             "parallel.tp",

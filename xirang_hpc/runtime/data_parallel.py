@@ -22,12 +22,18 @@ from xirang_hpc.config.schema import CommConfig, TrainConfig
 from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_after_forward: bool = True) -> None:
-    """Shard ``model`` (GPT or stage) with FSDP2 over the dp dimensions of ``mesh``, in place."""
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_after_forward: bool = True,
+               roots: list[nn.Module] | None = None) -> None:
+    """Shard ``model`` (GPT or stage) with FSDP2 over the dp dimensions of ``mesh``, in place.
+
+    ``roots``: the modules whose forward is called (default ``[model]``). Interleaved pipelines pass
+    their stage chunks, each of which then owns (and unshards) the embedding/head it runs.
+    """
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    for root in roots or [model]:
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
 
 
 def ddp_bucket_cap_mb(comm: CommConfig) -> float:

@@ -27,6 +27,7 @@ from xirang_hpc.models.gpt import GPT
 from xirang_hpc.runtime import pipeline
 from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer, ddp_bucket_cap_mb
 from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh, mesh_coords
+from xirang_hpc.runtime.precision import apply_autocast
 from xirang_hpc.runtime.recompute import apply_recompute
 from xirang_hpc.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -46,6 +47,7 @@ class ParallelModel:
     stage_layers: range = range(0)
     schedule: object | None = None
     n_microbatches: int = 1
+    precision: str = "fp32"  # resolved train.precision: fp32 | bf16 (autocast)
 
     @property
     def is_first_stage(self) -> bool:
@@ -76,13 +78,20 @@ def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None) 
     coords = mesh_coords(dims, mesh)
     device = device_for(mesh)
     model = GPT(cfg.model)  # full model on every rank: identical init without a broadcast
-    ranges = pipeline.stage_ranges(cfg.model, dims.pp)
+    virtual = p.virtual_stages if p.schedule == "interleaved" else 1
+    ranges = pipeline.stage_ranges(cfg.model, dims.pp * virtual)
+    stages = pipeline.rank_stages(coords["pp"], dims.pp, virtual)
     if dims.pp > 1:
-        pipeline.carve_stage(model, coords["pp"], ranges)
+        pipeline.carve_stage(model, stages, ranges)
     model.to(device)
+    # Interleaved: one view per virtual stage (sharing the modules); these are what the schedule runs.
+    chunks: list[nn.Module] = pipeline.stage_chunks(model, stages, ranges) if virtual > 1 else [model]
     if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
+        for c in chunks:  # per chunk: sequence-parallel scatter/gather sits at each stage's boundary
+            apply_tensor_parallel(c, mesh["tp"], p.sequence_parallel)
     apply_recompute(model, p.recompute)
+    for c in chunks:
+        precision = apply_autocast(c, t.precision, device)  # bf16 autocast around the forward, or nothing
     kind = "none"
     module: nn.Module = model
     if dims.dp > 1:
@@ -91,17 +100,17 @@ def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None) 
         # 1F1B pipeline runs. FSDP2 with a shard degree of 1 is exactly replication (gradient
         # all-reduce over dp), DTensor- and pipeline-aware, so it stands in for DDP there.
         if p.data_parallel == "fsdp" or dims.tp > 1 or dims.pp > 1:
-            apply_fsdp(model, mesh, dims)
+            apply_fsdp(model, mesh, dims, roots=chunks)
             kind = "fsdp"
         else:
             module = apply_ddp(model, mesh, ddp_bucket_cap_mb(cfg.comm))
             kind = "ddp"
     pm = ParallelModel(dims=dims, mesh=mesh, model=model, module=module, data_parallel=kind, coords=coords,
-                       stage_layers=ranges[coords["pp"]])
+                       stage_layers=ranges[stages[0]], precision=precision)
     if dims.pp > 1:
         pm.n_microbatches = p.microbatches * t.grad_accum
-        _, pm.schedule = pipeline.build_schedule(module, coords["pp"], dims.pp, mesh["pp"], pm.n_microbatches,
-                                                 p.schedule, device)
+        pm.schedule = pipeline.build_schedule(chunks if virtual > 1 else module, stages if virtual > 1 else stages[0],
+                                              dims.pp * virtual, mesh["pp"], pm.n_microbatches, p.schedule, device)
     return pm
 
 

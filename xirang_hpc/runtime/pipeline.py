@@ -9,6 +9,12 @@ the head 2*h*V; the embedding lookup h). A stage keeps its blocks under their or
 Schedules: GPipe (all forwards, then all backwards) and 1F1B; the bubble is (p-1)/m for m
 microbatches (Narayanan et al. SC21). Gradients are averaged over microbatches by the schedule
 (``scale_grads``), so the loss function is the per-microbatch mean.
+
+Interleaved 1F1B (Narayanan et al. SC21, section 2.2; bubble (p-1)/(v*m)): the model is split
+into ``p*v`` stages and rank r holds the v stages r, r+p, ..., r+(v-1)p ("loop" placement, as
+torch's ``ScheduleInterleaved1F1B`` expects). The rank keeps one GPT with the union of its
+blocks (full names) and runs each stage through a :class:`StageChunk` view that shares the
+modules. The first rank still holds the embedding and the last rank the head.
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from xirang_hpc.config.schema import ModelConfig
-from xirang_hpc.models.gpt import lm_loss
+from xirang_hpc.models.gpt import GPT, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+MULTI_SCHEDULES = {"interleaved": ScheduleInterleaved1F1B}
 
 
 def layer_costs(cfg: ModelConfig) -> tuple[float, list[float], float]:
@@ -73,24 +80,61 @@ def stage_ranges(cfg: ModelConfig, pp: int) -> list[range]:
     return split_layers(pp, emb, blocks, head)
 
 
-def carve_stage(model: nn.Module, stage: int, ranges: list[range]) -> None:
-    """Delete the blocks, embedding and head that ``stage`` does not own (in place)."""
-    own = {str(i) for i in ranges[stage]}
+def rank_stages(pp_rank: int, pp: int, virtual: int = 1) -> list[int]:
+    """The stage indices rank ``pp_rank`` holds: r, r+pp, ... (``virtual`` of them, loop placement)."""
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def carve_stage(model: nn.Module, stage: int | list[int], ranges: list[range]) -> None:
+    """Delete the blocks, embedding and head that ``stage`` (or all of a list of stages) does not own (in place)."""
+    stages = [stage] if isinstance(stage, int) else list(stage)
+    own = {str(i) for s in stages for i in ranges[s]}
     for key in list(model.layers.keys()):
         if key not in own:
             del model.layers[key]
-    if stage != 0:
+    if 0 not in stages:
         model.tok_emb = None
         model.pos_emb = None
-    if stage != len(ranges) - 1:
+    if len(ranges) - 1 not in stages:
         model.norm = None
         model.head = None
 
 
-def build_schedule(module: nn.Module, stage: int, n_stages: int, pp_mesh: DeviceMesh, n_microbatches: int,
-                   schedule: str, device: torch.device) -> tuple[PipelineStage, object]:
-    """The pipelining stage for ``module`` and its schedule (loss = per-microbatch mean)."""
+class StageChunk(nn.Module):
+    """One virtual stage of a rank's (carved) GPT: shares its modules, runs ``GPT.forward`` on them."""
+
+    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.tok_emb = model.tok_emb if first else None
+        self.pos_emb = model.pos_emb if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in blocks})
+        self.norm = model.norm if last else None
+        self.head = model.head if last else None
+        if model.cfg.pos == "rope":
+            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    forward = GPT.forward
+
+
+def stage_chunks(model: nn.Module, stages: list[int], ranges: list[range]) -> list[StageChunk]:
+    """One :class:`StageChunk` per stage in ``stages`` over the rank's carved ``model``."""
+    return [StageChunk(model, ranges[s], s == 0, s == len(ranges) - 1) for s in stages]
+
+
+def build_schedule(module: nn.Module | list[nn.Module], stage: int | list[int], n_stages: int,
+                   pp_mesh: DeviceMesh, n_microbatches: int, schedule: str, device: torch.device) -> object:
+    """The schedule running ``module`` as ``stage`` (loss = per-microbatch mean).
+
+    For ``interleaved``, ``module`` and ``stage`` are lists: this rank's chunks and their stage indices.
+    """
+    group = pp_mesh.get_group()
+    if schedule in MULTI_SCHEDULES:
+        assert isinstance(module, list) and isinstance(stage, list)
+        pstages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(module, stage)]
+        return MULTI_SCHEDULES[schedule](pstages, n_microbatches=n_microbatches, loss_fn=lm_loss, scale_grads=True)
     if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r}: choose one of {sorted(SCHEDULES)}")
-    pstage = PipelineStage(module, stage, n_stages, device, group=pp_mesh.get_group())
-    return pstage, SCHEDULES[schedule](pstage, n_microbatches=n_microbatches, loss_fn=lm_loss, scale_grads=True)
+        raise ValueError(f"pipeline schedule {schedule!r}: choose one of {sorted(SCHEDULES | MULTI_SCHEDULES)}")
+    pstage = PipelineStage(module, stage, n_stages, device, group=group)
+    return SCHEDULES[schedule](pstage, n_microbatches=n_microbatches, loss_fn=lm_loss, scale_grads=True)
