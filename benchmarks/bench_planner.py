@@ -1,6 +1,15 @@
-"""Planner benchmark: accuracy on the public rows and search time at 1,024 / 16,384 GPUs.
+"""Planner benchmark: accuracy on the public rows, search time at 1,024 / 16,384 GPUs, and the
+calibrated CPU model against real runs of every runnable layout on 4 local gloo ranks.
 
     python benchmarks/bench_planner.py [--repeats 5]
+    xirang-plan --calibrate cluster=local --out /tmp/local-calibrated.yaml
+    python benchmarks/bench_planner.py --local /tmp/local-calibrated.yaml [--steps 8]
+
+``--local``: for model tiny and a small GPT (d 256, 4 layers), on 2 virtual nodes x 2 ranks, the
+fastest plan the planner predicts for each runnable (dp, tp, pp, ZeRO) layout is trained for real
+(Trainer, one gloo group, 1 thread per rank); per layout it prints predicted vs measured step time
+(median over steps of the slowest rank) and peak RSS per rank (max over ranks), and the planner's
+choice against the best measured layout.
 
 Prints, for each Narayanan et al. SC21 Table 1 row, the predicted TFLOP/s/GPU of the published
 configuration next to the published figure, and the recommended plan's speed-up over it (both
@@ -14,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 from xirang_hpc.planner.cost import Plan, Problem, estimate
 from xirang_hpc.planner.formulas import Shape
@@ -32,7 +42,15 @@ def main() -> None:
     """Run both parts and print tables."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--local", default="", help="calibrated cluster preset YAML: run the local comparison only")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--models", default="tiny,small")
     args = ap.parse_args()
+    if args.local:
+        from bench_planner_local import run_local
+
+        run_local(Path(args.local), args.models.split(","), args.steps)
+        return
     hw = PRESETS["a100-80gb"]
     print("| params | published TFLOP/s | predicted | error | recommended plan | predicted speed-up |")
     print("|---|---|---|---|---|---|")

@@ -38,8 +38,12 @@ def problem_of(cfg: XirangConfig) -> Problem:
 
 
 def expressible(plan: Plan) -> bool:
-    """ParallelConfig has no interleaving and no ZeRO-2 (ZeRO-1 = optimizer_sharding, ZeRO-3 = fsdp)."""
-    return plan.v == 1 and plan.zero != 2
+    """ParallelConfig has no interleaving and no ZeRO-2 (ZeRO-1 = optimizer_sharding, ZeRO-3 = fsdp).
+
+    ZeRO-1 only exists under DDP: with tp > 1 or pp > 1 the runtime replicates with FSDP2 and
+    ignores ``optimizer_sharding`` (runtime/parallelize.py), so such a plan would not run as costed.
+    """
+    return plan.v == 1 and plan.zero != 2 and not (plan.zero == 1 and (plan.tp > 1 or plan.pp > 1))
 
 
 def apply_plan(cfg: XirangConfig, plan: Plan) -> XirangConfig:

@@ -222,8 +222,12 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
 
     # FSDP units (one per layer + the root) each add hook and collective-launch costs per step. This
     # runtime also uses FSDP2 (replicate) instead of DDP for dp > 1 with tp > 1 or pp > 1.
-    if d > 1 and (pl.zero == 3 or (pl.zero == 0 and (t > 1 or p > 1))):
+    if d > 1 and pl.zero == 3:
         dp_exposed += (layers + 1) * hw.fsdp_unit_overhead_us * 1e-6
+    elif d > 1 and pl.zero == 0 and (t > 1 or p > 1):
+        dp_exposed += (layers + 1) * hw.replicate_unit_overhead_us * 1e-6
+    elif d > 1 and pl.zero == 1:
+        dp_exposed += hw.zero1_overhead_us * 1e-6
 
     # Adam reads and writes weights, grads and states of the parameters this rank updates.
     updated = stage_params / (d if pl.zero else 1)

@@ -50,7 +50,9 @@ class Hardware:
     step_overhead_us: float = 0.0  # per optimizer step: grad-norm/loss all-reduce, Adam's per-tensor loop
     tp_overhead_us: float = 0.0  # extra per layer, microbatch and pass under tensor parallelism (DTensor)
     pp_overhead_us: float = 0.0  # per pipeline slot (one microbatch's forward+backward on a stage)
-    fsdp_unit_overhead_us: float = 0.0  # per FSDP unit (layer) and step: gather/reduce hooks
+    fsdp_unit_overhead_us: float = 0.0  # per FSDP unit (layer) and step: gather/reduce hooks (ZeRO-3)
+    replicate_unit_overhead_us: float = 0.0  # per FSDP2 unit and step when it only replicates (tp/pp > 1)
+    zero1_overhead_us: float = 0.0  # per step: ZeroRedundancyOptimizer's per-tensor broadcasts
 
     def scaled(self, **overrides: float) -> Hardware:
         """A copy with some fields replaced."""
@@ -86,7 +88,7 @@ PRESETS: dict[str, Hardware] = {
 
 _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", "dp_overlap", "reserved_gb",
                 "microbatch_overhead_us", "step_overhead_us", "tp_overhead_us", "pp_overhead_us",
-                "fsdp_unit_overhead_us"}
+                "fsdp_unit_overhead_us", "replicate_unit_overhead_us", "zero1_overhead_us"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
 
 

@@ -8,9 +8,10 @@ pipelining schedule's bookkeeping per microbatch, FSDP2's hooks per unit, and pe
 1. per-layer and per-microbatch dispatch: forward+backward of the probe GPT with 1 and 3 layers on
    every rank at once, no communication (slope -> ``kernel_overhead_us`` per layer and pass,
    intercept -> ``microbatch_overhead_us``);
-2. four runs of the real :class:`Trainer` on the probe model (dp, fsdp, dp x tp2, dp x pp2), each
-   residual over the model's prediction attributed to one term: ``step_overhead_us`` (dp),
-   ``fsdp_unit_overhead_us`` (fsdp), ``tp_overhead_us`` (tp), ``pp_overhead_us`` (pp);
+2. six runs of the real :class:`Trainer` on the probe model (dp, dp + ZeRO-1, fsdp, HSDP with shard
+   groups of 1 = replicate, dp x tp2, dp x pp2), each residual over the model's prediction (with the
+   terms fitted before it) attributed to one term: ``step_overhead_us`` (dp), ``zero1_overhead_us``,
+   ``fsdp_unit_overhead_us``, ``replicate_unit_overhead_us``, ``tp_overhead_us``, ``pp_overhead_us``;
 3. the peak RSS of the dp run minus its predicted model state -> ``reserved_gb`` (the torch + gloo
    process footprint).
 
@@ -40,12 +41,18 @@ from xirang_hpc.planner.hardware import Hardware
 
 PROBE_MODEL = {"name": "probe", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 128, "seq_len": 16}
 PROBE_BATCH = 8
-PROBE_STEPS = 8  # timed steps after 2 warm-up steps
+PROBE_STEPS = 10  # timed steps after 2 warm-up steps
 
 
 def probe_layouts(world: int, per_node: int) -> dict[str, dict[str, Any]]:
     """Layouts to probe, in fitting order (each residual uses the terms fitted before it)."""
-    out: dict[str, dict[str, Any]] = {"dp": {"dp": world}, "fsdp": {"dp": world, "data_parallel": "fsdp"}}
+    out: dict[str, dict[str, Any]] = {
+        "dp": {"dp": world},
+        "zero1": {"dp": world, "optimizer_sharding": True},
+        "fsdp": {"dp": world, "data_parallel": "fsdp"},
+        # HSDP with shard groups of 1: what the runtime runs for dp with tp > 1 or pp > 1.
+        "replicate": {"dp": world, "data_parallel": "fsdp", "dp_replicate": world},
+    }
     if world % 2 == 0 and per_node % 2 == 0:
         out["tp"] = {"dp": world // 2, "tp": 2}
     if world % 2 == 0 and world // 2 >= 1:
@@ -57,7 +64,10 @@ def plan_of(par: dict[str, Any], global_batch: int) -> Plan:
     """The planner's Plan for a ParallelConfig-style dict (grad_accum 1)."""
     dp, pp = par.get("dp", 1), par.get("pp", 1)
     m = par.get("microbatches", 1) if pp > 1 else 1
-    zero = 3 if par.get("data_parallel") == "fsdp" else (1 if par.get("optimizer_sharding") else 0)
+    if par.get("data_parallel") == "fsdp":  # HSDP with shard groups of 1 is replication: ZeRO-0 volume
+        zero = 0 if par.get("dp_replicate", 1) == dp else 3
+    else:
+        zero = 1 if par.get("optimizer_sharding") else 0
     return Plan(dp=dp, tp=par.get("tp", 1), pp=pp, micro=global_batch // (dp * m), zero=zero,
                 recompute=par.get("recompute", "none"), sp=par.get("sequence_parallel", False))
 
@@ -65,8 +75,8 @@ def plan_of(par: dict[str, Any], global_batch: int) -> Plan:
 def fit_overheads(hw: Hardware, nodes: int, per_node: int, measured: dict[str, float]) -> dict[str, float]:
     """Overhead fields (us) from probe step times (seconds per step, by :func:`probe_layouts` name)."""
     sh = Shape.from_model(ModelConfig(**PROBE_MODEL))
-    terms = {"dp": "step_overhead_us", "fsdp": "fsdp_unit_overhead_us", "tp": "tp_overhead_us",
-             "pp": "pp_overhead_us"}
+    terms = {"dp": "step_overhead_us", "zero1": "zero1_overhead_us", "fsdp": "fsdp_unit_overhead_us",
+             "replicate": "replicate_unit_overhead_us", "tp": "tp_overhead_us", "pp": "pp_overhead_us"}
     out: dict[str, float] = {}
     for name, par in probe_layouts(nodes * per_node, per_node).items():
         if name not in measured:
@@ -75,7 +85,11 @@ def fit_overheads(hw: Hardware, nodes: int, per_node: int, measured: dict[str, f
         cur = hw.scaled(**out)
         key = terms[name]
         base = estimate(Problem(sh, cur.scaled(**{key: 0.0}), nodes, per_node, PROBE_BATCH), plan).step_time
-        unit = estimate(Problem(sh, cur.scaled(**{key: 1.0}), nodes, per_node, PROBE_BATCH), plan).step_time - base
+        if name == "replicate":  # the cost model charges it only with tp/pp > 1: one unit per layer + root
+            unit = (sh.layers + 1) * 1e-6
+        else:
+            unit = estimate(Problem(sh, cur.scaled(**{key: 1.0}), nodes, per_node, PROBE_BATCH),
+                            plan).step_time - base
         out[key] = max(0.0, (measured[name] - base) / unit) if unit > 0 else 0.0
     return out
 
