@@ -79,7 +79,8 @@ def test_xirang_train_on_a_pty_shows_a_progress_line(tmp_path: Path, stdlib_data
     master, slave = pty.openpty()
     proc = subprocess.Popen(
         [str(exe), "cluster.nodes=1", "cluster.tasks_per_node=1", "train.max_steps=8", "train.log_every=2",
-         "train.eval_batches=1", "train.warmup_steps=1", f"train.runs_root={tmp_path}/runs",
+         "train.eval_batches=1", "train.warmup_steps=1", "parallel.pp=1", "parallel.tp=1",
+         f"train.runs_root={tmp_path}/runs",
          f"data.out_dir={stdlib_data}"],
         cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)
