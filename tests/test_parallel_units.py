@@ -13,7 +13,7 @@ from xirang_hpc.config.schema import ModelConfig, ParallelConfig
 from xirang_hpc.config.validate import check_runnable, validate
 from xirang_hpc.models.gpt import GPT, lm_loss
 from xirang_hpc.runtime.parallel_dims import LayoutError, ParallelDims, format_table
-from xirang_hpc.runtime.pipeline import carve_stage, split_layers, stage_ranges
+from xirang_hpc.runtime.pipeline import carve_stage, rank_stages, split_layers, stage_chunks, stage_ranges
 from xirang_hpc.runtime.recompute import apply_recompute
 
 
@@ -65,6 +65,29 @@ def test_split_counts_embedding_and_head() -> None:
         split_layers(3, 0.0, [1.0] * 2, 0.0)
 
 
+def test_interleaved_rank_holds_looped_stages_as_chunks_sharing_modules() -> None:
+    cfg = ModelConfig(name="t", n_layer=4, n_head=2, d_model=16, seq_len=8)
+    ranges = stage_ranges(cfg, 4)
+    assert ranges == [range(i, i + 1) for i in range(4)]
+    assert rank_stages(0, 2, 2) == [0, 2] and rank_stages(1, 2, 2) == [1, 3]
+    torch.manual_seed(0)
+    full = GPT(cfg)
+    x = torch.randint(0, 256, (2, 8))
+    m0, m1 = GPT(cfg), GPT(cfg)
+    m0.load_state_dict(full.state_dict())
+    m1.load_state_dict(full.state_dict())
+    carve_stage(m0, [0, 2], ranges)
+    carve_stage(m1, [1, 3], ranges)
+    assert sorted(m0.layers) == ["0", "2"] and m0.tok_emb is not None and m0.head is None
+    assert sorted(m1.layers) == ["1", "3"] and m1.tok_emb is None and m1.head is not None
+    (c0, c2), (c1, c3) = stage_chunks(m0, [0, 2], ranges), stage_chunks(m1, [1, 3], ranges)
+    assert c2.layers["2"] is m0.layers["2"], "chunks share the rank's modules (no copies)"
+    with torch.no_grad():
+        torch.testing.assert_close(c3(c2(c1(c0(x)))), full(x), rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="parallel.virtual_stages"):
+        ParallelConfig(pp=2, schedule="interleaved", virtual_stages=1)
+
+
 def test_stage_keeps_full_model_names() -> None:
     cfg = ModelConfig(name="t", n_layer=4, n_head=2, d_model=16, seq_len=8)
     full = {n for n, _ in GPT(cfg).named_parameters()}
@@ -105,6 +128,10 @@ def test_recompute_gives_identical_gradients_and_names(mode: str) -> None:
     ({"dp": 4, "data_parallel": "fsdp", "dp_replicate": 3}, "parallel.dp_replicate", ["divide"]),
     ({"dp": 4, "data_parallel": "fsdp", "optimizer_sharding": True}, "parallel.optimizer_sharding", ["ddp"]),
     ({"dp": 4, "sequence_parallel": True}, "parallel.sequence_parallel", ["tp > 1"]),
+    ({"dp": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 3}, "parallel.virtual_stages",
+     ["pp*virtual_stages=6", "n_layer=4", "virtual_stages <= 2"]),
+    ({"dp": 4, "schedule": "interleaved"}, "parallel.schedule", ["parallel.pp > 1"]),
+    ({"dp": 2, "pp": 2, "microbatches": 5, "schedule": "interleaved"}, "parallel.microbatches", ["multiple of parallel.pp=2"]),
 ])
 def test_unsupported_layouts_fail_at_config_time(parallel: dict, field: str, words: list[str]) -> None:
     with pytest.raises(ConfigError) as exc:
