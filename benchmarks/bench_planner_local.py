@@ -34,7 +34,7 @@ def run_local(preset: Path, models: list[str], steps: int) -> None:
         cfg = base_config(preset, model)
         cands = candidates(cfg)
         t0 = time.time()
-        meas = measure([(n, c) for n, _, c in cands], cfg.cluster.nodes, cfg.cluster.tasks_per_node, steps)
+        meas = measure([(n, c) for n, _, c in cands], cfg.cluster.nodes, cfg.cluster.tasks_per_node, steps, rounds=2)
         print(f"\n### model {model} ({MODELS[model]}), global batch {BATCH[model]} "
               f"({time.time() - t0:.0f} s, load average {os.getloadavg()[0]:.1f})\n")
         print("| layout | plan | predicted step | measured step | error | predicted peak/rank | "

@@ -67,6 +67,8 @@ def runtime_allows(cfg: XirangConfig) -> Callable[[Plan], bool]:
     def ok(plan: Plan) -> bool:
         if not expressible(plan):
             return False
+        if plan.pp > 1 and cfg.train.global_batch // (plan.dp * plan.micro) < plan.pp:
+            return False  # torch's 1F1B needs at least as many microbatches as stages
         key = (plan.dp, plan.tp, plan.pp, plan.zero, plan.sp, ("none", "selective", "full").index(plan.recompute))
         if key not in cache:
             try:

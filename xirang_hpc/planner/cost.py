@@ -30,6 +30,7 @@ from xirang_hpc.planner.formulas import (
     layer_params,
     logits_flops,
     model_flops,
+    stage_tensors,
     state_bytes_per_param,
 )
 from xirang_hpc.planner.hardware import Hardware
@@ -185,7 +186,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     tp_mb = layers * n_ar * comm.ring_allreduce(tokens * sh.hidden * hw.act_bytes, t, links.a_intra,
                                                 links.b_intra)
     if t > 1:  # DTensor dispatch and redistribution around each sharded layer (calibrated on CPU)
-        tp_mb += layers * passes * hw.tp_overhead_us * 1e-6
+        tp_mb += layers * passes * (hw.tp_overhead_us + (hw.sp_overhead_us if pl.sp else 0.0)) * 1e-6
     slot = compute_mb + tp_mb
     bubble = (p - 1) / v * slot
 
@@ -232,7 +233,8 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     # Adam reads and writes weights, grads and states of the parameters this rank updates.
     updated = stage_params / (d if pl.zero else 1)
     optim = updated * (hw.optim_bytes + hw.weight_bytes + hw.grad_bytes) * 2 / (hw.mem_bw_gbs * 1e9)
-    optim += hw.step_overhead_us * 1e-6
+    # Per-tensor work of a step (Adam's loop, grad-norm, zero_grad) on the busiest stage.
+    optim += stage_tensors(sh, layers, p == 1, True) * hw.step_overhead_us * 1e-6
 
     total = m * slot + bubble + p2p + dp_exposed + optim
     est = Estimate(plan=pl, microbatches=m, dp_algo=algo)

@@ -52,6 +52,18 @@ def layer_params(sh: Shape) -> int:
     return mats + bias + norms
 
 
+def layer_tensors(sh: Shape) -> int:
+    """Parameter tensors of one block (per-tensor costs: optimizer loop, grad-norm, hooks)."""
+    per = 2 if sh.bias else 1
+    return (4 + (3 if sh.swiglu else 2)) * per + 2 * per
+
+
+def stage_tensors(sh: Shape, layers: float, first: bool, last: bool) -> float:
+    """Parameter tensors a pipeline stage holds: its blocks, the embeddings (first), norm + head (last)."""
+    per = 2 if sh.bias else 1
+    return layers * layer_tensors(sh) + (1 + sh.learned_pos if first else 0) + (per + 1 if last else 0)
+
+
 def embedding_params(sh: Shape) -> int:
     """Token embedding plus learned positions (one copy, as in Narayanan et al.'s (V+s)h term)."""
     return sh.vocab * sh.hidden + (sh.seq * sh.hidden if sh.learned_pos else 0)

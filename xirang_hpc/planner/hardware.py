@@ -47,8 +47,9 @@ class Hardware:
     # Fixed runtime costs that matter where compute is small (CPU ranks); 0 on the GPU presets.
     # ``xirang-plan --calibrate`` measures them (planner/probe.py); all are per rank, in microseconds.
     microbatch_overhead_us: float = 0.0  # embedding + head + loss dispatch, per microbatch
-    step_overhead_us: float = 0.0  # per optimizer step: grad-norm/loss all-reduce, Adam's per-tensor loop
+    step_overhead_us: float = 0.0  # per step and parameter tensor held: Adam's loop, grad-norm, zero_grad
     tp_overhead_us: float = 0.0  # extra per layer, microbatch and pass under tensor parallelism (DTensor)
+    sp_overhead_us: float = 0.0  # further extra per layer, microbatch and pass with sequence parallelism
     pp_overhead_us: float = 0.0  # per pipeline slot (one microbatch's forward+backward on a stage)
     fsdp_unit_overhead_us: float = 0.0  # per FSDP unit (layer) and step: gather/reduce hooks (ZeRO-3)
     replicate_unit_overhead_us: float = 0.0  # per FSDP2 unit and step when it only replicates (tp/pp > 1)
@@ -88,7 +89,8 @@ PRESETS: dict[str, Hardware] = {
 
 _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", "dp_overlap", "reserved_gb",
                 "microbatch_overhead_us", "step_overhead_us", "tp_overhead_us", "pp_overhead_us",
-                "fsdp_unit_overhead_us", "replicate_unit_overhead_us", "zero1_overhead_us"}
+                "fsdp_unit_overhead_us", "replicate_unit_overhead_us", "zero1_overhead_us",
+                "sp_overhead_us"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
 
 

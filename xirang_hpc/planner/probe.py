@@ -8,10 +8,11 @@ pipelining schedule's bookkeeping per microbatch, FSDP2's hooks per unit, and pe
 1. per-layer and per-microbatch dispatch: forward+backward of the probe GPT with 1 and 3 layers on
    every rank at once, no communication (slope -> ``kernel_overhead_us`` per layer and pass,
    intercept -> ``microbatch_overhead_us``);
-2. six runs of the real :class:`Trainer` on the probe model (dp, dp + ZeRO-1, fsdp, HSDP with shard
-   groups of 1 = replicate, dp x tp2, dp x pp2), each residual over the model's prediction (with the
-   terms fitted before it) attributed to one term: ``step_overhead_us`` (dp), ``zero1_overhead_us``,
-   ``fsdp_unit_overhead_us``, ``replicate_unit_overhead_us``, ``tp_overhead_us``, ``pp_overhead_us``;
+2. seven runs of the real :class:`Trainer` on the probe model (dp, dp + ZeRO-1, fsdp, HSDP with
+   shard groups of 1 = replicate, dp x tp2, the same with sequence parallelism, dp x pp2), each
+   residual over the model's prediction (with the terms fitted before it) attributed to one term:
+   ``step_overhead_us`` (per parameter tensor), ``zero1_overhead_us``, ``fsdp_unit_overhead_us``,
+   ``replicate_unit_overhead_us``, ``tp_overhead_us``, ``sp_overhead_us``, ``pp_overhead_us``;
 3. the peak RSS of the dp run minus its predicted model state -> ``reserved_gb`` (the torch + gloo
    process footprint).
 
@@ -55,6 +56,7 @@ def probe_layouts(world: int, per_node: int) -> dict[str, dict[str, Any]]:
     }
     if world % 2 == 0 and per_node % 2 == 0:
         out["tp"] = {"dp": world // 2, "tp": 2}
+        out["sp"] = {"dp": world // 2, "tp": 2, "sequence_parallel": True}
     if world % 2 == 0 and world // 2 >= 1:
         out["pp"] = {"dp": world // 2, "pp": 2, "microbatches": 2}
     return out
@@ -76,7 +78,8 @@ def fit_overheads(hw: Hardware, nodes: int, per_node: int, measured: dict[str, f
     """Overhead fields (us) from probe step times (seconds per step, by :func:`probe_layouts` name)."""
     sh = Shape.from_model(ModelConfig(**PROBE_MODEL))
     terms = {"dp": "step_overhead_us", "zero1": "zero1_overhead_us", "fsdp": "fsdp_unit_overhead_us",
-             "replicate": "replicate_unit_overhead_us", "tp": "tp_overhead_us", "pp": "pp_overhead_us"}
+             "replicate": "replicate_unit_overhead_us", "tp": "tp_overhead_us", "sp": "sp_overhead_us",
+             "pp": "pp_overhead_us"}
     out: dict[str, float] = {}
     for name, par in probe_layouts(nodes * per_node, per_node).items():
         if name not in measured:
@@ -94,28 +97,30 @@ def fit_overheads(hw: Hardware, nodes: int, per_node: int, measured: dict[str, f
     return out
 
 
-def layer_dispatch(reps: int = 10) -> tuple[float, float]:
-    """(us per layer and pass, us per microbatch) from fwd+bwd of the probe GPT with 1 and 3 layers."""
+def layer_dispatch(reps: int = 20) -> tuple[float, float]:
+    """(us per layer and pass, us per microbatch) from fwd+bwd of the probe GPT with 1 and 3 layers.
+
+    The two models alternate and the per-pair difference is taken, so load drift cancels.
+    """
     from xirang_hpc.models.gpt import GPT, lm_loss
 
-    times = []
+    steps = []
     for layers in (1, 3):
         cfg = ModelConfig(**{**PROBE_MODEL, "n_layer": layers})
         model = GPT(cfg)
         x = torch.randint(0, cfg.vocab_size, (PROBE_BATCH, cfg.seq_len))
 
-        def step(model: torch.nn.Module = model, x: torch.Tensor = x) -> None:
+        def step(model: torch.nn.Module = model, x: torch.Tensor = x) -> float:
+            t0 = time.perf_counter()
             lm_loss(model(x), x).backward()
+            return time.perf_counter() - t0
 
         step()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            step()
-            ts.append(time.perf_counter() - t0)
-        times.append(statistics.median(ts))
-    per_layer = max(0.0, (times[1] - times[0]) / 2)
-    return per_layer / 3 * 1e6, max(0.0, times[0] - per_layer) * 1e6
+        steps.append(step)
+    pairs = [(steps[0](), steps[1]()) for _ in range(reps)]
+    per_layer = max(0.0, statistics.median(b - a for a, b in pairs) / 2)
+    one = statistics.median(a for a, _ in pairs)
+    return per_layer / 3 * 1e6, max(0.0, one - per_layer) * 1e6
 
 
 def _kb(field: str) -> int:
@@ -187,7 +192,7 @@ def ensure_data(folder: Path, rank: int) -> Path:
     return out
 
 
-def measure_overheads(hw: Hardware, topo: Any, folder: Path, say: Callable[[str], None] = lambda s: None,
+def measure_overheads(hw: Hardware, topo: Any, folder: Path, say: Callable[[str], None] = print,
                       ) -> dict[str, float]:
     """Steps 1-3 of the module docstring, on this rank (process group up); same result on every rank."""
     from xirang_hpc.planner.cost import GiB
@@ -203,7 +208,8 @@ def measure_overheads(hw: Hardware, topo: Any, folder: Path, say: Callable[[str]
     peaks: dict[str, float] = {}
     for name, par in probe_layouts(topo.world_size, per_node).items():
         measured[name], peaks[name] = time_layout(probe_config(par, nodes, per_node), topo, data, PROBE_STEPS)
-        say(f"probe {name}: {1e3 * measured[name]:.1f} ms/step, peak RSS {peaks[name] / 2**20:.0f} MiB")
+        if topo.rank == 0:
+            say(f"probe {name}: {1e3 * measured[name]:.1f} ms/step, peak RSS {peaks[name] / 2**20:.0f} MiB")
     out.update(fit_overheads(hw.scaled(**out), nodes, per_node, measured))
     sh = Shape.from_model(ModelConfig(**PROBE_MODEL))
     plan = plan_of(probe_layouts(topo.world_size, per_node)["dp"], PROBE_BATCH)
