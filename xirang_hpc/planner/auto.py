@@ -133,7 +133,10 @@ def record_measured(cfg: XirangConfig, summary: dict[str, Any] | None, say: Call
     record = json.loads(path.read_text())
     measured = float(summary["tokens_per_s"])
     predicted = float(record["predicted"]["tokens_per_s"])
-    record["measured"] = {"tokens_per_s": measured, "predicted_over_measured": predicted / measured}
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    record["measured"] = {"tokens_per_s": measured, "predicted_over_measured": predicted / measured,
+                          "step_s": tokens / measured,
+                          "predicted_step_s": float(record["predicted"]["time_s"]["total"])}
     write_plan(path.parent, record)
     say(f"parallel=auto: predicted {predicted:,.0f} tokens/s, measured {measured:,.0f} tokens/s "
         f"(prediction {100 * (predicted / measured - 1):+.0f}%)")
