@@ -128,21 +128,26 @@ def _grad_sq_weighted(params: Iterable[nn.Parameter], replicas: int) -> torch.Te
     Summing the weighted values over the whole world counts every entry exactly once.
     """
     total = torch.zeros((), dtype=torch.float64)
+    plain = []
     for prm in params:
         g = prm.grad
         if g is None:
             continue
+        if not isinstance(g, DTensor):
+            plain.append(g.detach())
+            continue
         shards = 1
-        if isinstance(g, DTensor):
-            if any(pl.is_partial() for pl in g.placements):
-                # e.g. sequence-parallel norm weights: pending sums must be reduced before squaring.
-                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
-            for i, pl in enumerate(g.placements):
-                # Not ``is_shard()``: FSDP over a TP-sharded dim uses _StridedShard, for which it is False.
-                if not (pl.is_replicate() or pl.is_partial()):
-                    shards *= g.device_mesh.size(i)
-            g = g.to_local()
+        if any(pl.is_partial() for pl in g.placements):
+            # e.g. sequence-parallel norm weights: pending sums must be reduced before squaring.
+            g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+        for i, pl in enumerate(g.placements):
+            # Not ``is_shard()``: FSDP over a TP-sharded dim uses _StridedShard, for which it is False.
+            if not (pl.is_replicate() or pl.is_partial()):
+                shards *= g.device_mesh.size(i)
+        g = g.to_local()
         total += g.detach().double().pow(2).sum().cpu() * (shards / replicas)
+    if plain:  # one fused kernel for the replicated (plain) grads; per-tensor norms in fp32, summed in fp64
+        total += torch.stack(torch._foreach_norm(plain)).double().pow(2).sum().cpu() / replicas
     return total
 
 
@@ -162,9 +167,13 @@ def clip_and_reduce(pm: ParallelModel, max_norm: float, local_loss: float) -> tu
     coef = torch.clamp(torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6),
                        max=1.0)
     if max_norm > 0 and coef < 1.0:
-        for prm in pm.model.parameters():
-            if prm.grad is not None:
-                prm.grad.mul_(float(coef))
+        grads = [prm.grad for prm in pm.model.parameters() if prm.grad is not None]
+        plain = [g for g in grads if not isinstance(g, DTensor)]
+        if plain:
+            torch._foreach_mul_(plain, float(coef))
+        for g in grads:
+            if isinstance(g, DTensor):
+                g.mul_(float(coef))
     return float(buf[1]) / pm.dims.dp, norm
 
 
