@@ -8,8 +8,8 @@
   COMPLETED.
 
 The testbed fixture and the submit/wait helpers are the Slurm end-to-end tests' own. Each job is
-one rank of the tiny model; the requeue test paces its steps with ``monitor.debug_slow_*`` so the
-preemption lands mid-run on a fast or a slow machine.
+one rank of the tiny model; its steps are paced with ``monitor.debug_slow_*`` so the preemption
+lands mid-run, and the running task is still running when it is looked at, on a fast or a slow machine.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _lines(text: str) -> dict[str, list[str]]:
 def test_status_of_a_real_array_sweep_one_line_per_task(slurm, stdlib_data, tmp_path, capsys):  # noqa: F811
     runs_root = tmp_path / "runs"
     args = ["-m", "train.seed=1,2", *_base(stdlib_data, runs_root), *ONE_RANK, "cluster.array_parallelism=1",
-            "train.max_steps=10"]
+            "train.max_steps=20", "monitor.debug_slow_rank=0", "monitor.debug_slow_s=0.3"]
     out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     array = re.search(r"submitted Slurm array job (\d+): 2 task\(s\)", out.stdout).group(1)
@@ -106,6 +106,6 @@ def test_status_of_a_real_array_sweep_one_line_per_task(slurm, stdlib_data, tmp_
     # the batch script's supervisor step runs after the final event
     _wait(lambda: all(run_status(r)["state"] == "COMPLETED" for r in runs), 60, "Slurm to end both tasks")
     rows = _lines(_status(capsys, array, "--runs-root", str(runs_root)))
-    assert {t: r[1:3] for t, r in rows.items()} == {t: ["COMPLETED", "10/10"] for t in tasks}, rows
+    assert {t: r[1:3] for t, r in rows.items()} == {t: ["COMPLETED", "20/20"] for t in tasks}, rows
     # the runs root's own listing (no job id) shows the same tasks
     assert sorted(_lines(_status(capsys, str(runs_root)))) == tasks
