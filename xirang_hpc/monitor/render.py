@@ -35,7 +35,8 @@ def render_run(s: dict[str, Any], tty: bool = False) -> str:
     lines = [
         f"run       {s['run_dir']}  (model {s['model']}, {s['world_size']} ranks on {s['num_nodes']} node(s))",
         f"job       {s['job_id']} [{s['executor']}]  {s['state']}"
-        + (f" ({s['state_reason']})" if s.get("state_reason") else "") + f"  | requeues {s['requeues']}",
+        + (f" ({s['state_reason']})" if s.get("state_reason") not in (None, "", "None") else "")
+        + f"  | requeues {s['requeues']}",
         f"progress  {progress(s['step'], s['total_steps'], tty)}",
         f"loss      {_num(s['loss'], '.4f')}  (val {_num(s['val_loss'], '.4f')} @ step {s['val_step']})"
         f"  | {_num(s['tokens_per_s'], ',.0f')} tok/s  | {_num(s['tflops'], '.3f')} TFLOP/s  | MFU {mfu}"
