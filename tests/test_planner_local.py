@@ -77,3 +77,41 @@ def test_train_parallel_auto_runs_the_plan_and_records_measured(calibrated: Path
     m = rec["measured"]
     assert m["tokens_per_s"] > 0 and m["step_s"] > 0
     assert m["predicted_step_s"] == pytest.approx(rec["predicted"]["time_s"]["total"])
+
+
+def test_fit_overheads_recovers_the_terms_it_is_given() -> None:
+    """Probe 'measurements' made by the cost model with known overheads are fitted back exactly, in order."""
+    from xirang_hpc.config.schema import ModelConfig as MC
+    from xirang_hpc.planner.cost import Problem, estimate
+    from xirang_hpc.planner.formulas import Shape
+    from xirang_hpc.planner.hardware import PRESETS
+    from xirang_hpc.planner.probe import PROBE_BATCH, PROBE_MODEL, fit_overheads, plan_of, probe_layouts
+
+    truth = {"step_overhead_us": 900.0, "zero1_overhead_us": 20e3, "fsdp_unit_overhead_us": 30e3,
+             "replicate_unit_overhead_us": 25e3, "tp_overhead_us": 3e3, "sp_overhead_us": 5e3,
+             "pp_overhead_us": 7e3}
+    hw0 = PRESETS["cpu"]
+    sh = Shape.from_model(MC(**PROBE_MODEL))
+    lays = probe_layouts(4, 2)
+    assert list(lays) == ["dp", "zero1", "fsdp", "replicate", "tp", "sp", "pp"]
+    measured = {n: estimate(Problem(sh, hw0.scaled(**truth), 2, 2, PROBE_BATCH), plan_of(p, PROBE_BATCH)).step_time
+                for n, p in lays.items() if n != "replicate"}
+    # Replication (HSDP, shard 1) = the dp run plus 25 ms per FSDP unit (2 layers + root).
+    measured["replicate"] = measured["dp"] + 3 * 25e-3
+    got = fit_overheads(hw0, 2, 2, measured)
+    for k, v in truth.items():
+        assert got[k] == pytest.approx(v, rel=1e-6), k
+
+
+def test_runtime_allows_follows_what_the_runtime_runs() -> None:
+    from conftest import compose_cfg
+
+    from xirang_hpc.config.validate import load_config
+    from xirang_hpc.planner.auto import runtime_allows
+    from xirang_hpc.planner.cost import Plan
+
+    ok = runtime_allows(load_config(compose_cfg()))  # tiny, 2 x 2 ranks, global batch 32
+    assert ok(Plan(dp=4, tp=1, pp=1, micro=8, zero=1))  # ZeRO-1 under DDP
+    assert not ok(Plan(dp=2, tp=1, pp=2, micro=4, zero=1))  # pp > 1 replicates with FSDP2: no ZeRO-1
+    assert ok(Plan(dp=2, tp=1, pp=2, micro=8))  # m = 2 microbatches for 2 stages
+    assert not ok(Plan(dp=2, tp=1, pp=2, micro=16))  # m = 1 < pp: torch's 1F1B refuses it
