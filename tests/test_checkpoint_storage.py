@@ -50,8 +50,9 @@ def test_round_trip_bitwise_with_each_compression(tmp_path, compression):
         assert got.dtype == v.dtype and torch.equal(got, v), k
     with h5py.File(tmp_path / "rank_0.h5", "r", locking=False) as f:
         ds = f["model.w@0,0"]
-        # HDF5 chunk == the shard; filter as configured.
-        assert ds.chunks == (64, 32)
+        # Compressed: HDF5 chunk == the shard, filter as configured. Uncompressed: contiguous (the
+        # dataset is the shard; a partial read touches only its hyperslab).
+        assert ds.chunks == (None if compression == "none" else (64, 32))
         assert ds.compression == (None if compression == "none" else compression)
 
 
@@ -85,3 +86,12 @@ def test_dedup_index_turns_identical_chunks_into_references(tmp_path):
     out = _zeros_like(sd)
     dcp.load(out, storage_reader=HDF5StorageReader(b), no_dist=True)
     assert torch.equal(out["model"]["w"], sd["model"]["w"]) and torch.equal(out["model"]["b"], sd["model"]["b"])
+
+
+def test_writer_checksums_its_file_while_syncing_it(tmp_path):
+    """The manifest entry the writer hands over equals a fresh pass over the file on disk."""
+    from xirang_hpc.checkpoint.layout import file_entry
+
+    w = HDF5StorageWriter(tmp_path)
+    dcp.save(_state(), storage_writer=w, no_dist=True)
+    assert w.file_entries == {"rank_0.h5": file_entry(tmp_path / "rank_0.h5")}

@@ -176,10 +176,8 @@ class CheckpointManager:
         L.write_json_durable(tmp / rank_json, rank_state)
         writer = HDF5StorageWriter(tmp, self.compression, self._index() if self.dedup else None)
         dcp.save(snap, storage_writer=writer, process_group=self.group)
-        own = {rank_json: L.file_entry(tmp / rank_json)}
-        h5 = tmp / f"rank_{self.rank}.h5"
-        if h5.exists():
-            own[h5.name] = L.file_entry(h5)
+        # The writer checksummed its file while fsyncing it (no second pass here).
+        own = {rank_json: L.file_entry(tmp / rank_json), **writer.file_entries}
         gathered = self._gather((own, writer.stats))
         rec.new_bytes = sum(g[1]["new_bytes"] for g in gathered)
         rec.ref_bytes = sum(g[1]["ref_bytes"] for g in gathered)
