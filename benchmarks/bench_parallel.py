@@ -81,15 +81,16 @@ def ours(cfg, topo, data_dir: Path, steps: int) -> dict[str, Any]:
     base = _reset_peak()
     with tempfile.TemporaryDirectory() as d:
         tr = Trainer(cfg, topo, Path(d), data_dir, log=lambda s: None)
-        times = []
+        times, cpu = [], []
         for s in range(steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             tr.train_step(s)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         peak = _kb("VmHWM")
         del tr
     dist.barrier()
-    return {"times": times, "peak_mb": peak / 1024, "peak_above_base_mb": (peak - base) / 1024}
+    return {"times": times, "cpu": cpu, "peak_mb": peak / 1024, "peak_above_base_mb": (peak - base) / 1024}
 
 
 def plain_ddp(cfg, topo, data_dir: Path, steps: int) -> dict[str, Any]:
@@ -99,9 +100,9 @@ def plain_ddp(cfg, topo, data_dir: Path, steps: int) -> dict[str, Any]:
     model = DDP(GPT(cfg.model))
     opt = build_optimizer(model.module, t)
     data = TokenWindows(data_dir, "train", cfg.model.seq_len)
-    times = []
+    times, cpu = [], []
     for s in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         x, y = data.batch(t.seed, s, t.global_batch, topo.rank, topo.world_size)
         for g in opt.param_groups:
             g["lr"] = lr_at(s, t)
@@ -111,8 +112,9 @@ def plain_ddp(cfg, topo, data_dir: Path, steps: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     dist.barrier()
-    return {"times": times}
+    return {"times": times, "cpu": cpu}
 
 
 PAIRS = {"ratio": ("ours", "ddp"), "default": ("dp2xpp2", "dp2xtp2")}
@@ -193,6 +195,12 @@ def _tok_s(per_rank: list[dict[str, Any]], tokens: int, warmup: int = 2) -> floa
     return tokens / statistics.median(steps)
 
 
+def _tok_cpu_s(per_rank: list[dict[str, Any]], tokens: int, warmup: int = 2) -> float:
+    # Tokens per CPU-second (all ranks' process CPU time, incl. gloo threads): insensitive to other load.
+    steps = [sum(r["cpu"][i] for r in per_rank) for i in range(warmup, len(per_rank[0]["cpu"]))]
+    return tokens / statistics.median(steps)
+
+
 def report_paired(res: dict[str, list[dict[str, Any]]], steps: int, rounds: int) -> None:
     """Median tokens/s per side and the median (min..max) of the per-round ratios."""
     tokens = TRAIN["global_batch"] * TINY["seq_len"]
@@ -208,6 +216,14 @@ def report_paired(res: dict[str, list[dict[str, Any]]], steps: int, rounds: int)
         print(f"| {a} vs {b} | {statistics.median(ta):,.0f} | {statistics.median(tb):,.0f} | "
               f"{' '.join(f'{r:.2f}' for r in ratios)} | **{statistics.median(ratios):.3f}** "
               f"({min(ratios):.2f}..{max(ratios):.2f}) |")
+    print("\nCPU cost (tokens per CPU-second summed over ranks; waiting for the shared cores is not counted):")
+    print("\n| pair | A tok/CPU-s | B tok/CPU-s | median per-round ratio (min..max) |\n|---|---|---|---|")
+    for a, b in PAIRS.values():
+        ca = [_tok_cpu_s(res[f"paired/{a}/{i}"], tokens) for i in range(rounds)]
+        cb = [_tok_cpu_s(res[f"paired/{b}/{i}"], tokens) for i in range(rounds)]
+        ratios = [x / y for x, y in zip(ca, cb)]
+        print(f"| {a} vs {b} | {statistics.median(ca):,.0f} | {statistics.median(cb):,.0f} | "
+              f"**{statistics.median(ratios):.3f}** ({min(ratios):.2f}..{max(ratios):.2f}) |")
 
 
 def main() -> None:
