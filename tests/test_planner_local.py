@@ -63,7 +63,8 @@ def test_train_parallel_auto_runs_the_plan_and_records_measured(calibrated: Path
     (conf / "local-calibrated.yaml").write_text(calibrated.read_text())
     r = subprocess.run([str(BIN / "xirang-train"), f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
                         "cluster=local-calibrated", "parallel=auto", "train.max_steps=12", "train.eval_batches=1",
-                        "train.log_every=6", f"train.runs_root={tmp_path}/runs"],
+                        "train.warmup_steps=2", "train.log_every=6",
+                        f"train.runs_root={tmp_path}/runs"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=400)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
