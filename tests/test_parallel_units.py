@@ -131,7 +131,8 @@ def test_recompute_gives_identical_gradients_and_names(mode: str) -> None:
     ({"dp": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 3}, "parallel.virtual_stages",
      ["pp*virtual_stages=6", "n_layer=4", "virtual_stages <= 2"]),
     ({"dp": 4, "schedule": "interleaved"}, "parallel.schedule", ["parallel.pp > 1"]),
-    ({"dp": 2, "pp": 2, "microbatches": 5, "schedule": "interleaved"}, "parallel.microbatches", ["multiple of parallel.pp=2"]),
+    ({"dp": 2, "pp": 2, "microbatches": 5, "schedule": "interleaved"}, "parallel.microbatches",
+     ["multiple of parallel.pp=2"]),
 ])
 def test_unsupported_layouts_fail_at_config_time(parallel: dict, field: str, words: list[str]) -> None:
     with pytest.raises(ConfigError) as exc:
