@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import os
 import uuid
@@ -27,13 +28,22 @@ from xirang_hpc.launch.rundir import make_private_dir
 
 # The layout the reference and the interrupted run use (hybrid: dp2 x tp2 on 2 virtual nodes x 2 ranks).
 SAVE_LAYOUT = ["parallel.tp=2", "parallel.pp=1", "parallel.microbatches=1"]
-# Resume the step-10 checkpoint under another layout: (ranks, overrides). Adding one is one line.
+# A 2-rank save layout (pure dp2 on one virtual node), the source of the 2 -> 8 change.
+TWO_RANKS = ["cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.tp=1", "parallel.pp=1",
+             "parallel.microbatches=1"]
+# Resume a step-10 checkpoint under another layout: (source run, ranks, overrides). "split" was saved
+# under SAVE_LAYOUT on 4 ranks, "split2" under TWO_RANKS. Adding a change is one line.
 RESHARD = {
-    "dp2xtp2->dp2 (4->2 ranks)": (2, ["cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.pp=1",
-                                      "parallel.microbatches=1"]),
-    "dp2xtp2->pp2xdp2": (4, ["parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2"]),
-    "dp2xtp2->dp4+zero1": (4, ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1",
-                               "parallel.optimizer_sharding=true"]),
+    "dp2xtp2->dp2 (4->2 ranks)": ("split", 2, TWO_RANKS),
+    "dp2xtp2->pp2xdp2": ("split", 4, ["parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2"]),
+    "dp2xtp2->dp4+zero1": ("split", 4, ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1",
+                                        "parallel.optimizer_sharding=true"]),
+    "dp2xtp2->fsdp4": ("split", 4, ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1",
+                                    "parallel.data_parallel=fsdp"]),
+    # 8 gloo ranks on a 2-core box: 1 intra-op thread each, every dimension used.
+    "dp2->dp2xtp2xpp2 (2->8 ranks)": ("split2", 8, ["cluster.nodes=2", "cluster.tasks_per_node=4",
+                                                   "cluster.threads_per_rank=1", "parallel.tp=2", "parallel.pp=2",
+                                                   "parallel.microbatches=2"]),
 }
 
 
@@ -99,8 +109,12 @@ def runs(tmp_path_factory, stdlib_data) -> dict[str, Path]:
     full, split = tmp / "full", tmp / "split"
     run_job(make_cfg(stdlib_data, full, SAVE_LAYOUT), full, stdlib_data)
     run_job(make_cfg(stdlib_data, split, SAVE_LAYOUT), split, stdlib_data, stop_at=10)
-    forks = {name: fork_run(split, 10, tmp / f"fork{i}") for i, name in enumerate(RESHARD)}
-    return {"full": full, "split": split, "data": stdlib_data, **forks}
+    out = {"full": full, "split": split, "data": stdlib_data}
+    if any(src == "split2" for src, _, _ in RESHARD.values()):
+        out["split2"] = tmp / "split2"
+        run_job(make_cfg(stdlib_data, out["split2"], TWO_RANKS), out["split2"], stdlib_data, world=2, stop_at=10)
+    forks = {name: fork_run(out[src], 10, tmp / f"fork{i}") for i, (name, (src, _, _)) in enumerate(RESHARD.items())}
+    return {**out, **forks}
 
 
 @pytest.mark.slow
@@ -129,8 +143,8 @@ def test_exact_resume_20_vs_10_plus_10(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("change", list(RESHARD))
 def test_resharded_resume_continues_training(runs, change):
-    """Step 10 saved under dp2xtp2, resumed under another layout: losses match the uninterrupted run."""
-    world, over = RESHARD[change]
+    """Step 10 saved under one layout, resumed under another: losses match the uninterrupted run."""
+    src, world, over = RESHARD[change]
     fork = runs[change]
     run_job(make_cfg(runs["data"], fork, over), fork, runs["data"], world=world)
     ref, got = _losses(runs["full"]), _losses(fork)
@@ -138,4 +152,25 @@ def test_resharded_resume_continues_training(runs, change):
     for step in (15, 20):
         assert got[step] == pytest.approx(ref[step], rel=1e-4), f"step {step}: {got[step]} vs {ref[step]}"
     m = L.read_manifest(fork / "checkpoints" / "step_20")
-    assert m["world_size"] == world and m["layout"]["dims"]["tp"] == 1
+    saved = L.read_manifest(runs[src] / "checkpoints" / "step_10")
+    assert m["world_size"] == world and math.prod(m["layout"]["dims"].values()) == world
+    assert (m["world_size"], m["layout"]) != (saved["world_size"], saved["layout"])  # the layout really changed
+
+
+@pytest.mark.slow
+def test_resume_from_forks_a_new_run_through_the_job_function(runs):
+    """train.resume_from=10 on a finished 20-step run: the job forks, trains 11..20 in the fork and
+    reaches bitwise the same step 20; the original run's checkpoints and metrics are untouched."""
+    full = runs["full"]
+    before = {s: L.read_manifest(full / "checkpoints" / f"step_{s}")["committed_at"] for s in (10, 20)}
+    metrics_before = (full / "metrics.jsonl").read_text()
+    run_job(make_cfg(runs["data"], full, [*SAVE_LAYOUT, "train.resume_from=10"]), full, runs["data"])
+    fork = Path(json.loads((full / "forks.json").read_text())["10"])
+    assert fork.parent == full.parent and fork.name.startswith(f"{full.name}-from10-")
+    assert json.loads((fork / "forked_from.json").read_text())["step"] == 10
+    assert L.committed_steps(fork / "checkpoints") == [10, 20]
+    a, b = saved_tensors(full / "checkpoints" / "step_20"), saved_tensors(fork / "checkpoints" / "step_20")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _losses(fork) == _losses(full)
+    after = {s: L.read_manifest(full / "checkpoints" / f"step_{s}")["committed_at"] for s in (10, 20)}
+    assert after == before and (full / "metrics.jsonl").read_text() == metrics_before
