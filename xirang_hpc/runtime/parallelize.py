@@ -151,17 +151,26 @@ def _grad_sq_weighted(params: Iterable[nn.Parameter], replicas: int) -> torch.Te
     return total
 
 
-def clip_and_reduce(pm: ParallelModel, max_norm: float, local_loss: float) -> tuple[float, float]:
+def clip_and_reduce(
+    pm: ParallelModel, max_norm: float, local_loss: float, replicated: bool = False, reduce_loss: bool = True
+) -> tuple[float, float]:
     """Global gradient norm (clipping every grad to ``max_norm``) and the global mean loss.
 
     ``local_loss`` is this rank's mean loss over its share of the batch (ignored unless
     :attr:`ParallelModel.reports_loss`). One all-reduce over the world carries both numbers.
+    When every rank holds the same full gradients (``replicated``: plain DDP) and the caller
+    does not need the global loss this step, the norm is computed locally, as
+    ``clip_grad_norm_`` does, and no collective runs; the returned loss is then this rank's.
     """
     buf = torch.zeros(2, dtype=torch.float64)
-    buf[0] = _grad_sq_weighted(pm.model.parameters(), pm.dims.dp * pm.dims.tp)
-    buf[1] = local_loss if pm.reports_loss else 0.0
-    if dist.is_initialized() and pm.dims.world_size > 1:
-        dist.all_reduce(buf)
+    if replicated and not reduce_loss:
+        buf[0] = _grad_sq_weighted(pm.model.parameters(), 1)
+        buf[1] = local_loss * pm.dims.dp
+    else:
+        buf[0] = _grad_sq_weighted(pm.model.parameters(), pm.dims.dp * pm.dims.tp)
+        buf[1] = local_loss if pm.reports_loss else 0.0
+        if dist.is_initialized() and pm.dims.world_size > 1:
+            dist.all_reduce(buf)
     norm = math.sqrt(float(buf[0]))
     # Same arithmetic as torch.nn.utils.clip_grad_norm_ (fp32 coefficient, eps 1e-6, clamp 1).
     coef = torch.clamp(torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6),

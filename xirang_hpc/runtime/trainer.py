@@ -151,8 +151,18 @@ class Trainer:
         self.model.train()
         return global_mean(self.pm, total / t.eval_batches)
 
-    def train_step(self, step: int) -> tuple[float, float]:
-        """One optimizer step over the global batch; returns (mean loss, global grad norm before clipping)."""
+    def _grads_replicated(self) -> bool:
+        """Plain synchronous DDP: every rank ends the backward with the same full gradients."""
+        c = self.cfg.comm
+        return (self.pm.data_parallel == "ddp" and self.pm.dims.tp == 1 and self.pm.dims.pp == 1
+                and c.inter_node_budget == 0 and c.sync_period <= 1)
+
+    def train_step(self, step: int, reduce_loss: bool = True) -> tuple[float, float]:
+        """One optimizer step over the global batch; returns (mean loss, global grad norm before clipping).
+
+        With ``reduce_loss=False`` a plain-DDP step skips the loss all-reduce and returns this
+        rank's loss (the loop asks for the global mean only on the steps it logs).
+        """
         t = self.cfg.train
         self._phase("data")
         x, y = self.train_data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
@@ -180,7 +190,7 @@ class Trainer:
                     loss.backward()
                 loss_sum += loss.item()
         self._phase("optimizer")
-        mean_loss, gnorm = clip_and_reduce(self.pm, t.grad_clip, loss_sum)
+        mean_loss, gnorm = clip_and_reduce(self.pm, t.grad_clip, loss_sum, self._grads_replicated(), reduce_loss)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return mean_loss, gnorm
@@ -208,7 +218,8 @@ class Trainer:
         for step in range(start_step, t.max_steps):
             if self.stop_requested:
                 break
-            loss, gnorm = self.train_step(step)
+            logged = (step + 1) % t.log_every == 0 or step + 1 == t.max_steps
+            loss, gnorm = self.train_step(step, reduce_loss=logged)
             self.state.step = step + 1
             self.state.tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
