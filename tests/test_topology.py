@@ -64,3 +64,16 @@ def test_first_host(nodelist: str, host: str) -> None:
 def test_port_is_deterministic_and_in_range() -> None:
     assert rendezvous_port("123") == rendezvous_port("123")
     assert all(20000 <= rendezvous_port(str(i)) < 40000 for i in range(200))
+
+
+def test_inherited_master_port_does_not_leak_into_slurm_jobs() -> None:
+    # sbatch exports the submitter's environment: a MASTER_PORT set there must not make every
+    # array task on a node use the same port.
+    base = {"SLURM_JOB_ID": "50", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NUM_NODES": "1",
+            "SLURM_JOB_NODELIST": "localhost", "SLURM_ARRAY_JOB_ID": "49", "MASTER_PORT": "45603",
+            "MASTER_ADDR": "10.9.9.9"}
+    a = discover({**base, "SLURM_ARRAY_TASK_ID": "0"})
+    b = discover({**base, "SLURM_ARRAY_TASK_ID": "1"})
+    assert a.master_port != b.master_port and 45603 not in (a.master_port, b.master_port)
+    assert a.master_addr != "10.9.9.9"
+    assert discover({**base, "XIRANG_MASTER_PORT": "31000"}).master_port == 31000

@@ -115,8 +115,6 @@ def init_distributed(
             store, port = _connect_published(rendezvous_dir, topo, timeout_s)
     else:
         store = _open_store(topo, port, timeout_s)
-    os.environ.setdefault("MASTER_ADDR", topo.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(port))
     store.add("arrived_count", 1)
     _wait_for_all(store, topo, port, timeout_s)
     if backend == "nccl":

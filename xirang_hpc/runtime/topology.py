@@ -94,13 +94,16 @@ def discover(env: Mapping[str, str] | None = None, virtual_nodes: int = 1) -> To
         if "SLURM_ARRAY_TASK_ID" in env:
             job = f"{job}_{env['SLURM_ARRAY_TASK_ID']}"
         host = first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost")))
+        # MASTER_ADDR/MASTER_PORT in a Slurm job are usually inherited from the submitting shell
+        # (sbatch exports it) and would make array tasks on one node collide; only the explicit
+        # XIRANG_MASTER_* variables override the job-derived values.
         # A testbed's virtual node names do not resolve; every node is this host there.
-        addr = env.get("MASTER_ADDR") or (host if _resolvable(host) else "127.0.0.1")
+        addr = env.get("XIRANG_MASTER_ADDR") or (host if _resolvable(host) else "127.0.0.1")
         return Topology(
             rank=int(env["SLURM_PROCID"]), world_size=world, local_rank=int(env.get("SLURM_LOCALID", "0")),
             local_world_size=world // nodes, node_id=int(env.get("SLURM_NODEID", "0")), num_nodes=nodes,
             node_name=env.get("SLURMD_NODENAME", host), master_addr=addr,
-            master_port=int(env.get("MASTER_PORT") or rendezvous_port(job)), job_id=job, source="slurm",
+            master_port=int(env.get("XIRANG_MASTER_PORT") or rendezvous_port(job)), job_id=job, source="slurm",
         )
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
