@@ -155,7 +155,9 @@ def test_sigstop_hang_is_localized_stacks_dumped_job_aborted(launch, capsys) -> 
     assert hang_s - 2 <= latency <= hang_s + 10, latency
     assert (ev["rank"], ev["node"]) == (2, "vnode1")
     assert "stopped" in ev["cause"]
-    assert ev["stalled_ranks"] == [0, 1, 2, 3]  # everyone stalled; the stopped one is named
+    # The frozen rank stalls first; the others may cross hang_s a moment later (they were still
+    # finishing their step), so the event lists at least the culprit and names it.
+    assert 2 in ev["stalled_ranks"] and set(ev["stalled_ranks"]) <= {0, 1, 2, 3}, ev["stalled_ranks"]
 
     run.wait_end()
     abort = run.wait_event("abort", 5)
