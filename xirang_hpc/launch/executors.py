@@ -7,6 +7,7 @@ from pathlib import Path
 import submitit
 
 from xirang_hpc.config.schema import ClusterConfig
+from xirang_hpc.launch.slurm import make_slurm_executor
 
 
 def make_executor(c: ClusterConfig, folder: Path) -> submitit.Executor:
@@ -17,25 +18,5 @@ def make_executor(c: ClusterConfig, folder: Path) -> submitit.Executor:
         ex.update_parameters(tasks_per_node=c.world_size, timeout_min=c.time_min,
                              signal_delay_s=min(c.signal_delay_s, 60 * c.time_min // 2))
         return ex
-    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
-    params: dict[str, object] = {
-        "nodes": c.nodes,
-        "ntasks_per_node": c.tasks_per_node,
-        "cpus_per_task": c.cpus_per_task,
-        "time": c.time_min,
-        "signal_delay_s": c.signal_delay_s,
-        "array_parallelism": c.array_parallelism,
-    }
-    if c.gpus_per_node:
-        params["gpus_per_node"] = c.gpus_per_node
-    if c.mem_gb:
-        params["mem"] = f"{int(c.mem_gb * 1024)}M"
-    for key in ("partition", "qos", "account", "constraint", "exclude"):
-        if getattr(c, key):
-            params[key] = getattr(c, key)
-    if c.setup:
-        params["setup"] = list(c.setup)
-    if c.srun_args:
-        params["srun_args"] = list(c.srun_args)
-    ex.update_parameters(**params)
-    return ex
+    # One mapping from the cluster config to sbatch flags, shared with xirang-sbatch.
+    return make_slurm_executor(c, folder)

@@ -31,20 +31,24 @@ def append_event(run_dir: Path | str, kind: str, reason: str, **fields: Any) -> 
     return row
 
 
-def read_events(run_dir: Path | str) -> list[dict[str, Any]]:
-    """All events, oldest first; a torn or foreign line is skipped, not fatal."""
-    path = Path(run_dir) / EVENTS_FILE
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file, oldest first; a torn or foreign line is skipped, not fatal."""
     if not path.exists():
         return []
-    out = []
+    rows = []
     for line in path.read_text(errors="replace").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
         if isinstance(row, dict):
-            out.append(row)
-    return out
+            rows.append(row)
+    return rows
+
+
+def read_events(run_dir: Path | str) -> list[dict[str, Any]]:
+    """All events of a run, oldest first."""
+    return read_jsonl(Path(run_dir) / EVENTS_FILE)
 
 
 def failed_nodes(run_dir: Path | str, since: float = 0.0) -> list[str]:

@@ -8,7 +8,6 @@ executor, squeue/sacct/scontrol for Slurm). :func:`run_status` returns a JSON-re
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 import time
@@ -17,28 +16,13 @@ from typing import Any
 
 import psutil
 
-from xirang_hpc.monitor.events import FAULT_KINDS, read_events
+from xirang_hpc.monitor.events import FAULT_KINDS, read_events, read_jsonl
 from xirang_hpc.monitor.flops import mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import HEARTBEAT_DIR, SESSION_FILE, SESSIONS_LOG, read_heartbeats, read_json
 from xirang_hpc.monitor.jobstate import Runner, run_cmd, slurm_state
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file; torn lines are skipped."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def is_run_dir(path: Path) -> bool:
