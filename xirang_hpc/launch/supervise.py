@@ -70,23 +70,27 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
                      job=job_id, restart=restart)
         print(f"xirang: not requeued: {verdict.why}", file=sys.stderr, flush=True)
         return rc
+    excluded: list[str] = []
+    if policy.exclude_failed_nodes and nodes and can_exclude(job["nodes"], job.get("partition"), nodes):
+        excluded = nodes
+    # Record the decision before acting: `scontrol requeue` makes Slurm end this batch script, and
+    # anything after it may never run (the events would then miss the requeue).
+    append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, restart=restart, excluded=excluded,
+                 nodes=nodes)
+    append_event(run_dir, "exit", "requeued", final=False, status="requeued", job=job_id, restart=restart)
     try:
-        excluded: list[str] = []
-        if policy.exclude_failed_nodes and nodes and can_exclude(job["nodes"], job.get("partition"), nodes):
-            excluded = nodes
+        if verdict.start_now or verdict.backoff_s:
+            # Detached and polling for the requeued job's BeginTime hold, so it is started before
+            # the requeue that may end this script.
+            slurmctl.start_now_detached(job_id, verdict.backoff_s)
         slurmctl.requeue(job_id)
         if excluded:
             slurmctl.run_scontrol(["update", f"jobid={job_id}", f"ExcNodeList={','.join(excluded)}"])
-        if verdict.start_now or verdict.backoff_s:
-            slurmctl.start_now_detached(job_id, verdict.backoff_s)
     except slurmctl.SlurmCommandError as exc:
         append_event(run_dir, "exit", "requeue_failed", final=True, status="requeue_failed", error=str(exc),
                      job=job_id, restart=restart)
         print(f"xirang: error: {exc}", file=sys.stderr, flush=True)
         return rc
-    append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, restart=restart, excluded=excluded,
-                 nodes=nodes)
-    append_event(run_dir, "exit", "requeued", final=False, status="requeued", job=job_id, restart=restart)
     return rc
 
 
