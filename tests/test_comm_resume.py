@@ -10,64 +10,23 @@ are compared bitwise.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import multiprocessing as mp
-import os
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import compose_cfg
+from test_checkpoint_resume import make_cfg as ckpt_make_cfg
+from test_checkpoint_resume import run_job  # the same spawned-ranks job runner
 
 from xirang_hpc.checkpoint.storage import HDF5StorageReader, read_metadata
-from xirang_hpc.config.validate import load_config
 
 PURE_DP = ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1", "comm.sync_period=4",
            "comm.outer_optimizer=nesterov", "comm.bucket=0.25"]
 
 
-def _rank_main(rank: int, world: int, job: str, cfg: dict, run_dir: str, data_dir: str, stop_at: int) -> None:
-    os.environ.update(SUBMITIT_LOCAL_GLOBALID=str(rank), SUBMITIT_LOCAL_LOCALID=str(rank),
-                      SUBMITIT_LOCAL_NTASKS=str(world), SUBMITIT_LOCAL_JOB_ID=job)
-    from xirang_hpc.runtime import job as jobmod
-    from xirang_hpc.runtime.trainer import TrainerHook
-
-    if stop_at:
-        class StopAt(TrainerHook):  # what a preemption signal does: stop at a step boundary
-            def on_step_end(self, trainer, metrics):
-                if trainer.state.step >= stop_at:
-                    trainer.stop_requested = True
-
-        real = jobmod.build_hooks
-        jobmod.build_hooks = lambda *a: [*real(*a), StopAt()]
-    jobmod.run_training(cfg, run_dir, data_dir)
-
-
-def run_job(cfg: dict, run_dir: Path, data_dir: Path, stop_at: int = 0, world: int = 4) -> None:
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the launcher makes it in real runs
-    ctx = mp.get_context("spawn")
-    job = f"comm-resume-{uuid.uuid4().hex[:8]}"
-    procs = [ctx.Process(target=_rank_main, args=(r, world, job, cfg, str(run_dir), str(data_dir), stop_at))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0] * world, f"ranks exited with {codes}"
-
-
 def make_cfg(data_dir: Path, run_dir: Path) -> dict:
-    over = ["model=tiny", "cluster=local", "train.max_steps=20", "train.global_batch=8", "train.warmup_steps=2",
-            "train.eval_batches=1", "train.log_every=5", "checkpoint.every_steps=10", "checkpoint.keep_last=10",
-            "monitor.enabled=false", f"data.out_dir={data_dir}", f"train.run_dir={run_dir}", *PURE_DP]
-    return dataclasses.asdict(load_config(compose_cfg(over)))
+    return ckpt_make_cfg(data_dir, run_dir, PURE_DP)
 
 
 def saved_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
