@@ -14,8 +14,8 @@ from conftest import compose_cfg
 from omegaconf import OmegaConf
 
 from xirang_hpc.config.schema import ClusterConfig
-from xirang_hpc.config.validate import check_runnable, load_config
-from xirang_hpc.planner.auto import PLAN_FILE, plan_at_launch, record_measured, runtime_allows
+from xirang_hpc.config.validate import check_runnable, load_config, validate
+from xirang_hpc.planner.auto import PLAN_FILE, apply_plan, plan_at_launch, record_measured, runtime_allows
 from xirang_hpc.planner.cost import Plan
 from xirang_hpc.planner.hardware import hardware_for
 
@@ -58,9 +58,19 @@ def test_runtime_allows_only_expressible_runnable_plans() -> None:
     cfg = load_config(compose_cfg())
     ok = runtime_allows(cfg)
     assert ok(Plan(dp=4, tp=1, pp=1, micro=8))
-    assert not ok(Plan(dp=2, tp=1, pp=2, micro=4, v=2))  # no interleaving in ParallelConfig
+    assert ok(Plan(dp=2, tp=1, pp=2, micro=4, v=2))  # interleaved 1F1B, 2 chunks per rank (tiny: 4 layers)
+    assert not ok(Plan(dp=1, tp=1, pp=4, micro=4, v=2))  # 8 chunks > 4 layers: validate refuses
+    assert not ok(Plan(dp=4, tp=1, pp=1, micro=8, v=2))  # interleaving without a pipeline
     assert not ok(Plan(dp=4, tp=1, pp=1, micro=8, zero=2))  # no ZeRO-2 in ParallelConfig
     assert not ok(Plan(dp=1, tp=4, pp=1, micro=8))  # tp across the 2 virtual nodes: validate refuses
+
+
+def test_apply_plan_maps_interleaving_to_the_schedule() -> None:
+    cfg = load_config(compose_cfg())
+    new = validate(apply_plan(cfg, Plan(dp=2, tp=1, pp=2, micro=4, v=2)))
+    p = new.parallel
+    assert (p.schedule, p.virtual_stages, p.microbatches, new.train.grad_accum) == ("interleaved", 2, 4, 1)
+    assert validate(apply_plan(cfg, Plan(dp=2, tp=1, pp=2, micro=4))).parallel.schedule == "1f1b"
 
 
 def test_parallel_auto_fills_layout_and_records(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """``parallel=auto``: plan at launch, restricted to what this build's runtime can run.
 
 The capability set is not a hand-kept list: a plan is allowed when it can be written into
-``ParallelConfig`` (no interleaving; ZeRO 0 = ddp, 1 = ddp + optimizer_sharding, 3 = fsdp) and
+``ParallelConfig`` (interleaving v > 1 = ``schedule=interleaved, virtual_stages=v``; ZeRO 0 = ddp,
+1 = ddp + optimizer_sharding, 3 = fsdp) and
 the resulting config passes :func:`validate` and :func:`check_runnable`. When the runtime learns a
 layout, the planner follows.
 
@@ -38,23 +39,27 @@ def problem_of(cfg: XirangConfig) -> Problem:
 
 
 def expressible(plan: Plan) -> bool:
-    """ParallelConfig has no interleaving and no ZeRO-2 (ZeRO-1 = optimizer_sharding, ZeRO-3 = fsdp).
+    """ParallelConfig has no ZeRO-2 (ZeRO-1 = optimizer_sharding, ZeRO-3 = fsdp); interleaving needs pp > 1.
 
     ZeRO-1 only exists under DDP: with tp > 1 or pp > 1 the runtime replicates with FSDP2 and
     ignores ``optimizer_sharding`` (runtime/parallelize.py), so such a plan would not run as costed.
     """
-    return plan.v == 1 and plan.zero != 2 and not (plan.zero == 1 and (plan.tp > 1 or plan.pp > 1))
+    return ((plan.v == 1 or plan.pp > 1) and plan.zero != 2
+            and not (plan.zero == 1 and (plan.tp > 1 or plan.pp > 1)))
 
 
 def apply_plan(cfg: XirangConfig, plan: Plan) -> XirangConfig:
     """``cfg`` with the plan's degrees written in (not validated)."""
     if not expressible(plan):
-        raise ValueError(f"plan {plan.label()} cannot be expressed in ParallelConfig (interleaving, ZeRO-2)")
+        raise ValueError(f"plan {plan.label()} cannot be expressed in ParallelConfig (ZeRO-2, or ZeRO-1 "
+                         "with tp/pp, or interleaving without pp)")
     m = cfg.train.global_batch // (plan.dp * plan.micro)
     par = dataclasses.replace(
         cfg.parallel, dp=plan.dp, tp=plan.tp, pp=plan.pp, data_parallel="fsdp" if plan.zero == 3 else "ddp",
         optimizer_sharding=plan.zero == 1, dp_replicate=1,
-        microbatches=m if plan.pp > 1 else 1, schedule="1f1b", recompute=plan.recompute,
+        microbatches=m if plan.pp > 1 else 1,
+        schedule="interleaved" if plan.v > 1 else ("gpipe" if plan.schedule == "gpipe" else "1f1b"),
+        virtual_stages=plan.v if plan.v > 1 else cfg.parallel.virtual_stages, recompute=plan.recompute,
         sequence_parallel=plan.sp)
     train = dataclasses.replace(cfg.train, grad_accum=1 if plan.pp > 1 else m)
     return dataclasses.replace(cfg, parallel=par, train=train)
@@ -69,7 +74,8 @@ def runtime_allows(cfg: XirangConfig) -> Callable[[Plan], bool]:
             return False
         if plan.pp > 1 and cfg.train.global_batch // (plan.dp * plan.micro) < plan.pp:
             return False  # torch's 1F1B needs at least as many microbatches as stages
-        key = (plan.dp, plan.tp, plan.pp, plan.zero, plan.sp, ("none", "selective", "full").index(plan.recompute))
+        key = (plan.dp, plan.tp, plan.pp, plan.v, plan.zero, plan.sp,
+               ("none", "selective", "full").index(plan.recompute))
         if key not in cache:
             try:
                 c2 = apply_plan(cfg, dataclasses.replace(plan, micro=cfg.train.global_batch // plan.dp))
