@@ -96,6 +96,7 @@ def ours(cfg, topo, data_dir: Path, steps: int) -> dict[str, Any]:
 
 def plain_ddp(cfg, topo, data_dir: Path, steps: int) -> dict[str, Any]:
     """The textbook loop: DDP, AdamW, local clip_grad_norm_, same batches."""
+    _reset_peak()  # the same pre-run housekeeping as ``ours`` (gc, heap trim), so neither side starts warmer
     t = cfg.train
     torch.manual_seed(t.seed)
     model = DDP(GPT(cfg.model))
