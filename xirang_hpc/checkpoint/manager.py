@@ -37,11 +37,16 @@ now: Callable[[], float] = time.perf_counter
 
 @dataclass
 class SaveRecord:
-    """What one save cost: ``stall_s`` blocked the caller, ``persist_s`` ran in the background."""
+    """What one save cost: ``stall_s`` blocked the caller, ``persist_s`` ran in the background.
+
+    ``persist_s`` ends when the checkpoint is durable and committed (``latest`` moved, every rank
+    past the barrier); ``prune_s`` is the retention clean-up that follows, still in the background.
+    """
 
     step: int
     stall_s: float
     persist_s: float = 0.0
+    prune_s: float = 0.0
     new_bytes: int = 0
     ref_bytes: int = 0
 
@@ -191,13 +196,16 @@ class CheckpointManager:
                     "ref_bytes": rec.ref_bytes, "stall_s": rec.stall_s, "persist_s": now() - t0, **info}
             L.commit(tmp, final, files, L.refs_of_metadata(tmp), meta)
             L.write_latest(self.root, rec.step)
-            prune(self.root, self.retention)
         self._barrier()
+        rec.persist_s = now() - t0
         if self.dedup:
             self._dedup_index = L.dedup_index(final)
-        rec.persist_s = now() - t0
-        log.info("checkpoint step %d committed to %s (stall %.3fs, persist %.3fs, %d new bytes)",
-                 rec.step, final, rec.stall_s, rec.persist_s, rec.new_bytes)
+        if self.rank == 0:  # after the commit: deleting old steps is not on the durability path
+            t1 = now()
+            prune(self.root, self.retention)
+            rec.prune_s = now() - t1
+        log.info("checkpoint step %d committed to %s (stall %.3fs, persist %.3fs, prune %.3fs, %d new bytes)",
+                 rec.step, final, rec.stall_s, rec.persist_s, rec.prune_s, rec.new_bytes)
 
     # ---- load ---------------------------------------------------------------------------
     def candidates(self) -> list[int]:
