@@ -91,22 +91,37 @@ def test_fit_overheads_recovers_the_terms_it_is_given() -> None:
     from xirang_hpc.planner.cost import Problem, estimate
     from xirang_hpc.planner.formulas import Shape
     from xirang_hpc.planner.hardware import PRESETS
-    from xirang_hpc.planner.probe import PROBE_BATCH, PROBE_MODEL, fit_overheads, plan_of, probe_layouts
+    from xirang_hpc.planner.probe import PROBE_BATCH, fit_overheads, plan_of, probe_layouts, probe_model
 
     truth = {"step_overhead_us": 900.0, "zero1_overhead_us": 20e3, "fsdp_unit_overhead_us": 30e3,
-             "replicate_unit_overhead_us": 25e3, "tp_overhead_us": 3e3, "sp_overhead_us": 5e3,
-             "pp_overhead_us": 7e3}
+             "replicate_unit_overhead_us": 25e3, "tp_overhead_us": 3e3, "tp_overhead_us_per_mb": 40e3,
+             "sp_overhead_us": 5e3, "pp_overhead_us": 7e3, "bubble_exposed": 0.4}
     hw0 = PRESETS["cpu"]
-    sh = Shape.from_model(MC(**PROBE_MODEL))
     lays = probe_layouts(4, 2)
-    assert list(lays) == ["dp", "zero1", "fsdp", "replicate", "tp", "sp", "pp"]
-    measured = {n: estimate(Problem(sh, hw0.scaled(**truth), 2, 2, PROBE_BATCH), plan_of(p, PROBE_BATCH)).step_time
-                for n, p in lays.items() if n != "replicate"}
+    assert list(lays) == ["dp", "zero1", "fsdp", "replicate", "tp_narrow", "tp", "sp", "pp", "pp_deep"]
+
+    def made(name: str) -> float:
+        sh = Shape.from_model(MC(**probe_model(name)))
+        return estimate(Problem(sh, hw0.scaled(**truth), 2, 2, PROBE_BATCH), plan_of(lays[name], PROBE_BATCH)).step_time
+
+    measured = {n: made(n) for n in lays if n != "replicate"}
     # Replication (HSDP, shard 1) = the dp run plus 25 ms per FSDP unit (2 layers + root).
     measured["replicate"] = measured["dp"] + 3 * 25e-3
     got = fit_overheads(hw0, 2, 2, measured)
+    assert set(got) == set(truth)
     for k, v in truth.items():
         assert got[k] == pytest.approx(v, rel=1e-6), k
+
+
+def test_fit_overheads_pair_falls_back_to_one_non_negative_term() -> None:
+    """When the two-probe solution would need a negative part, one term explains the residuals instead."""
+    from xirang_hpc.planner.probe import _solve2
+
+    assert _solve2([(1.0, 2.0, 5.0), (1.0, 4.0, 9.0)]) == pytest.approx((1.0, 2.0))
+    x, y = _solve2([(1.0, 1.0, -1.0), (1.0, 2.0, -1.0)])  # faster than the model: nothing to add
+    assert (x, y) == (0.0, 0.0)
+    x, y = _solve2([(3.0, 1.0, 3.0), (5.0, 1.0, 1.0)])  # solution (-1, 6): keep the better single term
+    assert x >= 0 and y >= 0 and (x == 0 or y == 0)
 
 
 def test_runtime_allows_follows_what_the_runtime_runs() -> None:

@@ -29,6 +29,7 @@ TOKENS = 512
 WIDTHS = (32, 256)
 SMALL, LARGE = 4 * 1024, 4 * 1024 * 1024  # all-reduce sizes in bytes
 OPS_PER_LAYER = 15  # elementwise kernels in one layer's pass
+ROUNDS = 5  # alternating rounds of each all-reduce measurement
 
 
 def _timed(fn: Callable[[], Any], min_s: float = 0.15, min_reps: int = 3) -> float:
@@ -78,6 +79,19 @@ def _allreduce_time(group: dist.ProcessGroup, nbytes: int, reps: int = 8) -> flo
     return statistics.median(times)
 
 
+def _two_sizes(group: dist.ProcessGroup, rounds: int = ROUNDS) -> tuple[float, float]:
+    """Median all-reduce seconds at SMALL and LARGE bytes (slowest rank), alternating sizes over rounds.
+
+    One pass of each size swung 2-5x between calibrations on a loaded 2-core box; the median of
+    alternating rounds is what the fit needs (load drift then hits both sizes alike).
+    """
+    small, large = [], []
+    for _ in range(rounds):
+        small.append(_agree(_allreduce_time(group, SMALL)))
+        large.append(_agree(_allreduce_time(group, LARGE)))
+    return statistics.median(small), statistics.median(large)
+
+
 def _node_groups(world: int, per_node: int) -> tuple[list[Any], list[Any]]:
     """Every rank creates every group (new_group is collective): intra per node, inter per local rank."""
     nodes = world // per_node
@@ -112,14 +126,12 @@ def measure(rank: int, world: int, per_node: int) -> dict[str, float]:
     intra, inter = _node_groups(world, per_node) if world > 1 else ([], [])
     node, local = rank // per_node, rank % per_node
     if per_node > 1:
-        t1 = _agree(_allreduce_time(intra[node], SMALL))
-        t2 = _agree(_allreduce_time(intra[node], LARGE))
+        t1, t2 = _two_sizes(intra[node])
         a, b = fit_alpha_beta(per_node, SMALL, t1, LARGE, t2)
         out.update(intra_latency_us=a * 1e6, intra_bw_gbs=1.0 / b / 1e9)
     if nodes > 1:
         # All local ranks cross at once, as the data-parallel groups of a node do in training.
-        t1 = _agree(_allreduce_time(inter[local], SMALL))
-        t2 = _agree(_allreduce_time(inter[local], LARGE))
+        t1, t2 = _two_sizes(inter[local])
         a, b = fit_alpha_beta(nodes, SMALL, t1, LARGE, t2)
         out.update(inter_latency_us=a * 1e6, inter_bw_gbs=per_node / b / 1e9, inter_nics=1)
     try:

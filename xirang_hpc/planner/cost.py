@@ -186,9 +186,11 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     tp_mb = layers * n_ar * comm.ring_allreduce(tokens * sh.hidden * hw.act_bytes, t, links.a_intra,
                                                 links.b_intra)
     if t > 1:  # DTensor dispatch and redistribution around each sharded layer (calibrated on CPU)
-        tp_mb += layers * passes * (hw.tp_overhead_us + (hw.sp_overhead_us if pl.sp else 0.0)) * 1e-6
+        act_mb = tokens * sh.hidden * hw.act_bytes / 1e6
+        tp_mb += layers * passes * (hw.tp_overhead_us + hw.tp_overhead_us_per_mb * act_mb
+                                    + (hw.sp_overhead_us if pl.sp else 0.0)) * 1e-6
     slot = compute_mb + tp_mb
-    bubble = (p - 1) / v * slot
+    bubble = (p - 1) / v * slot * hw.bubble_exposed
 
     # Pipeline p2p: ranks are ordered tp fastest, then dp, then pp (Megatron), so a stage boundary
     # crosses nodes once a stage spans a node.

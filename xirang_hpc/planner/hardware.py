@@ -49,11 +49,15 @@ class Hardware:
     microbatch_overhead_us: float = 0.0  # embedding + head + loss dispatch, per microbatch
     step_overhead_us: float = 0.0  # per step and parameter tensor held: Adam's loop, grad-norm, zero_grad
     tp_overhead_us: float = 0.0  # extra per layer, microbatch and pass under tensor parallelism (DTensor)
+    tp_overhead_us_per_mb: float = 0.0  # ... plus this per MB of the layer's b*s*h activations (copies, waits)
     sp_overhead_us: float = 0.0  # further extra per layer, microbatch and pass with sequence parallelism
     pp_overhead_us: float = 0.0  # per pipeline slot (one microbatch's forward+backward on a stage)
     fsdp_unit_overhead_us: float = 0.0  # per FSDP unit (layer) and step: gather/reduce hooks (ZeRO-3)
     replicate_unit_overhead_us: float = 0.0  # per FSDP2 unit and step when it only replicates (tp/pp > 1)
     zero1_overhead_us: float = 0.0  # per step: ZeroRedundancyOptimizer's per-tensor broadcasts
+    # Fraction of the pipeline bubble that costs wall time: 1 where every rank owns its device (GPUs);
+    # below 1 where ranks outnumber cores, since an idle stage's core runs another rank meanwhile.
+    bubble_exposed: float = 1.0
 
     def scaled(self, **overrides: float) -> Hardware:
         """A copy with some fields replaced."""
@@ -90,7 +94,7 @@ PRESETS: dict[str, Hardware] = {
 _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", "dp_overlap", "reserved_gb",
                 "microbatch_overhead_us", "step_overhead_us", "tp_overhead_us", "pp_overhead_us",
                 "fsdp_unit_overhead_us", "replicate_unit_overhead_us", "zero1_overhead_us",
-                "sp_overhead_us"}
+                "sp_overhead_us", "tp_overhead_us_per_mb", "bubble_exposed"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
 
 

@@ -40,13 +40,32 @@ from xirang_hpc.planner.cost import Plan, Problem, estimate
 from xirang_hpc.planner.formulas import Shape
 from xirang_hpc.planner.hardware import Hardware
 
-PROBE_MODEL = {"name": "probe", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 128, "seq_len": 16}
+PROBE_MODEL = {"name": "probe", "n_layer": 2, "n_head": 2, "d_model": 128, "d_ff": 512, "seq_len": 32}
+# Per-layer dispatch is timed on a model so narrow that its FLOPs are negligible.
+DISPATCH_MODEL = {"name": "dispatch", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 128, "seq_len": 16}
 PROBE_BATCH = 8
 PROBE_STEPS = 10  # timed steps after 2 warm-up steps
+PROBE_ROUNDS = 3  # median over rounds: one round's figures swung up to 2x between calibrations
+
+
+# Probes on another shape than PROBE_MODEL: two TP probes separate TP's fixed cost per layer from its
+# cost per activation byte (8 KB vs 131 KB of activations per rank: two sizes, two unknowns).
+# The wide one runs twice PROBE_MODEL's sequence, so its activations (131 KB per rank) sit near the
+# sizes real layers move and the per-byte slope is not a long extrapolation.
+PROBE_MODELS = {"tp_narrow": DISPATCH_MODEL, "tp": {**PROBE_MODEL, "seq_len": 64}}
+
+
+def probe_model(name: str) -> dict[str, Any]:
+    """The model a probe layout runs (PROBE_MODEL unless listed in PROBE_MODELS)."""
+    return PROBE_MODELS.get(name, PROBE_MODEL)
 
 
 def probe_layouts(world: int, per_node: int) -> dict[str, dict[str, Any]]:
-    """Layouts to probe, in fitting order (each residual uses the terms fitted before it)."""
+    """Layouts to probe, in fitting order (each residual uses the terms fitted before it).
+
+    Pairs fitted together: ``tp_narrow`` + ``tp`` (fixed and per-byte TP cost), ``pp`` + ``pp_deep``
+    (per-slot schedule cost and the exposed fraction of the bubble: 2 vs 4 microbatches).
+    """
     out: dict[str, dict[str, Any]] = {
         "dp": {"dp": world},
         "zero1": {"dp": world, "optimizer_sharding": True},
@@ -55,11 +74,32 @@ def probe_layouts(world: int, per_node: int) -> dict[str, dict[str, Any]]:
         "replicate": {"dp": world, "data_parallel": "fsdp", "dp_replicate": world},
     }
     if world % 2 == 0 and per_node % 2 == 0:
+        out["tp_narrow"] = {"dp": world // 2, "tp": 2}
         out["tp"] = {"dp": world // 2, "tp": 2}
         out["sp"] = {"dp": world // 2, "tp": 2, "sequence_parallel": True}
     if world % 2 == 0 and world // 2 >= 1:
         out["pp"] = {"dp": world // 2, "pp": 2, "microbatches": 2}
+        out["pp_deep"] = {"dp": world // 2, "pp": 2, "microbatches": 4}
     return out
+
+
+def _solve2(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Non-negative (x, y) with u*x + v*y = r for two rows (u, v, r); one term alone when needed."""
+    (u1, v1, r1), (u2, v2, r2) = rows
+    det = u1 * v2 - u2 * v1
+    if abs(det) > 1e-30:
+        x, y = (r1 * v2 - r2 * v1) / det, (u1 * r2 - u2 * r1) / det
+        if x >= 0 and y >= 0:
+            return x, y
+    # Degenerate or a negative part: the better single-term least-squares fit, clamped at 0.
+    fits = []
+    for col in (0, 1):
+        a = [row[col] for row in rows]
+        den = sum(z * z for z in a)
+        k = max(0.0, sum(z * row[2] for z, row in zip(a, rows)) / den) if den > 0 else 0.0
+        err = sum((row[2] - k * z) ** 2 for z, row in zip(a, rows))
+        fits.append((err, (k, 0.0) if col == 0 else (0.0, k)))
+    return min(fits)[1]
 
 
 def plan_of(par: dict[str, Any], global_batch: int) -> Plan:
@@ -75,25 +115,42 @@ def plan_of(par: dict[str, Any], global_batch: int) -> Plan:
 
 
 def fit_overheads(hw: Hardware, nodes: int, per_node: int, measured: dict[str, float]) -> dict[str, float]:
-    """Overhead fields (us) from probe step times (seconds per step, by :func:`probe_layouts` name)."""
-    sh = Shape.from_model(ModelConfig(**PROBE_MODEL))
+    """Overhead fields from probe step times (seconds per step, by :func:`probe_layouts` name)."""
     terms = {"dp": "step_overhead_us", "zero1": "zero1_overhead_us", "fsdp": "fsdp_unit_overhead_us",
              "replicate": "replicate_unit_overhead_us", "tp": "tp_overhead_us", "sp": "sp_overhead_us",
              "pp": "pp_overhead_us"}
+    pairs = {"tp": ("tp_narrow", "tp_overhead_us", "tp_overhead_us_per_mb"),
+             "pp": ("pp_deep", "pp_overhead_us", "bubble_exposed")}
+    layouts = probe_layouts(nodes * per_node, per_node)
     out: dict[str, float] = {}
-    for name, par in probe_layouts(nodes * per_node, per_node).items():
-        if name not in measured:
+
+    def step(name: str, hw_: Hardware) -> float:
+        sh = Shape.from_model(ModelConfig(**probe_model(name)))
+        return estimate(Problem(sh, hw_, nodes, per_node, PROBE_BATCH), plan_of(layouts[name], PROBE_BATCH)).step_time
+
+    for name in layouts:
+        if name not in measured or name not in terms:
             continue
-        plan = plan_of(par, PROBE_BATCH)
         cur = hw.scaled(**out)
+        if name in pairs and pairs[name][0] in measured:
+            other, kx, ky = pairs[name]
+            zero = cur.scaled(**{kx: 0.0, ky: 0.0})
+            rows = []
+            for n in (name, other):
+                base = step(n, zero)
+                rows.append((step(n, zero.scaled(**{kx: 1.0})) - base, step(n, zero.scaled(**{ky: 1.0})) - base,
+                             measured[n] - base))
+            out[kx], out[ky] = _solve2(rows)
+            continue
         key = terms[name]
-        base = estimate(Problem(sh, cur.scaled(**{key: 0.0}), nodes, per_node, PROBE_BATCH), plan).step_time
+        base = step(name, cur.scaled(**{key: 0.0}))
         if name == "replicate":  # the cost model charges it only with tp/pp > 1: one unit per layer + root
-            unit = (sh.layers + 1) * 1e-6
+            unit = (Shape.from_model(ModelConfig(**probe_model(name))).layers + 1) * 1e-6
         else:
-            unit = estimate(Problem(sh, cur.scaled(**{key: 1.0}), nodes, per_node, PROBE_BATCH),
-                            plan).step_time - base
+            unit = step(name, cur.scaled(**{key: 1.0})) - base
         out[key] = max(0.0, (measured[name] - base) / unit) if unit > 0 else 0.0
+    if "bubble_exposed" in out:
+        out["bubble_exposed"] = min(1.0, out["bubble_exposed"])
     return out
 
 
@@ -106,7 +163,7 @@ def layer_dispatch(reps: int = 20) -> tuple[float, float]:
 
     steps = []
     for layers in (1, 3):
-        cfg = ModelConfig(**{**PROBE_MODEL, "n_layer": layers})
+        cfg = ModelConfig(**{**DISPATCH_MODEL, "n_layer": layers})
         model = GPT(cfg)
         x = torch.randint(0, cfg.vocab_size, (PROBE_BATCH, cfg.seq_len))
 
@@ -143,11 +200,12 @@ def peak_rss_bytes() -> float:
     return _kb("VmHWM") * 1024.0
 
 
-def probe_config(par: dict[str, Any], nodes: int, per_node: int) -> XirangConfig:
-    """A validated config for the probe model in layout ``par``."""
+def probe_config(par: dict[str, Any], nodes: int, per_node: int,
+                 model: dict[str, Any] | None = None) -> XirangConfig:
+    """A validated config for the probe model (or ``model``) in layout ``par``."""
     from xirang_hpc.config.validate import check_runnable, validate
 
-    cfg = XirangConfig(model=ModelConfig(**PROBE_MODEL),
+    cfg = XirangConfig(model=ModelConfig(**(model or PROBE_MODEL)),
                        cluster=ClusterConfig(name="probe", nodes=nodes, tasks_per_node=per_node, backend="gloo"),
                        parallel=ParallelConfig(**par),
                        train=TrainConfig(max_steps=PROBE_STEPS + 2, global_batch=PROBE_BATCH, warmup_steps=2,
@@ -204,11 +262,16 @@ def measure_overheads(hw: Hardware, topo: Any, folder: Path, say: Callable[[str]
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     out = {"kernel_overhead_us": float(t[0]), "microbatch_overhead_us": float(t[1])}
     data = ensure_data(folder, topo.rank)
-    measured: dict[str, float] = {}
-    peaks: dict[str, float] = {}
-    for name, par in probe_layouts(topo.world_size, per_node).items():
-        measured[name], peaks[name] = time_layout(probe_config(par, nodes, per_node), topo, data, PROBE_STEPS)
-        if topo.rank == 0:
+    runs: dict[str, list[tuple[float, float]]] = {}
+    layouts = probe_layouts(topo.world_size, per_node)
+    for _ in range(PROBE_ROUNDS):  # rounds interleave the layouts, so load drift hits all of them
+        for name, par in layouts.items():
+            runs.setdefault(name, []).append(time_layout(probe_config(par, nodes, per_node, probe_model(name)),
+                                                         topo, data, PROBE_STEPS))
+    measured = {name: statistics.median(r[0] for r in v) for name, v in runs.items()}
+    peaks = {name: max(r[1] for r in v) for name, v in runs.items()}
+    if topo.rank == 0:
+        for name in layouts:
             say(f"probe {name}: {1e3 * measured[name]:.1f} ms/step, peak RSS {peaks[name] / 2**20:.0f} MiB")
     out.update(fit_overheads(hw.scaled(**out), nodes, per_node, measured))
     sh = Shape.from_model(ModelConfig(**PROBE_MODEL))
