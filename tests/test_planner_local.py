@@ -95,8 +95,8 @@ def test_fit_overheads_recovers_the_terms_it_is_given() -> None:
 
     truth = {"step_overhead_us": 900.0, "zero1_overhead_us": 20e3, "fsdp_unit_overhead_us": 30e3,
              "replicate_unit_overhead_us": 25e3, "tp_overhead_us": 3e3, "tp_overhead_us_per_mb": 40e3,
-             "sp_overhead_us": 5e3, "pp_overhead_us": 7e3, "bubble_exposed": 0.4}
-    hw0 = PRESETS["cpu"]
+             "sp_overhead_us": 5e3, "pp_overhead_us": 7e3}
+    hw0 = PRESETS["cpu"].scaled(bubble_exposed=0.4)  # derived from ranks per core, not fitted
     lays = probe_layouts(4, 2)
     assert list(lays) == ["dp", "zero1", "fsdp", "replicate", "tp_narrow", "tp", "sp", "pp", "pp_deep"]
 
@@ -115,9 +115,13 @@ def test_fit_overheads_recovers_the_terms_it_is_given() -> None:
 
 def test_fit_overheads_pair_falls_back_to_one_non_negative_term() -> None:
     """When the two-probe solution would need a negative part, one term explains the residuals instead."""
+    from xirang_hpc.planner.calibrate import bubble_exposed
     from xirang_hpc.planner.probe import _solve2
 
+    assert (bubble_exposed(4, 2), bubble_exposed(2, 2), bubble_exposed(3, 2), bubble_exposed(8, 64)) == (
+        0.0, 1.0, 0.5, 1.0)
     assert _solve2([(1.0, 2.0, 5.0), (1.0, 4.0, 9.0)]) == pytest.approx((1.0, 2.0))
+    assert _solve2([(2.0, 0.0, 4.0), (4.0, 0.0, 8.0)]) == pytest.approx((2.0, 0.0))  # one unknown
     x, y = _solve2([(1.0, 1.0, -1.0), (1.0, 2.0, -1.0)])  # faster than the model: nothing to add
     assert (x, y) == (0.0, 0.0)
     x, y = _solve2([(3.0, 1.0, 3.0), (5.0, 1.0, 1.0)])  # solution (-1, 6): keep the better single term

@@ -46,7 +46,37 @@ def _timed(fn: Callable[[], Any], min_s: float = 0.15, min_reps: int = 3) -> flo
 
 def _gemm_rate(width: int) -> float:
     a, b = torch.randn(TOKENS, width), torch.randn(width, 4 * width)
-    return 2.0 * TOKENS * width * 4 * width / _timed(lambda: a @ b)
+    return 2.0 * TOKENS * width * 4 * width / _timed(lambda: a @ b, min_s=0.2)
+
+
+def _gemm_rates(rounds: int = ROUNDS) -> list[float]:
+    """FLOP/s per rank at each of WIDTHS: median over alternating rounds, then the mean over ranks.
+
+    All ranks multiply at once, so a rank's rate is its share of the node's cores. The mean over ranks
+    is that share; the slowest rank's figure (used before) measured a moment of scheduler unfairness
+    and swung by a third between calibrations on a 2-core box.
+    """
+    per_width: list[list[float]] = [[] for _ in WIDTHS]
+    for _ in range(rounds):
+        for i, w in enumerate(WIDTHS):
+            per_width[i].append(_gemm_rate(w))
+    rates = torch.tensor([statistics.median(r) for r in per_width], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(rates)
+        rates /= dist.get_world_size()
+    return [float(r) for r in rates]
+
+
+def bubble_exposed(ranks_per_node: int, cores_per_node: int) -> float:
+    """Fraction of a pipeline bubble that costs wall time when ``ranks_per_node`` share the cores.
+
+    With a core per rank (GPUs, or enough CPU cores) an idle stage's time is lost: 1. With twice as
+    many ranks as cores or more, a stage waiting in the bubble hands its core to a rank with work, so
+    the bubble costs nothing: 0. Linear in between.
+    """
+    if cores_per_node <= 0:
+        return 1.0
+    return min(1.0, max(0.0, 2.0 - ranks_per_node / cores_per_node))
 
 
 def fit_saturation(w1: float, r1: float, w2: float, r2: float) -> tuple[float, float]:
@@ -111,7 +141,7 @@ def measure(rank: int, world: int, per_node: int) -> dict[str, float]:
     """Run the microbenchmarks on this rank (process group up); returns fitted hardware fields."""
     out: dict[str, float] = {}
     dist.barrier()
-    rates = [1.0 / _agree(1.0 / _gemm_rate(w)) for w in WIDTHS]
+    rates = _gemm_rates()
     peak, half = fit_saturation(WIDTHS[0], rates[0], WIDTHS[1], rates[1])
     out.update(peak_tflops=peak / 1e12, gemm_efficiency=1.0, gemm_half_width=half)
     x, y = torch.randn(4 * 1024 * 1024), torch.randn(4 * 1024 * 1024)
@@ -160,6 +190,9 @@ def calibration_job(cluster: dict[str, Any], folder: str = "", overheads: bool =
     xdist.init_distributed(topo, cluster.get("backend", "auto"))
     try:
         fields = measure(topo.rank, topo.world_size, topo.local_world_size)
+        if overheads:  # CPU ranks share the node's cores; GPUs keep the preset's 1.0
+            # Virtual nodes of the local executor share this machine's cores; a Slurm node has its own.
+            fields["bubble_exposed"] = bubble_exposed(topo.local_world_size, max(1, cores // virtual))
         if overheads:
             from xirang_hpc.planner.hardware import PRESETS
             from xirang_hpc.planner.probe import measure_overheads
