@@ -5,7 +5,7 @@ module decides *how* it lands on disk:
 
 - every rank writes its chunks into its own file ``rank_<i>.h5``; one dataset per saved chunk,
   named ``<fqn>@<offsets>``, HDF5-chunked exactly like the shard (so a partial read touches
-  only that shard), optionally lzf/gzip-compressed;
+  only that shard), optionally lzf/gzip-compressed, or zstd through ``hdf5plugin``;
 - the checkpoint's metadata is ``metadata.json`` (no pickle);
 - loading reads only the hyperslab ``storage_offsets:+lengths`` each rank needs;
 - uncompressed shards are stored contiguously (one dataset per shard is already "chunked like the
@@ -172,12 +172,32 @@ def sync_and_checksum(path: Path, fsync: bool = True) -> dict[str, Any]:
     return entry
 
 
+COMPRESSIONS = ("none", "lzf", "gzip", "zstd")
+
+
+def _filter(compression: str) -> dict[str, Any]:
+    """h5py ``create_dataset`` keywords for a compression name (zstd level 3: fast, ~lz4-class speed)."""
+    if compression == "zstd":
+        return dict(_hdf5plugin().Zstd(clevel=3))
+    return {"compression": compression}
+
+
+def _hdf5plugin() -> Any:
+    """Import ``hdf5plugin`` (registers the zstd filter with HDF5) or say how to get it."""
+    try:
+        import hdf5plugin
+    except ImportError as exc:  # pragma: no cover - a dependency; only a broken install lacks it
+        raise CheckpointFormatError("checkpoint.compression=zstd needs the hdf5plugin package: "
+                                    "pip install hdf5plugin") from exc
+    return hdf5plugin
+
+
 def write_dataset(f: h5py.File, name: str, arr: np.ndarray, compression: str = "none") -> None:
     """One shard as one dataset: contiguous and written in place from ``arr`` when uncompressed,
     otherwise HDF5-chunked like the shard (split on dim 0 past 2 GiB) with the filter."""
     chunks = _h5_chunks(arr.shape, arr.itemsize)
     if compression != "none" and chunks is not None:
-        f.create_dataset(name, data=arr, chunks=chunks, compression=compression)
+        f.create_dataset(name, data=arr, chunks=chunks, **_filter(compression))
     elif chunks is None:  # 0-d or empty
         f.create_dataset(name, data=arr)
     else:
@@ -220,7 +240,7 @@ def _h5_chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
 class HDF5StorageWriter(StorageWriter):
     """Writes a DCP checkpoint into ``path`` as per-rank HDF5 files plus ``metadata.json``.
 
-    ``compression``: ``none`` | ``lzf`` | ``gzip``. ``dedup_index`` maps chunk hashes to
+    ``compression``: ``none`` | ``lzf`` | ``gzip`` | ``zstd``. ``dedup_index`` maps chunk hashes to
     ``(file relative to path, dataset)`` of identical chunks already on disk; when given, every
     written chunk is hashed and matches become references.
     """
@@ -228,8 +248,8 @@ class HDF5StorageWriter(StorageWriter):
     def __init__(self, path: str | os.PathLike, compression: str = "none",
                  dedup_index: Mapping[str, tuple[str, str]] | None = None, fsync: bool = True) -> None:
         super().__init__()
-        if compression not in ("none", "lzf", "gzip"):
-            raise ValueError(f"compression={compression!r}: choose none, lzf or gzip")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression={compression!r}: choose one of {', '.join(COMPRESSIONS)}")
         self.path = Path(path)
         self.compression = compression
         self.dedup_index = dict(dedup_index) if dedup_index is not None else None
@@ -358,6 +378,10 @@ class HDF5StorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read exactly the hyperslabs this rank's plan asks for, grouped by file."""
+        try:  # zstd-compressed datasets need the plugin's filter registered with HDF5 before the reads
+            import hdf5plugin  # noqa: F401
+        except ImportError:  # pragma: no cover - then reading a zstd dataset fails with a clear error
+            pass
         by_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             by_file.setdefault(self.storage_data[req.storage_index]["file"], []).append(req)

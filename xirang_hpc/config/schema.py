@@ -211,7 +211,7 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every K-th step as a milestone (0 = none)
     pinned: list[int] = field(default_factory=list)  # steps never pruned
     async_save: bool = True
-    compression: str = "none"  # none | lzf | gzip
+    compression: str = "none"  # none | lzf | gzip | zstd (hdf5plugin)
     dedup: bool = False  # store chunks identical to the previous checkpoint's as references
     verify_checksums: bool = True  # checksum (xxh3-128) of every file before loading
     auto_interval: bool = False  # adapt every_steps with Daly's formula from measured costs
@@ -225,8 +225,8 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint")
         if self.dir_mode & ~0o777 or not self.dir_mode & 0o700 == 0o700:
             raise ConfigError("checkpoint.dir_mode", oct(self.dir_mode), "use a mode like 0o700 or 0o750 (owner rwx)")
-        if self.compression not in ("none", "lzf", "gzip"):
-            raise ConfigError("checkpoint.compression", self.compression, "choose none, lzf or gzip")
+        if self.compression not in ("none", "lzf", "gzip", "zstd"):
+            raise ConfigError("checkpoint.compression", self.compression, "choose none, lzf, gzip or zstd")
 
 
 @dataclass
