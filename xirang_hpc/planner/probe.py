@@ -1,23 +1,27 @@
-"""Runtime overheads for the CPU cost model, measured on a small *probe* model during calibration.
+"""Runtime overheads for the CPU cost model, measured on small *probe* models during calibration.
 
 Where compute is tiny (CPU ranks, small models) a step is dominated by fixed costs the FLOP model
 cannot see: Python dispatch per layer, DTensor redistribution under tensor parallelism, the
 pipelining schedule's bookkeeping per microbatch, FSDP2's hooks per unit, and per-step work
 (grad-norm all-reduce, Adam's loop over tensors). Calibration measures them in this order:
 
-1. per-layer and per-microbatch dispatch: forward+backward of the probe GPT with 1 and 3 layers on
-   every rank at once, no communication (slope -> ``kernel_overhead_us`` per layer and pass,
-   intercept -> ``microbatch_overhead_us``);
-2. seven runs of the real :class:`Trainer` on the probe model (dp, dp + ZeRO-1, fsdp, HSDP with
-   shard groups of 1 = replicate, dp x tp2, the same with sequence parallelism, dp x pp2), each
-   residual over the model's prediction (with the terms fitted before it) attributed to one term:
+1. per-layer and per-microbatch dispatch: forward+backward of a width-32 GPT (``DISPATCH_MODEL``)
+   with 1 and 3 layers on every rank at once, no communication (slope -> ``kernel_overhead_us`` per
+   layer and pass, intercept -> ``microbatch_overhead_us``);
+2. nine runs of the real :class:`Trainer`, each in ``PROBE_ROUNDS`` interleaved rounds (median): dp,
+   dp + ZeRO-1, fsdp, HSDP with shard groups of 1 = replicate, dp x tp2 at two activation sizes,
+   dp x tp2 with sequence parallelism, dp x pp2 with 2 and 4 microbatches. Each residual over the
+   model's prediction (with the terms fitted before it) is attributed to its term(s):
    ``step_overhead_us`` (per parameter tensor), ``zero1_overhead_us``, ``fsdp_unit_overhead_us``,
-   ``replicate_unit_overhead_us``, ``tp_overhead_us``, ``sp_overhead_us``, ``pp_overhead_us``;
+   ``replicate_unit_overhead_us``, ``tp_overhead_us`` + ``tp_overhead_us_per_mb`` (the two TP runs),
+   ``sp_overhead_us``, ``pp_overhead_us`` (least squares over the two pipeline runs);
 3. the peak RSS of the dp run minus its predicted model state -> ``reserved_gb`` (the torch + gloo
    process footprint).
 
-The probe's shape (2 layers, width 32, seq 16) is not one the planner is evaluated on; the
-layouts it uses are the runtime's mechanisms, so tp x pp and fsdp x tp are predicted by composition.
+The exposed fraction of the pipeline bubble is not fitted here but derived from ranks per core
+(``calibrate.bubble_exposed``). The probes' shapes (2 layers, width 32 or 128) are not ones the
+planner is evaluated on; the layouts are the runtime's mechanisms, so tp x pp and fsdp x tp are
+predicted by composition.
 """
 
 from __future__ import annotations
@@ -49,9 +53,9 @@ PROBE_ROUNDS = 3  # median over rounds: one round's figures swung up to 2x betwe
 
 
 # Probes on another shape than PROBE_MODEL: two TP probes separate TP's fixed cost per layer from its
-# cost per activation byte (8 KB vs 131 KB of activations per rank: two sizes, two unknowns).
-# The wide one runs twice PROBE_MODEL's sequence, so its activations (131 KB per rank) sit near the
-# sizes real layers move and the per-byte slope is not a long extrapolation.
+# cost per activation byte (8 KB vs 131 KB of activations per rank). The wide one runs twice
+# PROBE_MODEL's sequence, so its activations sit near the sizes real layers move and the per-byte
+# slope is not a long extrapolation.
 PROBE_MODELS = {"tp_narrow": DISPATCH_MODEL, "tp": {**PROBE_MODEL, "seq_len": 64}}
 
 
