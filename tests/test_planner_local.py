@@ -93,12 +93,12 @@ def test_fit_overheads_recovers_the_terms_it_is_given() -> None:
     from xirang_hpc.planner.hardware import PRESETS
     from xirang_hpc.planner.probe import PROBE_BATCH, fit_overheads, plan_of, probe_layouts, probe_model
 
-    truth = {"step_overhead_us": 900.0, "zero1_overhead_us": 20e3, "fsdp_unit_overhead_us": 30e3,
+    truth = {"step_overhead_us": 900.0, "step_fixed_us": 4e3, "zero1_overhead_us": 20e3, "fsdp_unit_overhead_us": 30e3,
              "replicate_unit_overhead_us": 25e3, "tp_overhead_us": 3e3, "tp_overhead_us_per_mb": 40e3,
              "sp_overhead_us": 5e3, "pp_overhead_us": 7e3}
     hw0 = PRESETS["cpu"].scaled(bubble_exposed=0.4)  # derived from ranks per core, not fitted
     lays = probe_layouts(4, 2)
-    assert list(lays) == ["dp", "zero1", "fsdp", "replicate", "tp_narrow", "tp", "sp", "pp", "pp_deep"]
+    assert list(lays) == ["dp", "dp_deep", "zero1", "fsdp", "replicate", "tp_narrow", "tp", "sp", "pp", "pp_deep"]
 
     def made(name: str) -> float:
         sh = Shape.from_model(MC(**probe_model(name)))

@@ -236,7 +236,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     updated = stage_params / (d if pl.zero else 1)
     optim = updated * (hw.optim_bytes + hw.weight_bytes + hw.grad_bytes) * 2 / (hw.mem_bw_gbs * 1e9)
     # Per-tensor work of a step (Adam's loop, grad-norm, zero_grad) on the busiest stage.
-    optim += stage_tensors(sh, layers, p == 1, True) * hw.step_overhead_us * 1e-6
+    optim += (stage_tensors(sh, layers, p == 1, True) * hw.step_overhead_us + hw.step_fixed_us) * 1e-6
 
     total = m * slot + bubble + p2p + dp_exposed + optim
     est = Estimate(plan=pl, microbatches=m, dp_algo=algo)

@@ -48,6 +48,7 @@ class Hardware:
     # ``xirang-plan --calibrate`` measures them (planner/probe.py); all are per rank, in microseconds.
     microbatch_overhead_us: float = 0.0  # embedding + head + loss dispatch, per microbatch
     step_overhead_us: float = 0.0  # per step and parameter tensor held: Adam's loop, grad-norm, zero_grad
+    step_fixed_us: float = 0.0  # per step, once: the loop's own work, data, the loss/grad-norm collectives
     tp_overhead_us: float = 0.0  # extra per layer, microbatch and pass under tensor parallelism (DTensor)
     tp_overhead_us_per_mb: float = 0.0  # ... plus this per MB of the layer's b*s*h activations (copies, waits)
     sp_overhead_us: float = 0.0  # further extra per layer, microbatch and pass with sequence parallelism
@@ -92,7 +93,7 @@ PRESETS: dict[str, Hardware] = {
 }
 
 _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", "dp_overlap", "reserved_gb",
-                "microbatch_overhead_us", "step_overhead_us", "tp_overhead_us", "pp_overhead_us",
+                "microbatch_overhead_us", "step_overhead_us", "step_fixed_us", "tp_overhead_us", "pp_overhead_us",
                 "fsdp_unit_overhead_us", "replicate_unit_overhead_us", "zero1_overhead_us",
                 "sp_overhead_us", "tp_overhead_us_per_mb", "bubble_exposed"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")

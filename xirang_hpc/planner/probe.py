@@ -8,13 +8,14 @@ pipelining schedule's bookkeeping per microbatch, FSDP2's hooks per unit, and pe
 1. per-layer and per-microbatch dispatch: forward+backward of a width-32 GPT (``DISPATCH_MODEL``)
    with 1 and 3 layers on every rank at once, no communication (slope -> ``kernel_overhead_us`` per
    layer and pass, intercept -> ``microbatch_overhead_us``);
-2. nine runs of the real :class:`Trainer`, each in ``PROBE_ROUNDS`` interleaved rounds (median): dp,
-   dp + ZeRO-1, fsdp, HSDP with shard groups of 1 = replicate, dp x tp2 at two activation sizes,
-   dp x tp2 with sequence parallelism, dp x pp2 with 2 and 4 microbatches. Each residual over the
-   model's prediction (with the terms fitted before it) is attributed to its term(s):
-   ``step_overhead_us`` (per parameter tensor), ``zero1_overhead_us``, ``fsdp_unit_overhead_us``,
-   ``replicate_unit_overhead_us``, ``tp_overhead_us`` + ``tp_overhead_us_per_mb`` (the two TP runs),
-   ``sp_overhead_us``, ``pp_overhead_us`` (least squares over the two pipeline runs);
+2. ten runs of the real :class:`Trainer`, each in ``PROBE_ROUNDS`` interleaved rounds (median):
+   dp with 2 and 4 layers, dp + ZeRO-1, fsdp, HSDP with shard groups of 1 = replicate, dp x tp2 at
+   two activation sizes, dp x tp2 with sequence parallelism, dp x pp2 with 2 and 4 microbatches.
+   Each residual over the model's prediction (with the terms fitted before it) is attributed to its
+   term(s): ``step_overhead_us`` (per parameter tensor) + ``step_fixed_us`` (the two dp runs),
+   ``zero1_overhead_us``, ``fsdp_unit_overhead_us``, ``replicate_unit_overhead_us``,
+   ``tp_overhead_us`` + ``tp_overhead_us_per_mb`` (the two TP runs), ``sp_overhead_us``,
+   ``pp_overhead_us`` (least squares over the two pipeline runs);
 3. the peak RSS of the dp run minus its predicted model state -> ``reserved_gb`` (the torch + gloo
    process footprint).
 
@@ -56,7 +57,9 @@ PROBE_ROUNDS = 3  # median over rounds: one round's figures swung up to 2x betwe
 # cost per activation byte (8 KB vs 131 KB of activations per rank). The wide one runs twice
 # PROBE_MODEL's sequence, so its activations sit near the sizes real layers move and the per-byte
 # slope is not a long extrapolation.
-PROBE_MODELS = {"tp_narrow": DISPATCH_MODEL, "tp": {**PROBE_MODEL, "seq_len": 64}}
+# The deep dp probe (4 layers) separates the per-step fixed cost from the per-tensor one.
+PROBE_MODELS = {"tp_narrow": DISPATCH_MODEL, "tp": {**PROBE_MODEL, "seq_len": 64},
+                "dp_deep": {**PROBE_MODEL, "n_layer": 4}}
 
 
 def probe_model(name: str) -> dict[str, Any]:
@@ -67,11 +70,13 @@ def probe_model(name: str) -> dict[str, Any]:
 def probe_layouts(world: int, per_node: int) -> dict[str, dict[str, Any]]:
     """Layouts to probe, in fitting order (each residual uses the terms fitted before it).
 
-    Pairs fitted together: ``tp_narrow`` + ``tp`` (fixed and per-byte TP cost), ``pp`` + ``pp_deep``
+    Pairs fitted together: ``dp`` + ``dp_deep`` (per-tensor and per-step cost: 2 vs 4 layers),
+    ``tp_narrow`` + ``tp`` (fixed and per-byte TP cost), ``pp`` + ``pp_deep``
     (per-slot schedule cost, least squares over 2 and 4 microbatches).
     """
     out: dict[str, dict[str, Any]] = {
         "dp": {"dp": world},
+        "dp_deep": {"dp": world},
         "zero1": {"dp": world, "optimizer_sharding": True},
         "fsdp": {"dp": world, "data_parallel": "fsdp"},
         # HSDP with shard groups of 1: what the runtime runs for dp with tp > 1 or pp > 1.
@@ -125,7 +130,8 @@ def fit_overheads(hw: Hardware, nodes: int, per_node: int, measured: dict[str, f
              "pp": "pp_overhead_us"}
     # Two probes, two unknowns. The pipeline pair has one: the exposed bubble is not fitted (it swung
     # between 0 and 0.95 on the same box) but derived from ranks per core (calibrate.bubble_exposed).
-    pairs = {"tp": ("tp_narrow", "tp_overhead_us", "tp_overhead_us_per_mb"),
+    pairs = {"dp": ("dp_deep", "step_overhead_us", "step_fixed_us"),
+             "tp": ("tp_narrow", "tp_overhead_us", "tp_overhead_us_per_mb"),
              "pp": ("pp_deep", "pp_overhead_us", "")}
     layouts = probe_layouts(nodes * per_node, per_node)
     out: dict[str, float] = {}
