@@ -201,6 +201,10 @@ class TrainConfig:
             raise ConfigError("train.precision", self.precision, "choose auto, fp32 or bf16")
 
 
+# HDF5 filters for checkpoint shards (zstd through hdf5plugin); checkpoint/storage.py uses the same list.
+COMPRESSIONS = ("none", "lzf", "gzip", "zstd")
+
+
 @dataclass
 class CheckpointConfig:
     """Checkpoint policy: HDF5 DCP checkpoints under ``<run>/checkpoints`` (see xirang_hpc/checkpoint)."""
@@ -225,8 +229,8 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint")
         if self.dir_mode & ~0o777 or not self.dir_mode & 0o700 == 0o700:
             raise ConfigError("checkpoint.dir_mode", oct(self.dir_mode), "use a mode like 0o700 or 0o750 (owner rwx)")
-        if self.compression not in ("none", "lzf", "gzip", "zstd"):
-            raise ConfigError("checkpoint.compression", self.compression, "choose none, lzf, gzip or zstd")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError("checkpoint.compression", self.compression, f"choose one of {', '.join(COMPRESSIONS)}")
 
 
 @dataclass
