@@ -34,10 +34,12 @@ def run_local(preset: Path, models: list[str], steps: int) -> None:
         cfg = base_config(preset, model)
         cands = candidates(cfg)
         t0 = time.time()
-        meas = measure([(n, c) for n, _, c in cands], cfg.cluster.nodes, cfg.cluster.tasks_per_node, steps, rounds=2)
+        rounds: dict[str, list[float]] = {}
+        meas = measure([(n, c) for n, _, c in cands], cfg.cluster.nodes, cfg.cluster.tasks_per_node, steps, rounds=3,
+                       spread=rounds)
         print(f"\n### model {model} ({MODELS[model]}), global batch {BATCH[model]} "
               f"({time.time() - t0:.0f} s, load average {os.getloadavg()[0]:.1f})\n")
-        print("| layout | plan | predicted step | measured step | error | predicted peak/rank | "
+        print("| layout | plan | predicted step | measured step (rounds) | error | predicted peak/rank | "
               "measured peak/rank | error |")
         print("|---|---|---|---|---|---|---|---|")
         terr, merr = [], []
@@ -46,7 +48,8 @@ def run_local(preset: Path, models: list[str], steps: int) -> None:
             te, me = est.step_time / ms - 1, est.peak_memory / mm - 1
             terr.append(abs(te))
             merr.append(abs(me))
-            print(f"| {name} | {est.plan.label()} | {1e3 * est.step_time:.1f} ms | {1e3 * ms:.1f} ms | "
+            print(f"| {name} | {est.plan.label()} | {1e3 * est.step_time:.1f} ms | {1e3 * ms:.1f} ms "
+                  f"({'/'.join(f'{1e3 * r:.0f}' for r in rounds[name])}) | "
                   f"{100 * te:+.0f}% | {est.peak_memory / 2**20:.0f} MiB | {mm / 2**20:.0f} MiB | {100 * me:+.0f}% |")
         choice = cands[0][0]
         best = min(meas, key=lambda k: meas[k][0])

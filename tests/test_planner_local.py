@@ -93,12 +93,15 @@ def test_fit_overheads_recovers_the_terms_it_is_given() -> None:
     from xirang_hpc.planner.hardware import PRESETS
     from xirang_hpc.planner.probe import PROBE_BATCH, fit_overheads, plan_of, probe_layouts, probe_model
 
-    truth = {"step_overhead_us": 900.0, "step_fixed_us": 4e3, "zero1_overhead_us": 20e3, "fsdp_unit_overhead_us": 30e3,
-             "replicate_unit_overhead_us": 25e3, "tp_overhead_us": 3e3, "tp_overhead_us_per_mb": 40e3,
-             "sp_overhead_us": 5e3, "pp_overhead_us": 7e3}
+    truth = {"step_overhead_us": 900.0, "step_fixed_us": 4e3, "dp_overhead_us_per_mb": 2e3, "zero1_overhead_us": 700.0,
+             "fsdp_unit_overhead_us": 30e3, "fsdp_overhead_us_per_mb": 9e3, "replicate_unit_overhead_us": 25e3,
+             "tp_overhead_us": 3e3, "tp_overhead_us_per_mb": 40e3, "sp_overhead_us": 5e3, "pp_overhead_us": 7e3}
     hw0 = PRESETS["cpu"].scaled(bubble_exposed=0.4)  # derived from ranks per core, not fitted
     lays = probe_layouts(4, 2)
-    assert list(lays) == ["dp", "dp_deep", "zero1", "fsdp", "replicate", "tp_narrow", "tp", "sp", "pp", "pp_deep"]
+    assert list(lays) == ["dp", "dp_deep", "dp_wide", "zero1", "fsdp", "fsdp_wide", "replicate", "pp", "pp_deep",
+                          "tp_narrow", "tp", "sp"]
+    assert lays["pp"] == {"dp": 1, "pp": 4, "microbatches": 4} and lays["tp"] == {"dp": 1, "tp": 2, "pp": 2,
+                                                                                    "microbatches": 2}
 
     def made(name: str) -> float:
         sh = Shape.from_model(MC(**probe_model(name)))
@@ -114,18 +117,22 @@ def test_fit_overheads_recovers_the_terms_it_is_given() -> None:
 
 
 def test_fit_overheads_pair_falls_back_to_one_non_negative_term() -> None:
-    """When the two-probe solution would need a negative part, one term explains the residuals instead."""
+    """When the exact solution would need a negative part, the others explain the residuals instead."""
     from xirang_hpc.planner.calibrate import bubble_exposed
-    from xirang_hpc.planner.probe import _solve2
+    from xirang_hpc.planner.probe import nnls
 
     assert (bubble_exposed(4, 2), bubble_exposed(2, 2), bubble_exposed(3, 2), bubble_exposed(8, 64)) == (
         0.0, 1.0, 0.5, 1.0)
-    assert _solve2([(1.0, 2.0, 5.0), (1.0, 4.0, 9.0)]) == pytest.approx((1.0, 2.0))
-    assert _solve2([(2.0, 0.0, 4.0), (4.0, 0.0, 8.0)]) == pytest.approx((2.0, 0.0))  # one unknown
-    x, y = _solve2([(1.0, 1.0, -1.0), (1.0, 2.0, -1.0)])  # faster than the model: nothing to add
-    assert (x, y) == (0.0, 0.0)
-    x, y = _solve2([(3.0, 1.0, 3.0), (5.0, 1.0, 1.0)])  # solution (-1, 6): keep the better single term
+    assert nnls([(1.0, 2.0, 5.0), (1.0, 4.0, 9.0)]) == pytest.approx((1.0, 2.0))
+    assert nnls([(2.0, 0.0, 4.0), (4.0, 0.0, 8.0)]) == pytest.approx((2.0, 0.0))  # one unknown
+    assert nnls([(1.0, 1.0, -1.0), (1.0, 2.0, -1.0)]) == (0.0, 0.0)  # faster than the model: nothing to add
+    x, y = nnls([(3.0, 1.0, 3.0), (5.0, 1.0, 1.0)])  # solution (-1, 6): keep the better single term
     assert x >= 0 and y >= 0 and (x == 0 or y == 0)
+    # Three unknowns, two rows: the feasible subset with the least residual (here exact with two terms).
+    got = nnls([(1.0, 1.0, 0.0, 3.0), (2.0, 1.0, 0.0, 4.0)])
+    assert got == pytest.approx((1.0, 2.0, 0.0))
+    # Over-determined: least squares over all three rows.
+    assert nnls([(1.0, 0.0, 2.0), (0.0, 1.0, 3.0), (1.0, 1.0, 5.0)]) == pytest.approx((2.0, 3.0))
 
 
 def test_runtime_allows_follows_what_the_runtime_runs() -> None:
@@ -140,3 +147,56 @@ def test_runtime_allows_follows_what_the_runtime_runs() -> None:
     assert not ok(Plan(dp=2, tp=1, pp=2, micro=4, zero=1))  # pp > 1 replicates with FSDP2: no ZeRO-1
     assert ok(Plan(dp=2, tp=1, pp=2, micro=8))  # m = 2 microbatches for 2 stages
     assert not ok(Plan(dp=2, tp=1, pp=2, micro=16))  # m = 1 < pp: torch's 1F1B refuses it
+
+
+def test_fit_layers_recovers_kernel_overhead_and_efficiency() -> None:
+    """Per-layer times made by the cost model's own layer formula give back its overhead and efficiency."""
+    from xirang_hpc.config.schema import ModelConfig as MC
+    from xirang_hpc.planner.formulas import Shape, layer_activation_bytes, layer_forward_flops
+    from xirang_hpc.planner.hardware import PRESETS
+    from xirang_hpc.planner.probe import DISPATCH_MODEL, LAYER_MODEL, PROBE_BATCH, PROBE_MODEL, fit_layers
+
+    hw = PRESETS["cpu"].scaled(gemm_half_width=20.0)
+    ko_us, eff = 250.0, 0.6
+
+    def per_layer(model: dict) -> float:
+        sh = Shape.from_model(MC(**model))
+        dense, attn = layer_forward_flops(sh, PROBE_BATCH * sh.seq)
+        rate = hw.peak_tflops * 1e12 * eff * sh.hidden / (sh.hidden + hw.gemm_half_width)
+        stream = layer_activation_bytes(sh, PROBE_BATCH, 1, False, "none", hw.act_bytes) / (hw.mem_bw_gbs * 1e9)
+        return 3 * (ko_us * 1e-6 + (dense + attn) / rate + hw.elementwise_traffic * stream)
+
+    points = [(m, per_layer(m), per_layer(m) + 1e-3) for m in (DISPATCH_MODEL, PROBE_MODEL, LAYER_MODEL)]
+    got = fit_layers(hw, points)
+    assert got["kernel_overhead_us"] == pytest.approx(ko_us, rel=1e-6)
+    assert got["gemm_efficiency"] == pytest.approx(eff, rel=1e-6)
+    assert got["microbatch_overhead_us"] > 0
+
+
+def test_hardware_fractions_and_per_tensor_costs() -> None:
+    """A fraction above 1 is refused by name; ZeRO-1's broadcast cost grows with the tensors a rank holds."""
+    from xirang_hpc.config.errors import ConfigError
+    from xirang_hpc.config.schema import ClusterConfig
+    from xirang_hpc.planner.cost import Plan, Problem, estimate
+    from xirang_hpc.planner.formulas import Shape
+    from xirang_hpc.planner.hardware import PRESETS, hardware_for
+
+    with pytest.raises(ConfigError, match="cluster.hardware.bubble_exposed.*0 to 1"):
+        hardware_for(ClusterConfig(gpus_per_node=0, hardware={"bubble_exposed": 1.5}))
+    hw = PRESETS["cpu"]
+    plan0, plan1 = Plan(dp=4, tp=1, pp=1, micro=2), Plan(dp=4, tp=1, pp=1, micro=2, zero=1)
+
+    def zero1_extra(layers: int, per_tensor_us: float) -> float:
+        sh = Shape(layers=layers, hidden=64, heads=4, seq=64, vocab=256, ffn=256)
+        h = hw.scaled(zero1_overhead_us=per_tensor_us)
+        pb = Problem(sh, h, 2, 2, 8)
+        return estimate(pb, plan1).time["dp_comm"] - estimate(Problem(sh, h.scaled(zero1_overhead_us=0.0), 2, 2, 8),
+                                                               plan1).time["dp_comm"]
+
+    assert zero1_extra(2, 1000.0) < zero1_extra(4, 1000.0)
+    assert zero1_extra(4, 1000.0) == pytest.approx(2 * zero1_extra(4, 500.0))
+    # The measured per-parameter optimizer cost replaces the bandwidth bound only when it is larger.
+    sh = Shape(layers=2, hidden=64, heads=4, seq=64, vocab=256, ffn=256)
+    slow = estimate(Problem(sh, hw.scaled(optimizer_ns_per_param=1e3), 2, 2, 8), plan0).time["optimizer"]
+    base = estimate(Problem(sh, hw, 2, 2, 8), plan0).time["optimizer"]
+    assert slow > base

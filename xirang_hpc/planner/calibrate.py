@@ -4,6 +4,7 @@ Every rank of a job on the cluster (submitit, Slurm or the local executor's virt
 - GEMMs of a transformer's shape (tokens x w by w x 4w) at two widths, all ranks at once, fitted to
   rate(w) = R * w/(w + w_half) -> ``peak_tflops`` (R), ``gemm_half_width`` (w_half);
 - a streaming add (memory bandwidth) and a burst of tiny ops (per-kernel overhead);
+- a grad-norm clip + AdamW step on 1M parameters (the update's cost per parameter);
 - all-reduce inside each node and across nodes (same local rank), all groups at once, at two sizes,
   fitted to the ring's alpha-beta cost 2(p-1)a + 2(p-1)/p*n*b (anchors.md, "Communication").
 Rank 0 returns the fitted ``cluster.hardware`` fields; :func:`write_preset` saves them as YAML.
@@ -65,6 +66,27 @@ def _gemm_rates(rounds: int = ROUNDS) -> list[float]:
         dist.all_reduce(rates)
         rates /= dist.get_world_size()
     return [float(r) for r in rates]
+
+
+OPTIM_PARAMS, OPTIM_TENSORS = 1 << 20, 8
+
+
+def _optimizer_ns_per_param() -> float:
+    """Nanoseconds per parameter of a grad-norm clip + AdamW step (the training step's update), all ranks at once.
+
+    On CPU ranks Adam is bound by its arithmetic (sqrt, divide) on a core shared with other ranks,
+    not by memory bandwidth: several times the bandwidth estimate, so it is measured.
+    """
+    params = [torch.nn.Parameter(torch.randn(OPTIM_PARAMS // OPTIM_TENSORS)) for _ in range(OPTIM_TENSORS)]
+    for q in params:
+        q.grad = torch.randn_like(q)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    return _timed(step, min_s=0.3) / OPTIM_PARAMS * 1e9
 
 
 def bubble_exposed(ranks_per_node: int, cores_per_node: int) -> float:
@@ -148,6 +170,7 @@ def measure(rank: int, world: int, per_node: int) -> dict[str, float]:
     # Best of the repeats, as STREAM reports: on a shared machine the median mostly measures the neighbours.
     best = min(_timed(lambda: torch.add(x, y), min_s=0.02, min_reps=1) for _ in range(15))
     bw = 3 * x.numel() * 4 / _agree(best)
+    out["optimizer_ns_per_param"] = _agree(_optimizer_ns_per_param())
     small = torch.ones(8)
     per_op = _agree(_timed(lambda: [small.add(1.0) for _ in range(100)])) / 100
     out.update(mem_bw_gbs=bw / 1e9, kernel_overhead_us=per_op * OPS_PER_LAYER * 1e6, elementwise_traffic=1.0,

@@ -225,18 +225,26 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
 
     # FSDP units (one per layer + the root) each add hook and collective-launch costs per step. This
     # runtime also uses FSDP2 (replicate) instead of DDP for dp > 1 with tp > 1 or pp > 1.
+    # Calibrated per-MB terms: what synchronising a MB of gradients costs beyond the alpha-beta time
+    # of an idle link (on CPU ranks: copies and gloo threads competing with compute for the cores).
+    tensors = stage_tensors(sh, layers, p == 1, True)
+    grad_mb = grad_bytes / 1e6
     if d > 1 and pl.zero == 3:
-        dp_exposed += (layers + 1) * hw.fsdp_unit_overhead_us * 1e-6
-    elif d > 1 and pl.zero == 0 and (t > 1 or p > 1):
-        dp_exposed += (layers + 1) * hw.replicate_unit_overhead_us * 1e-6
-    elif d > 1 and pl.zero == 1:
-        dp_exposed += hw.zero1_overhead_us * 1e-6
+        dp_exposed += (layers + 1) * hw.fsdp_unit_overhead_us * 1e-6 + grad_mb * hw.fsdp_overhead_us_per_mb * 1e-6
+    elif d > 1:
+        dp_exposed += grad_mb * hw.dp_overhead_us_per_mb * 1e-6
+        if pl.zero == 0 and (t > 1 or p > 1):
+            dp_exposed += (layers + 1) * hw.replicate_unit_overhead_us * 1e-6
+        elif pl.zero in (1, 2):  # ZeroRedundancyOptimizer broadcasts each parameter tensor after the step
+            dp_exposed += tensors * hw.zero1_overhead_us * 1e-6
 
     # Adam reads and writes weights, grads and states of the parameters this rank updates.
     updated = stage_params / (d if pl.zero else 1)
-    optim = updated * (hw.optim_bytes + hw.weight_bytes + hw.grad_bytes) * 2 / (hw.mem_bw_gbs * 1e9)
+    # Measured per parameter on CPU ranks, where Adam's arithmetic on a shared core is the bound.
+    optim = updated * max((hw.optim_bytes + hw.weight_bytes + hw.grad_bytes) * 2 / (hw.mem_bw_gbs * 1e9),
+                          hw.optimizer_ns_per_param * 1e-9)
     # Per-tensor work of a step (Adam's loop, grad-norm, zero_grad) on the busiest stage.
-    optim += (stage_tensors(sh, layers, p == 1, True) * hw.step_overhead_us + hw.step_fixed_us) * 1e-6
+    optim += (tensors * hw.step_overhead_us + hw.step_fixed_us) * 1e-6
 
     total = m * slot + bubble + p2p + dp_exposed + optim
     est = Estimate(plan=pl, microbatches=m, dp_algo=algo)

@@ -55,7 +55,10 @@ class Hardware:
     pp_overhead_us: float = 0.0  # per pipeline slot (one microbatch's forward+backward on a stage)
     fsdp_unit_overhead_us: float = 0.0  # per FSDP unit (layer) and step: gather/reduce hooks (ZeRO-3)
     replicate_unit_overhead_us: float = 0.0  # per FSDP2 unit and step when it only replicates (tp/pp > 1)
-    zero1_overhead_us: float = 0.0  # per step: ZeroRedundancyOptimizer's per-tensor broadcasts
+    optimizer_ns_per_param: float = 0.0  # grad clip + Adam per parameter updated, when above the bandwidth bound
+    zero1_overhead_us: float = 0.0  # per parameter tensor and step: ZeroRedundancyOptimizer's broadcasts
+    dp_overhead_us_per_mb: float = 0.0  # per MB of gradients synchronised by DDP / ZeRO-1 / replicate
+    fsdp_overhead_us_per_mb: float = 0.0  # per MB of gradients under FSDP (ZeRO-3): gathers, scatters, copies
     # Fraction of the pipeline bubble that costs wall time: 1 where every rank owns its device (GPUs);
     # below 1 where ranks outnumber cores, since an idle stage's core runs another rank meanwhile.
     bubble_exposed: float = 1.0
@@ -95,7 +98,9 @@ PRESETS: dict[str, Hardware] = {
 _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", "dp_overlap", "reserved_gb",
                 "microbatch_overhead_us", "step_overhead_us", "step_fixed_us", "tp_overhead_us", "pp_overhead_us",
                 "fsdp_unit_overhead_us", "replicate_unit_overhead_us", "zero1_overhead_us",
-                "sp_overhead_us", "tp_overhead_us_per_mb", "bubble_exposed"}
+                "sp_overhead_us", "tp_overhead_us_per_mb", "bubble_exposed", "dp_overhead_us_per_mb",
+                "fsdp_overhead_us_per_mb", "optimizer_ns_per_param"}
+_FRACTIONS = {"bubble_exposed", "dp_overlap"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
 
 
@@ -119,6 +124,8 @@ def hardware_for(cluster: ClusterConfig) -> Hardware:
         if float(value) < 0 or (key not in _MAY_BE_ZERO and float(value) == 0):
             raise ConfigError(f"cluster.hardware.{key}", value,
                               "must be positive" if key not in _MAY_BE_ZERO else "must be 0 or more")
+        if key in _FRACTIONS and float(value) > 1:
+            raise ConfigError(f"cluster.hardware.{key}", value, "is a fraction: use a value from 0 to 1")
         kind = type(getattr(hw, key))
         overrides[key] = kind(value)
     return hw.scaled(**overrides) if overrides else hw

@@ -96,8 +96,11 @@ def prepared_data(folder: Path | None = None) -> Path:
 
 
 def measure(jobs: list[tuple[str, XirangConfig]], nodes: int, per_node: int, steps: int = 8, rounds: int = 1,
-            data: Path | None = None) -> dict[str, tuple[float, float]]:
-    """name -> (median over rounds of the median step seconds, max peak RSS bytes) on spawned ranks."""
+            data: Path | None = None, spread: dict[str, list[float]] | None = None) -> dict[str, tuple[float, float]]:
+    """name -> (median over rounds of the median step seconds, max peak RSS bytes) on spawned ranks.
+
+    ``spread``, when given, receives each layout's per-round step seconds.
+    """
     import statistics
 
     world = nodes * per_node
@@ -123,4 +126,6 @@ def measure(jobs: list[tuple[str, XirangConfig]], nodes: int, per_node: int, ste
     finally:
         for p in procs:
             p.join(timeout=60)
+    if spread is not None:
+        spread.update({k: [r[0] for r in v] for k, v in got.items()})
     return {k: (statistics.median(r[0] for r in v), max(r[1] for r in v)) for k, v in got.items()}

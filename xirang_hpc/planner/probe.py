@@ -5,23 +5,26 @@ cannot see: Python dispatch per layer, DTensor redistribution under tensor paral
 pipelining schedule's bookkeeping per microbatch, FSDP2's hooks per unit, and per-step work
 (grad-norm all-reduce, Adam's loop over tensors). Calibration measures them in this order:
 
-1. per-layer and per-microbatch dispatch: forward+backward of a width-32 GPT (``DISPATCH_MODEL``)
-   with 1 and 3 layers on every rank at once, no communication (slope -> ``kernel_overhead_us`` per
-   layer and pass, intercept -> ``microbatch_overhead_us``);
-2. ten runs of the real :class:`Trainer`, each in ``PROBE_ROUNDS`` interleaved rounds (median):
-   dp with 2 and 4 layers, dp + ZeRO-1, fsdp, HSDP with shard groups of 1 = replicate, dp x tp2 at
-   two activation sizes, dp x tp2 with sequence parallelism, dp x pp2 with 2 and 4 microbatches.
-   Each residual over the model's prediction (with the terms fitted before it) is attributed to its
-   term(s): ``step_overhead_us`` (per parameter tensor) + ``step_fixed_us`` (the two dp runs),
-   ``zero1_overhead_us``, ``fsdp_unit_overhead_us``, ``replicate_unit_overhead_us``,
-   ``tp_overhead_us`` + ``tp_overhead_us_per_mb`` (the two TP runs), ``sp_overhead_us``,
-   ``pp_overhead_us`` (least squares over the two pipeline runs);
+1. per-layer cost: forward+backward of GPTs of width 32 (``DISPATCH_MODEL``), 128 (``PROBE_MODEL``)
+   and 320 (``LAYER_MODEL``), each with 1 and 3 layers, on every rank at once, no communication.
+   The three per-layer slopes give ``kernel_overhead_us`` per layer and pass, ``gemm_efficiency``
+   (what a real layer reaches of the GEMM peak) and ``elementwise_traffic``; the narrow model's
+   intercept gives ``microbatch_overhead_us`` (:func:`fit_layers`);
+2. twelve runs of the real :class:`Trainer`, each in ``PROBE_ROUNDS`` interleaved rounds (median):
+   dp with 2 layers, 4 layers and a wider model, dp + ZeRO-1, fsdp at two widths, HSDP with shard
+   groups of 1 = replicate, a pipeline of up to 4 stages with 1 and 2 microbatches per stage,
+   tp2 x pp at two activation sizes and with sequence parallelism. :data:`FITS` groups them: each
+   group's residuals over the model's prediction (with the groups before it fitted) give its fields
+   by non-negative least squares: ``step_overhead_us`` (per parameter tensor) + ``step_fixed_us`` +
+   ``dp_overhead_us_per_mb`` (the three dp runs), ``zero1_overhead_us`` (per tensor),
+   ``fsdp_unit_overhead_us`` + ``fsdp_overhead_us_per_mb``, ``replicate_unit_overhead_us``,
+   ``pp_overhead_us``, ``tp_overhead_us`` + ``tp_overhead_us_per_mb``, ``sp_overhead_us``;
 3. the peak RSS of the dp run minus its predicted model state -> ``reserved_gb`` (the torch + gloo
    process footprint).
 
 The exposed fraction of the pipeline bubble is not fitted here but derived from ranks per core
-(``calibrate.bubble_exposed``). The probes' shapes (2 layers, width 32 or 128) are not ones the
-planner is evaluated on; the layouts are the runtime's mechanisms, so tp x pp and fsdp x tp are
+(``calibrate.bubble_exposed``). The probes' shapes (widths 32, 128 and 320) are not ones the
+planner is evaluated on; the layouts are the runtime's mechanisms, so dp x tp, dp x pp and fsdp x tp are
 predicted by composition.
 """
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import re
 import statistics
 import tempfile
@@ -37,29 +41,53 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from xirang_hpc.config.schema import ClusterConfig, ModelConfig, ParallelConfig, TrainConfig, XirangConfig
 from xirang_hpc.planner.cost import Plan, Problem, estimate
-from xirang_hpc.planner.formulas import Shape
+from xirang_hpc.planner.formulas import Shape, layer_activation_bytes, layer_forward_flops, logits_flops
 from xirang_hpc.planner.hardware import Hardware
 
 PROBE_MODEL = {"name": "probe", "n_layer": 2, "n_head": 2, "d_model": 128, "d_ff": 512, "seq_len": 32}
 # Per-layer dispatch is timed on a model so narrow that its FLOPs are negligible.
 DISPATCH_MODEL = {"name": "dispatch", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 128, "seq_len": 16}
+# ... and the layer's efficiency against the GEMM peak on one wide enough for FLOPs to dominate
+# (a width no evaluated preset uses, so the fit is not tuned to one).
+LAYER_MODEL = {"name": "layer", "n_layer": 2, "n_head": 4, "d_model": 320, "d_ff": 1280, "seq_len": 64}
 PROBE_BATCH = 8
 PROBE_STEPS = 10  # timed steps after 2 warm-up steps
 PROBE_ROUNDS = 3  # median over rounds: one round's figures swung up to 2x between calibrations
 
 
 # Probes on another shape than PROBE_MODEL: two TP probes separate TP's fixed cost per layer from its
-# cost per activation byte (8 KB vs 131 KB of activations per rank). The wide one runs twice
-# PROBE_MODEL's sequence, so its activations sit near the sizes real layers move and the per-byte
-# slope is not a long extrapolation.
-# The deep dp probe (4 layers) separates the per-step fixed cost from the per-tensor one.
-PROBE_MODELS = {"tp_narrow": DISPATCH_MODEL, "tp": {**PROBE_MODEL, "seq_len": 64},
-                "dp_deep": {**PROBE_MODEL, "n_layer": 4}}
+# cost per activation byte (8 KB vs 328 KB of activations per rank: the wide one has LAYER_MODEL's
+# width and sequence, so the per-byte slope spans the sizes real layers move and is not a long
+# extrapolation from two nearby points, which swung 0-40k us/MB). The deep dp probe (4 layers)
+# separates the per-step fixed cost from the per-tensor one; the wide dp and fsdp probes (LAYER_MODEL,
+# 6x the gradient bytes at the same tensor and unit counts) separate per-MB synchronisation costs from
+# per-tensor and per-unit ones.
+# The pipeline probes run 4 layers so that up to 4 stages hold one each.
+PROBE_MODELS = {"tp_narrow": DISPATCH_MODEL, "tp": LAYER_MODEL,
+                "dp_deep": {**PROBE_MODEL, "n_layer": 4}, "dp_wide": LAYER_MODEL, "fsdp_wide": LAYER_MODEL,
+                "pp": {**PROBE_MODEL, "n_layer": 4}, "pp_deep": {**PROBE_MODEL, "n_layer": 4}}
+
+# Probes fitted together -> the Hardware fields they determine, in fitting order: each group's
+# residuals (measured minus predicted) are taken with the fields of the groups before it in place.
+# The pipeline and TP probes use no data parallelism where the world allows (pp alone; tp x pp), so
+# their residuals are not differences of large replication costs.
+FITS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("dp", "dp_deep", "dp_wide"), ("step_overhead_us", "step_fixed_us", "dp_overhead_us_per_mb")),
+    (("zero1",), ("zero1_overhead_us",)),
+    (("fsdp", "fsdp_wide"), ("fsdp_unit_overhead_us", "fsdp_overhead_us_per_mb")),
+    (("replicate",), ("replicate_unit_overhead_us",)),
+    # One unknown over two probes (least squares). The exposed bubble is not fitted (it swung between 0
+    # and 0.95 on the same box) but derived from ranks per core (calibrate.bubble_exposed).
+    (("pp", "pp_deep"), ("pp_overhead_us",)),
+    (("tp_narrow", "tp"), ("tp_overhead_us", "tp_overhead_us_per_mb")),
+    (("sp",), ("sp_overhead_us",)),
+)
 
 
 def probe_model(name: str) -> dict[str, Any]:
@@ -68,47 +96,57 @@ def probe_model(name: str) -> dict[str, Any]:
 
 
 def probe_layouts(world: int, per_node: int) -> dict[str, dict[str, Any]]:
-    """Layouts to probe, in fitting order (each residual uses the terms fitted before it).
-
-    Pairs fitted together: ``dp`` + ``dp_deep`` (per-tensor and per-step cost: 2 vs 4 layers),
-    ``tp_narrow`` + ``tp`` (fixed and per-byte TP cost), ``pp`` + ``pp_deep``
-    (per-slot schedule cost, least squares over 2 and 4 microbatches).
-    """
+    """Layouts to probe (:data:`FITS` groups them and sets the fitting order)."""
+    dp = {"dp": world}
+    fsdp = {"dp": world, "data_parallel": "fsdp"}
     out: dict[str, dict[str, Any]] = {
-        "dp": {"dp": world},
-        "dp_deep": {"dp": world},
+        "dp": dp, "dp_deep": dp, "dp_wide": dp,
         "zero1": {"dp": world, "optimizer_sharding": True},
-        "fsdp": {"dp": world, "data_parallel": "fsdp"},
+        "fsdp": fsdp, "fsdp_wide": fsdp,
         # HSDP with shard groups of 1: what the runtime runs for dp with tp > 1 or pp > 1.
         "replicate": {"dp": world, "data_parallel": "fsdp", "dp_replicate": world},
     }
+    if world % 2 == 0:
+        stages = 4 if world % 4 == 0 else 2
+        out["pp"] = {"dp": world // stages, "pp": stages, "microbatches": stages}
+        out["pp_deep"] = {"dp": world // stages, "pp": stages, "microbatches": 2 * stages}
     if world % 2 == 0 and per_node % 2 == 0:
-        out["tp_narrow"] = {"dp": world // 2, "tp": 2}
-        out["tp"] = {"dp": world // 2, "tp": 2}
-        out["sp"] = {"dp": world // 2, "tp": 2, "sequence_parallel": True}
-    if world % 2 == 0 and world // 2 >= 1:
-        out["pp"] = {"dp": world // 2, "pp": 2, "microbatches": 2}
-        out["pp_deep"] = {"dp": world // 2, "pp": 2, "microbatches": 4}
+        rest = world // 2  # ranks beside the tp pair: pipeline stages first (2-layer probe models), then dp
+        stages = 2 if rest % 2 == 0 else 1
+        tp = {"dp": rest // stages, "tp": 2, "pp": stages, "microbatches": stages}
+        out["tp_narrow"] = tp
+        out["tp"] = tp
+        out["sp"] = {**tp, "sequence_parallel": True}
     return out
 
 
-def _solve2(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """Non-negative (x, y) with u*x + v*y = r for two rows (u, v, r); one term alone when needed."""
-    (u1, v1, r1), (u2, v2, r2) = rows
-    det = u1 * v2 - u2 * v1
-    if abs(det) > 1e-30:
-        x, y = (r1 * v2 - r2 * v1) / det, (u1 * r2 - u2 * r1) / det
-        if x >= 0 and y >= 0:
-            return x, y
-    # Degenerate or a negative part: the better single-term least-squares fit, clamped at 0.
-    fits = []
-    for col in (0, 1):
-        a = [row[col] for row in rows]
-        den = sum(z * z for z in a)
-        k = max(0.0, sum(z * row[2] for z, row in zip(a, rows)) / den) if den > 0 else 0.0
-        err = sum((row[2] - k * z) ** 2 for z, row in zip(a, rows))
-        fits.append((err, (k, 0.0) if col == 0 else (0.0, k)))
-    return min(fits)[1]
+def nnls(rows: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """Non-negative least squares for a few unknowns: rows are (a_1 .. a_k, r), minimise |A x - r|, x >= 0.
+
+    Every subset of the unknowns is solved by least squares (k <= 3 here, so at most 7 small
+    solves); the feasible solution with the smallest residual wins, fewer terms on a tie. An unknown
+    that would have to be negative to fit (the probe ran faster than the model) is thus dropped, and
+    the others explain the residuals alone.
+    """
+    a = np.array([r[:-1] for r in rows], dtype=np.float64)
+    r = np.array([row[-1] for row in rows], dtype=np.float64)
+    k = a.shape[1]
+    best: tuple[float, int, np.ndarray] = (float(r @ r), 0, np.zeros(k))
+    for size in range(1, k + 1):
+        for cols in itertools.combinations(range(k), size):
+            sub = a[:, cols]
+            if size > len(rows) or np.linalg.matrix_rank(sub) < size:
+                continue
+            x = np.linalg.lstsq(sub, r, rcond=None)[0]
+            if (x < 0).any():
+                continue
+            res = r - sub @ x
+            err = float(res @ res)
+            if err < best[0] * (1 - 1e-9) - 1e-30:
+                full = np.zeros(k)
+                full[list(cols)] = x
+                best = (err, size, full)
+    return tuple(float(v) for v in best[2])
 
 
 def plan_of(par: dict[str, Any], global_batch: int) -> Plan:
@@ -124,15 +162,12 @@ def plan_of(par: dict[str, Any], global_batch: int) -> Plan:
 
 
 def fit_overheads(hw: Hardware, nodes: int, per_node: int, measured: dict[str, float]) -> dict[str, float]:
-    """Overhead fields from probe step times (seconds per step, by :func:`probe_layouts` name)."""
-    terms = {"dp": "step_overhead_us", "zero1": "zero1_overhead_us", "fsdp": "fsdp_unit_overhead_us",
-             "replicate": "replicate_unit_overhead_us", "tp": "tp_overhead_us", "sp": "sp_overhead_us",
-             "pp": "pp_overhead_us"}
-    # Two probes, two unknowns. The pipeline pair has one: the exposed bubble is not fitted (it swung
-    # between 0 and 0.95 on the same box) but derived from ranks per core (calibrate.bubble_exposed).
-    pairs = {"dp": ("dp_deep", "step_overhead_us", "step_fixed_us"),
-             "tp": ("tp_narrow", "tp_overhead_us", "tp_overhead_us_per_mb"),
-             "pp": ("pp_deep", "pp_overhead_us", "")}
+    """Overhead fields from probe step times (seconds per step, by :func:`probe_layouts` name).
+
+    Each :data:`FITS` group is a small linear system: a probe's residual over the model's prediction
+    (its fields at 0) is the sum of each field times that field's effect on the probe (the predicted
+    step with the field at 1 us minus at 0), solved by :func:`nnls`.
+    """
     layouts = probe_layouts(nodes * per_node, per_node)
     out: dict[str, float] = {}
 
@@ -140,57 +175,77 @@ def fit_overheads(hw: Hardware, nodes: int, per_node: int, measured: dict[str, f
         sh = Shape.from_model(ModelConfig(**probe_model(name)))
         return estimate(Problem(sh, hw_, nodes, per_node, PROBE_BATCH), plan_of(layouts[name], PROBE_BATCH)).step_time
 
-    for name in layouts:
-        if name not in measured or name not in terms:
+    for probes, fields in FITS:
+        probes = tuple(n for n in probes if n in measured and n in layouts)
+        if not probes:
             continue
-        cur = hw.scaled(**out)
-        if name in pairs and pairs[name][0] in measured:
-            other, kx, ky = pairs[name]
-            zero = cur.scaled(**{kx: 0.0, **({ky: 0.0} if ky else {})})
-            rows = []
-            for n in (name, other):
-                base = step(n, zero)
-                v = step(n, zero.scaled(**{ky: 1.0})) - base if ky else 0.0
-                rows.append((step(n, zero.scaled(**{kx: 1.0})) - base, v, measured[n] - base))
-            x, y = _solve2(rows)  # with v == 0: the single-term least-squares fit of x
-            out[kx] = x
-            if ky:
-                out[ky] = y
-            continue
-        key = terms[name]
-        base = step(name, cur.scaled(**{key: 0.0}))
-        if name == "replicate":  # the cost model charges it only with tp/pp > 1: one unit per layer + root
-            unit = (Shape.from_model(ModelConfig(**probe_model(name))).layers + 1) * 1e-6
-        else:
-            unit = step(name, cur.scaled(**{key: 1.0})) - base
-        out[key] = max(0.0, (measured[name] - base) / unit) if unit > 0 else 0.0
+        zero = hw.scaled(**out, **{f: 0.0 for f in fields})
+        rows = []
+        for name in probes:
+            base = step(name, zero)
+            if name == "replicate":  # the cost model charges it only with tp/pp > 1: one unit per layer + root
+                effect = [(Shape.from_model(ModelConfig(**probe_model(name))).layers + 1) * 1e-6]
+            else:
+                effect = [step(name, zero.scaled(**{f: 1.0})) - base for f in fields]
+            rows.append((*effect, measured[name] - base))
+        out.update(zip(fields, nnls(rows)))
     return out
 
 
-def layer_dispatch(reps: int = 20) -> tuple[float, float]:
-    """(us per layer and pass, us per microbatch) from fwd+bwd of the probe GPT with 1 and 3 layers.
+def layer_times(model: dict[str, Any], reps: int) -> tuple[float, float]:
+    """(seconds per layer, seconds of the 1-layer model) of fwd+bwd of ``model`` with 1 and 3 layers.
 
-    The two models alternate and the per-pair difference is taken, so load drift cancels.
+    The two depths alternate and the per-pair difference is taken, so load drift cancels.
     """
     from xirang_hpc.models.gpt import GPT, lm_loss
 
     steps = []
     for layers in (1, 3):
-        cfg = ModelConfig(**{**DISPATCH_MODEL, "n_layer": layers})
-        model = GPT(cfg)
+        cfg = ModelConfig(**{**model, "n_layer": layers})
+        net = GPT(cfg)
         x = torch.randint(0, cfg.vocab_size, (PROBE_BATCH, cfg.seq_len))
 
-        def step(model: torch.nn.Module = model, x: torch.Tensor = x) -> float:
+        def step(net: torch.nn.Module = net, x: torch.Tensor = x) -> float:
             t0 = time.perf_counter()
-            lm_loss(model(x), x).backward()
+            lm_loss(net(x), x).backward()
             return time.perf_counter() - t0
 
         step()
         steps.append(step)
     pairs = [(steps[0](), steps[1]()) for _ in range(reps)]
-    per_layer = max(0.0, statistics.median(b - a for a, b in pairs) / 2)
-    one = statistics.median(a for a, _ in pairs)
-    return per_layer / 3 * 1e6, max(0.0, one - per_layer) * 1e6
+    return max(0.0, statistics.median(b - a for a, b in pairs) / 2), statistics.median(a for a, _ in pairs)
+
+
+def fit_layers(hw: Hardware, points: list[tuple[dict[str, Any], float, float]]) -> dict[str, float]:
+    """``kernel_overhead_us``, ``gemm_efficiency``, ``elementwise_traffic``, ``microbatch_overhead_us``.
+
+    ``points`` are (model, seconds per layer, seconds of the 1-layer model), narrowest model first.
+    The cost model charges a layer's fwd+bwd 3 * (kernel overhead + flops / rate(w) + elementwise
+    traffic * activation bytes / memory bandwidth), rate(w) = peak * efficiency * w/(w + gemm_half_width),
+    with peak and half width from the GEMM microbenchmark. That is linear in (kernel overhead,
+    1/efficiency, elementwise traffic), and the three scale differently with width (1, ~w^2, ~w), so
+    layers of three widths separate them (:func:`nnls`). Pure GEMMs overstate what a real layer's
+    backward GEMMs, attention and copies reach: the fitted efficiency and traffic are that gap.
+    """
+    rows = []
+    for model, per_layer, _ in points:
+        sh = Shape.from_model(ModelConfig(**model))
+        dense, attn = layer_forward_flops(sh, PROBE_BATCH * sh.seq)
+        w = sh.hidden
+        at_peak = 3 * (dense + attn) * (w + hw.gemm_half_width) / w / (hw.peak_tflops * 1e12)
+        stream = 3 * layer_activation_bytes(sh, PROBE_BATCH, 1, False, "none", hw.act_bytes) / (hw.mem_bw_gbs * 1e9)
+        target = per_layer - hw.elementwise_traffic * stream
+        rows.append((3e-6 / per_layer, at_peak / per_layer, target / per_layer))  # relative errors count alike
+    kernel_us, inv_eff = nnls(rows)
+    eff = 1.0 / inv_eff if inv_eff > 0 else hw.gemm_efficiency
+    # The narrow model's 1-layer time minus its layer leaves embedding + head + loss; the head's FLOPs
+    # are charged by the cost model already.
+    model, per_layer, one = points[0]
+    sh = Shape.from_model(ModelConfig(**model))
+    rate = hw.peak_tflops * 1e12 * eff * sh.hidden / (sh.hidden + hw.gemm_half_width)
+    head = 3 * logits_flops(sh, PROBE_BATCH * sh.seq) / rate
+    return {"kernel_overhead_us": kernel_us, "gemm_efficiency": eff,
+            "microbatch_overhead_us": max(0.0, one - per_layer - head) * 1e6}
 
 
 def _kb(field: str) -> int:
@@ -269,11 +324,12 @@ def measure_overheads(hw: Hardware, topo: Any, folder: Path, say: Callable[[str]
     from xirang_hpc.planner.cost import GiB
 
     nodes, per_node = topo.num_nodes, topo.local_world_size
-    per_layer, per_mb = layer_dispatch()
-    t = torch.tensor([per_layer, per_mb], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    out = {"kernel_overhead_us": float(t[0]), "microbatch_overhead_us": float(t[1])}
+    models = ((DISPATCH_MODEL, 20), (PROBE_MODEL, 12), (LAYER_MODEL, 8))
+    t = torch.tensor([layer_times(m, reps) for m, reps in models], dtype=torch.float64)
+    if dist.is_initialized():  # every rank ran at once (the node's cores shared as in training): mean share
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    out = fit_layers(hw, [(m, *row) for (m, _), row in zip(models, t.tolist())])
     data = ensure_data(folder, topo.rank)
     runs: dict[str, list[tuple[float, float]]] = {}
     layouts = probe_layouts(topo.world_size, per_node)
