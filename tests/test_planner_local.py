@@ -200,3 +200,21 @@ def test_hardware_fractions_and_per_tensor_costs() -> None:
     slow = estimate(Problem(sh, hw.scaled(optimizer_ns_per_param=1e3), 2, 2, 8), plan0).time["optimizer"]
     base = estimate(Problem(sh, hw, 2, 2, 8), plan0).time["optimizer"]
     assert slow > base
+
+
+def test_fit_memory_recovers_footprint_and_fsdp_buffers() -> None:
+    """Peaks made by the memory model with a known footprint and FSDP buffer factor are fitted back."""
+    from xirang_hpc.config.schema import ModelConfig as MC
+    from xirang_hpc.planner.cost import GiB, Problem, estimate
+    from xirang_hpc.planner.formulas import Shape
+    from xirang_hpc.planner.hardware import PRESETS
+    from xirang_hpc.planner.probe import PROBE_BATCH, fit_memory, plan_of, probe_layouts, probe_model
+
+    truth = PRESETS["cpu"].scaled(reserved_gb=0.35, fsdp_buffer_factor=6.0)
+    lays = probe_layouts(4, 2)
+    peaks = {n: estimate(Problem(Shape.from_model(MC(**probe_model(n))), truth, 2, 2, PROBE_BATCH),
+                         plan_of(lays[n], PROBE_BATCH)).peak_memory for n in ("dp", "fsdp_wide")}
+    got = fit_memory(PRESETS["cpu"], 2, 2, peaks)
+    assert got["reserved_gb"] == pytest.approx(0.35, rel=1e-6)
+    assert got["fsdp_buffer_factor"] == pytest.approx(6.0, rel=1e-6)
+    assert peaks["dp"] / GiB > 0.35

@@ -148,6 +148,9 @@ def _memory(pb: Problem, pl: Plan, m: int) -> dict[str, float]:
         buffers += 2 * min(DDP_BUCKET_BYTES, params * hw.grad_comm_bytes)
     if pl.zero == 3:  # gathered weights of the layer being computed and the one prefetched
         buffers += 2 * lp / t * hw.weight_bytes
+        # ... and what a backend keeps beyond them, per unsharded parameter byte (calibrated on CPU: gloo
+        # reduce-scatters as a full all-reduce, FSDP2 copy-in/out buffers).
+        buffers += hw.fsdp_buffer_factor * params * hw.weight_bytes
     mem = {"params": params * w, "grads": params * g, "optimizer": params * o, "activations": acts,
            "buffers": buffers}
     mem["total"] = sum(mem.values())

@@ -58,6 +58,7 @@ class Hardware:
     optimizer_ns_per_param: float = 0.0  # grad clip + Adam per parameter updated, when above the bandwidth bound
     zero1_overhead_us: float = 0.0  # per parameter tensor and step: ZeroRedundancyOptimizer's broadcasts
     dp_overhead_us_per_mb: float = 0.0  # per MB of gradients synchronised by DDP / ZeRO-1 / replicate
+    fsdp_buffer_factor: float = 0.0  # FSDP (ZeRO-3) buffers beyond 2 gathered layers, x unsharded parameter bytes
     fsdp_overhead_us_per_mb: float = 0.0  # per MB of gradients under FSDP (ZeRO-3): gathers, scatters, copies
     # Fraction of the pipeline bubble that costs wall time: 1 where every rank owns its device (GPUs);
     # below 1 where ranks outnumber cores, since an idle stage's core runs another rank meanwhile.
@@ -99,7 +100,7 @@ _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", 
                 "microbatch_overhead_us", "step_overhead_us", "step_fixed_us", "tp_overhead_us", "pp_overhead_us",
                 "fsdp_unit_overhead_us", "replicate_unit_overhead_us", "zero1_overhead_us",
                 "sp_overhead_us", "tp_overhead_us_per_mb", "bubble_exposed", "dp_overhead_us_per_mb",
-                "fsdp_overhead_us_per_mb", "optimizer_ns_per_param"}
+                "fsdp_overhead_us_per_mb", "optimizer_ns_per_param", "fsdp_buffer_factor"}
 _FRACTIONS = {"bubble_exposed", "dp_overlap"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
 

@@ -20,7 +20,8 @@ pipelining schedule's bookkeeping per microbatch, FSDP2's hooks per unit, and pe
    ``fsdp_unit_overhead_us`` + ``fsdp_overhead_us_per_mb``, ``replicate_unit_overhead_us``,
    ``pp_overhead_us``, ``tp_overhead_us`` + ``tp_overhead_us_per_mb``, ``sp_overhead_us``;
 3. the peak RSS of the dp run minus its predicted model state -> ``reserved_gb`` (the torch + gloo
-   process footprint).
+   process footprint); the wide fsdp run's peak beyond its prediction -> ``fsdp_buffer_factor``
+   (:func:`fit_memory`).
 
 The exposed fraction of the pipeline bubble is not fitted here but derived from ranks per core
 (``calibrate.bubble_exposed``). The probes' shapes (widths 32, 128 and 320) are not ones the
@@ -321,8 +322,6 @@ def ensure_data(folder: Path, rank: int) -> Path:
 def measure_overheads(hw: Hardware, topo: Any, folder: Path, say: Callable[[str], None] = print,
                       ) -> dict[str, float]:
     """Steps 1-3 of the module docstring, on this rank (process group up); same result on every rank."""
-    from xirang_hpc.planner.cost import GiB
-
     nodes, per_node = topo.num_nodes, topo.local_world_size
     models = ((DISPATCH_MODEL, 20), (PROBE_MODEL, 12), (LAYER_MODEL, 8))
     t = torch.tensor([layer_times(m, reps) for m, reps in models], dtype=torch.float64)
@@ -343,8 +342,29 @@ def measure_overheads(hw: Hardware, topo: Any, folder: Path, say: Callable[[str]
         for name in layouts:
             say(f"probe {name}: {1e3 * measured[name]:.1f} ms/step, peak RSS {peaks[name] / 2**20:.0f} MiB")
     out.update(fit_overheads(hw.scaled(**out), nodes, per_node, measured))
-    sh = Shape.from_model(ModelConfig(**PROBE_MODEL))
-    plan = plan_of(probe_layouts(topo.world_size, per_node)["dp"], PROBE_BATCH)
-    mem = estimate(Problem(sh, hw.scaled(**out, reserved_gb=0.0), nodes, per_node, PROBE_BATCH), plan).memory
-    out["reserved_gb"] = max(0.0, peaks["dp"] - mem["total"]) / GiB
+    out.update(fit_memory(hw.scaled(**out), nodes, per_node, peaks))
+    return out
+
+
+def fit_memory(hw: Hardware, nodes: int, per_node: int, peaks: dict[str, float]) -> dict[str, float]:
+    """``reserved_gb`` and ``fsdp_buffer_factor`` from probe peak RSS bytes (by probe name).
+
+    The dp probe's peak minus its predicted model state is the process footprint (torch, gloo,
+    allocator); the wide fsdp probe's peak beyond its prediction with that footprint is FSDP's extra
+    buffers, per unsharded parameter byte.
+    """
+    from xirang_hpc.planner.cost import GiB
+
+    layouts = probe_layouts(nodes * per_node, per_node)
+
+    def mem(name: str, hw_: Hardware) -> float:
+        sh = Shape.from_model(ModelConfig(**probe_model(name)))
+        return estimate(Problem(sh, hw_, nodes, per_node, PROBE_BATCH), plan_of(layouts[name], PROBE_BATCH)).peak_memory
+
+    out = {"reserved_gb": max(0.0, peaks["dp"] - mem("dp", hw.scaled(reserved_gb=0.0))) / GiB}
+    if "fsdp_wide" in peaks:
+        cur = hw.scaled(**out, fsdp_buffer_factor=0.0)
+        base = mem("fsdp_wide", cur)
+        unit = mem("fsdp_wide", cur.scaled(fsdp_buffer_factor=1.0)) - base
+        out["fsdp_buffer_factor"] = max(0.0, peaks["fsdp_wide"] - base) / unit if unit > 0 else 0.0
     return out
