@@ -70,7 +70,7 @@ PROBE_ROUNDS = 3  # median over rounds: one round's figures swung up to 2x betwe
 # 6x the gradient bytes at the same tensor and unit counts) separate per-MB synchronisation costs from
 # per-tensor and per-unit ones.
 # The pipeline probes run 4 layers so that up to 4 stages hold one each.
-PROBE_MODELS = {"tp_narrow": DISPATCH_MODEL, "tp": LAYER_MODEL,
+PROBE_MODELS = {"tp_narrow": {**PROBE_MODEL, "seq_len": 64}, "tp": LAYER_MODEL,
                 "dp_deep": {**PROBE_MODEL, "n_layer": 4}, "dp_wide": LAYER_MODEL, "fsdp_wide": LAYER_MODEL,
                 "pp": {**PROBE_MODEL, "n_layer": 4}, "pp_deep": {**PROBE_MODEL, "n_layer": 4}}
 
