@@ -150,26 +150,29 @@ def test_runtime_allows_follows_what_the_runtime_runs() -> None:
 
 
 def test_fit_layers_recovers_kernel_overhead_and_efficiency() -> None:
-    """Per-layer times made by the cost model's own layer formula give back its overhead and efficiency."""
+    """Per-layer times made by the cost model's own layer formula give back its three fitted terms."""
     from xirang_hpc.config.schema import ModelConfig as MC
-    from xirang_hpc.planner.formulas import Shape, layer_activation_bytes, layer_forward_flops
+    from xirang_hpc.planner.cost import Plan, Problem, estimate
+    from xirang_hpc.planner.formulas import Shape
     from xirang_hpc.planner.hardware import PRESETS
-    from xirang_hpc.planner.probe import DISPATCH_MODEL, LAYER_MODEL, PROBE_BATCH, PROBE_MODEL, fit_layers
+    from xirang_hpc.planner.probe import ATTN_MODEL, DISPATCH_MODEL, LAYER_MODEL, PROBE_BATCH, PROBE_MODEL, fit_layers
 
-    hw = PRESETS["cpu"].scaled(gemm_half_width=20.0)
-    ko_us, eff = 250.0, 0.6
+    truth = PRESETS["cpu"].scaled(gemm_half_width=20.0, kernel_overhead_us=250.0, gemm_efficiency=0.6,
+                                  attn_score_ns=3.0, microbatch_overhead_us=0.0)
 
     def per_layer(model: dict) -> float:
-        sh = Shape.from_model(MC(**model))
-        dense, attn = layer_forward_flops(sh, PROBE_BATCH * sh.seq)
-        rate = hw.peak_tflops * 1e12 * eff * sh.hidden / (sh.hidden + hw.gemm_half_width)
-        stream = layer_activation_bytes(sh, PROBE_BATCH, 1, False, "none", hw.act_bytes) / (hw.mem_bw_gbs * 1e9)
-        return 3 * (ko_us * 1e-6 + (dense + attn) / rate + hw.elementwise_traffic * stream)
+        # Two layers minus one: the cost model's own per-layer compute for one microbatch.
+        def compute(n: int) -> float:
+            sh = Shape.from_model(MC(**{**model, "n_layer": n}))
+            return estimate(Problem(sh, truth, 1, 1, PROBE_BATCH), Plan(dp=1, tp=1, pp=1, micro=PROBE_BATCH)
+                            ).time["compute"]
+        return compute(2) - compute(1)
 
-    points = [(m, per_layer(m), per_layer(m) + 1e-3) for m in (DISPATCH_MODEL, PROBE_MODEL, LAYER_MODEL)]
-    got = fit_layers(hw, points)
-    assert got["kernel_overhead_us"] == pytest.approx(ko_us, rel=1e-6)
-    assert got["gemm_efficiency"] == pytest.approx(eff, rel=1e-6)
+    models = (DISPATCH_MODEL, PROBE_MODEL, ATTN_MODEL, LAYER_MODEL)
+    got = fit_layers(PRESETS["cpu"].scaled(gemm_half_width=20.0), [(m, per_layer(m), 1.0) for m in models])
+    assert got["kernel_overhead_us"] == pytest.approx(250.0, rel=1e-6)
+    assert got["gemm_efficiency"] == pytest.approx(0.6, rel=1e-6)
+    assert got["attn_score_ns"] == pytest.approx(3.0, rel=1e-6)
     assert got["microbatch_overhead_us"] > 0
 
 

@@ -181,7 +181,10 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     # (Korthikanti et al.'s per-layer bytes, no recompute) through device memory on every pass.
     act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes)
     elementwise = layers * passes * hw.elementwise_traffic * act_stream / (hw.mem_bw_gbs * 1e9)
-    compute_mb = (stage_flops / (hw.peak_tflops * 1e12 * eff) + overhead + elementwise
+    # Softmax over the b * a/t * s^2 attention scores (exp per element; calibrated on CPU, 0 on GPUs
+    # where fused attention hides it in the FLOP rate).
+    scores = layers * passes * b * (sh.heads / t) * sh.seq**2 * hw.attn_score_ns * 1e-9
+    compute_mb = (stage_flops / (hw.peak_tflops * 1e12 * eff) + overhead + elementwise + scores
                   + hw.microbatch_overhead_us * 1e-6)
 
     # Tensor parallel all-reduces of b*s*h activations, inside the node.

@@ -46,6 +46,7 @@ class Hardware:
     grad_comm_bytes: int = 2  # bytes per gradient element on the wire
     # Fixed runtime costs that matter where compute is small (CPU ranks); 0 on the GPU presets.
     # ``xirang-plan --calibrate`` measures them (planner/probe.py); all are per rank, in microseconds.
+    attn_score_ns: float = 0.0  # per attention-score element (b * heads * seq^2) and pass, beyond its FLOPs
     microbatch_overhead_us: float = 0.0  # embedding + head + loss dispatch, per microbatch
     step_overhead_us: float = 0.0  # per step and parameter tensor held: Adam's loop, grad-norm, zero_grad
     step_fixed_us: float = 0.0  # per step, once: the loop's own work, data, the loss/grad-norm collectives
@@ -100,7 +101,7 @@ _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", 
                 "microbatch_overhead_us", "step_overhead_us", "step_fixed_us", "tp_overhead_us", "pp_overhead_us",
                 "fsdp_unit_overhead_us", "replicate_unit_overhead_us", "zero1_overhead_us",
                 "sp_overhead_us", "tp_overhead_us_per_mb", "bubble_exposed", "dp_overhead_us_per_mb",
-                "fsdp_overhead_us_per_mb", "optimizer_ns_per_param", "fsdp_buffer_factor"}
+                "fsdp_overhead_us_per_mb", "optimizer_ns_per_param", "fsdp_buffer_factor", "attn_score_ns"}
 _FRACTIONS = {"bubble_exposed", "dp_overlap"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
 

@@ -5,11 +5,12 @@ cannot see: Python dispatch per layer, DTensor redistribution under tensor paral
 pipelining schedule's bookkeeping per microbatch, FSDP2's hooks per unit, and per-step work
 (grad-norm all-reduce, Adam's loop over tensors). Calibration measures them in this order:
 
-1. per-layer cost: forward+backward of GPTs of width 32 (``DISPATCH_MODEL``), 128 (``PROBE_MODEL``)
-   and 320 (``LAYER_MODEL``), each with 1 and 3 layers, on every rank at once, no communication.
-   The three per-layer slopes give ``kernel_overhead_us`` per layer and pass, ``gemm_efficiency``
-   (what a real layer reaches of the GEMM peak) and ``elementwise_traffic``; the narrow model's
-   intercept gives ``microbatch_overhead_us`` (:func:`fit_layers`);
+1. per-layer cost: forward+backward of GPTs of width 32 (``DISPATCH_MODEL``), 128 (``PROBE_MODEL``),
+   96 with sequence 128 (``ATTN_MODEL``) and 320 (``LAYER_MODEL``), each with 1 and 3 layers, on
+   every rank at once, no communication. The per-layer slopes give ``kernel_overhead_us`` per layer
+   and pass, ``gemm_efficiency`` (what a real layer reaches of the GEMM peak) and ``attn_score_ns``
+   (softmax per attention score); the narrow model's intercept gives ``microbatch_overhead_us``
+   (:func:`fit_layers`);
 2. twelve runs of the real :class:`Trainer`, each in ``PROBE_ROUNDS`` interleaved rounds (median):
    dp with 2 layers, 4 layers and a wider model, dp + ZeRO-1, fsdp at two widths, HSDP with shard
    groups of 1 = replicate, a pipeline of up to 4 stages with 1 and 2 microbatches per stage,
@@ -57,6 +58,8 @@ DISPATCH_MODEL = {"name": "dispatch", "n_layer": 2, "n_head": 2, "d_model": 32, 
 # ... and the layer's efficiency against the GEMM peak on one wide enough for FLOPs to dominate
 # (a width no evaluated preset uses, so the fit is not tuned to one).
 LAYER_MODEL = {"name": "layer", "n_layer": 2, "n_head": 4, "d_model": 320, "d_ff": 1280, "seq_len": 64}
+# ... and one narrow with a long sequence, where the softmax over attention scores is a large share.
+ATTN_MODEL = {"name": "attn", "n_layer": 2, "n_head": 4, "d_model": 96, "d_ff": 384, "seq_len": 128}
 PROBE_BATCH = 8
 PROBE_STEPS = 10  # timed steps after 2 warm-up steps
 PROBE_ROUNDS = 3  # median over rounds: one round's figures swung up to 2x between calibrations
@@ -218,15 +221,15 @@ def layer_times(model: dict[str, Any], reps: int) -> tuple[float, float]:
 
 
 def fit_layers(hw: Hardware, points: list[tuple[dict[str, Any], float, float]]) -> dict[str, float]:
-    """``kernel_overhead_us``, ``gemm_efficiency``, ``elementwise_traffic``, ``microbatch_overhead_us``.
+    """``kernel_overhead_us``, ``gemm_efficiency``, ``attn_score_ns``, ``microbatch_overhead_us``.
 
     ``points`` are (model, seconds per layer, seconds of the 1-layer model), narrowest model first.
-    The cost model charges a layer's fwd+bwd 3 * (kernel overhead + flops / rate(w) + elementwise
-    traffic * activation bytes / memory bandwidth), rate(w) = peak * efficiency * w/(w + gemm_half_width),
-    with peak and half width from the GEMM microbenchmark. That is linear in (kernel overhead,
-    1/efficiency, elementwise traffic), and the three scale differently with width (1, ~w^2, ~w), so
-    layers of three widths separate them (:func:`nnls`). Pure GEMMs overstate what a real layer's
-    backward GEMMs, attention and copies reach: the fitted efficiency and traffic are that gap.
+    The cost model charges a layer's fwd+bwd 3 * (kernel overhead + flops / rate(w) + score elements
+    * attn_score_ns + activation streaming), rate(w) = peak * efficiency * w/(w + gemm_half_width), with
+    peak and half width from the GEMM microbenchmark. That is linear in (kernel overhead,
+    1/efficiency, ns per score), and the three scale differently (1; ~w^2; a*s^2), so layers of
+    different width and sequence separate them (:func:`nnls`, relative errors). Pure GEMMs overstate
+    what a real layer's backward GEMMs, attention and copies reach: the fitted terms are that gap.
     """
     rows = []
     for model, per_layer, _ in points:
@@ -234,10 +237,11 @@ def fit_layers(hw: Hardware, points: list[tuple[dict[str, Any], float, float]]) 
         dense, attn = layer_forward_flops(sh, PROBE_BATCH * sh.seq)
         w = sh.hidden
         at_peak = 3 * (dense + attn) * (w + hw.gemm_half_width) / w / (hw.peak_tflops * 1e12)
+        scores = 3 * PROBE_BATCH * sh.heads * sh.seq**2 * 1e-9
         stream = 3 * layer_activation_bytes(sh, PROBE_BATCH, 1, False, "none", hw.act_bytes) / (hw.mem_bw_gbs * 1e9)
         target = per_layer - hw.elementwise_traffic * stream
-        rows.append((3e-6 / per_layer, at_peak / per_layer, target / per_layer))  # relative errors count alike
-    kernel_us, inv_eff = nnls(rows)
+        rows.append((3e-6 / per_layer, at_peak / per_layer, scores / per_layer, target / per_layer))
+    kernel_us, inv_eff, score_ns = nnls(rows)
     eff = 1.0 / inv_eff if inv_eff > 0 else hw.gemm_efficiency
     # The narrow model's 1-layer time minus its layer leaves embedding + head + loss; the head's FLOPs
     # are charged by the cost model already.
@@ -245,7 +249,7 @@ def fit_layers(hw: Hardware, points: list[tuple[dict[str, Any], float, float]]) 
     sh = Shape.from_model(ModelConfig(**model))
     rate = hw.peak_tflops * 1e12 * eff * sh.hidden / (sh.hidden + hw.gemm_half_width)
     head = 3 * logits_flops(sh, PROBE_BATCH * sh.seq) / rate
-    return {"kernel_overhead_us": kernel_us, "gemm_efficiency": eff,
+    return {"kernel_overhead_us": kernel_us, "gemm_efficiency": eff, "attn_score_ns": score_ns,
             "microbatch_overhead_us": max(0.0, one - per_layer - head) * 1e6}
 
 
@@ -323,7 +327,7 @@ def measure_overheads(hw: Hardware, topo: Any, folder: Path, say: Callable[[str]
                       ) -> dict[str, float]:
     """Steps 1-3 of the module docstring, on this rank (process group up); same result on every rank."""
     nodes, per_node = topo.num_nodes, topo.local_world_size
-    models = ((DISPATCH_MODEL, 20), (PROBE_MODEL, 12), (LAYER_MODEL, 8))
+    models = ((DISPATCH_MODEL, 20), (PROBE_MODEL, 12), (ATTN_MODEL, 10), (LAYER_MODEL, 8))
     t = torch.tensor([layer_times(m, reps) for m, reps in models], dtype=torch.float64)
     if dist.is_initialized():  # every rank ran at once (the node's cores shared as in training): mean share
         dist.all_reduce(t)
