@@ -25,7 +25,7 @@ pipelining schedule's bookkeeping per microbatch, FSDP2's hooks per unit, and pe
    (:func:`fit_memory`).
 
 The exposed fraction of the pipeline bubble is not fitted here but derived from ranks per core
-(``calibrate.bubble_exposed``). The probes' shapes (widths 32, 128 and 320) are not ones the
+(``calibrate.bubble_exposed``). The probes' shapes (widths 32, 96, 128 and 320) are not ones the
 planner is evaluated on; the layouts are the runtime's mechanisms, so dp x tp, dp x pp and fsdp x tp are
 predicted by composition.
 """
@@ -53,7 +53,7 @@ from xirang_hpc.planner.formulas import Shape, layer_activation_bytes, layer_for
 from xirang_hpc.planner.hardware import Hardware
 
 PROBE_MODEL = {"name": "probe", "n_layer": 2, "n_head": 2, "d_model": 128, "d_ff": 512, "seq_len": 32}
-# Per-layer dispatch is timed on a model so narrow that its FLOPs are negligible.
+# Layer-fit probes (fit_layers): one so narrow that per-layer dispatch dominates its time ...
 DISPATCH_MODEL = {"name": "dispatch", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 128, "seq_len": 16}
 # ... and the layer's efficiency against the GEMM peak on one wide enough for FLOPs to dominate
 # (a width no evaluated preset uses, so the fit is not tuned to one).
@@ -66,9 +66,9 @@ PROBE_ROUNDS = 3  # median over rounds: one round's figures swung up to 2x betwe
 
 
 # Probes on another shape than PROBE_MODEL: two TP probes separate TP's fixed cost per layer from its
-# cost per activation byte (8 KB vs 328 KB of activations per rank: the wide one has LAYER_MODEL's
-# width and sequence, so the per-byte slope spans the sizes real layers move and is not a long
-# extrapolation from two nearby points, which swung 0-40k us/MB). The deep dp probe (4 layers)
+# cost per activation byte (131 KB vs 328 KB of activations per rank: PROBE_MODEL at sequence 64 and
+# LAYER_MODEL, bracketing the sizes real layers move; an 8 KB narrow probe overstated the fixed part,
+# and two nearby points swung the slope 0-40k us/MB). The deep dp probe (4 layers)
 # separates the per-step fixed cost from the per-tensor one; the wide dp and fsdp probes (LAYER_MODEL,
 # 6x the gradient bytes at the same tensor and unit counts) separate per-MB synchronisation costs from
 # per-tensor and per-unit ones.
