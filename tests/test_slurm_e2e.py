@@ -198,6 +198,24 @@ def test_kill9_rank_policy_requeue_resumes_from_periodic_checkpoint(slurm, stdli
     assert resumed >= 10 and resumed % 10 == 0, resumed  # a periodic checkpoint, not a save-on-stop
 
 
+def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path):
+    """1 node x 2 ranks, kill -9 of rank 1: the requeued job excludes that node and reruns on the other."""
+    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
+                        "train.max_steps=60", "checkpoint.every_steps=10"])
+    first = _wait(lambda: _ev(run, "first_step", 0), 240, "training to start")[0]
+    node = _ev(run, "start", 0)[0]["node"]
+    assert node in ("n1", "n2"), first
+    os.kill(_wait(lambda: rank_pid(run, 0, 1), 30, "rank 1's pid"), 9)
+    final = _final(run, timeout=300)
+    assert final["status"] == "completed", read_events(run)
+    requeue = _ev(run, "requeue", 0)[0]
+    assert requeue["reason"] == "node_failure" and requeue["excluded"] == [node], requeue
+    rerun = _ev(run, "start", 1)[0]
+    assert rerun["node"] != node, (node, rerun)  # Slurm placed the rerun on the healthy node
+    info = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    assert f"ExcNodeList={node}" in info and "Restarts=1" in info, info
+
+
 def test_max_requeues_exceeded_gives_final_status(slurm, stdlib_data, tmp_path):
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "requeue.max_requeues=0", "train.max_steps=400",
                         "train.priority=exploratory"])

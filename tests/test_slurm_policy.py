@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from conftest import compose_cfg
 
@@ -124,3 +126,11 @@ def test_rank_markers_name_ranks_that_never_exited(tmp_path):
     assert missing_ranks(tmp_path, 1) == [(3, "n2")]
     assert rank_pid(tmp_path, 1, 3) == __import__("os").getpid()
     assert missing_ranks(tmp_path, 0) == []  # a restart that never started
+
+
+def test_exclusion_refuses_a_node_name_that_is_not_a_hostname():
+    """Node names end up in a shell line for the detached helper: anything odd is refused."""
+    if shutil.which("scontrol") is None:
+        pytest.skip("needs scontrol on PATH (the check runs after the scontrol lookup)")
+    with pytest.raises(slurmctl.SlurmCommandError, match="not a Slurm node name"):
+        slurmctl.start_now_detached("1", exclude=["n1; rm -rf /"], start=False)

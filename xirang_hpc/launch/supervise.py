@@ -79,13 +79,12 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
                  nodes=nodes)
     append_event(run_dir, "exit", "requeued", final=False, status="requeued", job=job_id, restart=restart)
     try:
-        if verdict.start_now or verdict.backoff_s:
+        start = bool(verdict.start_now or verdict.backoff_s)
+        if start or excluded:
             # Detached and polling for the requeued job's BeginTime hold, so it is started before
-            # the requeue that may end this script.
-            slurmctl.start_now_detached(job_id, verdict.backoff_s)
+            # the requeue that may end this script; Slurm refuses ExcNodeList on a running job.
+            slurmctl.start_now_detached(job_id, verdict.backoff_s, exclude=excluded, start=start)
         slurmctl.requeue(job_id)
-        if excluded:
-            slurmctl.run_scontrol(["update", f"jobid={job_id}", f"ExcNodeList={','.join(excluded)}"])
     except slurmctl.SlurmCommandError as exc:
         append_event(run_dir, "exit", "requeue_failed", final=True, status="requeue_failed", error=str(exc),
                      job=job_id, restart=restart)

@@ -10,10 +10,13 @@ Everything else here is parsing and decisions over plain data, so it is testable
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class SlurmCommandError(RuntimeError):
@@ -116,23 +119,36 @@ def classify_stop(info: Mapping[str, str], signal_name: str, signal_delay_s: flo
                                    f"TimeLimit={info.get('TimeLimit')})")
 
 
-def start_now_detached(job_id: str, delay_s: int = 0, wait_s: int = 120) -> None:
-    """After a requeue, make the job eligible again at once (or after ``delay_s``: the backoff).
+def start_now_detached(job_id: str, delay_s: int = 0, wait_s: int = 120, exclude: Sequence[str] = (),
+                       start: bool = True) -> None:
+    """After a requeue: exclude failed nodes and make the job eligible again at once (or after ``delay_s``).
 
     Slurm holds a requeued job in ``BeginTime`` for about two minutes, and sets that begin time
-    only once the job has left the nodes (an earlier update is overwritten), so the update must come
-    from a process that outlives the job: a small detached shell polls until the job is PENDING
-    with ``Reason=BeginTime``, then sets ``StartTime``.
-    Where the site's process tracking (cgroups) kills it with the job, Slurm's default delay stands.
+    only once the job has left the nodes (an earlier update is overwritten). ``ExcNodeList`` can
+    only be changed while the job is pending ("Job is no longer pending execution" while it runs).
+    So both updates must come from a process that outlives the job: a small detached shell polls
+    until the job is PENDING with ``Reason=BeginTime``, then sets ``ExcNodeList`` (when ``exclude``
+    names nodes) and ``StartTime`` (when ``start``). Where the site's process tracking (cgroups)
+    kills it with the job, Slurm's default delay stands and no node is excluded.
     """
     exe = shutil.which("scontrol")
     if exe is None:
-        raise SlurmCommandError("scontrol not found: cannot apply requeue.start_now")
+        raise SlurmCommandError("scontrol not found: cannot apply requeue.start_now / exclude_failed_nodes")
+    for node in exclude:  # node names go into a shell line: refuse anything but a Slurm hostname
+        if not _NODE_NAME.fullmatch(node):
+            raise SlurmCommandError(f"refusing to exclude node {node!r}: not a Slurm node name")
+    if not start and not exclude:
+        return
     when = "now" if delay_s <= 0 else f"now+{int(delay_s)}"
+    updates = []
+    if exclude:
+        updates.append(f"{exe} update jobid={job_id} ExcNodeList={','.join(exclude)}")
+    if start:
+        updates.append(f"{exe} update jobid={job_id} StartTime={when}")
     script = (
         f"for i in $(seq 1 {int(wait_s)}); do sleep 1; "
         f"if {exe} show job -o {job_id} | grep 'JobState=PENDING' | grep -q 'Reason=BeginTime'; then "
-        f"{exe} update jobid={job_id} StartTime={when}; exit 0; fi; done"
+        f"{'; '.join(updates)}; exit 0; fi; done"
     )
     # A double fork (the intermediate shell exits) so the helper is no child of the job's tasks.
     subprocess.Popen(["sh", "-c", 'setsid sh -c "$1" </dev/null >/dev/null 2>&1 &', "sh", script],
