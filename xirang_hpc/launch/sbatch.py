@@ -26,7 +26,8 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.store import register_configs
 from xirang_hpc.config.validate import check_runnable, load_config
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch_templates" / "xirang.sbatch"
+# Inside the package (so a non-editable install has it); the repo's top-level sbatch_templates/ links here.
+TEMPLATE = Path(__file__).resolve().parents[1] / "sbatch_templates" / "xirang.sbatch"
 CONFIG_FILE = "job_config.json"
 
 
