@@ -39,3 +39,15 @@ def stdlib_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("stdlib-bytes")
     prepare("stdlib", out)
     return out
+
+
+@pytest.fixture(scope="session")
+def email_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small real corpus for the parallel-layout tests: the stdlib ``email`` package (~1 MB), byte-tokenized."""
+    import sysconfig
+
+    from xirang_hpc.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("email-bytes")
+    prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), out, val_fraction=0.2)
+    return out

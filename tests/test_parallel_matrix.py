@@ -13,7 +13,6 @@ the same model, data and seed:
 
 from __future__ import annotations
 
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -34,31 +33,21 @@ EXTRA = {"pp2/bf16": (2, "pp2", {"precision": "bf16"})}
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small real corpus: the stdlib ``email`` package (~1 MB), byte-tokenized."""
-    from xirang_hpc.data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("email-bytes")
-    prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), out, val_fraction=0.2)
-    return out
-
-
-@pytest.fixture(scope="module")
-def ref(data_dir: Path) -> dict:
-    r = H.reference(data_dir)
+def ref(email_data: Path) -> dict:
+    r = H.reference(email_data)
     assert min(r["norms"]) > 0.05, "clipping must be active for the grad-norm check to bite"
     return r
 
 
 @pytest.fixture(scope="module")
-def groups(data_dir: Path):
+def groups(email_data: Path):
     cache: dict[int, dict] = {}
 
     def get(world: int) -> dict:
         if world not in cache:
             jobs = [(f"{n}/{r}", H.with_recompute(H.make_cfg(world, H.LAYOUTS[n]), r)) for n, r in GROUPS[world]]
             jobs += [(k, H.make_cfg(w, H.LAYOUTS[n], train=tr)) for k, (w, n, tr) in EXTRA.items() if w == world]
-            cache[world] = H.run_group(world, jobs, data_dir, steps=10, timeout_s=420)
+            cache[world] = H.run_group(world, jobs, email_data, steps=10, timeout_s=420)
         return cache[world]
 
     return get
@@ -82,11 +71,11 @@ def test_layout_matches_single_process(world: int, layout: str, recompute: str, 
 
 
 @pytest.mark.slow
-def test_bf16_pipeline_stages_run_under_autocast(groups, ref: dict, data_dir: Path) -> None:
+def test_bf16_pipeline_stages_run_under_autocast(groups, ref: dict, email_data: Path) -> None:
     """train.precision=bf16 through a 1F1B pipeline (training and eval): close to the single-process
     bf16 run, and not the fp32 numbers (so every stage really ran under autocast). CPU autocast bf16;
     the CUDA path (precision=auto under nccl) cannot run here (no GPU)."""
-    refb = H.reference(data_dir, train={"precision": "bf16"})
+    refb = H.reference(email_data, train={"precision": "bf16"})
     per_rank = groups(2)["pp2/bf16"]
     for r in per_rank:
         np.testing.assert_allclose(r["losses"], refb["losses"], rtol=2e-4, atol=0)

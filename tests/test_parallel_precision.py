@@ -7,7 +7,6 @@ nccl) cannot run on this machine (no GPU): only its resolution rule is checked, 
 
 from __future__ import annotations
 
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +21,8 @@ from xirang_hpc.runtime.precision import apply_autocast, resolve
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from xirang_hpc.data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("email-bytes")
-    prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), out, val_fraction=0.2)
-    return out
-
-
-@pytest.fixture(scope="module")
-def fp32(data_dir: Path) -> dict:
-    return H.reference(data_dir, steps=6, train={"precision": "fp32"})
+def fp32(email_data: Path) -> dict:
+    return H.reference(email_data, steps=6, train={"precision": "fp32"})
 
 
 def test_resolution_rule_and_bad_values() -> None:
@@ -62,15 +52,15 @@ def test_bf16_forward_is_autocast_and_loss_is_fp32() -> None:
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
-def test_auto_on_cpu_is_bitwise_fp32(data_dir: Path, fp32: dict) -> None:
-    auto = H.reference(data_dir, steps=6)  # TrainConfig default: precision=auto
+def test_auto_on_cpu_is_bitwise_fp32(email_data: Path, fp32: dict) -> None:
+    auto = H.reference(email_data, steps=6)  # TrainConfig default: precision=auto
     assert auto["losses"] == fp32["losses"] and auto["norms"] == fp32["norms"] and auto["val"] == fp32["val"]
     for name, want in fp32["params"].items():
         np.testing.assert_array_equal(auto["params"][name], want, err_msg=name)
 
 
-def test_bf16_trains_close_to_fp32_but_not_equal(data_dir: Path, fp32: dict) -> None:
-    bf16 = H.reference(data_dir, steps=6, train={"precision": "bf16"})
+def test_bf16_trains_close_to_fp32_but_not_equal(email_data: Path, fp32: dict) -> None:
+    bf16 = H.reference(email_data, steps=6, train={"precision": "bf16"})
     rel = [abs(a / b - 1) for a, b in zip(bf16["losses"], fp32["losses"])]
     assert max(rel) > 1e-6, "bf16 autocast must change the numbers"
     np.testing.assert_allclose(bf16["losses"], fp32["losses"], rtol=1e-2)

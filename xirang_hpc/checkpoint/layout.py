@@ -26,19 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc.checkpoint.naming import STEP_RE, committed_steps, step_dir_name
 from xirang_hpc.checkpoint.storage import METADATA_FILE, CheckpointCorruptError, checksum_file, fsync_path, verify_file
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
 LATEST = "latest"
 PINNED = "PINNED"
-_STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^step_\d+\.(tmp|old)-")
-
-
-def step_dir_name(step: int) -> str:
-    """``step_<N>``."""
-    return f"step_{step}"
 
 
 def make_dir(path: Path, mode: int) -> Path:
@@ -66,22 +61,10 @@ def write_json_durable(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def committed_steps(root: Path) -> list[int]:
-    """Steps that have a committed directory (ascending). Says nothing about their health."""
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
-        if m and p.is_dir():
-            out.append(int(m.group(1)))
-    return sorted(out)
-
-
 def read_latest(root: Path) -> int | None:
     """The step the ``latest`` pointer names, or None."""
     try:
-        m = _STEP_RE.match((root / LATEST).read_text().strip())
+        m = STEP_RE.match((root / LATEST).read_text().strip())
     except OSError:
         return None
     return int(m.group(1)) if m else None

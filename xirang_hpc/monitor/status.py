@@ -8,7 +8,6 @@ executor, squeue/sacct/scontrol for Slurm). :func:`run_status` returns a JSON-re
 
 from __future__ import annotations
 
-import re
 import socket
 import time
 from pathlib import Path
@@ -16,12 +15,12 @@ from typing import Any
 
 import psutil
 
+from xirang_hpc.checkpoint.naming import committed_steps, step_dir_name
 from xirang_hpc.monitor.events import FAULT_KINDS, read_events, read_jsonl
 from xirang_hpc.monitor.flops import mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import HEARTBEAT_DIR, SESSION_FILE, SESSIONS_LOG, read_heartbeats, read_json
 from xirang_hpc.monitor.jobstate import Runner, run_cmd, slurm_state
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
 
 
@@ -43,14 +42,14 @@ def _submitted(events: list[dict[str, Any]]) -> dict[str, Any]:
 def checkpoints(run_dir: Path) -> list[dict[str, Any]]:
     """Committed checkpoints ``checkpoints/step_N``, oldest first, with their mtimes."""
     root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return []
     out = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir():
-            out.append({"step": int(m.group(1)), "path": str(p), "time": p.stat().st_mtime})
-    return sorted(out, key=lambda c: c["step"])
+    for step in committed_steps(root):
+        path = root / step_dir_name(step)
+        try:
+            out.append({"step": step, "path": str(path), "time": path.stat().st_mtime})
+        except FileNotFoundError:  # pruned by retention since the listing
+            continue
+    return out
 
 
 def _alive(pid: int, started: float) -> bool:
