@@ -162,3 +162,23 @@ def test_ddp_bucket_cap_follows_comm_bucket(tmp_path: Path) -> None:
         assert ddp.bucket_bytes_cap == 4 * (1 << 20)
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp_node_note_says_when_hsdp_is_already_hierarchical_and_how_to_fix_fsdp() -> None:
+    from xirang_hpc.runtime.comm.groups import fsdp_node_note
+    from xirang_hpc.runtime.parallel_dims import ParallelDims
+
+    two_by_two = [(0, 0), (0, 1), (1, 0), (1, 1)]  # rank -> (node, local rank)
+    hsdp = fsdp_node_note(ParallelDims(pp=1, dp_replicate=2, dp_shard=2, tp=1, world_size=4), two_by_two)
+    assert hsdp is not None and hsdp.startswith("HSDP is hierarchical by construction")
+    fsdp = fsdp_node_note(ParallelDims(pp=1, dp_replicate=1, dp_shard=4, tp=1, world_size=4), two_by_two)
+    assert fsdp is not None and "span nodes" in fsdp and "parallel.dp_replicate=2" in fsdp
+    # Ranks numbered round-robin over nodes: placement orders the mesh by node, so still hierarchical.
+    round_robin = [(0, 0), (1, 0), (0, 1), (1, 1)]
+    rr = fsdp_node_note(ParallelDims(pp=1, dp_replicate=2, dp_shard=2, tp=1, world_size=4), round_robin)
+    assert rr is not None and rr.startswith("HSDP is hierarchical by construction")
+    # tp inside the node, dp across nodes: shard groups of 2 cross nodes, replicate=2 would fix it.
+    assert fsdp_node_note(ParallelDims(pp=1, dp_replicate=1, dp_shard=2, tp=2, world_size=4), two_by_two) \
+        .startswith("FSDP shard groups span nodes")
+    # pp across nodes, dp inside each node: nothing of FSDP's crosses a node link.
+    assert fsdp_node_note(ParallelDims(pp=2, dp_replicate=1, dp_shard=2, tp=1, world_size=4), two_by_two) is None

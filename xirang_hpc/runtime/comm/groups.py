@@ -92,3 +92,33 @@ def build_layout(topo: Topology, group: Any = None, backend: str = "gloo") -> Co
                                     intra_ranks=row)
     assert layout is not None, "this rank is not in its own data-parallel group"
     return layout
+
+
+def fsdp_node_note(dims: Any, nodes: list[tuple[int, int]]) -> str | None:
+    """How FSDP2/HSDP's own collectives map onto nodes, for ``dims`` placed on ``nodes[rank] = (node, local)``.
+
+    HSDP is the hierarchical all-reduce by construction when every shard group lies inside one node:
+    the gradient reduce-scatter (and the next forward's all-gather) stay on the node, and only each
+    rank's 1/dp_shard shard is all-reduced across nodes, by dp_shard parallel replicate groups, the
+    same k flows as the DDP hook. So for FSDP the hook is not installed; instead this says whether
+    the mesh already has that shape, and if shard groups span nodes, the override that fixes it.
+    Returns ``None`` when the data-parallel group lives on one node (nothing crosses a node link).
+    """
+    order = dims.placement(nodes)
+    shard_groups: dict[tuple[int, int, int], list[int]] = {}
+    dp_nodes: dict[tuple[int, int], set[int]] = {}
+    for pos, rank in enumerate(order):
+        c = dims.coords(pos)
+        shard_groups.setdefault((c["pp"], c["dp_replicate"], c["tp"]), []).append(rank)
+        dp_nodes.setdefault((c["pp"], c["tp"]), set()).add(nodes[rank][0])
+    spanned = max(len(s) for s in dp_nodes.values())
+    if spanned <= 1:
+        return None
+    crossing = [g for g in shard_groups.values() if len({nodes[r][0] for r in g}) > 1]
+    if crossing:
+        return (f"FSDP shard groups span nodes (e.g. ranks {crossing[0]}): every reduce-scatter and all-gather "
+                f"crosses the inter-node link. Set parallel.dp_replicate={spanned} (HSDP: shard inside each "
+                f"node, all-reduce the shards across the {spanned} nodes) to keep them on the node")
+    return (f"HSDP is hierarchical by construction: shard groups of {dims.dp_shard} rank(s) inside each node "
+            f"(reduce-scatter / all-gather stay on the node), {dims.dp_shard} parallel cross-node replicate "
+            f"group(s) all-reduce 1/{dims.dp_shard} of the gradient each")

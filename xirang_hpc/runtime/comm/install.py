@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from xirang_hpc.config.schema import CommConfig
 from xirang_hpc.runtime.comm.budget import ModelAverager
-from xirang_hpc.runtime.comm.groups import CommLayout, CommLayoutError, build_layout
+from xirang_hpc.runtime.comm.groups import CommLayout, CommLayoutError, build_layout, fsdp_node_note
 from xirang_hpc.runtime.comm.hierarchical import HierarchicalAllreduce
 from xirang_hpc.runtime.comm.hook import MB, BucketTuner, CommHook
 from xirang_hpc.runtime.topology import Topology
@@ -172,8 +173,19 @@ class CommTrainerHook(TrainerHook):
             if extra is None:
                 extra = trainer.extra_state = {}
             extra["comm"] = self.state
-        elif trainer.topo.rank == 0 and trainer.dp_size > 1:
-            trainer.log("comm: hierarchical hook skipped (data_parallel is not plain DDP; FSDP/HSDP reduce internally)")
+        elif trainer.dp_size > 1:
+            self._fsdp_note(trainer)
+
+    @staticmethod
+    def _fsdp_note(trainer: Any) -> None:
+        # Collective on every rank (same config everywhere): where FSDP's own collectives run.
+        topo = trainer.topo
+        nodes: list[Any] = [None] * topo.world_size
+        dist.all_gather_object(nodes, (topo.node_id, topo.local_rank))
+        note = fsdp_node_note(trainer.dims, [tuple(n) for n in nodes])
+        if topo.rank == 0:
+            trainer.log("comm: hierarchical DDP hook not used (FSDP/HSDP reduce internally)"
+                        + (f"; {note}" if note else ""))
 
     def on_phase(self, trainer: Any, phase: str) -> None:
         if phase == "data":
