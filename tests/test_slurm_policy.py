@@ -134,3 +134,35 @@ def test_exclusion_refuses_a_node_name_that_is_not_a_hostname():
         pytest.skip("needs scontrol on PATH (the check runs after the scontrol lookup)")
     with pytest.raises(slurmctl.SlurmCommandError, match="not a Slurm node name"):
         slurmctl.start_now_detached("1", exclude=["n1; rm -rf /"], start=False)
+
+
+def _fake_scontrol(states: dict[str, str], exc: str = "(null)"):
+    """Canned ``scontrol`` answers for a 4-node partition ``low`` = n[1-4] (the logic under test is ours)."""
+    def run(args: list[str], timeout_s: float = 30.0) -> str:
+        if args[:2] == ["show", "job"]:
+            return f"JobId=7 JobState=RUNNING ExcNodeList={exc} NumNodes=1"
+        if args[:2] == ["show", "partition"]:
+            return "PartitionName=low Nodes=n[1-4] TotalNodes=4"
+        if args[:2] == ["show", "hostnames"]:
+            return "\n".join(["n1", "n2", "n3", "n4"] if args[2] == "n[1-4]" else args[2].split(","))
+        if args[:2] == ["show", "node"]:
+            return "\n".join(f"NodeName={n} Arch=x86_64 State={s} Partitions=low" for n, s in states.items())
+        raise AssertionError(args)
+    return run
+
+
+def test_exclusion_adds_failed_nodes_to_earlier_ones_but_never_strands_the_job(monkeypatch):
+    from xirang_hpc.launch.supervise import exclusion
+
+    healthy = {"n1": "IDLE", "n2": "DOWN+NOT_RESPONDING", "n3": "IDLE", "n4": "MIXED"}
+    monkeypatch.setattr(slurmctl, "run_scontrol", _fake_scontrol(healthy, exc="n3"))
+    assert exclusion("7", ["n1"], 1, "low") == ["n1", "n3"]  # n4 is left: the union is applied
+    assert exclusion("7", ["n1"], 2, "low") == []  # n2 is down: excluding n1 + n3 leaves 1 node for 2
+    drained = {**healthy, "n4": "IDLE+DRAIN"}
+    monkeypatch.setattr(slurmctl, "run_scontrol", _fake_scontrol(drained, exc="n3"))
+    assert exclusion("7", ["n1"], 1, "low") == []  # nothing usable would be left
+
+    def broken(args: list[str], timeout_s: float = 30.0) -> str:
+        raise slurmctl.SlurmCommandError("scontrol failed")
+    monkeypatch.setattr(slurmctl, "run_scontrol", broken)
+    assert exclusion("7", ["n1"], 1, "low") == []  # no exclusion; the requeue still happens

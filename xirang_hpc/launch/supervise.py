@@ -34,15 +34,44 @@ def already_handled(run_dir: Path, restart: int) -> bool:
     return any(e.get("kind") == "exit" and e.get("restart") == restart for e in read_events(run_dir))
 
 
-def can_exclude(nodes_needed: int, partition: str | None, exclude: list[str]) -> bool:
-    """Excluding ``exclude`` leaves enough nodes in the partition for the job."""
+# Node states in which Slurm will not start a job there (``scontrol show node``'s State, e.g. IDLE+DRAIN).
+_UNUSABLE = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN", "FUTURE")
+
+
+def hostnames(expr: str) -> list[str]:
+    """A Slurm hostlist expression (``n[1-3],gpu07``) -> node names; ``(null)``/empty -> []."""
+    if not expr or expr in ("(null)", "None"):
+        return []
+    return slurmctl.run_scontrol(["show", "hostnames", expr]).split()
+
+
+def usable_nodes(partition: str | None) -> list[str]:
+    """Nodes of ``partition`` (the default one if None) in a state where a job can start."""
+    info = slurmctl.parse_job(slurmctl.run_scontrol(["show", "partition", "-o", *([partition] if partition else [])]))
+    names = hostnames(info.get("Nodes", ""))
+    out = []
+    for line in slurmctl.run_scontrol(["show", "node", "-o", info.get("Nodes", "")]).splitlines():
+        node = slurmctl.parse_job(line)
+        state = node.get("State", "")
+        if node.get("NodeName") in names and not any(bad in state for bad in _UNUSABLE):
+            out.append(node["NodeName"])
+    return out
+
+
+def exclusion(job_id: str, failed: list[str], nodes_needed: int, partition: str | None) -> list[str]:
+    """The job's new ExcNodeList: earlier exclusions plus ``failed``, or [] if the job could then not run.
+
+    Excluding a node must never leave a requeued job pending forever: the usable nodes of the
+    partition (not down/drained) that are not excluded must still hold ``nodes_needed``. Any
+    ``scontrol`` failure means no exclusion (the requeue itself still happens).
+    """
     try:
-        args = ["show", "partition", "-o", *([partition] if partition else [])]
-        info = slurmctl.parse_job(slurmctl.run_scontrol(args))
-        total = int(info.get("TotalNodes", "0"))
-    except (slurmctl.SlurmCommandError, ValueError):
-        return False
-    return total - len(exclude) >= nodes_needed
+        earlier = hostnames(slurmctl.job_info(job_id).get("ExcNodeList", ""))
+        wanted = sorted(set(earlier) | set(failed))
+        left = [n for n in usable_nodes(partition) if n not in wanted]
+    except slurmctl.SlurmCommandError:
+        return []
+    return wanted if len(left) >= nodes_needed else []
 
 
 def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
@@ -71,8 +100,8 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
         print(f"xirang: not requeued: {verdict.why}", file=sys.stderr, flush=True)
         return rc
     excluded: list[str] = []
-    if policy.exclude_failed_nodes and nodes and can_exclude(job["nodes"], job.get("partition"), nodes):
-        excluded = nodes
+    if policy.exclude_failed_nodes and nodes:
+        excluded = exclusion(job_id, nodes, int(job["nodes"]), job.get("partition"))
     # Record the decision before acting: `scontrol requeue` makes Slurm end this batch script, and
     # anything after it may never run (the events would then miss the requeue).
     append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, restart=restart, excluded=excluded,
