@@ -133,7 +133,7 @@ def test_exclusion_refuses_a_node_name_that_is_not_a_hostname():
     if shutil.which("scontrol") is None:
         pytest.skip("needs scontrol on PATH (the check runs after the scontrol lookup)")
     with pytest.raises(slurmctl.SlurmCommandError, match="not a Slurm node name"):
-        slurmctl.start_now_detached("1", exclude=["n1; rm -rf /"], start=False)
+        slurmctl.after_requeue_detached("1", exclude=["n1; rm -rf /"], start=False)
 
 
 def _fake_scontrol(states: dict[str, str], exc: str = "(null)"):

@@ -49,11 +49,12 @@ def usable_nodes(partition: str | None) -> list[str]:
     """Nodes of ``partition`` (the default one if None) in a state where a job can start."""
     info = slurmctl.parse_job(slurmctl.run_scontrol(["show", "partition", "-o", *([partition] if partition else [])]))
     names = hostnames(info.get("Nodes", ""))
+    if not names:
+        return []
     out = []
-    for line in slurmctl.run_scontrol(["show", "node", "-o", info.get("Nodes", "")]).splitlines():
+    for line in slurmctl.run_scontrol(["show", "node", "-o", info["Nodes"]]).splitlines():
         node = slurmctl.parse_job(line)
-        state = node.get("State", "")
-        if node.get("NodeName") in names and not any(bad in state for bad in _UNUSABLE):
+        if node.get("NodeName") in names and not any(bad in node.get("State", "") for bad in _UNUSABLE):
             out.append(node["NodeName"])
     return out
 
@@ -112,7 +113,7 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
         if start or excluded:
             # Detached and polling for the requeued job's BeginTime hold, so it is started before
             # the requeue that may end this script; Slurm refuses ExcNodeList on a running job.
-            slurmctl.start_now_detached(job_id, verdict.backoff_s, exclude=excluded, start=start)
+            slurmctl.after_requeue_detached(job_id, verdict.backoff_s, exclude=excluded, start=start)
         slurmctl.requeue(job_id)
     except slurmctl.SlurmCommandError as exc:
         append_event(run_dir, "exit", "requeue_failed", final=True, status="requeue_failed", error=str(exc),

@@ -68,7 +68,7 @@ class StopSignalHook(TrainerHook):
                  save_fn: Callable[[Trainer], int | None] | None = None,
                  job_info: Callable[[str], dict[str, str]] = slurmctl.job_info,
                  requeue_fn: Callable[[str], None] = slurmctl.requeue,
-                 start_now_fn: Callable[[str, int], None] = slurmctl.start_now_detached) -> None:
+                 start_now_fn: Callable[[str, int], None] = slurmctl.after_requeue_detached) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         self.env = os.environ if env is None else env
         self.exit_fn, self.save_fn = exit_fn, save_fn

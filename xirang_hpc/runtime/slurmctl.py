@@ -119,7 +119,7 @@ def classify_stop(info: Mapping[str, str], signal_name: str, signal_delay_s: flo
                                    f"TimeLimit={info.get('TimeLimit')})")
 
 
-def start_now_detached(job_id: str, delay_s: int = 0, wait_s: int = 120, exclude: Sequence[str] = (),
+def after_requeue_detached(job_id: str, delay_s: int = 0, wait_s: int = 120, exclude: Sequence[str] = (),
                        start: bool = True) -> None:
     """After a requeue: exclude failed nodes and make the job eligible again at once (or after ``delay_s``).
 
