@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -214,6 +215,22 @@ def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path):
     assert rerun["node"] != node, (node, rerun)  # Slurm placed the rerun on the healthy node
     info = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
     assert f"ExcNodeList={node}" in info and "Restarts=1" in info, info
+
+
+def test_hang_is_aborted_and_the_requeue_excludes_the_hung_node(slurm, stdlib_data, tmp_path):
+    """SIGSTOP of rank 1 in a 1-node job: the watchdog names it, aborts, and the rerun avoids that node."""
+    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
+                        "train.max_steps=60", "checkpoint.every_steps=10", "monitor.hang_s=8"])
+    _wait(lambda: _ev(run, "first_step", 0), 240, "training to start")
+    node = _ev(run, "start", 0)[0]["node"]
+    os.kill(_wait(lambda: rank_pid(run, 0, 1), 30, "rank 1's pid"), signal.SIGSTOP)
+    final = _final(run, timeout=300)
+    assert final["status"] == "completed", read_events(run)
+    hang = _ev(run, "hang")[0]
+    assert (hang["rank"], hang["node"]) == (1, node) and "stopped" in hang["cause"], hang
+    requeue = _ev(run, "requeue", 0)[0]
+    assert requeue["excluded"] == [node], requeue
+    assert _ev(run, "start", 1)[0]["node"] != node
 
 
 def test_max_requeues_exceeded_gives_final_status(slurm, stdlib_data, tmp_path):
