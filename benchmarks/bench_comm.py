@@ -147,6 +147,22 @@ def worker(a: argparse.Namespace) -> None:
     ddp_res["hierarchical"] = step_time(d, st)
     st.close()
     res["ddp_step"] = ddp_res
+
+    # FSDP2 over all 4 ranks (shard groups cross the link) vs HSDP with shard groups inside each node
+    # (replicate across nodes): the layout the runtime's comm note recommends (runtime/comm/groups.py).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(mesh) -> nn.Module:  # noqa: ANN001
+        model = make()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    # Rank r = node * k + local, so the row-major (replicate, shard) mesh puts each shard group on one node.
+    res["fsdp_step"] = {"fsdp": step_time(sharded(init_device_mesh("cpu", (world,)))),
+                        "hsdp": step_time(sharded(init_device_mesh("cpu", (m, k),
+                                                                   mesh_dim_names=("replicate", "shard"))))}
     res["model_params_mb"] = 3 * (width * width + width) * 4 / MB
 
     # Bandwidth budget: inter-node bytes per step on the veth, H=1 vs H=8.
@@ -251,6 +267,11 @@ def report(res: dict) -> str:
                  f"flat(node) {dd['flat_by_node'] * 1e3:.1f} ms | "
                  f"flat(intl) {dd['flat_interleaved'] * 1e3:.1f} ms | hier {dd['hierarchical'] * 1e3:.1f} ms | "
                  f"flat/hier {dd['flat_by_node'] / dd['hierarchical']:.2f}x")
+    if "fsdp_step" in res:
+        fs = res["fsdp_step"]
+        lines.append(f"FSDP2 step (same model): fsdp over {res['nodes'] * res['per_node']} ranks "
+                     f"{fs['fsdp'] * 1e3:.1f} ms | hsdp {res['nodes']} nodes x {res['per_node']} shards "
+                     f"{fs['hsdp'] * 1e3:.1f} ms | fsdp/hsdp {fs['fsdp'] / fs['hsdp']:.2f}x")
     b = res["budget"]  # inter-node bytes per step per node
     v1, v8 = (b[h]["veth_tx_bytes_per_step_per_node"] for h in ("1", "8"))
     lines.append(f"budget: veth bytes/step/node H=1 {v1 / 1e6:.2f} MB, H=8 {v8 / 1e6:.2f} MB -> factor "
