@@ -112,7 +112,8 @@ class ParallelDims:
         return sorted(rows, key=lambda r: r["rank"])
 
     def build_mesh(self, topo: Topology, device_type: str = "cpu",
-                   log_fn: Callable[[str], None] | None = None) -> DeviceMesh | None:
+                   log_fn: Callable[[str], None] | None = None,
+                   nodes: list[tuple[int, int]] | None = None) -> DeviceMesh | None:
         """Build the named mesh on every rank (collective); ``None`` for a single process.
 
         Also creates the flattened ``dp`` dimension (replicate x shard), and logs the
@@ -120,16 +121,23 @@ class ParallelDims:
         """
         if self.world_size == 1 and not dist.is_initialized():
             return None
-        gathered: list[tuple[int, int] | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, (topo.node_id, topo.local_rank))
-        nodes = [tuple(x) for x in gathered]  # type: ignore[arg-type]
-        order = self.placement(nodes)  # type: ignore[arg-type]
+        nodes = gather_nodes(topo) if nodes is None else nodes
+        order = self.placement(nodes)
         mesh_tensor = torch.tensor(order, dtype=torch.int).view(self.shape)
         mesh = DeviceMesh(device_type, mesh_tensor, mesh_dim_names=MESH_DIMS)
         dp_mesh(mesh)
         if dist.get_rank() == 0:
-            (log_fn or log.info)(format_table(self, self.table(nodes)))  # type: ignore[arg-type]
+            (log_fn or log.info)(format_table(self, self.table(nodes)))
         return mesh
+
+
+def gather_nodes(topo: Topology) -> list[tuple[int, int]]:
+    """``[(node_id, local_rank)]`` of every rank (collective); this rank's alone for a single process."""
+    if topo.world_size == 1 and not dist.is_initialized():
+        return [(topo.node_id, topo.local_rank)]
+    gathered: list[tuple[int, int] | None] = [None] * topo.world_size
+    dist.all_gather_object(gathered, (topo.node_id, topo.local_rank))
+    return [tuple(x) for x in gathered]  # type: ignore[misc]
 
 
 def format_table(dims: ParallelDims, rows: list[dict[str, int]]) -> str:

@@ -20,7 +20,7 @@ from xirang_hpc.config.schema import TrainConfig, XirangConfig
 from xirang_hpc.data.dataset import TokenWindows
 from xirang_hpc.models.gpt import full_model_params, lm_loss
 from xirang_hpc.runtime.data_parallel import build_optimizer
-from xirang_hpc.runtime.parallel_dims import ParallelDims
+from xirang_hpc.runtime.parallel_dims import ParallelDims, gather_nodes
 from xirang_hpc.runtime.parallelize import clip_and_reduce, global_mean, make_optimizer, parallelize
 from xirang_hpc.runtime.topology import Topology
 
@@ -97,7 +97,8 @@ class Trainer:
         t = cfg.train
         # One ParallelDims object, passed explicitly; the mesh is built from the real topology.
         self.dims = ParallelDims.from_config(cfg.parallel, topo.world_size)
-        self.mesh = self.dims.build_mesh(topo, log_fn=log if topo.rank == 0 else None)
+        self.nodes = gather_nodes(topo)  # (node_id, local_rank) per rank: the mesh placement and comm notes
+        self.mesh = self.dims.build_mesh(topo, log_fn=log if topo.rank == 0 else None, nodes=self.nodes)
         # Same seed on every rank: identical initial weights without a broadcast.
         torch.manual_seed(t.seed)
         self.pm = parallelize(cfg, self.dims, self.mesh)

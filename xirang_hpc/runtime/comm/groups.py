@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from xirang_hpc.runtime.topology import Topology
+
+if TYPE_CHECKING:
+    from xirang_hpc.runtime.parallel_dims import ParallelDims
 
 
 class CommLayoutError(ValueError):
@@ -94,7 +97,7 @@ def build_layout(topo: Topology, group: Any = None, backend: str = "gloo") -> Co
     return layout
 
 
-def fsdp_node_note(dims: Any, nodes: list[tuple[int, int]]) -> str | None:
+def fsdp_node_note(dims: ParallelDims, nodes: list[tuple[int, int]]) -> str | None:
     """How FSDP2/HSDP's own collectives map onto nodes, for ``dims`` placed on ``nodes[rank] = (node, local)``.
 
     HSDP is the hierarchical all-reduce by construction when every shard group lies inside one node:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -178,12 +177,9 @@ class CommTrainerHook(TrainerHook):
 
     @staticmethod
     def _fsdp_note(trainer: Any) -> None:
-        # Collective on every rank (same config everywhere): where FSDP's own collectives run.
-        topo = trainer.topo
-        nodes: list[Any] = [None] * topo.world_size
-        dist.all_gather_object(nodes, (topo.node_id, topo.local_rank))
-        note = fsdp_node_note(trainer.dims, [tuple(n) for n in nodes])
-        if topo.rank == 0:
+        # Where FSDP's own collectives run, from the placement the trainer gathered for its mesh.
+        note = fsdp_node_note(trainer.dims, trainer.nodes)
+        if trainer.topo.rank == 0:
             trainer.log("comm: hierarchical DDP hook not used (FSDP/HSDP reduce internally)"
                         + (f"; {note}" if note else ""))
 
