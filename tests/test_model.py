@@ -94,3 +94,54 @@ def test_llama_7b_preset_has_about_7b_parameters() -> None:
     with torch.device("meta"):
         n = num_params(GPT(cfg))
     assert 6.6e9 < n < 6.9e9, n
+
+
+def test_grouped_query_attention_equals_multi_head_with_shared_kv() -> None:
+    """GQA with n_kv_head=2 is exactly MHA whose k/v heads are copies within each group of query heads."""
+    torch.manual_seed(0)
+    gqa = GPT(_tiny(n_kv_head=2, norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)).eval()
+    mha = GPT(_tiny(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)).eval()
+    hd = 32 // 4
+    sd = gqa.state_dict()
+    for name, t in list(sd.items()):
+        if name.endswith(("attn.k.weight", "attn.v.weight")):  # (n_kv*hd, C) -> (n_head*hd, C)
+            assert t.shape == (2 * hd, 32)
+            sd[name] = t.view(2, hd, 32).repeat_interleave(2, dim=0).reshape(4 * hd, 32)
+    mha.load_state_dict(sd)
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(x), mha(x), rtol=0, atol=1e-6)
+    assert num_params(gqa) < num_params(mha)
+
+
+def test_tied_embeddings_share_one_parameter() -> None:
+    m = GPT(_tiny(tie_embeddings=True))
+    assert m.head.weight is m.tok_emb.weight
+    untied = GPT(_tiny())
+    assert num_params(untied) - num_params(m) == 256 * 32
+    lm_loss(m(torch.randint(0, 256, (2, 16))), torch.randint(0, 256, (2, 16))).backward()
+    assert m.tok_emb.weight.grad is not None  # the head's gradient lands on the shared weight
+
+
+@pytest.mark.parametrize("overrides,field,words", [
+    (["model=tiny-gqa", "model.n_kv_head=3"], "model.n_kv_head", "must divide model.n_head=4"),
+    (["model=tiny-gqa", "model.n_kv_head=1", "cluster.tasks_per_node=2", "parallel.tp=2", "parallel.pp=1"],
+     "parallel.tp", "must divide model.n_kv_head=1"),
+    (["model.tie_embeddings=true", "parallel.pp=2"], "model.tie_embeddings", "use parallel.pp=1"),
+])
+def test_gqa_and_tying_refused_with_the_fix(overrides: list[str], field: str, words: str) -> None:
+    from xirang_hpc.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(compose_cfg(overrides))
+    assert field in str(e.value) and words in str(e.value)
+
+
+@pytest.mark.parametrize("preset,billions", [("llama3-8b", 8.03), ("llama3-70b", 70.55)])
+def test_llama3_presets_have_the_published_size(preset: str, billions: float) -> None:
+    """Meta's model cards: 8.03B and 70.55B parameters (GQA with 8 kv heads, vocab 128256)."""
+    cfg = load_config(compose_cfg([f"model={preset}"])).model
+    assert cfg.n_kv_head == 8 and cfg.vocab_size == 128256 and cfg.rope_theta == 500000.0
+    from xirang_hpc.models.gpt import full_model_params
+
+    assert abs(full_model_params(cfg) / 1e9 - billions) < 0.01

@@ -30,6 +30,15 @@ GROUPS = {
 CASES = [(w, n, r) for w, jobs in GROUPS.items() for n, r in jobs]
 # Not exact-vs-fp32 cases, run in the same process groups: name -> (world, layout, train overrides).
 EXTRA = {"pp2/bf16": (2, "pp2", {"precision": "bf16"})}
+# Other model shapes, each against its own single-process reference, in the same process groups:
+# grouped-query attention (Llama family: 4 query heads sharing 2 key/value heads, TP shards the kv
+# heads) and tied input/output embeddings (GPT-2 family).
+GQA = {"name": "gqa", "n_kv_head": 2, "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False,
+       "rope_theta": 500000.0}
+TIED = {"name": "tied", "tie_embeddings": True}
+MODELS = {"gqa": GQA, "tied": TIED}
+SHAPE_CASES = [(4, "dp2xtp2", "gqa"), (4, "tp2xpp2", "gqa"), (4, "fsdp2xtp2", "gqa"), (4, "dp2xpp2v2", "gqa"),
+               (4, "dp2xtp2", "tied"), (4, "fsdp4", "tied"), (2, "tp2sp", "gqa")]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +56,8 @@ def groups(email_data: Path):
         if world not in cache:
             jobs = [(f"{n}/{r}", H.with_recompute(H.make_cfg(world, H.LAYOUTS[n]), r)) for n, r in GROUPS[world]]
             jobs += [(k, H.make_cfg(w, H.LAYOUTS[n], train=tr)) for k, (w, n, tr) in EXTRA.items() if w == world]
+            jobs += [(f"{n}/{m}", H.make_cfg(w, H.LAYOUTS[n], model=MODELS[m]))
+                     for w, n, m in SHAPE_CASES if w == world]
             cache[world] = H.run_group(world, jobs, email_data, steps=10, timeout_s=420)
         return cache[world]
 
@@ -68,6 +79,27 @@ def test_layout_matches_single_process(world: int, layout: str, recompute: str, 
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
     if "tp" in layout or "fsdp" in layout or "pp" in layout:
         assert per_rank[0]["n_local_params"] < sum(v.size for v in ref["params"].values()), "rank 0 holds a share"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout,model", SHAPE_CASES, ids=[f"{m}-{n}" for _, n, m in SHAPE_CASES])
+def test_model_shape_layout_matches_single_process(world: int, layout: str, model: str, groups,
+                                                   email_data: Path) -> None:
+    """Grouped-query attention and tied embeddings train like one process in every layout kind."""
+    ref = H.reference(email_data, model=MODELS[model])
+    per_rank = groups(world)[f"{layout}/{model}"]
+    assert len(per_rank) == world and all(per_rank), "every rank reports"
+    for r in per_rank:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, atol=0)
+        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5, atol=0)
+    params = H.merged_params(per_rank)
+    assert sorted(params) == sorted(ref["params"])
+    for name, want in ref["params"].items():
+        np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
+    if model == "gqa":  # k/v project to n_kv_head heads only
+        assert ref["params"]["layers.0.attn.k.weight"].shape == (2 * 8, 32)
+    else:
+        np.testing.assert_array_equal(params["head.weight"], params["tok_emb.weight"])
 
 
 @pytest.mark.slow

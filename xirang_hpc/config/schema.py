@@ -27,6 +27,9 @@ class ModelConfig:
     name: str = MISSING
     n_layer: int = 2
     n_head: int = 4
+    # Key/value heads (grouped-query attention, Ainslie et al. 2023): each group of n_head/n_kv_head
+    # query heads shares one key/value head. 0 = n_head (plain multi-head attention).
+    n_kv_head: int = 0
     d_model: int = 128
     d_ff: int = 0
     vocab_size: int = 256
@@ -35,13 +38,28 @@ class ModelConfig:
     mlp: str = "gelu"  # gelu | swiglu
     pos: str = "learned"  # learned | rope
     bias: bool = True
+    # Epsilon of every LayerNorm/RMSNorm (GPT-2 and Llama 2/3 use 1e-5).
+    norm_eps: float = 1e-5
+    # Rotary base frequency (10000 in the RoPE paper and Llama 2; 500000 in Llama 3).
+    rope_theta: float = 10000.0
+    # Share the token embedding with the output head (GPT-2 ties them; Llama 3 8B/70B do not).
+    tie_embeddings: bool = False
     init_std: float = 0.02
     # Exported weights (.safetensors) to initialise from, for fine-tuning (xirang_hpc/serve/weights.py).
     init_from: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len"):
+        for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len", "norm_eps", "rope_theta"):
             _positive("model", name, getattr(self, name))
+        if self.n_kv_head < 0:
+            raise ConfigError("model.n_kv_head", self.n_kv_head, "use a positive count, or 0 for n_head")
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.n_head % self.n_kv_head:
+            ok = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
+            raise ConfigError("model.n_kv_head", self.n_kv_head,
+                              f"must divide model.n_head={self.n_head} (each key/value head serves a whole group of "
+                              f"query heads); choose from {ok}")
         if self.d_model % self.n_head:
             raise ConfigError(
                 "model.d_model", self.d_model, f"must be divisible by model.n_head={self.n_head}"
@@ -57,6 +75,11 @@ class ModelConfig:
         if self.init_from and not str(self.init_from).endswith(".safetensors"):
             raise ConfigError("model.init_from", self.init_from,
                               "point it at a .safetensors file (xirang-ckpt export RUN --format safetensors)")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.d_model // self.n_head
 
     @property
     def ffn_dim(self) -> int:

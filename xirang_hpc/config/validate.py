@@ -48,6 +48,14 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             f"tensor parallel degree must divide model.n_head={m.n_head} heads and "
             f"model.d_model={m.d_model}; choose parallel.tp from {ok}",
         )
+    if m.n_kv_head % p.tp:
+        ok = [d for d in _divisors(m.n_kv_head) if world % d == 0]
+        raise ConfigError(
+            "parallel.tp",
+            p.tp,
+            f"tensor parallelism shards the key/value heads: parallel.tp must divide model.n_kv_head="
+            f"{m.n_kv_head}; choose parallel.tp from {ok}, or raise model.n_kv_head",
+        )
     if m.ffn_dim % p.tp:
         raise ConfigError("parallel.tp", p.tp, f"must divide the MLP width {m.ffn_dim}; set model.d_ff")
     if m.vocab_size % p.tp:
@@ -109,6 +117,13 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             "train.warmup_steps",
             t.warmup_steps,
             f"must not exceed train.max_steps={t.max_steps}; lower train.warmup_steps",
+        )
+    if m.tie_embeddings and p.pp > 1:
+        raise ConfigError(
+            "model.tie_embeddings",
+            True,
+            "tied input/output embeddings need the embedding and the head on one pipeline stage; "
+            "use parallel.pp=1 (tp/dp/fsdp are fine) or model.tie_embeddings=false",
         )
     if m.vocab_size < 256 and cfg.data.tokenizer == "byte":
         raise ConfigError("model.vocab_size", m.vocab_size, "the byte tokenizer needs vocab_size >= 256")

@@ -23,20 +23,21 @@ from xirang_hpc.config.schema import ModelConfig
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), as in LLaMA."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise the last dimension."""
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        """Normalise the last dimension (in fp32 under autocast, as Llama's reference does)."""
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def _norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.d_model)
-    return nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,29 +56,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2)  # (B, nh, T, hd)
 
 
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention: (B, n_kv, T, hd) -> (B, n_kv*groups, T, hd), query head i reading kv head i//groups.
+
+    A plain copy rather than SDPA's ``enable_gqa`` so that every SDPA backend (flash and
+    memory-efficient on GPU) accepts the call; same head order as Hugging Face's ``repeat_kv``.
+    """
+    if groups == 1:
+        return x
+    return x.repeat_interleave(groups, dim=1)
+
+
 class Attention(nn.Module):
-    """Causal multi-head self-attention with separate projections."""
+    """Causal self-attention with separate projections; grouped-query when n_kv_head < n_head."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        d = cfg.d_model
-        self.head_dim = d // cfg.n_head
-        self.q = nn.Linear(d, d, bias=cfg.bias)
-        self.k = nn.Linear(d, d, bias=cfg.bias)
-        self.v = nn.Linear(d, d, bias=cfg.bias)
-        self.o = nn.Linear(d, d, bias=cfg.bias)
+        d, hd = cfg.d_model, cfg.head_dim
+        self.head_dim = hd
+        self.groups = cfg.n_head // cfg.n_kv_head  # query heads per key/value head
+        self.q = nn.Linear(d, cfg.n_head * hd, bias=cfg.bias)
+        self.k = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.bias)
+        self.v = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.bias)
+        self.o = nn.Linear(cfg.n_head * hd, d, bias=cfg.bias)
         self.use_rope = cfg.pos == "rope"
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C)."""
         b, t, _ = x.shape
-        # Heads are derived from the local width so the same code runs on a TP shard,
-        # where q/k/v hold n_head/tp heads: (B, T, C_local) -> (B, nh_local, T, hd).
+        # Heads are derived from the local width so the same code runs on a TP shard, where q holds
+        # n_head/tp heads and k/v hold n_kv_head/tp: (B, T, C_local) -> (B, nh_local, T, hd).
         q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nkv_local, T, hd)
         v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.use_rope and rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # (B, nh_local, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, C_local)
         return self.o(y)
@@ -133,8 +147,11 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm: nn.Module | None = _norm(cfg)
         self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            # One parameter under two names: the state dict keeps both keys (identical tensors).
+            self.head.weight = self.tok_emb.weight
         if cfg.pos == "rope":
-            cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_head)
+            cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
             # Not persistent: derived from the config, so checkpoints hold only learned state.
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
@@ -143,7 +160,7 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2L)."""
         std = self.cfg.init_std
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters():  # a tied head is the embedding: initialised once
             if p.dim() < 2:
                 nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
             elif name.endswith(("attn.o.weight", "mlp.down.weight")):

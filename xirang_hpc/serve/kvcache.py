@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from xirang_hpc.models.gpt import GPT
+from xirang_hpc.models.gpt import GPT, repeat_kv
 
 
 def _rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -29,9 +29,10 @@ class KVCache:
     def __init__(self, model: GPT, slots: int) -> None:
         cfg = model.cfg
         self.model, self.seq_len = model, cfg.seq_len
-        self.n_head, self.head_dim = cfg.n_head, cfg.d_model // cfg.n_head
+        self.head_dim, self.groups = cfg.head_dim, cfg.n_head // cfg.n_kv_head
         p = next(model.parameters())
-        shape = (slots, cfg.n_head, cfg.seq_len, self.head_dim)
+        # Grouped-query attention caches only the n_kv_head key/value heads (the memory GQA saves).
+        shape = (slots, cfg.n_kv_head, cfg.seq_len, self.head_dim)
         self.k = [torch.zeros(shape, dtype=p.dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, dtype=p.dtype) for _ in range(cfg.n_layer)]
 
@@ -55,13 +56,14 @@ class KVCache:
             a = block.attn
             x = block.attn_norm(h)
             q = a.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-            k = a.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            k = a.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
             v = a.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
             if rope is not None:
                 q, k = _rope_at(q, *rope), _rope_at(k, *rope)
-            self.k[i][rows, :, pos] = k.transpose(1, 2)  # (B, T, nh, hd) into (slot, :, position)
+            self.k[i][rows, :, pos] = k.transpose(1, 2)  # (B, T, nkv, hd) into (slot, :, position)
             self.v[i][rows, :, pos] = v.transpose(1, 2)
-            keys, vals = self.k[i].index_select(0, slots), self.v[i].index_select(0, slots)  # (B, nh, S, hd)
+            keys = repeat_kv(self.k[i].index_select(0, slots), self.groups)  # (B, nh, S, hd)
+            vals = repeat_kv(self.v[i].index_select(0, slots), self.groups)
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # (B, nh, T, hd)
             h = h + a.o(y.transpose(1, 2).reshape(b, t, -1))
             h = h + block.mlp(block.mlp_norm(h))
