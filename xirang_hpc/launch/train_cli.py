@@ -141,3 +141,7 @@ def main() -> None:
         sys.argv = [a for a in sys.argv if a != "--wait"] + ["train.wait=true"]
     register_configs()
     _app()
+
+
+if __name__ == "__main__":
+    main()

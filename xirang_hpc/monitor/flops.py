@@ -18,17 +18,24 @@ PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800
 
 
 def flops_per_token(n_layer: int, d_model: int, seq_len: int, vocab_size: int, ffn_dim: int,
-                    mlp: str = "gelu") -> float:
-    """Training FLOPs per token (forward + backward, no recomputation)."""
+                    mlp: str = "gelu", kv_dim: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward, no recomputation).
+
+    ``kv_dim``: width of the key and value projections (n_kv_head * head_dim); grouped-query
+    attention (Ainslie et al. 2023) makes it smaller than d_model. None = d_model.
+    """
     h, l_ = d_model, n_layer
+    kv = h if kv_dim is None else kv_dim
     mlp_mats = 3 if mlp == "swiglu" else 2
-    per_layer = 4 * h * h + mlp_mats * h * ffn_dim  # QKV + output projection, MLP matrices
+    per_layer = 2 * h * h + 2 * h * kv + mlp_mats * h * ffn_dim  # Q and output, K and V projections, MLP
     return 6.0 * (l_ * per_layer + h * vocab_size) + 12.0 * l_ * h * seq_len
 
 
 def flops_per_token_for(model: Any) -> float:
     """:func:`flops_per_token` for a ``ModelConfig``."""
-    return flops_per_token(model.n_layer, model.d_model, model.seq_len, model.vocab_size, model.ffn_dim, model.mlp)
+    kv_dim = getattr(model, "n_kv_head", model.n_head) * (model.d_model // model.n_head)
+    return flops_per_token(model.n_layer, model.d_model, model.seq_len, model.vocab_size, model.ffn_dim, model.mlp,
+                           kv_dim)
 
 
 def peak_for_device(name: str) -> float:
