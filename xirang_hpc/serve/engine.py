@@ -11,8 +11,13 @@ right-padded: attention is causal, so a row's last real position never sees the 
 Either way each row is decoded exactly as it would be alone (tests compare).
 
 Sampling is per request: ``temperature <= 0`` is greedy; otherwise softmax(logits / T) over the
-``top_k`` largest logits (0 = all), drawn with the request's own seeded generator, so a given
-(prompt, seed) gives the same text whatever else is in the batch.
+``top_k`` largest logits (0 = all) and, with ``top_p < 1``, the smallest set of most likely tokens
+whose probability reaches ``top_p`` (nucleus sampling), drawn with the request's own seeded
+generator, so a given (prompt, seed) gives the same text whatever else is in the batch.
+
+A request ends after ``max_tokens`` tokens (``finish_reason`` "length"), on its end-of-sequence
+token or when its ``stop_when`` predicate says so ("stop"; the EOS token itself is not part of the
+output), or when it is cancelled (a client that went away; "cancelled").
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ class GenRequest:
     # Called from the engine thread: on_token(token) per new token; on_done(tokens, error) once.
     on_token: Callable[[int], None] | None = None
     on_done: Callable[[list[int], BaseException | None], None] | None = None
+    top_p: float = 1.0
+    eos_id: int | None = None  # this token ends the request (and is not emitted)
+    # Called from the engine thread with the output so far after each token; True ends the request.
+    stop_when: Callable[[list[int]], bool] | None = None
+    cancelled: bool = False  # set from any thread (cancel()); the engine drops the request at its next step
+    finish_reason: str | None = None  # "length", "stop" or "cancelled" once finished
     out: list[int] = field(default_factory=list)
     gen: torch.Generator | None = None
     t_submit: float = 0.0
@@ -53,8 +64,9 @@ class GenRequest:
     cached: int = 0  # tokens of this request in its slot
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator | None) -> int:
-    """One token from a (V,) logits row: greedy at ``temperature <= 0``, else top-k sampling."""
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator | None,
+                top_p: float = 1.0) -> int:
+    """One token from a (V,) logits row: greedy at ``temperature <= 0``, else top-k / top-p sampling."""
     if temperature <= 0:
         return int(torch.argmax(logits))
     scaled = logits.float() / temperature
@@ -62,6 +74,12 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, gen: torch
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        # Nucleus: keep the most likely tokens until their mass reaches top_p (at least one token).
+        sorted_p, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the tokens ranked above each one
+        drop = order[before >= top_p]
+        probs = probs.index_fill(0, drop, 0.0)
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
@@ -78,6 +96,8 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.stats = {"requests": 0, "tokens": 0, "forward_passes": 0, "batched_rows": 0, "max_batch_seen": 0}
+        # Called from the engine thread after every step: (sequences advanced, tokens emitted, seconds).
+        self.on_step: Callable[[int, int, float], None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> Engine:
@@ -104,6 +124,11 @@ class Engine:
         req.t_submit = time.perf_counter()
         self._queue.put(req)
         return req
+
+    @staticmethod
+    def cancel(req: GenRequest) -> None:
+        """Drop ``req`` at the engine's next step (its ``on_done`` still fires, with what it has)."""
+        req.cancelled = True
 
     def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  seed: int | None = 0) -> list[list[int]]:
@@ -135,6 +160,8 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------
     def _finish(self, req: GenRequest, err: BaseException | None = None) -> None:
+        if req.finish_reason is None:
+            req.finish_reason = "cancelled" if req.cancelled else "length"
         if req.slot >= 0:
             self._free.append(req.slot)
             req.slot = -1
@@ -153,18 +180,23 @@ class Engine:
                 return
             block = False
             self.stats["requests"] += 1
-            if req.max_tokens <= 0:
+            if req.max_tokens <= 0 or req.cancelled:
                 self._finish(req)
             else:
                 req.slot, req.cached = self._free.pop(), 0
                 active.append(req)
 
     def _emit(self, r: GenRequest, row: torch.Tensor) -> None:
-        tok = sample_next(row, r.temperature, r.top_k, r.gen)
+        tok = sample_next(row, r.temperature, r.top_k, r.gen, r.top_p)
+        if r.eos_id is not None and tok == r.eos_id:
+            r.finish_reason = "stop"
+            return
         r.out.append(tok)
         self.stats["tokens"] += 1
         if r.on_token is not None:
             r.on_token(tok)
+        if r.stop_when is not None and r.stop_when(r.out):
+            r.finish_reason = "stop"
 
     @torch.inference_mode()
     def step(self, active: list[GenRequest]) -> None:
@@ -217,6 +249,15 @@ class Engine:
             self._admit(active)
             if not active:
                 continue
+            live = [r for r in active if not r.cancelled]
+            if len(live) < len(active):
+                for r in active:
+                    if r.cancelled:
+                        self._finish(r)
+                active[:] = live
+                if not active:
+                    continue
+            t0, tokens0 = time.perf_counter(), self.stats["tokens"]
             try:
                 self.step(active)
             except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
@@ -225,9 +266,14 @@ class Engine:
                     self._finish(r, exc)
                 active.clear()
                 continue
+            if self.on_step is not None:
+                try:
+                    self.on_step(len(active), self.stats["tokens"] - tokens0, time.perf_counter() - t0)
+                except Exception:  # noqa: BLE001 - metrics must not stop generation
+                    log.exception("on_step hook failed")
             still = []
             for r in active:
-                if len(r.out) >= r.max_tokens:
+                if r.finish_reason is not None or len(r.out) >= r.max_tokens:
                     self._finish(r)
                 else:
                     still.append(r)
