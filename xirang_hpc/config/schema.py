@@ -407,8 +407,16 @@ class ServeConfig:
     max_new_tokens: int = 256
     token_env: str = "XIRANG_SERVE_TOKEN"  # bearer token read from this env var; unset or empty = no auth
     duration_s: float = 0.0  # 0 = serve until interrupted; > 0 = stop after this long (smoke runs, tests)
+    # A request whose headers or body have not fully arrived this many seconds after the connection
+    # opened (or after the previous response) is answered 408 / closed: half-sent requests cannot pin
+    # connections. Also the idle keep-alive time of a connection.
+    read_timeout_s: float = 30.0
+    model_name: str = ""  # the model id of the OpenAI-compatible API; "" = the run directory's name
 
     def __post_init__(self) -> None:
+        if not self.read_timeout_s > 0:
+            raise ConfigError("serve.read_timeout_s", self.read_timeout_s,
+                              "use a number of seconds > 0 (how long a request may take to arrive)")
         if not 0 <= self.port < 65536:
             raise ConfigError("serve.port", self.port, "use a TCP port in [0, 65535] (0 = any free port)")
         for name in ("max_batch", "max_new_tokens"):

@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration-s", type=float, default=0.0, help="stop after this long (0 = until interrupted)")
     p.add_argument("--info-file", default=None,
                    help=f"where to write url/port/pid JSON (default: <run dir>/{SERVE_FILE} for a run dir)")
+    p.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s,
+                   help="close a request whose headers/body have not arrived within this many seconds")
+    p.add_argument("--model-name", default=d.model_name,
+                   help="model id of the OpenAI-compatible API (default: the run directory's name)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     return p
 
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         scfg = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch,
                            max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                           token_env=args.token_env, duration_s=args.duration_s)
+                           token_env=args.token_env, duration_s=args.duration_s,
+                           read_timeout_s=args.read_timeout_s, model_name=args.model_name)
         loaded = load_any(args.path, args.step)
     except (ConfigError, WeightsError, FileNotFoundError) as exc:
         print(f"xirang-serve: error: {exc}", file=sys.stderr)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +32,72 @@ def write_private_json(path: Path, obj: dict[str, Any]) -> None:
         json.dump(obj, f, indent=1)
 
 
-async def _serve(loaded: LoadedModel, scfg: ServeConfig, info_path: Path | None, token: str | None,
-                 log: Any) -> dict[str, Any]:
+def model_id_for(loaded: LoadedModel, scfg: ServeConfig) -> str:
+    """The model id of the OpenAI-compatible API: ``serve.model_name``, else the run directory's name.
+
+    A checkpoint inside ``RUN/checkpoints/`` or weights exported to ``RUN/export/`` are named
+    after ``RUN``; anything else after the model preset (``model.name``).
+    """
+    if scfg.model_name:
+        return scfg.model_name
+    parts = Path(loaded.source).parts
+    for marker in ("checkpoints", "export"):
+        if marker in parts:
+            i = len(parts) - 1 - parts[::-1].index(marker)
+            if i > 0:
+                return parts[i - 1]
+    if (Path(loaded.source) / "checkpoints").is_dir():
+        return Path(loaded.source).name
+    return loaded.cfg.name
+
+
+@dataclass
+class Running:
+    """A started server: its runner (``await runner.cleanup()`` stops it), engine, server and URL."""
+
+    runner: web.AppRunner
+    engine: Engine
+    server: Server
+    url: str
+    host: str
+    port: int
+
+    async def stop(self) -> None:
+        """Stop listening, then stop the engine."""
+        await self.runner.cleanup()
+        self.engine.stop()
+
+
+async def start_server(loaded: LoadedModel, scfg: ServeConfig, token: str | None = None,
+                       tokenizer: Any = None) -> Running:
+    """Start the engine and the HTTP server (in the running event loop) on ``scfg.host:scfg.port``."""
     engine = Engine(loaded.model, loaded.cfg.seq_len, scfg.max_batch).start()
-    server = Server(loaded, engine, limits_for(scfg, loaded.cfg.seq_len), token)
-    runner = web.AppRunner(server.app(), access_log=None)
+    server = Server(loaded, engine, limits_for(scfg, loaded.cfg.seq_len), token, tokenizer=tokenizer,
+                    model_id=model_id_for(loaded, scfg), read_timeout_s=scfg.read_timeout_s)
+    runner = web.AppRunner(server.app(), **server.runner_kwargs())
     await runner.setup()
     site = web.TCPSite(runner, scfg.host, scfg.port)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        engine.stop()
+        raise
     host, port = runner.addresses[0][:2]
-    info = {"url": f"http://{host}:{port}", "host": host, "port": port, "pid": os.getpid(), "source": loaded.source,
-            "step": loaded.step, "auth": bool(token), "status": "serving"}
+    return Running(runner, engine, server, f"http://{host}:{port}", host, port)
+
+
+async def _serve(loaded: LoadedModel, scfg: ServeConfig, info_path: Path | None, token: str | None,
+                 log: Any) -> dict[str, Any]:
+    running = await start_server(loaded, scfg, token)
+    engine, host, port = running.engine, running.host, running.port
+    info = {"url": running.url, "host": host, "port": port, "pid": os.getpid(), "source": loaded.source,
+            "step": loaded.step, "model": running.server.model_id, "auth": bool(token), "status": "serving"}
     if info_path is not None:
         write_private_json(info_path, info)
-    log(f"serving {loaded.source} on {info['url']} (POST /v1/generate, GET /v1/model, GET /health"
-        f"{', bearer token required' if token else ''})")
+    log(f"serving {loaded.source} as model {running.server.model_id!r} on {info['url']} (POST /v1/generate, "
+        "/v1/completions, /v1/chat/completions; GET /v1/models, /v1/model, /metrics, /health"
+        f"{'; bearer token required' if token else ''})")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -62,8 +114,7 @@ async def _serve(loaded: LoadedModel, scfg: ServeConfig, info_path: Path | None,
         else:
             await stop.wait()
     finally:
-        await runner.cleanup()
-        engine.stop()
+        await running.stop()
     info.update(status="stopped", stats=dict(engine.stats))
     if info_path is not None:
         write_private_json(info_path, info)

@@ -12,6 +12,15 @@ Every malformed request gets HTTP 400 with ``{"error": "<what is wrong and how t
 invalid JSON, a non-object body, unknown or mistyped fields, an empty or oversized prompt, a
 negative or too large ``max_tokens``, a negative temperature or top_k. With a token configured,
 ``/v1/*`` needs ``Authorization: Bearer <token>`` (401 otherwise).
+
+The OpenAI-compatible API (:mod:`xirang_hpc.serve.openai_api`): ``POST /v1/completions``,
+``POST /v1/chat/completions`` (server-sent events with ``stream: true``), ``GET /v1/models`` and
+``GET /v1/models/{id}``; its errors have OpenAI's shape ``{"error": {"message", "type", "param",
+"code"}}`` (400 bad parameters, 401 bearer token, 404 unknown model). ``GET /metrics`` is the
+Prometheus exposition (:mod:`xirang_hpc.serve.metrics`; like ``/health``, no token).
+
+A request body that has not fully arrived ``read_timeout_s`` after the headers gets 408 and its
+connection is closed; a client that goes away mid-stream cancels its generation (one log line).
 """
 
 from __future__ import annotations
@@ -20,16 +29,25 @@ import asyncio
 import codecs
 import hmac
 import json
+import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from xirang_hpc.data.tokenizer import ByteTokenizer
+from xirang_hpc.serve import openai_api as oa
 from xirang_hpc.serve.engine import Engine, GenRequest
+from xirang_hpc.serve.metrics import STATUS_KEY, ServeMetrics
+from xirang_hpc.serve.openai_api import Limits, OpenAIError
 from xirang_hpc.serve.weights import LoadedModel
+
+__all__ = ["BadRequest", "Limits", "Params", "Server", "parse_generate"]
+
+log = logging.getLogger("xirang_hpc.serve")
 
 _FIELDS = {"prompt", "max_tokens", "temperature", "top_k", "seed", "stream"}
 _MAX_SEED = 2**63 - 1
@@ -37,14 +55,6 @@ _MAX_SEED = 2**63 - 1
 
 class BadRequest(ValueError):
     """A request the server refuses with HTTP 400; the message says what to fix."""
-
-
-@dataclass
-class Limits:
-    """Request limits (from ServeConfig)."""
-
-    max_prompt_tokens: int
-    max_new_tokens: int
 
 
 @dataclass
@@ -109,31 +119,100 @@ def _err(status: int, msg: str) -> web.Response:
     return web.json_response({"error": msg}, status=status)
 
 
-class Server:
-    """The aiohttp application around one :class:`Engine`."""
+def _is_openai(path: str) -> bool:
+    """Routes whose errors take OpenAI's shape."""
+    return path in ("/v1/completions", "/v1/chat/completions", "/v1/models") or path.startswith("/v1/models/")
 
-    def __init__(self, loaded: LoadedModel, engine: Engine, limits: Limits, token: str | None = None) -> None:
+
+def _error(path: str, status: int, msg: str, code: str | None = None) -> web.Response:
+    """An error in the shape of the route's API."""
+    return OpenAIError(status, msg, code=code).response() if _is_openai(path) else _err(status, msg)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Server:
+    """The aiohttp application around one :class:`Engine`.
+
+    ``tokenizer`` needs ``encode``/``decode`` (and optionally ``eos_id`` and a chat template; see
+    :mod:`xirang_hpc.serve.openai_api`); the default is the byte tokenizer the models train on.
+    ``model_id`` is the id of the OpenAI-compatible API (default: the model preset's name). The
+    server feeds ``metrics`` (a fresh :class:`ServeMetrics` by default) from the engine's step hook.
+    """
+
+    def __init__(self, loaded: LoadedModel, engine: Engine, limits: Limits, token: str | None = None,
+                 tokenizer: Any = None, model_id: str | None = None, read_timeout_s: float = 30.0,
+                 metrics: ServeMetrics | None = None) -> None:
         self.loaded, self.engine, self.limits, self.token = loaded, engine, limits, token or None
-        self.tok = ByteTokenizer()
+        self.tok = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.eos_id: int | None = getattr(self.tok, "eos_id", None)
+        self.model_id = model_id or loaded.cfg.name
+        self.read_timeout_s = read_timeout_s
+        self.metrics = metrics if metrics is not None else ServeMetrics()
+        engine.on_step = self.metrics.on_step
         self.started = time.time()
 
     def app(self) -> web.Application:
-        """The web application (routes + auth middleware)."""
-        # Bodies past this size are refused before parsing (as a 400, see generate()).
+        """The web application (routes; metrics, auth and body-read middlewares, outermost first)."""
+        # Bodies past this size are refused before parsing (as a 400, see _read_body()).
         max_body = max(1 << 16, 8 * self.limits.max_prompt_tokens + 4096)
-        app = web.Application(client_max_size=max_body, middlewares=[self._auth])
+        app = web.Application(client_max_size=max_body,
+                              middlewares=[self.metrics.middleware, self._auth, self._read_body])
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics.handler)
         app.router.add_get("/v1/model", self.model_info)
         app.router.add_post("/v1/generate", self.generate)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model_card)
         return app
 
+    def runner_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``web.AppRunner``/``TestServer``.
+
+        aiohttp's keep-alive timer runs from the moment a connection opens until a request's headers
+        are complete, so setting it to the read timeout also closes connections whose headers
+        trickle in (slowloris); bodies are timed by :meth:`_read_body`.
+        """
+        return {"access_log": None, "keepalive_timeout": self.read_timeout_s}
+
     @web.middleware
-    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self.token and request.path.startswith("/v1/"):
             got = request.headers.get("Authorization", "")
             if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
-                return _err(401, "missing or wrong bearer token; send 'Authorization: Bearer <token>'")
+                return _error(request.path, 401, "missing or wrong bearer token; send 'Authorization: Bearer <token>'",
+                              "invalid_api_key")
         return await handler(request)
+
+    @web.middleware
+    async def _read_body(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Read a POST body whole, within ``read_timeout_s`` (handlers then get it from aiohttp's cache)."""
+        if request.method == "POST":
+            try:
+                await asyncio.wait_for(request.read(), self.read_timeout_s)
+            except asyncio.TimeoutError:
+                return await self._close_slow(request)
+            except web.HTTPRequestEntityTooLarge:
+                return _error(request.path, 400, "request body too large; prompts are limited to "
+                              f"{self.limits.max_prompt_tokens} tokens", "request_too_large")
+        return await handler(request)
+
+    async def _close_slow(self, request: web.Request) -> web.StreamResponse:
+        """408 to a request whose body did not arrive in time, then close its connection."""
+        peer = request.remote or "?"
+        log.warning("closed a request from %s: %s %s sent no complete body within %.3g s (serve.read_timeout_s)",
+                    peer, request.method, request.path, self.read_timeout_s)
+        resp = _error(request.path, 408, f"request body did not arrive within {self.read_timeout_s:g} s; "
+                      "send the whole body at once", "request_timeout")
+        resp.force_close()
+        await resp.prepare(request)
+        await resp.write_eof()
+        # Close now: aiohttp would otherwise linger, reading the rest of the body that never comes.
+        request.protocol.force_close()
+        return resp
 
     async def health(self, request: web.Request) -> web.Response:
         """Liveness."""
@@ -153,29 +232,14 @@ class Server:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """Validate, queue into the engine, reply (or stream) when done."""
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _err(400, f"request body too large; prompts are limited to {self.limits.max_prompt_tokens} tokens")
+        raw = await request.read()  # already read (and timed) by _read_body
         try:
             p = parse_generate(raw, self.limits, self.loaded.cfg.vocab_size, self.tok)
         except BadRequest as exc:
             return _err(400, str(exc))
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[list[int]] = loop.create_future()
-        tokens_q: asyncio.Queue[int] | None = asyncio.Queue() if p.stream else None
-
-        def on_done(tokens: list[int], err: BaseException | None) -> None:
-            def settle() -> None:
-                if done.done():
-                    return
-                done.set_exception(err) if err is not None else done.set_result(tokens)
-            loop.call_soon_threadsafe(settle)
-
-        on_token = (lambda t: loop.call_soon_threadsafe(tokens_q.put_nowait, t)) if tokens_q is not None else None
         t0 = time.perf_counter()
-        req = self.engine.submit(GenRequest(p.prompt, p.max_tokens, p.temperature, p.top_k, p.seed,
-                                            on_token=on_token, on_done=on_done))
+        req, done, tokens_q = self._submit(GenRequest(p.prompt, p.max_tokens, p.temperature, p.top_k, p.seed),
+                                           p.stream)
         if tokens_q is not None:
             return await self._stream(request, req, done, tokens_q, t0)
         try:
@@ -191,24 +255,160 @@ class Server:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        sent = 0
-        while sent < req.max_tokens:
-            getter = asyncio.ensure_future(tokens_q.get())
-            await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():
-                getter.cancel()
-                if done.exception() is not None or tokens_q.empty():
-                    break
+        try:
+            async for tok in self._tokens(request, req, done, tokens_q):
+                await resp.write((json.dumps({"token": tok, "text": dec.decode(bytes([tok]))}) + "\n").encode())
+            final: dict[str, Any] = {"done": True, "seed": req.seed, "latency_s": round(time.perf_counter() - t0, 6)}
+            try:
+                out = await done
+                final.update(text=self.tok.decode(out), completion_tokens=len(out))
+            except Exception as exc:  # noqa: BLE001
+                final["error"] = f"generation failed: {exc}"
+            await resp.write((json.dumps(final) + "\n").encode())
+            await resp.write_eof()
+        except ConnectionError:
+            self._gone(request, req)
+        except asyncio.CancelledError:  # server shutting down
+            self.engine.cancel(req)
+            raise
+        return resp
+
+    # ---- shared by the endpoints -----------------------------------------------------------
+    def _submit(self, req: GenRequest, stream: bool
+                ) -> tuple[GenRequest, asyncio.Future[list[int]], asyncio.Queue[int] | None]:
+        """Queue ``req`` in the engine; its result arrives in the future (tokens in the queue if streaming)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[int]] = loop.create_future()
+        tokens_q: asyncio.Queue[int] | None = asyncio.Queue() if stream else None
+        active = self.metrics.active
+
+        def on_done(tokens: list[int], err: BaseException | None) -> None:
+            active.dec()
+
+            def settle() -> None:
+                if done.done():
+                    return
+                done.set_exception(err) if err is not None else done.set_result(tokens)
+            loop.call_soon_threadsafe(settle)
+
+        req.on_done = on_done
+        req.on_token = (lambda t: loop.call_soon_threadsafe(tokens_q.put_nowait, t)) if tokens_q is not None else None
+        active.inc()
+        return self.engine.submit(req), done, tokens_q
+
+    async def _tokens(self, request: web.Request, req: GenRequest, done: asyncio.Future[list[int]],
+                      tokens_q: asyncio.Queue[int]) -> Any:
+        """Yield a streaming request's tokens as the engine makes them; stop when it is done.
+
+        The engine calls on_token before on_done from one thread, in order, so once ``done`` is
+        set every token is already in the queue. A closed connection raises ConnectionResetError.
+        """
+        while True:
+            if not tokens_q.empty():
+                yield tokens_q.get_nowait()
                 continue
-            tok = getter.result()
-            sent += 1
-            await resp.write((json.dumps({"token": tok, "text": dec.decode(bytes([tok]))}) + "\n").encode())
-        final: dict[str, Any] = {"done": True, "seed": req.seed, "latency_s": round(time.perf_counter() - t0, 6)}
+            if done.done():
+                return
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("client closed the connection")
+            getter = asyncio.ensure_future(tokens_q.get())
+            try:
+                await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if getter.done() and not getter.cancelled():
+                yield getter.result()
+
+    def _gone(self, request: web.Request, req: GenRequest) -> None:
+        """The client closed its connection mid-stream: cancel the generation, log one line."""
+        self.engine.cancel(req)
+        request[STATUS_KEY] = 499
+        log.warning("client %s went away mid-stream (%s %s) after %d of %d tokens; generation cancelled",
+                    request.remote or "?", request.method, request.path, len(req.out), req.max_tokens)
+
+    # ---- the OpenAI-compatible API -----------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: the one served model."""
+        return web.json_response({"object": "list", "data": [oa.model_card(self.model_id, self.started)]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}``."""
+        name = request.match_info["model"]
+        if name != self.model_id:
+            return self._unknown_model(name).response()
+        return web.json_response(oa.model_card(self.model_id, self.started))
+
+    def _unknown_model(self, name: str) -> OpenAIError:
+        return OpenAIError(404, f"the model {name!r} does not exist here; this server serves {self.model_id!r} "
+                           "(GET /v1/models lists it)", "model", "model_not_found")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions``."""
+        return await self._openai(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions``."""
+        return await self._openai(request, "chat")
+
+    async def _openai(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            body = oa.parse_json_body(await request.read())
+            model = oa.requested_model(body)
+            if model != self.model_id:
+                raise self._unknown_model(model)
+            p = oa.parse_openai(body, kind, self.limits, self.loaded.cfg.vocab_size, self.tok)
+        except OpenAIError as exc:
+            return exc.response()
+        rid, created = oa.new_id(kind), oa.now()
+        gen = GenRequest(p.prompt, p.max_tokens, p.temperature, p.top_k, p.seed, top_p=p.top_p, eos_id=self.eos_id,
+                         stop_when=oa.stop_predicate(self.tok, p.stop))
+        req, done, tokens_q = self._submit(gen, p.stream)
+        if tokens_q is not None:
+            return await self._sse(request, p, req, done, tokens_q, rid, created)
         try:
             out = await done
-            final.update(text=self.tok.decode(out), completion_tokens=len(out))
-        except Exception as exc:  # noqa: BLE001
-            final["error"] = f"generation failed: {exc}"
-        await resp.write((json.dumps(final) + "\n").encode())
-        await resp.write_eof()
+        except Exception as exc:  # noqa: BLE001 - the engine failed this request
+            return OpenAIError(500, f"generation failed: {exc}", code="generation_failed").response()
+        text, _ = oa.final_text(self.tok, out, p.stop)
+        return web.json_response(oa.response_body(p, rid, created, self.model_id, text, _finish(req), len(out)))
+
+    async def _sse(self, request: web.Request, p: oa.OpenAIParams, req: GenRequest, done: asyncio.Future[list[int]],
+                   tokens_q: asyncio.Queue[int], rid: str, created: int) -> web.StreamResponse:
+        """Stream as server-sent events: text pieces that add up to the non-streamed text, then ``[DONE]``."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        model, out, sent = self.model_id, [], ""
+        try:
+            if p.kind == "chat":  # OpenAI's first chat chunk carries the role
+                await resp.write(oa.sse(oa.chunk_body(p, rid, created, model, "", None, first=True)))
+            async for tok in self._tokens(request, req, done, tokens_q):
+                out.append(tok)
+                settled = oa.settled_text(self.tok, out, p.stop)
+                if len(settled) > len(sent) and settled.startswith(sent):
+                    await resp.write(oa.sse(oa.chunk_body(p, rid, created, model, settled[len(sent):], None)))
+                    sent = settled
+            try:
+                final = await done
+            except Exception as exc:  # noqa: BLE001 - the engine failed this request: an error event
+                await resp.write(oa.sse(OpenAIError(500, f"generation failed: {exc}", code="generation_failed").body()))
+            else:
+                text, _ = oa.final_text(self.tok, final, p.stop)
+                if len(text) > len(sent) and text.startswith(sent):
+                    await resp.write(oa.sse(oa.chunk_body(p, rid, created, model, text[len(sent):], None)))
+                await resp.write(oa.sse(oa.chunk_body(p, rid, created, model, None, _finish(req))))
+                if p.include_usage:
+                    await resp.write(oa.sse(oa.usage_chunk(p, rid, created, model, len(final))))
+            await resp.write(oa.sse("[DONE]"))
+            await resp.write_eof()
+        except ConnectionError:
+            self._gone(request, req)
+        except asyncio.CancelledError:  # server shutting down
+            self.engine.cancel(req)
+            raise
         return resp
+
+
+def _finish(req: GenRequest) -> str:
+    """OpenAI's finish_reason: ``stop`` (a stop string or EOS) or ``length`` (max_tokens reached)."""
+    return "stop" if req.finish_reason == "stop" else "length"
