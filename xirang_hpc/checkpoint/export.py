@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from xirang_hpc.checkpoint import layout as L
 from xirang_hpc.checkpoint.storage import HDF5StorageReader, read_metadata
+from xirang_hpc.data.tokenizer import copy_tokenizer_file, load_run_tokenizer, tokenizer_info
 
 
 def load_full(step_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -21,6 +22,12 @@ def load_full(step_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     if sd:
         dcp.load(sd, storage_reader=HDF5StorageReader(step_dir), no_dist=True)
     return sd
+
+
+def run_dir_of(step_dir: Path) -> Path:
+    """The run directory of ``<run>/checkpoints/step_N`` (the step's parent for a bare checkpoints root)."""
+    root = Path(step_dir).absolute().parent
+    return root.parent if root.name == "checkpoints" else root
 
 
 def export_safetensors(step_dir: Path, out_dir: Path, mode: int = 0o700) -> tuple[Path, Path]:
@@ -36,7 +43,12 @@ def export_safetensors(step_dir: Path, out_dir: Path, mode: int = 0o700) -> tupl
     wpath, cpath = out_dir / "model.safetensors", out_dir / "config.json"
     save_file(weights, str(wpath), metadata={"format": "pt", "step": str(state.get("step", ""))})
     cfg = state.get("config", {})
-    cpath.write_text(json.dumps({"model": cfg.get("model", {}), "step": state.get("step"),
+    # The run's tokenizer travels with its weights: xirang-serve FILE.safetensors reads it from beside the file.
+    tok = load_run_tokenizer(run_dir_of(step_dir))
+    if tok.tokenizer_json is not None:
+        copy_tokenizer_file(tok.tokenizer_json, out_dir)
+    cpath.write_text(json.dumps({"model": cfg.get("model", {}), "tokenizer": tokenizer_info(tok),
+                                 "step": state.get("step"),
                                  "tokens_seen": state.get("tokens_seen"), "source": str(step_dir),
                                  "architecture": "xirang_hpc.models.gpt.GPT"}, indent=1))
     return wpath, cpath

@@ -8,12 +8,13 @@ Every failure is a :class:`ConfigError` naming the field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from xirang_hpc.config.errors import ConfigError
-from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.config.schema import DataConfig, XirangConfig
 
 
 def _divisors(n: int) -> list[int]:
@@ -125,9 +126,56 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             "tied input/output embeddings need the embedding and the head on one pipeline stage; "
             "use parallel.pp=1 (tp/dp/fsdp are fine) or model.tie_embeddings=false",
         )
-    if m.vocab_size < 256 and cfg.data.tokenizer == "byte":
-        raise ConfigError("model.vocab_size", m.vocab_size, "the byte tokenizer needs vocab_size >= 256")
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
+    data = _check_tokenizer(cfg)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp), data=data)
+
+
+def tokenizer_file(spec: str) -> Path | None:
+    """The tokenizer.json that ``data.tokenizer`` names (None for byte/bpe); ConfigError when missing."""
+    if spec in ("byte", "bpe"):
+        return None
+    p = Path(spec).expanduser()
+    f = p / "tokenizer.json" if p.is_dir() else p
+    if not f.is_file():
+        what = "a directory without tokenizer.json" if p.is_dir() else "no such file or directory"
+        raise ConfigError("data.tokenizer", spec, f"{what}; use byte, bpe (trained by xirang-prepare), "
+                          "a tokenizer.json path or an HF model dir holding tokenizer.json")
+    return f.absolute()
+
+
+def tokenizer_vocab_size(spec: str, bpe_vocab: int) -> int:
+    """How many token ids ``data.tokenizer`` can produce (a tokenizer.json is read with ``tokenizers``)."""
+    if spec == "byte":
+        return 256
+    if spec == "bpe":
+        return bpe_vocab
+    f = tokenizer_file(spec)
+    try:
+        from tokenizers import Tokenizer
+
+        return int(Tokenizer.from_file(str(f)).get_vocab_size(with_added_tokens=True))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions for a bad file
+        raise ConfigError("data.tokenizer", spec,
+                          f"{f} is not a readable tokenizer.json ({str(exc).splitlines()[0]})") from None
+
+
+def _check_tokenizer(cfg: XirangConfig) -> DataConfig:
+    """The tokenizer's vocabulary must fit the model's embedding; ``data.vocab_size=0`` becomes model.vocab_size."""
+    d, m = cfg.data, cfg.model
+    if d.tokenizer == "bpe":
+        if d.vocab_size == 0:
+            d = dataclasses.replace(d, vocab_size=m.vocab_size)
+        if d.vocab_size < 257:
+            raise ConfigError("data.vocab_size", d.vocab_size,
+                              "a byte-level BPE needs at least 257 tokens (256 bytes + <|endoftext|>); "
+                              "set data.vocab_size=... (and model.vocab_size at least as large)")
+    n = tokenizer_vocab_size(d.tokenizer, d.vocab_size)
+    if n > m.vocab_size:
+        src = "data.vocab_size" if d.tokenizer == "bpe" else f"data.tokenizer={d.tokenizer}"
+        raise ConfigError("model.vocab_size", m.vocab_size,
+                          f"the tokenizer ({src}) has {n} tokens, more than model.vocab_size={m.vocab_size} "
+                          f"embeddings; set model.vocab_size={n} or more")
+    return d
 
 
 def check_runnable(cfg: XirangConfig) -> None:

@@ -19,7 +19,6 @@ import torch
 
 from xirang_hpc.config.schema import EvalConfig
 from xirang_hpc.data.dataset import TokenWindows
-from xirang_hpc.data.tokenizer import ByteTokenizer
 from xirang_hpc.models.gpt import lm_loss
 from xirang_hpc.serve.engine import Engine
 from xirang_hpc.serve.weights import LoadedModel, load_checkpoint
@@ -47,10 +46,11 @@ def heldout_loss(loaded: LoadedModel, data_dir: str | Path, ecfg: EvalConfig) ->
 
 
 def sample(loaded: LoadedModel, prompt: str, n_tokens: int) -> str:
-    """Greedy continuation of ``prompt`` (through the serving engine, so eval and serve agree)."""
+    """Greedy continuation of ``prompt`` with the run's tokenizer (through the serving engine, so eval and
+    serve agree)."""
     if n_tokens == 0 or not prompt:
         return ""
-    tok = ByteTokenizer()
+    tok = loaded.tokenizer
     engine = Engine(loaded.model, loaded.cfg.seq_len, max_batch=1)
     try:
         out = engine.generate([[int(t) for t in tok.encode(prompt)]], n_tokens, temperature=0.0)[0]
@@ -68,7 +68,7 @@ def evaluate(loaded: LoadedModel, data_dir: str | Path, ecfg: EvalConfig) -> dic
     return {"step": loaded.step, "source": loaded.source, "split": "val", "val_loss": loss,
             "perplexity": math.exp(min(loss, 700.0)), "tokens": tokens, "batches": ecfg.batches,
             "batch_size": ecfg.batch_size, "seed": ecfg.seed, "sample_prompt": ecfg.sample_prompt,
-            "sample": text, "max_val_loss": ecfg.max_val_loss, "passed": passed,
+            "sample": text, "tokenizer": loaded.tokenizer.name, "max_val_loss": ecfg.max_val_loss, "passed": passed,
             "seconds": time.perf_counter() - t0, "time": time.time()}
 
 

@@ -84,13 +84,14 @@ def _cfg(cfg_dict: dict[str, Any]) -> Any:
 # ---- stage entry points (run inside the stage's job, or in-process on the local executor) ----
 def prepare_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> str:
     """Tokenize the corpus into ``data_dir`` (skipped when already prepared)."""
-    from xirang_hpc.data.prepare import is_prepared, prepare
+    from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare_data, prepared_mismatch
 
     cfg = _cfg(cfg_dict)
     with stage_record(Path(run_dir), "prepare"):
         if not is_prepared(data_dir):
-            d = cfg.data
-            prepare(d.corpus, data_dir, d.val_fraction, d.shard_tokens, d.split_seed)
+            prepare_data(cfg.data, data_dir)
+        elif (why := prepared_mismatch(cfg.data, data_dir)) is not None:
+            raise CorpusError(why)
     return data_dir
 
 

@@ -1,4 +1,8 @@
-"""``xirang-prepare``: corpus directory -> HDF5 token shards (a Hydra app over the data group)."""
+"""``xirang-prepare``: corpus (text, JSONL, Parquet) -> tokenizer + HDF5 token shards (a Hydra app).
+
+``data.tokenizer=bpe data.vocab_size=N`` trains a byte-level BPE on the corpus first;
+``data.tokenizer=PATH`` uses an existing tokenizer.json or HF model dir. Progress goes to stderr.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +15,23 @@ from omegaconf import DictConfig
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.store import register_configs
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.data.prepare import CorpusError, prepare
+from xirang_hpc.data.prepare import CorpusError, prepare_data
+from xirang_hpc.data.tokenizer import TokenizerError
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _app(cfg: DictConfig) -> None:
     try:
         d = load_config(cfg).data
-        index = prepare(d.corpus, d.out_dir, d.val_fraction, d.shard_tokens, d.split_seed)
-    except (ConfigError, CorpusError) as exc:
+        index = prepare_data(d)
+    except (ConfigError, CorpusError, TokenizerError) as exc:
         print(f"xirang-prepare: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    skipped = index["skipped_records"]["total"]  # type: ignore[index]
     print(f"prepared {d.out_dir}: {index['train_tokens']:,} train / {index['val_tokens']:,} val tokens "
-          f"from {index['source']} (skipped {index['skipped_binary']} binary, "
-          f"{index['skipped_unreadable']} unreadable files)")
+          f"from {index['source']} with tokenizer {index['tokenizer']} (vocab {index['vocab_size']}; "
+          f"skipped {index['skipped_binary']} binary, {index['skipped_unreadable']} unreadable files, "
+          f"{skipped} bad records)")
 
 
 def main() -> None:

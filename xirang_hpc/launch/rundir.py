@@ -16,18 +16,40 @@ import os
 from pathlib import Path
 
 from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.config.validate import tokenizer_file
+from xirang_hpc.data.tokenizer import file_sha256
 
 # Train fields that change how a run is executed or reported, not what it computes.
 _TRAIN_NON_SEMANTIC = {"name", "grad_accum", "eval_every", "eval_batches", "log_every", "runs_root",
                        "run_dir", "wait", "resume_from",
                        "priority"}
 _DATA_NON_SEMANTIC = {"out_dir", "shard_tokens"}
+# Data fields added with tokenizer/corpus choice: left out of the key at their defaults, so the run
+# directories of byte-level runs keep the names they always had.
+_DATA_DEFAULTS = {"vocab_size": 0, "text_field": "text", "on_bad_record": "fail"}
+
+
+def tokenizer_identity(spec: str, bpe_vocab: int) -> dict[str, object]:
+    """What defines a tokenizer: byte; bpe + its vocab size (trained on the corpus, also in the key);
+    or the sha256 of a tokenizer.json (whatever its path), so different files never share a run dir."""
+    if spec == "byte":
+        return {"kind": "byte"}
+    if spec == "bpe":
+        return {"kind": "bpe", "vocab_size": bpe_vocab}
+    f = tokenizer_file(spec)
+    assert f is not None
+    return {"kind": "file", "sha256": file_sha256(f)}
 
 
 def experiment_key(cfg: XirangConfig) -> dict[str, object]:
-    """The part of the config that identifies the experiment."""
+    """The part of the config that identifies the experiment (the tokenizer by its identity, not its path)."""
     train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _TRAIN_NON_SEMANTIC}
     data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _DATA_NON_SEMANTIC}
+    for k, default in _DATA_DEFAULTS.items():
+        if data.get(k) == default or (k == "vocab_size" and cfg.data.tokenizer != "bpe"):
+            data.pop(k, None)
+    if cfg.data.tokenizer != "byte":
+        data["tokenizer"] = tokenizer_identity(cfg.data.tokenizer, cfg.data.vocab_size)
     return {"model": dataclasses.asdict(cfg.model), "data": data, "train": train}
 
 

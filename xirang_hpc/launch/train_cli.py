@@ -20,7 +20,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.store import register_configs
 from xirang_hpc.config.validate import check_runnable, load_config
-from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare
+from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare_data, prepared_mismatch
 from xirang_hpc.launch.executors import make_executor
 from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
 from xirang_hpc.planner.auto import plan_at_launch, record_measured
@@ -38,8 +38,10 @@ def _ensure_data(cfg: XirangConfig) -> Path:
     d = cfg.data
     out = Path(d.out_dir).expanduser().absolute()
     if not is_prepared(out):
-        print(f"preparing data from {d.corpus!r} into {out} ...", flush=True)
-        prepare(d.corpus, out, d.val_fraction, d.shard_tokens, d.split_seed)
+        print(f"preparing data from {d.corpus!r} into {out} (tokenizer {d.tokenizer}) ...", flush=True)
+        prepare_data(d, out)
+    elif (why := prepared_mismatch(d, out)) is not None:
+        raise CorpusError(why)
     return out
 
 

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.data.tokenizer import install_run_tokenizer
 from xirang_hpc.runtime import dist as xdist
 from xirang_hpc.runtime.topology import Topology, discover
 from xirang_hpc.runtime.trainer import Trainer, TrainerHook
@@ -74,6 +76,12 @@ def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[
     )
     torch.set_num_threads(_threads_per_rank(cfg.cluster.threads_per_rank, topo.local_world_size))
     check_runnable(cfg)
+    # Every rank, before the rendezvous, so a mismatch fails all of them alike; the copy is atomic.
+    tok = install_run_tokenizer(data_dir, run_dir)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size,
+                          f"the data in {data_dir} uses tokenizer {tok.name} with {tok.vocab_size} tokens; "
+                          f"set model.vocab_size={tok.vocab_size} or more")
     xdist.init_distributed(topo, cfg.cluster.backend, rendezvous_dir=Path(run_dir))
     try:
         hooks = build_hooks(cfg, topo, Path(run_dir))

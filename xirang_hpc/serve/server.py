@@ -26,7 +26,6 @@ connection is closed; a client that goes away mid-stream cancels its generation 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import hmac
 import json
 import logging
@@ -38,7 +37,7 @@ from typing import Any
 
 from aiohttp import web
 
-from xirang_hpc.data.tokenizer import ByteTokenizer
+from xirang_hpc.data.tokenizer import StreamDecoder, Tokenizer, tokenizer_info
 from xirang_hpc.serve import openai_api as oa
 from xirang_hpc.serve.engine import Engine, GenRequest
 from xirang_hpc.serve.metrics import STATUS_KEY, ServeMetrics
@@ -80,7 +79,7 @@ def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int)
     return v
 
 
-def parse_generate(raw: bytes, limits: Limits, vocab: int, tok: ByteTokenizer) -> Params:
+def parse_generate(raw: bytes, limits: Limits, vocab: int, tok: Tokenizer) -> Params:
     """Validate a generate body; raises :class:`BadRequest` naming the field and the fix."""
     try:
         body = json.loads(raw)
@@ -145,7 +144,8 @@ class Server:
                  tokenizer: Any = None, model_id: str | None = None, read_timeout_s: float = 30.0,
                  metrics: ServeMetrics | None = None) -> None:
         self.loaded, self.engine, self.limits, self.token = loaded, engine, limits, token or None
-        self.tok = tokenizer if tokenizer is not None else ByteTokenizer()
+        # The run's own tokenizer (bytes, a trained BPE or a tokenizer.json), unless one is passed explicitly.
+        self.tok: Tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.eos_id: int | None = getattr(self.tok, "eos_id", None)
         self.model_id = model_id or loaded.cfg.name
         self.read_timeout_s = read_timeout_s
@@ -227,6 +227,7 @@ class Server:
         return web.json_response({
             "model": dataclasses.asdict(self.loaded.cfg), "source": self.loaded.source, "step": self.loaded.step,
             "params": num_params(self.loaded.model), "tokenizer": self.tok.name,
+            "tokenizer_info": tokenizer_info(self.tok),
             "limits": dataclasses.asdict(self.limits), "max_batch": self.engine.max_batch, "stats": self.engine.stats,
         })
 
@@ -246,7 +247,8 @@ class Server:
             out = await done
         except Exception as exc:  # noqa: BLE001 - the engine failed this request
             return _err(500, f"generation failed: {exc}")
-        return web.json_response({"text": self.tok.decode(out), "prompt_tokens": len(p.prompt),
+        return web.json_response({"text": self.tok.decode(out), "tokenizer": self.tok.name,
+                                  "prompt_tokens": len(p.prompt),
                                   "completion_tokens": len(out), "seed": req.seed,
                                   "latency_s": round(time.perf_counter() - t0, 6)})
 
@@ -254,11 +256,12 @@ class Server:
                       tokens_q: asyncio.Queue[int], t0: float) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
-        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        dec = StreamDecoder(self.tok)
         try:
             async for tok in self._tokens(request, req, done, tokens_q):
-                await resp.write((json.dumps({"token": tok, "text": dec.decode(bytes([tok]))}) + "\n").encode())
-            final: dict[str, Any] = {"done": True, "seed": req.seed, "latency_s": round(time.perf_counter() - t0, 6)}
+                await resp.write((json.dumps({"token": tok, "text": dec.push(tok)}) + "\n").encode())
+            final: dict[str, Any] = {"done": True, "tokenizer": self.tok.name, "seed": req.seed,
+                                     "latency_s": round(time.perf_counter() - t0, 6)}
             try:
                 out = await done
                 final.update(text=self.tok.decode(out), completion_tokens=len(out))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from xirang_hpc.checkpoint import layout as L
-from xirang_hpc.checkpoint.export import load_full
+from xirang_hpc.checkpoint.export import load_full, run_dir_of
 from xirang_hpc.config.schema import ModelConfig
+from xirang_hpc.data.tokenizer import ByteTokenizer, Tokenizer, load_run_tokenizer
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.runtime.trainer import TrainerHook
 
@@ -43,6 +44,8 @@ class LoadedModel:
     cfg: ModelConfig
     source: str
     step: int | None = None
+    # The tokenizer the weights were trained with (<run>/tokenizer.json, or the one beside exported weights).
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
 
 
 def model_config_from(d: dict[str, Any]) -> ModelConfig:
@@ -99,7 +102,15 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> LoadedModel:
     check_fits(model.state_dict(), sd, str(d))
     model.load_state_dict(sd)
     model.eval()
-    return LoadedModel(model, cfg, str(d), int(state["step"]))
+    tok = _fitting_tokenizer(load_run_tokenizer(run_dir_of(d)), cfg, str(d))
+    return LoadedModel(model, cfg, str(d), int(state["step"]), tok)
+
+
+def _fitting_tokenizer(tok: Tokenizer, cfg: ModelConfig, source: str) -> Tokenizer:
+    if tok.vocab_size > cfg.vocab_size:
+        raise WeightsError(f"{source}: its tokenizer {tok.name} has {tok.vocab_size} tokens but the model only "
+                           f"{cfg.vocab_size} embeddings; the tokenizer.json beside it belongs to another model")
+    return tok
 
 
 def _sibling_config(path: Path) -> Path | None:
@@ -148,7 +159,9 @@ def load_exported(path: str | Path) -> LoadedModel:
     check_fits(model.state_dict(), tensors, str(path))
     model.load_state_dict(tensors)
     model.eval()
-    return LoadedModel(model, cfg, str(Path(path).absolute()))
+    source = str(Path(path).absolute())
+    return LoadedModel(model, cfg, source, tokenizer=_fitting_tokenizer(load_run_tokenizer(Path(source).parent), cfg,
+                                                                        source))
 
 
 def load_any(path: str | Path, step: int | None = None) -> LoadedModel:
