@@ -477,13 +477,15 @@ def prepare(
     vocab_size: int = 0,
     text_field: str = "text",
     on_bad_record: str = "fail",
-    progress: IO[str] | None = sys.stderr,
+    progress: IO[str] | None | str = "stderr",
 ) -> dict[str, object]:
     """Tokenize ``corpus`` into shards under ``out_dir``; returns the index (also in index.json).
 
     ``tokenizer``: ``byte``, ``bpe`` (trained here on the train split, ``vocab_size`` tokens), a
     tokenizer.json path or an HF model dir. ``progress``: where the progress line goes (None: nowhere).
     """
+    if isinstance(progress, str):  # resolved per call: pytest and the CLIs swap sys.stderr
+        progress = sys.stderr
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX).unlink(missing_ok=True)
@@ -561,7 +563,8 @@ def prepare(
     return index
 
 
-def prepare_data(d: Any, out_dir: str | Path | None = None, progress: IO[str] | None = sys.stderr) -> dict[str, object]:
+def prepare_data(d: Any, out_dir: str | Path | None = None,
+                 progress: IO[str] | None | str = "stderr") -> dict[str, object]:
     """:func:`prepare` with the options of a ``DataConfig`` (``data.*``)."""
     return prepare(d.corpus, out_dir if out_dir is not None else d.out_dir, d.val_fraction, d.shard_tokens,
                    d.split_seed, tokenizer=d.tokenizer, vocab_size=d.vocab_size, text_field=d.text_field,
