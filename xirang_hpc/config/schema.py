@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.hf import is_hf_dir
 
 
 def _positive(group: str, name: str, value: float, fix: str = "use a value > 0") -> None:
@@ -45,7 +46,8 @@ class ModelConfig:
     # Share the token embedding with the output head (GPT-2 ties them; Llama 3 8B/70B do not).
     tie_embeddings: bool = False
     init_std: float = 0.02
-    # Exported weights (.safetensors) to initialise from, for fine-tuning (xirang_hpc/serve/weights.py).
+    # Weights to initialise from, for fine-tuning: an exported .safetensors file, or a Hugging Face model
+    # directory (Llama or GPT-2 family; its config.json fills model.*, see xirang_hpc/config/hf.py).
     init_from: str | None = None
 
     def __post_init__(self) -> None:
@@ -72,9 +74,10 @@ class ModelConfig:
             raise ConfigError("model.pos", self.pos, "choose learned or rope")
         if self.pos == "rope" and (self.d_model // self.n_head) % 2:
             raise ConfigError("model.pos", self.pos, "rope needs an even head dimension (d_model/n_head)")
-        if self.init_from and not str(self.init_from).endswith(".safetensors"):
+        if self.init_from and not str(self.init_from).endswith(".safetensors") and not is_hf_dir(self.init_from):
             raise ConfigError("model.init_from", self.init_from,
-                              "point it at a .safetensors file (xirang-ckpt export RUN --format safetensors)")
+                              "point it at a .safetensors file (xirang-ckpt export RUN --format safetensors) or at a "
+                              "Hugging Face model directory (config.json + model.safetensors or its index)")
 
     @property
     def head_dim(self) -> int:

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.hf import apply_hf_model
 from xirang_hpc.config.schema import DataConfig, XirangConfig
 
 
@@ -21,12 +22,27 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _cli_overrides(hydra_node: object) -> list[str] | None:
+    """The command line's overrides (``model=x``, ``model.n_layer=2``), or None where none is known (in a job)."""
+    if isinstance(hydra_node, dict):
+        task = (hydra_node.get("overrides") or {}).get("task")
+        if task is not None:
+            return list(task)
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return list(HydraConfig.get().overrides.task)
+    return None
+
+
 def load_config(cfg: DictConfig) -> XirangConfig:
     """Convert a composed DictConfig to typed dataclasses and validate it."""
     try:
         # Hydra passes a struct-mode DictConfig; drop its own node if present.
         container = OmegaConf.to_container(cfg, resolve=True)
-        container.pop("hydra", None)
+        overrides = _cli_overrides(container.pop("hydra", None))
+        if isinstance(container.get("model"), dict):  # model.init_from=<Hugging Face dir> fills/checks model.*
+            container["model"] = apply_hf_model(container["model"], overrides)
         typed = OmegaConf.merge(OmegaConf.structured(XirangConfig), container)
         obj = OmegaConf.to_object(typed)
     except OmegaConfBaseException as exc:

@@ -4,6 +4,8 @@
   comes from the checkpoint's ``state.json``, the tensors go through DCP's load-time resharding
   (:func:`xirang_hpc.checkpoint.export.load_full`), so a checkpoint written by dp x tp x pp ranks loads into a
   single unsharded process. Only the ``model`` entries are read (no optimizer state).
+- :func:`load_hf` reads a Hugging Face model directory (:mod:`xirang_hpc.serve.hf_import`); ``InitFromHook``
+  fills a (sharded) model from one, each rank reading only its own regions.
 - :func:`load_safetensors` reads exported weights (``xirang-ckpt export --format safetensors``)
   plus their JSON config; :func:`init_model_from` copies such weights into a (possibly sharded)
   model for ``model.init_from=PATH.safetensors``; :class:`InitFromHook` does that at fit start,
@@ -164,10 +166,27 @@ def load_exported(path: str | Path) -> LoadedModel:
                                                                         source))
 
 
+def load_hf(path: str | Path) -> LoadedModel:
+    """A single-process GPT from a Hugging Face model directory (Llama or GPT-2 family)."""
+    from xirang_hpc.config.hf import apply_hf_model
+    from xirang_hpc.serve.hf_import import init_model_from_hf
+
+    fields = apply_hf_model({"init_from": str(path)}, [])
+    cfg = model_config_from(fields)
+    model = GPT(cfg)
+    init_model_from_hf(model, path, cfg)
+    model.eval()
+    return LoadedModel(model, cfg, str(Path(path).absolute()))
+
+
 def load_any(path: str | Path, step: int | None = None) -> LoadedModel:
-    """A ``.safetensors`` file, a run directory, a checkpoints directory or a step directory."""
+    """A ``.safetensors`` file, a Hugging Face directory, a run directory, a checkpoints or a step directory."""
+    from xirang_hpc.config.hf import is_hf_dir
+
     if str(path).endswith(".safetensors"):
         return load_exported(path)
+    if is_hf_dir(path) and not (Path(path) / "checkpoints").is_dir():
+        return load_hf(path)
     return load_checkpoint(path, step)
 
 
@@ -200,13 +219,20 @@ def init_model_from(model: nn.Module, path: str | Path) -> int:
 
 
 class InitFromHook(TrainerHook):
-    """``model.init_from=PATH.safetensors``: load exported weights at fit start (before checkpoint restore)."""
+    """``model.init_from=``: load exported weights or a Hugging Face directory at fit start (before restore)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
     def on_fit_start(self, trainer: Any) -> None:
-        """Initialise the model from the weights file; a later checkpoint restore overrides it."""
-        n = init_model_from(trainer.model, self.path)
+        """Initialise the model from the weights; a later checkpoint restore overrides it."""
+        from xirang_hpc.config.hf import is_hf_dir
+
+        if is_hf_dir(self.path):
+            from xirang_hpc.serve.hf_import import init_model_from_hf
+
+            n = init_model_from_hf(trainer.model, self.path, trainer.cfg.model)
+        else:
+            n = init_model_from(trainer.model, self.path)
         if trainer.topo.rank == 0:
             trainer.log(f"model.init_from: {n} tensors from {self.path}")

@@ -1,0 +1,282 @@
+"""Hugging Face layouts: the one name map between our GPT and Llama / GPT-2 tensors, and export.
+
+:func:`tensor_map` says, for each of our parameter names, which Hugging Face tensor holds it and how:
+
+- ``transpose``: GPT-2's ``Conv1D`` stores weights as (in, out); ours are ``nn.Linear`` (out, in).
+- ``offset``: GPT-2's ``c_attn`` fuses q | k | v along its output dimension; ours are three tensors,
+  found at output offsets 0, d and 2d of the fused one (weight and bias).
+- ``rope_heads``: our :func:`~xirang_hpc.models.gpt.apply_rope` rotates interleaved channel pairs
+  (x[0::2], x[1::2], as Meta's Llama code); Hugging Face's Llama rotates halves (``rotate_half``). The
+  q and k projection rows are permuted inside each head exactly as transformers'
+  ``convert_llama_weights_to_hf`` ``permute`` does: HF row ``j*hd/2 + i`` of a head is our row
+  ``2*i + j``. The permutation stays inside a head, so a tensor-parallel slice of whole heads is still
+  a contiguous block of heads on both sides.
+
+Import reads *regions* through this map (:func:`hf_rows_for`, used by
+:mod:`xirang_hpc.serve.hf_import`); export (:func:`export_hf`) assembles whole Hugging Face tensors from a
+checkpoint of any layout (DCP full load) and writes ``config.json``, safetensors (sharded with an index
+past ``max_shard_bytes``) and, for a run with a BPE tokenizer, the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.config.hf import hf_family, model_fields_from_hf
+from xirang_hpc.config.schema import ModelConfig
+
+#: Hugging Face tensors that carry no learned state of ours (old checkpoints' buffers); skipped on import.
+IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+@dataclass(frozen=True)
+class Src:
+    """Where one of our tensors lives in a Hugging Face checkpoint."""
+
+    hf: str
+    transpose: bool = False
+    offset: int = 0  # along our dim 0 (= HF's output dim) inside a fused tensor
+    rope_heads: int = 0  # >0: rows permuted inside each of this many heads (half <-> interleaved rotary)
+
+
+def family_of(cfg: ModelConfig) -> str:
+    """``llama`` for rmsnorm/swiglu/rope models, ``gpt2`` for layernorm/gelu/learned/biased; else why not."""
+    if cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and cfg.pos == "rope" and not cfg.bias:
+        return "llama"
+    if cfg.norm == "layernorm" and cfg.mlp == "gelu" and cfg.pos == "learned" and cfg.bias:
+        if cfg.n_kv_head != cfg.n_head:
+            raise ValueError(f"model.n_kv_head={cfg.n_kv_head} < n_head={cfg.n_head}: GPT-2 has no grouped-query "
+                             "attention; a GPT-2 layout cannot express this model")
+        return "gpt2"
+    raise ValueError(
+        f"no Hugging Face family expresses norm={cfg.norm}, mlp={cfg.mlp}, pos={cfg.pos}, bias={cfg.bias}: "
+        "Llama needs rmsnorm + swiglu + rope without biases, GPT-2 needs layernorm + gelu + learned positions "
+        "with biases; export with --format safetensors instead")
+
+
+def tensor_map(cfg: ModelConfig, family: str | None = None) -> dict[str, Src]:
+    """Our parameter name -> its Hugging Face source, for every parameter of ``cfg``'s full model."""
+    fam = family or family_of(cfg)
+    m: dict[str, Src] = {}
+    d, kvd = cfg.d_model, cfg.n_kv_head * cfg.head_dim
+    if fam == "llama":
+        m["tok_emb.weight"] = Src("model.embed_tokens.weight")
+        for i in range(cfg.n_layer):
+            a, b = f"layers.{i}.", f"model.layers.{i}."
+            m[a + "attn_norm.weight"] = Src(b + "input_layernorm.weight")
+            m[a + "attn.q.weight"] = Src(b + "self_attn.q_proj.weight", rope_heads=cfg.n_head)
+            m[a + "attn.k.weight"] = Src(b + "self_attn.k_proj.weight", rope_heads=cfg.n_kv_head)
+            m[a + "attn.v.weight"] = Src(b + "self_attn.v_proj.weight")
+            m[a + "attn.o.weight"] = Src(b + "self_attn.o_proj.weight")
+            m[a + "mlp_norm.weight"] = Src(b + "post_attention_layernorm.weight")
+            m[a + "mlp.gate.weight"] = Src(b + "mlp.gate_proj.weight")
+            m[a + "mlp.up.weight"] = Src(b + "mlp.up_proj.weight")
+            m[a + "mlp.down.weight"] = Src(b + "mlp.down_proj.weight")
+        m["norm.weight"] = Src("model.norm.weight")
+        m["head.weight"] = Src("model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight")
+        return m
+    m["tok_emb.weight"] = Src("transformer.wte.weight")
+    m["pos_emb.weight"] = Src("transformer.wpe.weight")
+    for i in range(cfg.n_layer):
+        a, b = f"layers.{i}.", f"transformer.h.{i}."
+        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+            m[a + ours + ".weight"] = Src(b + theirs + ".weight")
+            m[a + ours + ".bias"] = Src(b + theirs + ".bias")
+        for ours, off in (("q", 0), ("k", d), ("v", d + kvd)):
+            m[a + f"attn.{ours}.weight"] = Src(b + "attn.c_attn.weight", transpose=True, offset=off)
+            m[a + f"attn.{ours}.bias"] = Src(b + "attn.c_attn.bias", offset=off)
+        for ours, theirs in (("attn.o", "attn.c_proj"), ("mlp.up", "mlp.c_fc"), ("mlp.down", "mlp.c_proj")):
+            m[a + ours + ".weight"] = Src(b + theirs + ".weight", transpose=True)
+            m[a + ours + ".bias"] = Src(b + theirs + ".bias")
+    m["norm.weight"] = Src("transformer.ln_f.weight")
+    m["norm.bias"] = Src("transformer.ln_f.bias")
+    m["head.weight"] = Src("transformer.wte.weight" if cfg.tie_embeddings else "lm_head.weight")
+    return m
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Full shapes of every parameter of ``cfg``'s model (meta device: nothing allocated)."""
+    from xirang_hpc.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def expected_hf_shapes(cfg: ModelConfig, tmap: dict[str, Src] | None = None) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensor shapes ``cfg`` implies (fused tensors: summed output dims)."""
+    tmap = tmap or tensor_map(cfg)
+    shapes = param_shapes(cfg)
+    out: dict[str, list[int]] = {}
+    for name, src in tmap.items():
+        s = list(shapes[name])
+        rows = src.offset + s[0]
+        hf = ([s[1], rows] if src.transpose else [rows, *s[1:]])
+        cur = out.get(src.hf)
+        if cur is None:
+            out[src.hf] = hf
+        else:  # a fused tensor: the output dimension is the furthest any part reaches
+            od = 1 if src.transpose else 0
+            cur[od] = max(cur[od], hf[od])
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def hf_rows_for(src: Src, rows: range, n_rows_full: int) -> list[int]:
+    """The HF output-dim indices holding our rows ``rows`` of a tensor with ``n_rows_full`` rows (in our order)."""
+    if not src.rope_heads:
+        return [src.offset + r for r in rows]
+    hd = n_rows_full // src.rope_heads
+    half = hd // 2
+    out = []
+    for r in rows:
+        h, w = divmod(r, hd)
+        i, j = divmod(w, 2)  # our row 2i+j of the head <- HF row j*hd/2 + i
+        out.append(src.offset + h * hd + j * half + i)
+    return out
+
+
+def to_hf_state(full: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Whole Hugging Face tensors from our full (unsharded) state dict, through :func:`tensor_map`."""
+    tmap = tensor_map(cfg)
+    shapes = expected_hf_shapes(cfg, tmap)
+    out: dict[str, torch.Tensor] = {}
+    for name, src in tmap.items():
+        t = full[name]
+        if src.hf not in out:
+            out[src.hf] = torch.empty(shapes[src.hf], dtype=t.dtype)
+        idx = torch.tensor(hf_rows_for(src, range(t.shape[0]), t.shape[0]))
+        dst = out[src.hf]
+        if src.transpose:
+            dst[:, idx] = t.T
+        else:
+            dst[idx] = t
+    return out
+
+
+def hf_config_for(cfg: ModelConfig, dtype: torch.dtype, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A transformers ``config.json`` for ``cfg`` (Llama or GPT-2 family); checked by mapping it back."""
+    fam = family_of(cfg)
+    dt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    special = {k: v for k, v in (vocab or {}).items() if v is not None}
+    if fam == "llama":
+        hf: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+            "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "vocab_size": cfg.vocab_size,
+            "initializer_range": cfg.init_std, "use_cache": True, "torch_dtype": dt, **special,
+        }
+    else:
+        hf = {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.d_model,
+            "n_inner": cfg.ffn_dim, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_positions": cfg.seq_len,
+            "n_ctx": cfg.seq_len, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
+            "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": cfg.init_std, "use_cache": True,
+            "torch_dtype": dt, **special,
+        }
+    back = model_fields_from_hf(hf)
+    for k in ("n_layer", "n_head", "n_kv_head", "d_model", "vocab_size", "norm", "mlp", "pos", "bias"):
+        assert back[k] == getattr(cfg, k), (k, back[k], getattr(cfg, k))
+    assert hf_family(hf, "export") == fam
+    return hf
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    return shards
+
+
+def write_hf_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[Path]:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        p = out / "model.safetensors"
+        save_file(tensors, str(p), metadata={"format": "pt"})
+        return [p]
+    paths, weight_map = [], {}
+    for i, sh in enumerate(shards, 1):
+        p = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sh, str(p), metadata={"format": "pt"})
+        paths.append(p)
+        weight_map.update({k: p.name for k in sh})
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    idx = out / "model.safetensors.index.json"
+    idx.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return [*paths, idx]
+
+
+def _tokenizer_files(run_dir: Path, out: Path) -> dict[str, Any]:
+    """Copy the run's BPE tokenizer (if any) as tokenizer.json + tokenizer_config.json; its special ids."""
+    try:
+        from xirang_hpc.data.tokenizer import load_run_tokenizer  # type: ignore[attr-defined]
+    except ImportError:
+        return {}
+    tok = load_run_tokenizer(run_dir)
+    tj = getattr(tok, "tokenizer_json", None)
+    if not tj:
+        return {}
+    import shutil
+
+    shutil.copyfile(tj, out / "tokenizer.json")
+    data = json.loads((out / "tokenizer.json").read_text())
+    added = {a["content"]: a["id"] for a in data.get("added_tokens", [])}
+    eos = next((t for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>") if t in added), None)
+    bos = next((t for t in ("<|begin_of_text|>", "<s>", "<bos>") if t in added), eos)
+    tc: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": None,
+                          "clean_up_tokenization_spaces": False}
+    if eos:
+        tc["eos_token"] = eos
+    if bos:
+        tc["bos_token"] = bos
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
+    return {"eos_token_id": added.get(eos) if eos else None, "bos_token_id": added.get(bos) if bos else None}
+
+
+def export_hf(step_dir: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
+              mode: int = 0o700) -> list[Path]:
+    """Write a transformers-loadable directory from a checkpoint of any layout; returns the files written."""
+    import dataclasses
+
+    from xirang_hpc.checkpoint.export import load_full
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise ValueError(f"--dtype {dtype!r}: choose float32 or bfloat16")
+    L.verify(step_dir)
+    state = L.read_state(step_dir)
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in state["config"]["model"].items() if k in names})
+    family_of(cfg)  # refuse before reading any tensor
+    full = {k.removeprefix("model."): v for k, v in load_full(step_dir, "model.").items()}
+    if not full:
+        raise ValueError(f"{step_dir}: no model tensors in this checkpoint")
+    hf_state = {k: v.to(dtypes[dtype]) for k, v in to_hf_state(full, cfg).items()}
+    L.make_dir(out_dir, mode)
+    run_dir = step_dir.parent.parent
+    special = _tokenizer_files(run_dir, out_dir)
+    written = write_hf_weights(hf_state, out_dir, max_shard_bytes)
+    cfg_path = out_dir / "config.json"
+    cfg_path.write_text(json.dumps(hf_config_for(cfg, dtypes[dtype], special), indent=1))
+    extra = [out_dir / n for n in ("tokenizer.json", "tokenizer_config.json") if (out_dir / n).is_file()]
+    return [cfg_path, *written, *extra]

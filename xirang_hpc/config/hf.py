@@ -1,0 +1,213 @@
+"""Hugging Face model directories as ``model.init_from``: their ``config.json`` mapped onto ``model.*``.
+
+Supported families: Llama (``LlamaForCausalLM``: RMSNorm, SwiGLU, RoPE, no biases, optional GQA and
+tied embeddings) and GPT-2 (``GPT2LMHeadModel``: LayerNorm with bias, tanh-GELU MLP, learned positions,
+biased projections, tied head). Anything these configs can say that our model does not implement is
+refused here, naming the Hugging Face field and its value.
+
+How the mapping meets Hydra (``model.init_from=<dir>``):
+
+- No model preset on the command line (the default ``model=tiny`` is only a default): every shape field
+  (layers, heads, kv heads, width, MLP width, vocabulary, norm, MLP, positions, bias, eps, rope base,
+  tying) comes from the directory, ``model.name`` becomes ``<model_type>-<dir name>`` and
+  ``model.seq_len`` the model's context length (``max_position_embeddings`` / ``n_positions``).
+- A preset chosen explicitly (``model=llama3-8b``) is checked against the directory: a differing shape
+  field is refused naming both values.
+- An explicit ``model.<field>=`` override that differs from the directory is refused naming both
+  values. ``model.seq_len`` (the training window) and ``model.name`` may always be set; GPT-2 refuses a
+  window longer than its ``n_positions``.
+- Where no command line is known (inside the job, which receives the already-filled config), every
+  shape field must already agree with the directory.
+
+Pure JSON and dict work: no torch, so the launcher can run it before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from xirang_hpc.config.errors import ConfigError
+
+#: ``architectures`` value -> our family name.
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
+#: Model fields a Hugging Face directory decides (``seq_len`` and ``name`` are handled separately).
+SHAPE_FIELDS = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "vocab_size", "norm", "mlp", "pos", "bias",
+                "norm_eps", "rope_theta", "tie_embeddings")
+
+
+class HFConfigError(ConfigError):
+    """A Hugging Face config we cannot map; names the HF field (or file), its value and the fix."""
+
+
+def is_hf_dir(path: str | Path | None) -> bool:
+    """True when ``path`` is a directory holding a Hugging Face ``config.json``."""
+    if not path:
+        return False
+    p = Path(str(path)).expanduser()
+    return p.is_dir() and (p / "config.json").is_file()
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of a Hugging Face model directory."""
+    p = Path(str(path)).expanduser() / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise HFConfigError("model.init_from", str(path), f"{p} is not a readable JSON config ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise HFConfigError("model.init_from", str(path), f"{p} must hold a JSON object")
+    return cfg
+
+
+def hf_family(hf: dict[str, Any], source: str) -> str:
+    """``llama`` or ``gpt2`` from the config's ``architectures``; anything else is refused."""
+    archs = hf.get("architectures") or []
+    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if not known:
+        raise HFConfigError(f"{source}: architectures", archs,
+                            f"supported: {sorted(SUPPORTED_ARCHITECTURES)} (Llama family and GPT-2 family); "
+                            "convert the model to one of these, or train from a preset")
+    return SUPPORTED_ARCHITECTURES[known[0]]
+
+
+def _refuse(source: str, field: str, value: Any, why: str) -> None:
+    raise HFConfigError(f"{source}: {field}", value, why)
+
+
+def _rope_theta_and_type(hf: dict[str, Any]) -> tuple[float, Any]:
+    """(rope base, scaling type or None) from either the v4 fields or transformers v5's ``rope_parameters``."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        kind = params.get("rope_type", params.get("type", "default"))
+        return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), kind
+    scaling = hf.get("rope_scaling")
+    kind = None
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type", scaling.get("type"))
+    elif scaling is not None:
+        kind = scaling
+    return float(hf.get("rope_theta", 10000.0)), kind
+
+
+def _llama_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    d, nh = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        _refuse(source, "hidden_act", act, "only silu (SwiGLU) is implemented for the Llama family")
+    for name in ("attention_bias", "mlp_bias"):
+        if hf.get(name):
+            _refuse(source, name, hf[name], "biased projections are not implemented for the Llama family; "
+                    "use a model without them")
+    theta, kind = _rope_theta_and_type(hf)
+    if kind not in (None, "default"):
+        _refuse(source, "rope_scaling", kind, "only plain RoPE (rope_type 'default', no scaling) is implemented")
+    hd = hf.get("head_dim")
+    if hd is not None and int(hd) * nh != d:
+        _refuse(source, "head_dim", hd, f"must equal hidden_size/num_attention_heads = {d}/{nh} = {d // nh}: "
+                "decoupled head widths are not implemented")
+    if d % nh or (d // nh) % 2:
+        _refuse(source, "hidden_size", d, f"must split into num_attention_heads={nh} heads of even width (RoPE)")
+    if int(hf.get("pretraining_tp", 1) or 1) != 1:
+        _refuse(source, "pretraining_tp", hf["pretraining_tp"], "only pretraining_tp=1 is implemented")
+    return {"n_layer": int(hf["num_hidden_layers"]), "n_head": nh,
+            "n_kv_head": int(hf.get("num_key_value_heads") or nh), "d_model": d,
+            "d_ff": int(hf["intermediate_size"]), "vocab_size": int(hf["vocab_size"]), "norm": "rmsnorm",
+            "mlp": "swiglu", "pos": "rope", "bias": False, "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "rope_theta": theta, "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "seq_len": int(hf.get("max_position_embeddings", 2048))}
+
+
+def _gpt2_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        _refuse(source, "activation_function", act, "only the tanh GELU (gelu_new) is implemented")
+    checks = {"scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+              "add_cross_attention": False, "scale_attn_weights": True}
+    for name, ok in checks.items():
+        if bool(hf.get(name, ok)) != ok:
+            _refuse(source, name, hf[name], f"only {name}={ok} is implemented")
+    d = int(hf.get("n_embd", 768))
+    return {"n_layer": int(hf.get("n_layer", 12)), "n_head": int(hf.get("n_head", 12)),
+            "n_kv_head": int(hf.get("n_head", 12)), "d_model": d, "d_ff": int(hf.get("n_inner") or 4 * d),
+            "vocab_size": int(hf.get("vocab_size", 50257)), "norm": "layernorm", "mlp": "gelu", "pos": "learned",
+            "bias": True, "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)), "rope_theta": 10000.0,
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+            "seq_len": int(hf.get("n_positions", 1024))}
+
+
+def model_fields_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """Our ``model.*`` fields (plus ``seq_len`` = the context length) for a Hugging Face config."""
+    family = hf_family(hf, source)
+    try:
+        return _llama_fields(hf, source) if family == "llama" else _gpt2_fields(hf, source)
+    except KeyError as exc:
+        raise HFConfigError(f"{source}: {exc.args[0]}", None, "missing from the config; is it a complete "
+                            "Hugging Face config.json?") from None
+
+
+def _override_keys(overrides: list[str]) -> tuple[set[str], bool]:
+    """(explicitly set ``model.<field>`` names, whether a ``model=<preset>`` was chosen)."""
+    fields, preset = set(), False
+    for o in overrides:
+        key = re.split(r"=", o.lstrip("+~"), maxsplit=1)[0].strip()
+        if key == "model":
+            preset = True
+        elif key.startswith("model."):
+            fields.add(key.removeprefix("model."))
+    return fields, preset
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(b)))
+    return a == b
+
+
+def apply_hf_model(model: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """``model`` (a plain dict of ``model.*``) with a Hugging Face ``init_from``'s fields filled or checked.
+
+    ``overrides`` are the command line's Hydra overrides, or ``None`` when unknown (inside the job): then
+    every shape field must already agree. Returns ``model`` unchanged when ``init_from`` is not an HF dir.
+    """
+    path = model.get("init_from")
+    if not is_hf_dir(path):
+        return model
+    source = str(Path(str(path)).expanduser() / "config.json")
+    hf = model_fields_from_hf(read_hf_config(path), source)
+    context = hf.pop("seq_len")
+    explicit, preset = _override_keys(overrides or [])
+    check_all = overrides is None or preset
+    out = dict(model)
+    for name in SHAPE_FIELDS:
+        ours = model.get(name)
+        if name == "n_kv_head" and not ours:
+            ours = model.get("n_head")
+        if name == "d_ff" and not ours and model.get("d_model"):  # 0 = derived from d_model (schema.ModelConfig)
+            dm = int(model["d_model"])
+            ours = 256 * ((int(8 * dm / 3) + 255) // 256) if model.get("mlp") == "swiglu" else 4 * dm
+        if (check_all or name in explicit) and ours is not None and not _same(ours, hf[name]):
+            how = "chosen preset" if name not in explicit else "command line"
+            raise HFConfigError(f"model.{name}", ours,
+                                f"conflicts with the Hugging Face config {source} which gives {hf[name]!r} "
+                                f"({how}); drop the override or the model preset to take the shape from the "
+                                "directory, or point model.init_from at a matching model")
+        out[name] = hf[name]
+    if not check_all:
+        if "seq_len" not in explicit:
+            out["seq_len"] = context
+        if "name" not in explicit:
+            out["name"] = f"{hf_family_name(path)}"
+    if out["pos"] == "learned" and int(out.get("seq_len") or 0) > context:
+        raise HFConfigError("model.seq_len", out["seq_len"],
+                            f"longer than the GPT-2 model's n_positions={context} ({source}); "
+                            f"use model.seq_len <= {context}")
+    return out
+
+
+def hf_family_name(path: str | Path) -> str:
+    """The run-facing model name for an HF directory: ``hf-<dir name>`` (safe characters only)."""
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(path)).expanduser().resolve().name).strip("-") or "model"
+    return f"hf-{base}"
