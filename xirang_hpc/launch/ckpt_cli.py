@@ -123,13 +123,25 @@ def cmd_pin(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    """Write full model weights as safetensors plus a JSON config."""
+    """Write full model weights: safetensors plus our JSON config, or a Hugging Face directory."""
     from xirang_hpc.checkpoint.export import export_safetensors
 
-    if a.format != "safetensors":
-        raise SystemExit(f"xirang-ckpt: error: --format {a.format!r} is not supported; use safetensors")
+    if a.format not in ("safetensors", "hf"):
+        raise SystemExit(f"xirang-ckpt: error: --format {a.format!r} is not supported; use safetensors or hf")
     root = _root(a.run)
     step = _step(root, a.step)
+    if a.format == "hf":
+        from xirang_hpc.checkpoint.hf import export_hf
+
+        out = Path(a.out) if a.out else root.parent / "export" / f"hf_step_{step}"
+        files = export_hf(root / L.step_dir_name(step), out, dtype=a.dtype,
+                          max_shard_bytes=int(a.max_shard_mb * 2**20))
+        size = sum(f.stat().st_size for f in files)
+        print(f"wrote {out} ({len(files)} files, {size / 1e6:.2f} MB): load it with "
+              f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+        return 0
+    if a.dtype != "float32":
+        raise SystemExit("xirang-ckpt: error: --dtype applies to --format hf only")
     out = Path(a.out) if a.out else root.parent / "export" / f"step_{step}"
     w, c = export_safetensors(root / L.step_dir_name(step), out)
     print(f"wrote {w} ({w.stat().st_size / 1e6:.2f} MB) and {c}")
@@ -190,8 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dry-run", action="store_true")
     add("pin", cmd_pin, help_="protect a step from retention").add_argument("--unpin", action="store_true")
     sp = add("export", cmd_export, help_="export model weights")
-    sp.add_argument("--format", default="safetensors")
-    sp.add_argument("--out", default=None, help="output directory (default: RUN/export/step_N)")
+    sp.add_argument("--format", default="safetensors",
+                    help="safetensors: model.safetensors + our config; hf: a Hugging Face (transformers) directory")
+    sp.add_argument("--out", default=None, help="output directory (default: RUN/export/step_N or hf_step_N)")
+    sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="tensor dtype (--format hf)")
+    sp.add_argument("--max-shard-mb", type=float, default=5120.0,
+                    help="--format hf: split weights into shards of at most this size, with an index")
     sp = add("interval", cmd_interval, step=False, help_="recommended checkpoint interval (Daly)")
     sp.add_argument("--mtbf-hours", type=float, default=None)
     sp.add_argument("--restart-s", type=float, default=0.0, help="time to restart after a failure")
