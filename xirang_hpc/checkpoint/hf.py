@@ -227,10 +227,14 @@ def write_hf_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_byte
 
 
 def _tokenizer_files(run_dir: Path, out: Path) -> dict[str, Any]:
-    """Copy the run's BPE tokenizer (if any) as tokenizer.json + tokenizer_config.json; its special ids."""
+    """Copy the run's BPE tokenizer (if any) as tokenizer.json + tokenizer_config.json; its special ids.
+
+    ``PreTrainedTokenizerFast`` reads tokenizer.json as it is; tokenizer_config.json names the class and
+    the end-of-text token (also used as bos, as GPT-2 does) so ``AutoTokenizer.from_pretrained`` works.
+    """
     try:
-        from xirang_hpc.data.tokenizer import load_run_tokenizer  # type: ignore[attr-defined]
-    except ImportError:
+        from xirang_hpc.data.tokenizer import load_run_tokenizer
+    except ImportError:  # a package without run tokenizers: byte-level runs only
         return {}
     tok = load_run_tokenizer(run_dir)
     tj = getattr(tok, "tokenizer_json", None)
@@ -240,17 +244,17 @@ def _tokenizer_files(run_dir: Path, out: Path) -> dict[str, Any]:
 
     shutil.copyfile(tj, out / "tokenizer.json")
     data = json.loads((out / "tokenizer.json").read_text())
-    added = {a["content"]: a["id"] for a in data.get("added_tokens", [])}
-    eos = next((t for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>") if t in added), None)
-    bos = next((t for t in ("<|begin_of_text|>", "<s>", "<bos>") if t in added), eos)
-    tc: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": None,
-                          "clean_up_tokenization_spaces": False}
-    if eos:
-        tc["eos_token"] = eos
-    if bos:
-        tc["bos_token"] = bos
+    by_id = {a["id"]: a["content"] for a in data.get("added_tokens", [])}
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    if isinstance(vocab, dict):
+        by_id.update({i: t for t, i in vocab.items() if i not in by_id})
+    eos_id = getattr(tok, "eos_id", None)
+    eos = by_id.get(eos_id) if eos_id is not None else None
+    tc: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    if eos is not None:
+        tc.update(eos_token=eos, bos_token=eos)
     (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
-    return {"eos_token_id": added.get(eos) if eos else None, "bos_token_id": added.get(bos) if bos else None}
+    return {"eos_token_id": eos_id, "bos_token_id": eos_id} if eos is not None else {}
 
 
 def export_hf(step_dir: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,

@@ -77,19 +77,19 @@ def _refuse(source: str, field: str, value: Any, why: str) -> None:
     raise HFConfigError(f"{source}: {field}", value, why)
 
 
-def _rope_theta_and_type(hf: dict[str, Any]) -> tuple[float, Any]:
-    """(rope base, scaling type or None) from either the v4 fields or transformers v5's ``rope_parameters``."""
+def _rope_theta_and_type(hf: dict[str, Any]) -> tuple[float, Any, str]:
+    """(rope base, scaling type or None, the field that says so) from the v4 fields or v5's ``rope_parameters``."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict):
         kind = params.get("rope_type", params.get("type", "default"))
-        return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), kind
+        return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), kind, "rope_parameters.rope_type"
     scaling = hf.get("rope_scaling")
     kind = None
     if isinstance(scaling, dict):
         kind = scaling.get("rope_type", scaling.get("type"))
     elif scaling is not None:
         kind = scaling
-    return float(hf.get("rope_theta", 10000.0)), kind
+    return float(hf.get("rope_theta", 10000.0)), kind, "rope_scaling"
 
 
 def _llama_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -101,9 +101,9 @@ def _llama_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         if hf.get(name):
             _refuse(source, name, hf[name], "biased projections are not implemented for the Llama family; "
                     "use a model without them")
-    theta, kind = _rope_theta_and_type(hf)
+    theta, kind, where = _rope_theta_and_type(hf)
     if kind not in (None, "default"):
-        _refuse(source, "rope_scaling", kind, "only plain RoPE (rope_type 'default', no scaling) is implemented")
+        _refuse(source, where, kind, "only plain RoPE (rope_type 'default', no scaling) is implemented")
     hd = hf.get("head_dim")
     if hd is not None and int(hd) * nh != d:
         _refuse(source, "head_dim", hd, f"must equal hidden_size/num_attention_heads = {d}/{nh} = {d // nh}: "

@@ -1,0 +1,371 @@
+"""model.init_from=<Hugging Face dir>: Llama and GPT-2 models built by transformers itself, imported and compared.
+
+Logits are compared with transformers' own forward on the same tokens (fp32, max abs diff <= 1e-4) in one
+process, in dp2 x tp2 (FSDP2 over tensor-parallel DTensors) and in pp2. Every rank records the regions it
+asks safetensors for: nobody reads a whole tensor that is sharded, nor a layer of another pipeline stage.
+Every refusal names the field or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from xirang_hpc.config.errors import ConfigError  # noqa: E402
+from xirang_hpc.config.hf import apply_hf_model  # noqa: E402
+from xirang_hpc.serve.hf_import import HFImportError  # noqa: E402
+from xirang_hpc.serve.weights import load_any, load_hf  # noqa: E402
+
+BIN = Path(sys.executable).parent
+TOL = 1e-4
+
+
+def make_llama(path: Path, layers: int = 4, tie: bool = False, shard: str | None = None, **extra: Any) -> Any:
+    """A random GQA Llama (hidden 64, 4 heads, 2 kv heads, vocab 256, rope_theta 500000) saved to ``path``."""
+    torch.manual_seed(11)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256, rope_theta=500000.0,
+                                   max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                                   bos_token_id=None, eos_token_id=None, **extra)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+def make_gpt2(path: Path, shard: str | None = None) -> Any:
+    """A random GPT-2 (n_embd 64, 4 heads, 2 layers, vocab 256, 64 positions) saved to ``path``."""
+    torch.manual_seed(12)
+    cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+TOKENS = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(5))
+
+
+def _hf_logits(model: Any, x: torch.Tensor = TOKENS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x).logits
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.Tensor]]:
+    """name -> (HF directory, transformers' logits on TOKENS)."""
+    tmp = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name, fn in (("llama", lambda p: make_llama(p)), ("llama-sharded", lambda p: make_llama(p, shard="20KB")),
+                     ("llama-tied", lambda p: make_llama(p, layers=2, tie=True)), ("gpt2", lambda p: make_gpt2(p)),
+                     ("gpt2-sharded", lambda p: make_gpt2(p, shard="30KB"))):
+        model = fn(tmp / name)
+        out[name] = (tmp / name, _hf_logits(model))
+    assert (tmp / "llama-sharded" / "model.safetensors.index.json").is_file()
+    assert (tmp / "gpt2-sharded" / "model.safetensors.index.json").is_file()
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-sharded", "llama-tied", "gpt2", "gpt2-sharded"])
+def test_one_process_logits_equal_transformers(hf_dirs, name: str) -> None:
+    path, ref = hf_dirs[name]
+    loaded = load_any(path)
+    with torch.no_grad():
+        ours = loaded.model(TOKENS)
+    assert (ours - ref).abs().max().item() <= TOL
+    if name.startswith("gpt2"):
+        assert loaded.cfg.pos == "learned" and loaded.cfg.tie_embeddings and loaded.cfg.bias
+    else:
+        assert loaded.cfg.n_kv_head == 2 and loaded.cfg.rope_theta == 500000.0 and loaded.cfg.pos == "rope"
+
+
+# ---- the config mapping (Hydra) ------------------------------------------------------------------------------
+
+
+def test_hf_config_fills_the_model_unless_a_preset_or_field_says_otherwise(hf_dirs) -> None:
+    from conftest import compose_cfg
+
+    from xirang_hpc.config.validate import load_config
+
+    path = hf_dirs["llama"][0]
+    # No preset on the command line: everything comes from the directory (the default preset is ignored).
+    m = apply_hf_model({"name": "tiny", "n_layer": 4, "d_model": 128, "init_from": str(path)},
+                       [f"model.init_from={path}"])
+    assert (m["n_layer"], m["n_head"], m["n_kv_head"], m["d_model"], m["d_ff"]) == (4, 4, 2, 64, 96)
+    assert (m["norm"], m["mlp"], m["pos"], m["bias"], m["rope_theta"], m["seq_len"]) == \
+        ("rmsnorm", "swiglu", "rope", False, 500000.0, 64)
+    assert m["name"] == "hf-llama"
+    # The training window and the name may be set.
+    m = apply_hf_model({"seq_len": 32, "name": "mine", "init_from": str(path)},
+                       ["model.seq_len=32", "model.name=mine", f"model.init_from={path}"])
+    assert m["seq_len"] == 32 and m["name"] == "mine"
+    # An explicit shape override that disagrees: both values named.
+    with pytest.raises(ConfigError, match=r"model.n_layer=2.*gives 4"):
+        apply_hf_model({"n_layer": 2, "init_from": str(path)}, ["model.n_layer=2", f"model.init_from={path}"])
+    # An explicit preset is checked, not replaced.
+    with pytest.raises(ConfigError, match=r"model.n_kv_head=4.*gives 2 \(chosen preset\)"):
+        cfg = compose_cfg(["model=tiny", f"model.init_from={path}"])
+        apply_hf_model(dict(cfg.model), ["model=tiny", f"model.init_from={path}"])
+    # Inside the job (no command line known) every shape field must already agree.
+    with pytest.raises(ConfigError, match="model.n_layer"):
+        apply_hf_model({"n_layer": 3, "n_head": 4, "init_from": str(path)}, None)
+    # Through load_config with Hydra's own composition (no command line: a filled config validates).
+    cfg = compose_cfg([f"model.init_from={path}", *[f"model.{k}={v}" for k, v in m.items() if k not in
+                                                   ("init_from", "name")]])
+    assert load_config(cfg).model.n_kv_head == 2
+
+
+def test_xirang_train_fills_the_model_from_the_directory_and_refuses_a_conflict(hf_dirs, tmp_path: Path) -> None:
+    path = hf_dirs["llama"][0]
+    r = subprocess.run([str(BIN / "xirang-train"), f"model.init_from={path}", "--cfg", "job"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    # --cfg prints the composed config before our filling; the filled one is what validation sees:
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(BIN / "xirang-train"), f"model.init_from={path}", "model.n_head=8",
+                        f"train.runs_root={tmp_path}/runs"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "model.n_head=8" in r.stderr and "gives 4" in r.stderr
+    assert not (tmp_path / "runs").exists()
+    r = subprocess.run([str(BIN / "xirang-train"), "model=tiny-gqa", f"model.init_from={path}",
+                        f"train.runs_root={tmp_path}/runs"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "model.d_ff=192" in r.stderr and "gives 96" in r.stderr, r.stderr
+
+
+def _edit_config(src: Path, dst: Path, **changes: Any) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("family,field,value,match", [
+    ("llama", "rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}, "rope_parameters.*llama3"),
+    ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling.*linear"),
+    ("llama", "attention_bias", True, "attention_bias"),
+    ("llama", "mlp_bias", True, "mlp_bias"),
+    ("llama", "hidden_act", "gelu", "hidden_act.*silu"),
+    ("llama", "head_dim", 32, "head_dim.*16"),
+    ("llama", "architectures", ["MistralForCausalLM"], "architectures.*Mistral.*GPT2LMHeadModel.*LlamaForCausalLM"),
+    ("gpt2", "scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx"),
+    ("gpt2", "reorder_and_upcast_attn", True, "reorder_and_upcast_attn"),
+    ("gpt2", "activation_function", "relu", "activation_function.*gelu_new"),
+])
+def test_unsupported_hf_configs_are_refused_naming_the_field(hf_dirs, tmp_path: Path, family: str, field: str,
+                                                             value: Any, match: str) -> None:
+    bad = _edit_config(hf_dirs[family][0], tmp_path / "bad", **{field: value})
+    if field == "rope_scaling":
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg.pop("rope_parameters", None)
+        (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=match):
+        apply_hf_model({"init_from": str(bad)}, [])
+
+
+def test_gpt2_window_longer_than_n_positions_is_refused(hf_dirs) -> None:
+    path = hf_dirs["gpt2"][0]
+    with pytest.raises(ConfigError, match=r"model.seq_len=128.*n_positions=64"):
+        apply_hf_model({"seq_len": 128, "init_from": str(path)}, ["model.seq_len=128"])
+
+
+def test_bad_weights_name_the_tensor_or_file(hf_dirs, tmp_path: Path) -> None:
+    from xirang_hpc.config.schema import ModelConfig
+    from xirang_hpc.models.gpt import GPT
+    from xirang_hpc.serve.hf_import import init_model_from_hf
+
+    # A missing shard file listed in the index.
+    sharded = tmp_path / "sharded"
+    shutil.copytree(hf_dirs["llama-sharded"][0], sharded)
+    victim = sorted(sharded.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(HFImportError, match=f"shard file {victim.name}, which is missing"):
+        load_hf(sharded)
+    # A shape mismatch: the config says 2 kv heads, the weights hold a k projection for 4.
+    path = hf_dirs["llama"][0]
+    fields = apply_hf_model({"init_from": str(path)}, [])
+    cfg = ModelConfig(**{**fields, "n_kv_head": 4})
+    with pytest.raises(HFImportError, match=r"k_proj.weight has shape \(32, 64\), the model config needs \(64, 64\)"):
+        init_model_from_hf(GPT(cfg), path, cfg)
+    # No weights at all.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(path / "config.json", empty / "config.json")
+    with pytest.raises(HFImportError, match="neither model.safetensors nor model.safetensors.index.json"):
+        load_hf(empty)
+    # Not a config the schema accepts at all.
+    with pytest.raises(ConfigError, match="Hugging Face model directory"):
+        ModelConfig(name="x", init_from=str(tmp_path / "nothing-here"))
+
+
+# ---- multi-process layouts: same logits, each rank reads only its own regions --------------------------------
+
+
+def _worker(rank: int, world: int, port: int, layout: str, hf_dir: str, queue: Any) -> None:
+    import torch.distributed as dist
+    from parallel_harness import LAYOUTS, make_cfg, topology
+    from torch.distributed.tensor import DTensor
+
+    import xirang_hpc.serve.hf_import as hi
+    from xirang_hpc.config.hf import apply_hf_model as fill
+    from xirang_hpc.runtime.parallel_dims import ParallelDims, gather_nodes
+    from xirang_hpc.runtime.parallelize import parallelize
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        requests: list[tuple[str, list[int], list[int]]] = []
+        from safetensors import safe_open as real_open
+
+        class Sliced:  # records every region this rank asks for, then reads it
+            def __init__(self, inner: Any, name: str) -> None:
+                self.inner, self.name = inner, name
+
+            def get_shape(self) -> list[int]:
+                return self.inner.get_shape()
+
+            def __getitem__(self, idx: Any) -> torch.Tensor:
+                t = self.inner[idx]
+                requests.append((self.name, list(t.shape), list(self.inner.get_shape())))
+                return t
+
+        class Recording:
+            def __init__(self, path: str, framework: str) -> None:
+                self.f = real_open(path, framework=framework)
+
+            def __enter__(self) -> Recording:
+                self.h = self.f.__enter__()
+                return self
+
+            def __exit__(self, *a: Any) -> None:
+                self.f.__exit__(*a)
+
+            def keys(self) -> list[str]:
+                return self.h.keys()
+
+            def get_slice(self, name: str) -> Sliced:
+                return Sliced(self.h.get_slice(name), name)
+
+            def get_tensor(self, name: str) -> torch.Tensor:
+                raise AssertionError(f"whole-tensor read of {name}")
+
+        hi.safe_open = Recording
+        fields = fill({"init_from": hf_dir}, [])
+        cfg = make_cfg(world, LAYOUTS[layout], steps=1, model={k: v for k, v in fields.items() if k != "init_from"})
+        topo = topology(rank, world, port)
+        dims = ParallelDims.from_config(cfg.parallel, world)
+        mesh = dims.build_mesh(topo, nodes=gather_nodes(topo))
+        torch.manual_seed(0)
+        pm = parallelize(cfg, dims, mesh)
+        n = hi.init_model_from_hf(pm.model, hf_dir, cfg.model)
+        local, sharded = 0, {}
+        for name, p in pm.model.named_parameters():
+            is_sh = isinstance(p, DTensor) and any(pl.is_shard() or type(pl).__name__ == "_StridedShard"
+                                                   for pl in p.placements)
+            local += (p.to_local() if isinstance(p, DTensor) else p).numel()
+            sharded[name] = is_sh
+        with torch.no_grad():
+            x = TOKENS
+            if dims.pp > 1:
+                pp_group = mesh["pp"].get_group()
+                if pm.is_first_stage:
+                    h = pm.model(x)
+                    dist.send(h.contiguous(), dst=dist.get_global_rank(pp_group, 1))
+                    logits = None
+                else:
+                    h = torch.empty(x.shape[0], x.shape[1], cfg.model.d_model)
+                    dist.recv(h, src=dist.get_global_rank(pp_group, 0))
+                    logits = pm.model(h)
+            else:
+                logits = pm.module(x)
+        queue.put((rank, {"n": n, "logits": None if logits is None else logits.numpy().copy(),
+                          "requests": requests, "local_numel": local, "sharded": sharded,
+                          "layers": sorted(int(k) for k in pm.model.layers.keys())}))
+    except Exception:  # noqa: BLE001 - report to the parent instead of hanging it
+        queue.put((rank, {"error": traceback.format_exc()}))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(world: int, layout: str, hf_dir: Path) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+    from parallel_harness import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, layout, str(hf_dir), q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: list[dict[str, Any]] = [{}] * world
+    deadline = time.monotonic() + 600
+    got = 0
+    try:
+        while got < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{layout}: ranks did not finish")
+            if q.empty():
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"{layout}: a rank died: {[p.exitcode for p in procs]}")
+                time.sleep(0.05)
+                continue
+            rank, res = q.get()
+            if "error" in res:
+                raise RuntimeError(f"{layout} rank {rank}:\n{res['error']}")
+            out[rank] = res
+            got += 1
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,layout,world", [("llama-sharded", "dp2xtp2", 4), ("gpt2", "dp2xtp2", 4),
+                                               ("llama", "pp2", 2)])
+def test_layouts_read_only_their_regions_and_match_transformers(hf_dirs, name: str, layout: str, world: int) -> None:
+    path, ref = hf_dirs[name]
+    res = _run(world, layout, path)
+    outs = [r["logits"] for r in res if r["logits"] is not None]
+    assert outs
+    for o in outs:
+        assert (torch.from_numpy(o) - ref).abs().max().item() <= TOL
+    for r in res:
+        # Exactly this rank's share was read: elements read == elements held (tied head: read once).
+        assert sum(int(torch.tensor(s).prod()) for _, s, _ in r["requests"]) == r["local_numel"]
+    from safetensors import safe_open
+
+    total = 0
+    files = {f for f in path.glob("*.safetensors")}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            total += sum(int(torch.tensor(h.get_slice(k).get_shape()).prod()) for k in h.keys())
+    for r in res:
+        assert r["local_numel"] < total  # nobody holds the whole model
+    if layout == "dp2xtp2":
+        # Tensor-parallel/FSDP-sharded tensors: no rank requested one whole.
+        # (FSDP2 over dp shards every parameter, on top of tensor parallelism's q/k/v/o/MLP split.)
+        for r in res:
+            assert all(r["sharded"].values())
+            for hf_name, got, full in r["requests"]:
+                assert got != full, (hf_name, got, full)
+    else:  # pp2: a stage reads only its own layers
+        for r in res:
+            layers = {int(n.split(".")[2]) for n, _, _ in r["requests"] if n.startswith("model.layers.")}
+            assert layers == set(r["layers"]) and len(layers) < 4
