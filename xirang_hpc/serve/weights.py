@@ -27,7 +27,7 @@ from torch import nn
 from xirang_hpc.checkpoint import layout as L
 from xirang_hpc.checkpoint.export import load_full, run_dir_of
 from xirang_hpc.config.schema import ModelConfig
-from xirang_hpc.data.tokenizer import ByteTokenizer, Tokenizer, load_run_tokenizer
+from xirang_hpc.data.tokenizer import ByteTokenizer, Tokenizer, load_run_tokenizer, load_tokenizer
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.runtime.trainer import TrainerHook
 
@@ -176,7 +176,10 @@ def load_hf(path: str | Path) -> LoadedModel:
     model = GPT(cfg)
     init_model_from_hf(model, path, cfg)
     model.eval()
-    return LoadedModel(model, cfg, str(Path(path).absolute()))
+    source = str(Path(path).absolute())
+    # Its own tokenizer.json (eos from tokenizer_config.json) when it has one, else bytes.
+    tok: Tokenizer = load_tokenizer(source) if (Path(source) / "tokenizer.json").is_file() else ByteTokenizer()
+    return LoadedModel(model, cfg, source, tokenizer=_fitting_tokenizer(tok, cfg, source))
 
 
 def load_any(path: str | Path, step: int | None = None) -> LoadedModel:
