@@ -36,9 +36,11 @@ EXTRA = {"pp2/bf16": (2, "pp2", {"precision": "bf16"})}
 GQA = {"name": "gqa", "n_kv_head": 2, "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False,
        "rope_theta": 500000.0}
 TIED = {"name": "tied", "tie_embeddings": True}
-MODELS = {"gqa": GQA, "tied": TIED}
+UNEVEN = {"name": "uneven", "n_layer": 5}  # pipeline stages that do not divide the layers
+MODELS = {"gqa": GQA, "tied": TIED, "uneven": UNEVEN}
 SHAPE_CASES = [(4, "dp2xtp2", "gqa"), (4, "tp2xpp2", "gqa"), (4, "fsdp2xtp2", "gqa"), (4, "dp2xpp2v2", "gqa"),
-               (4, "dp2xtp2", "tied"), (4, "fsdp4", "tied"), (2, "tp2sp", "gqa")]
+               (4, "dp2xtp2", "tied"), (4, "fsdp4", "tied"), (2, "tp2sp", "gqa"), (4, "dp2xpp2", "uneven"),
+               (2, "pp2v2", "uneven")]
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +100,8 @@ def test_model_shape_layout_matches_single_process(world: int, layout: str, mode
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
     if model == "gqa":  # k/v project to n_kv_head heads only
         assert ref["params"]["layers.0.attn.k.weight"].shape == (2 * 8, 32)
+    elif model == "uneven":
+        assert len({k.split(".")[1] for k in params if k.startswith("layers.")}) == 5
     else:  # one parameter under two names: trained once, listed once
         assert "head.weight" not in params and "tok_emb.weight" in params
 

@@ -4,6 +4,8 @@
     xirang-plan --json --top 3 model=gpt-7b cluster=h100-ib
     xirang-plan --runnable ...        # only layouts this build's runtime can run (what parallel=auto uses)
     xirang-plan --calibrate cluster=local [--out conf/cluster/local-calibrated.yaml]
+    xirang-plan --layout tp=8,pp=16,dp=64,mbs=1,v=4,zero=1,recompute=selective,sp=true model=llama3-405b ...
+    xirang-plan --layout config parallel=dp2xtp2    # the layout of the parallel group, as xirang-train runs it
 
 The same Hydra config groups as xirang-train; the parallel group is ignored (the planner chooses it).
 """
@@ -23,7 +25,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.store import register_configs
 
-_OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="")
+_OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="", layout="")
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -53,6 +55,21 @@ def plan(cfg: XirangConfig, as_json: bool, top: int, runnable: bool) -> str:
     return json.dumps(to_json(res, top), indent=2) if as_json else render(res, top)
 
 
+def evaluate_layout(cfg: XirangConfig, spec: str, as_json: bool) -> str:
+    """One given layout's breakdown, fit and rank among the searched plans."""
+    from xirang_hpc.planner.auto import problem_of
+    from xirang_hpc.planner.evaluate import evaluate, parse_layout, plan_from_config
+    from xirang_hpc.planner.report import render_evaluation
+
+    pb = problem_of(cfg)
+    plan = plan_from_config(cfg) if spec == "config" else parse_layout(spec, pb)
+    ev = evaluate(pb, plan)
+    if as_json:
+        return json.dumps(dict(ev.estimate.to_dict(), rank=ev.rank, fitting=len(ev.searched.ranked),
+                               slower_than_best=ev.slower_than_best), indent=2)
+    return render_evaluation(ev)
+
+
 def calibrate(cfg: XirangConfig, out: str) -> Path:
     """Measure the cluster and save a preset; returns its path."""
     from xirang_hpc.launch.rundir import make_private_dir
@@ -77,6 +94,8 @@ def _app(dcfg: DictConfig) -> None:
         cfg = typed_config(dcfg)
         if _OPTS.calibrate:
             calibrate(cfg, _OPTS.out)
+        elif _OPTS.layout:
+            print(evaluate_layout(cfg, _OPTS.layout, _OPTS.json), flush=True)
         else:
             print(plan(cfg, _OPTS.json, _OPTS.top, _OPTS.runnable), flush=True)
     except (ConfigError, ValueError) as exc:
@@ -91,6 +110,7 @@ def parse_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--runnable", action="store_true")
     ap.add_argument("--calibrate", action="store_true")
     ap.add_argument("--out", default="")
+    ap.add_argument("--layout", default="")
     return ap.parse_known_args(argv)
 
 

@@ -9,16 +9,24 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
 - TP: 4 all-reduces of b*s*h activations per layer (2 forward, 2 backward; +2 under full recompute),
   a ring inside the node (Narayanan et al. SC21 Sec. 3.2); sequence parallelism swaps each for a
   reduce-scatter + all-gather of the same volume;
+- pipeline stages need not divide the layers: blocks are split to balance the slowest stage, the
+  last one also running the output head (``formulas.pipeline_split``); the slowest rank sets the
+  slot, the rank with the most bytes sets the memory;
+- attention: with a fused kernel (``flash_attention``, FlashAttention / SDPA on GPUs) no scores in
+  memory and half a forward pass of score products recomputed in the backward; its FLOPs run at
+  ``attn_efficiency`` of peak (0 = the GEMM efficiency);
 - bubble: (p-1)/v microbatch slots (Narayanan et al.: (p-1)/m of ideal time, (p-1)/(v*m) interleaved);
 - p2p: two sends of b*s*h/t (scatter-gather) per pipeline slot, 2*(v*m + p - 1) on the critical path;
 - DP: gradient all-reduce (hierarchical when the group spans nodes with >1 rank per node), minus what
   ``dp_overlap`` of the last backward can hide; ZeRO-1/2 split it into a reduce-scatter (hideable)
-  and an all-gather after the step (exposed); ZeRO-3 adds a forward all-gather (1.5x volume).
+  and an all-gather after the step (exposed); ZeRO-3 all-gathers the weights in every microbatch's
+  forward and backward (FSDP2 reshards after each) and reduce-scatters once per step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from xirang_hpc.planner import comm
 from xirang_hpc.planner.formulas import (
@@ -30,6 +38,8 @@ from xirang_hpc.planner.formulas import (
     layer_params,
     logits_flops,
     model_flops,
+    pipeline_split,
+    recompute_extra,
     stage_tensors,
     state_bytes_per_param,
 )
@@ -121,27 +131,45 @@ class Problem:
         return self.nodes * self.per_node
 
 
-def _memory(pb: Problem, pl: Plan, m: int) -> dict[str, float]:
+@lru_cache(maxsize=4096)
+def rank_layers(sh: Shape, p: int, v: int) -> tuple[int, ...]:
+    """Blocks each of the ``p`` pipeline ranks holds (``v`` interleaved stages each, loop placement)."""
+    dense, attn = layer_forward_flops(sh, 1)
+    counts = pipeline_split(sh.layers, p * v, 0.0, logits_flops(sh, 1) / (dense + attn))
+    return tuple(sum(counts[r + k * p] for k in range(v)) for r in range(p))
+
+
+def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str, float]:
     sh, hw = pb.shape, pb.hw
     t, p, b = pl.tp, pl.pp, pl.micro
     lp = layer_params(sh)
-    per_stage_layers = sh.layers / p
+    flash = hw.flash_attention > 0
     w, g, o = state_bytes_per_param(pl.zero, pl.dp, hw.weight_bytes, hw.grad_bytes, hw.optim_bytes)
-    act = layer_activation_bytes(sh, b, t, pl.sp, pl.recompute, hw.act_bytes)
-    # Korthikanti et al.: the first 1F1B stage holds p microbatches in flight, x(1 + (p-1)/(p*v))
-    # interleaved; GPipe holds all m.
-    inflight = float(m) if pl.schedule == "gpipe" else min(m, p) * (1 + (p - 1) / (p * pl.v) if pl.v > 1 else 1)
+    act = layer_activation_bytes(sh, b, t, pl.sp, pl.recompute, hw.act_bytes, flash)
     working = 0.0
     if pl.recompute == "full":  # one layer's full activations while it is recomputed
-        working = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes)
-    head = sh.vocab * sh.hidden / t
+        working = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes, flash)
+    # A tied head is the embedding on a single stage; with pp > 1 the last stage keeps its own copy
+    # (Megatron-LM), as an untied model does.
+    head = 0.0 if (sh.tied and p == 1) else sh.vocab * sh.hidden / t
     logits = 2.0 * sh.seq * b * sh.vocab / t * 4  # fp32 logits and their gradient
     stages = []
-    first_params = per_stage_layers * lp / t + embedding_params(sh) / t + (head if p == 1 else 0.0)
-    first_act = per_stage_layers * act * inflight + working + (logits if p == 1 else 0.0)
-    stages.append((first_params, first_act))
-    if p > 1:
-        stages.append((per_stage_layers * lp / t + head, per_stage_layers * act + working + logits))
+    # Per block count, only the earliest rank matters (it has the most microbatches in flight), plus the
+    # first and last ranks (embedding, head).
+    firsts: dict[int, int] = {}
+    for r, n in enumerate(counts):
+        firsts.setdefault(n, r)
+    for r in sorted(set(firsts.values()) | {0, p - 1}):
+        n = counts[r]
+        # Korthikanti et al.: 1F1B stage r holds p - r microbatches in flight (the first p),
+        # x(1 + (p-1)/(p*v)) interleaved; GPipe holds all m.
+        if pl.schedule == "gpipe":
+            inflight = float(m)
+        else:
+            inflight = min(m, p - r) * (1 + (p - 1) / (p * pl.v) if pl.v > 1 else 1)
+        params = n * lp / t + (embedding_params(sh) / t if r == 0 else 0.0) + (head if r == p - 1 else 0.0)
+        acts = n * act * inflight + working + (logits if r == p - 1 else 0.0)
+        stages.append((params, acts))
     params, acts = max(stages, key=lambda x: x[0] * (w + g + o) + x[1])
     buffers = hw.reserved_gb * GiB
     if pl.dp > 1 and pl.zero == 0:
@@ -167,34 +195,50 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     links = comm.Links.of(hw)
     k = pb.per_node
     tokens = b * sh.seq
-    layers = sh.layers / p
+    flash = hw.flash_attention > 0
+    counts = rank_layers(sh, p, v)
+    layers = max(counts)  # the rank holding the most blocks (parameters, per-layer costs)
 
-    # Compute: the slowest (last) stage also runs the output layer.
+    # Compute per microbatch on each pipeline rank; the last one also runs the output layer.
     dense, attn = layer_forward_flops(sh, tokens)
-    extra = {"none": 0.0, "selective": attn, "full": dense + attn}[pl.recompute]
-    stage_flops = (layers * (3 * (dense + attn) + extra) + 3 * logits_flops(sh, tokens)) / t
+    extra = recompute_extra(dense, attn, pl.recompute, flash)
     width = sh.hidden / t
     eff = hw.gemm_efficiency * width / (width + hw.gemm_half_width)
+    attn_eff = hw.attn_efficiency or eff
     passes = 4.0 if pl.recompute == "full" else 3.0
-    overhead = layers * hw.kernel_overhead_us * 1e-6 * passes
     # Softmax, dropout, norms, GeLU are memory-bound: they stream the layer's activations
     # (Korthikanti et al.'s per-layer bytes, no recompute) through device memory on every pass.
-    act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes)
-    elementwise = layers * passes * hw.elementwise_traffic * act_stream / (hw.mem_bw_gbs * 1e9)
-    # Softmax over the b * a/t * s^2 attention scores (exp per element; calibrated on CPU, 0 on GPUs
-    # where fused attention hides it in the FLOP rate).
-    scores = layers * passes * b * (sh.heads / t) * sh.seq**2 * hw.attn_score_ns * 1e-9
-    compute_mb = (stage_flops / (hw.peak_tflops * 1e12 * eff) + overhead + elementwise + scores
-                  + hw.microbatch_overhead_us * 1e-6)
+    act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes, flash)
+    # Training = 3 forward passes + recomputation; the attention products run at the attention
+    # kernel's rate, the rest at the GEMM rate.
+    dense_extra = dense if pl.recompute == "full" else 0.0
+    dense_share = 3.0 * dense + dense_extra
+    attn_share = 3.0 * attn + extra - dense_extra
 
-    # Tensor parallel all-reduces of b*s*h activations, inside the node.
-    n_ar = 6 if pl.recompute == "full" else 4
-    tp_mb = layers * n_ar * comm.ring_allreduce(tokens * sh.hidden * hw.act_bytes, t, links.a_intra,
-                                                links.b_intra)
-    if t > 1:  # DTensor dispatch and redistribution around each sharded layer (calibrated on CPU)
-        act_mb = tokens * sh.hidden * hw.act_bytes / 1e6
-        tp_mb += layers * passes * (hw.tp_overhead_us + hw.tp_overhead_us_per_mb * act_mb
-                                    + (hw.sp_overhead_us if pl.sp else 0.0)) * 1e-6
+    def compute_of(n: int, last: bool) -> float:
+        flops_time = (n * dense_share + (3 * logits_flops(sh, tokens) if last else 0.0)) / t / (
+            hw.peak_tflops * 1e12 * eff) + n * attn_share / t / (hw.peak_tflops * 1e12 * attn_eff)
+        overhead = n * hw.kernel_overhead_us * 1e-6 * passes
+        elementwise = n * passes * hw.elementwise_traffic * act_stream / (hw.mem_bw_gbs * 1e9)
+        # Softmax over the b * a/t * s^2 attention scores (exp per element; calibrated on CPU, 0 on GPUs
+        # where fused attention hides it in the FLOP rate).
+        scores = 0.0 if flash else n * passes * b * (sh.heads / t) * sh.seq**2 * hw.attn_score_ns * 1e-9
+        return flops_time + overhead + elementwise + scores + hw.microbatch_overhead_us * 1e-6
+
+    def tp_of(n: int) -> float:
+        # Tensor parallel all-reduces of b*s*h activations, inside the node.
+        n_ar = 6 if pl.recompute == "full" else 4
+        out = n * n_ar * comm.ring_allreduce(tokens * sh.hidden * hw.act_bytes, t, links.a_intra, links.b_intra)
+        if t > 1:  # DTensor dispatch and redistribution around each sharded layer (calibrated on CPU)
+            act_mb = tokens * sh.hidden * hw.act_bytes / 1e6
+            out += n * passes * (hw.tp_overhead_us + hw.tp_overhead_us_per_mb * act_mb
+                                 + (hw.sp_overhead_us if pl.sp else 0.0)) * 1e-6
+        return out
+
+    # Ranks differ only by their block count and by holding the head: few distinct cases.
+    kinds = {(n, r == p - 1) for r, n in enumerate(counts)}
+    compute_mb, tp_mb = max(((compute_of(n, last), tp_of(n)) for n, last in kinds), key=lambda x: x[0] + x[1])
+
     slot = compute_mb + tp_mb
     bubble = (p - 1) / v * slot * hw.bubble_exposed
 
@@ -221,13 +265,19 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
         dp_exposed = 0.0
     elif pl.zero == 0:  # all-reduce in buckets as the backward runs
         dp_exposed = max(0.0, dp_full - hide * backward)
-    elif pl.zero in (1, 2):  # reduce-scatter during backward; all-gather of updated weights after the step
+    elif pl.zero == 1:  # reduce-scatter during backward; all-gather of updated weights after the step
         dp_exposed = max(0.0, dp_full / 2 - hide * backward) + dp_full / 2
+    elif pl.zero == 2:  # sharded gradients cannot accumulate unreduced: one reduce-scatter per microbatch
+        dp_exposed = m * max(0.0, dp_full / 2 - hide * backward) + dp_full / 2
     else:  # ZeRO-3: all-gather in forward and again in backward, reduce-scatter in backward (1.5x volume)
+        # What FSDP2 does here: parameters are resharded after every forward and backward, so each of
+        # the m microbatches (pipeline microbatches or accumulation steps) gathers them twice; the
+        # gradient reduce-scatter runs once per step (requires_gradient_sync only on the last).
         # FSDP units are layers: each gather/scatter pays the collective's latency once per layer.
         per_layer = comm.group_allreduce(1.0, k_dp, d // k_dp, links, flows=k)[0]
-        dp_exposed = (max(0.0, dp_full - hide * backward) + max(0.0, dp_full / 2 - hide * forward)
-                      + 1.5 * layers * per_layer)
+        gather = dp_full / 2  # an all-gather moves half an all-reduce's volume
+        dp_exposed = (m * (max(0.0, gather - hide * forward) + max(0.0, gather - hide * backward))
+                      + max(0.0, dp_full / 2 - hide * backward) + (2 * m + 1) / 2 * layers * per_layer)
 
     # FSDP units (one per layer + the root) each add hook and collective-launch costs per step. This
     # runtime also uses FSDP2 (replicate) instead of DDP for dp > 1 with tp > 1 or pp > 1.
@@ -256,10 +306,10 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     est = Estimate(plan=pl, microbatches=m, dp_algo=algo)
     est.time = {"compute": m * compute_mb, "tp_comm": m * tp_mb, "bubble": bubble, "p2p": p2p,
                 "dp_comm": dp_exposed, "optimizer": optim, "total": total}
-    est.memory = _memory(pb, pl, m)
+    est.memory = _memory(pb, pl, m, counts)
     est.fits = est.memory["total"] <= hw.mem_gb * GiB
     n_dev = pb.world
-    est.tflops_per_gpu = iteration_flops(sh, pb.global_batch, pl.recompute) / (total * n_dev) / 1e12
+    est.tflops_per_gpu = iteration_flops(sh, pb.global_batch, pl.recompute, flash) / (total * n_dev) / 1e12
     est.mfu = model_flops(sh, pb.global_batch) / (total * n_dev * hw.peak_tflops * 1e12)
     est.tokens_per_s = pb.global_batch * sh.seq / total
     return est

@@ -37,13 +37,28 @@ def render(res: Result, top: int = 5) -> str:
             f"{res.evaluated} plans evaluated in {res.seconds * 1e3:.0f} ms, {len(res.ranked)} fit")
     lines = [head]
     if not res.ranked:
-        lines.append("no plan fits in memory")
+        lines.append("no plan fits in memory" + (f": {res.limit}" if res.limit else "; closest candidates:"))
     for i, e in enumerate(best_per_layout(res, top)):
         tag = "recommended" if i == 0 else f"#{i + 1} lost: {res.reasons[id(e)]}"
         lines.append(f"[{i + 1}] {e.plan.label()}  -- {tag}")
         lines += ["    " + x for x in describe(e, hw.mem_gb)]
     for e in res.oom:
         lines.append(f"[x] {e.plan.label()}  -- {res.reasons[id(e)]}")
+    return "\n".join(lines)
+
+
+def render_evaluation(ev: Any) -> str:
+    """A given layout (:class:`xirang_hpc.planner.evaluate.Evaluation`): breakdown, fit, rank."""
+    e, res = ev.estimate, ev.searched
+    hw = res.problem.hw
+    lines = [f"layout {e.plan.label()}"] + ["    " + x for x in describe(e, hw.mem_gb)]
+    if not e.fits:
+        lines.append(f"does NOT fit: needs {e.peak_memory / GiB:.1f} GiB of {hw.mem_gb:g} GiB per rank "
+                     f"({max((k for k in e.memory if k != 'total'), key=lambda k: e.memory[k])} largest)")
+    elif res.ranked:
+        best = res.ranked[0]
+        lines.append(f"fits; ranks #{ev.rank} of {len(res.ranked)} fitting plans "
+                     f"({100 * ev.slower_than_best:+.1f}% step time vs the recommended {best.plan.label()})")
     return "\n".join(lines)
 
 

@@ -1,8 +1,9 @@
 """Exhaustive search over parallel plans, with pruning, and the reasons runners-up lost.
 
-Space: tp (divides the ranks of a node, heads, width, MLP width and vocab, as config validation
-demands), pp (divides the layers and the world), dp = world/(tp*pp) dividing the global batch,
-micro-batch b (divides batch/dp), interleaving v (pp > 1, divides layers/pp, m % pp == 0 as in
+Space: tp (divides the ranks of a node, heads, key/value heads, width, MLP width and vocab, as
+config validation demands), pp (any count up to the layers that divides world/tp: stages need not
+divide the layers, the split balances them), dp = world/(tp*pp) dividing the global batch,
+micro-batch b (divides batch/dp), interleaving v (pp > 1, pp*v <= layers, m % pp == 0 as in
 Megatron-LM), ZeRO stage 0-3, recompute none/selective/full, sequence parallel (tp > 1).
 
 Pruning: (1) a (tp, pp, zero) whose weights+grads+optimizer alone exceed memory is skipped whole;
@@ -53,27 +54,35 @@ class Result:
     seconds: float
     problem: Problem
     reasons: dict[int, str] = field(default_factory=dict)  # id(estimate) -> why it lost
+    limit: str = ""  # when nothing was even evaluated: the memory limit that excluded everything
 
     @property
     def best(self) -> Estimate:
         """The recommended plan."""
         if not self.ranked:
-            raise ValueError("no plan fits in memory")
+            closest = "; ".join(f"{e.plan.label()}: {self.reasons[id(e)]}" for e in self.oom[:3])
+            raise ValueError("no plan fits in memory: " + (closest or self.limit or "no valid layout"))
         return self.ranked[0]
 
 
 def _tp_options(pb: Problem) -> list[int]:
     sh = pb.shape
     return [t for t in divisors(pb.per_node)
-            if sh.heads % t == 0 and sh.hidden % t == 0 and sh.ffn % t == 0 and sh.vocab % t == 0]
+            if sh.heads % t == 0 and sh.n_kv % t == 0 and sh.hidden % t == 0 and sh.ffn % t == 0
+            and sh.vocab % t == 0]
 
 
 def _state_floor(pb: Problem, t: int, p: int, d: int, zero: int) -> float:
     """Bytes of weights+grads+optimizer on the first stage: a lower bound for any b, v, recompute."""
     hw, sh = pb.hw, pb.shape
     w, g, o = state_bytes_per_param(zero, d, hw.weight_bytes, hw.grad_bytes, hw.optim_bytes)
-    params = (sh.layers / p * layer_params(sh) + embedding_params(sh)) / t
+    params = (sh.layers // p * layer_params(sh) + embedding_params(sh)) / t
     return params * (w + g + o)
+
+
+def _pp_options(pb: Problem, t: int) -> list[int]:
+    """Pipeline sizes for tensor degree ``t``: every divisor of world/t up to the layer count."""
+    return [p for p in divisors(pb.world // t) if p <= pb.shape.layers] if pb.world % t == 0 else []
 
 
 def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result:
@@ -85,21 +94,24 @@ def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result
     tps = [t for t in _tp_options(pb) if sp_.tp is None or t in set(sp_.tp)]
     fits: list[Estimate] = []
     oom: list[Estimate] = []
+    floors: list[tuple[float, str]] = []  # (state bytes, layout) of layouts skipped whole
     n = 0
     for t in tps:
-        for p in divisors(sh.layers):
-            if world % (t * p) or (sp_.pp is not None and p not in set(sp_.pp)):
+        for p in _pp_options(pb, t):
+            if sp_.pp is not None and p not in set(sp_.pp):
                 continue
             d = world // (t * p)
             if batch % d:
                 continue
             per_rank = batch // d
             micros = [b for b in divisors(per_rank) if b <= sp_.max_micro]
-            vs = [1] + ([v for v in divisors(sh.layers // p) if 1 < v <= sp_.max_interleave] if p > 1 else [])
+            vs = [1] + ([v for v in range(2, sp_.max_interleave + 1) if p * v <= sh.layers] if p > 1 else [])
             for zero in sp_.zero:
                 if zero and d == 1:
                     continue  # nothing to shard over
-                if _state_floor(pb, t, p, d, zero) > mem_cap:
+                floor = _state_floor(pb, t, p, d, zero)
+                if floor > mem_cap:
+                    floors.append((floor, f"dp={d} tp={t} pp={p} zero{zero}"))
                     continue
                 for v in vs:
                     for rc in sp_.recompute:
@@ -125,6 +137,11 @@ def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result
     fits.sort(key=lambda e: (e.step_time * (1 + TIE_BREAK * complexity(e.plan)), e.peak_memory))
     oom.sort(key=lambda e: e.step_time)
     res = Result(ranked=fits, oom=oom[:keep_oom], evaluated=n, seconds=time.perf_counter() - t0, problem=pb)
+    if not fits and not oom and floors:
+        floor, label = min(floors)
+        res.limit = (f"even the smallest layout state ({label}) needs {floor / 1024**3:.1f} GiB per rank for "
+                     f"weights + gradients + optimizer alone, over the {pb.hw.mem_gb:g} GiB of a "
+                     f"{pb.hw.name}: use more GPUs (cluster.nodes) or a device with more memory")
     if fits:
         for e in fits[1:]:
             res.reasons[id(e)] = why_lost(e, fits[0])

@@ -2,7 +2,8 @@
 
 The model is split by layer into ``pp`` contiguous stages. The split minimises the slowest
 stage's cost, counting the embedding on the first stage and the final norm + head on the last
-(per-token forward FLOPs: a block is 2*(4h^2 + k*h*f) + 4*s*h with k = 2 or 3 MLP matrices;
+(per-token forward FLOPs: a block is 2*(2h^2 + 2h*kv + k*h*f) + 4*s*h with kv the key/value width
+under grouped-query attention and k = 2 or 3 MLP matrices;
 the head 2*h*V; the embedding lookup h). A stage keeps its blocks under their original keys
 (``layers.5`` stays ``layers.5``), so parameter names match the full model.
 
@@ -34,8 +35,9 @@ MULTI_SCHEDULES = {"interleaved": ScheduleInterleaved1F1B}
 def layer_costs(cfg: ModelConfig) -> tuple[float, list[float], float]:
     """(embedding cost, per-block costs, norm+head cost) in forward FLOPs per token."""
     h, f, s, v = cfg.d_model, cfg.ffn_dim, cfg.seq_len, cfg.vocab_size
+    kv = cfg.n_kv_head * cfg.head_dim
     mats = 3 if cfg.mlp == "swiglu" else 2
-    block = 2.0 * (4 * h * h + mats * h * f) + 4.0 * s * h
+    block = 2.0 * (2 * h * h + 2 * h * kv + mats * h * f) + 4.0 * s * h
     return float(h), [block] * cfg.n_layer, 2.0 * h * v + 5.0 * h
 
 

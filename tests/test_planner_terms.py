@@ -1,0 +1,141 @@
+"""Cost terms for today's models, each against a hand computation from its cited formula:
+grouped-query attention, fused (flash) attention, tied/untied heads, uneven pipelines, ZeRO-2/3
+communication per microbatch, and evaluating a given layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xirang_hpc.config.schema import ModelConfig
+from xirang_hpc.models.gpt import full_model_params
+from xirang_hpc.planner.cost import Plan, Problem, estimate, rank_layers
+from xirang_hpc.planner.evaluate import evaluate, parse_layout
+from xirang_hpc.planner.formulas import (
+    Shape,
+    iteration_flops,
+    layer_activation_bytes,
+    layer_forward_flops,
+    layer_params,
+    pipeline_split,
+    total_params,
+)
+from xirang_hpc.planner.hardware import PRESETS
+from xirang_hpc.planner.search import _tp_options, search
+
+LLAMA3_8B = Shape(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336, swiglu=True, bias=False,
+                  learned_pos=False, kv_heads=8, tied=False)
+
+
+@pytest.mark.parametrize("model", [
+    dict(name="a", n_layer=3, n_head=4, n_kv_head=2, d_model=64, d_ff=192, norm="rmsnorm", mlp="swiglu", pos="rope",
+         bias=False),
+    dict(name="b", n_layer=2, n_head=4, d_model=64, tie_embeddings=True),
+    dict(name="c", n_layer=2, n_head=8, n_kv_head=1, d_model=64, seq_len=32),
+])
+def test_parameter_count_equals_the_model_built(model: dict) -> None:
+    """The closed form counts exactly what GPT holds (plus the final norm, outside total_params)."""
+    cfg = ModelConfig(**model)
+    final_norm = cfg.d_model * (2 if cfg.bias and cfg.norm == "layernorm" else 1)
+    assert total_params(Shape.from_model(cfg)) + final_norm == full_model_params(cfg)
+
+
+def test_gqa_params_and_flops_by_hand() -> None:
+    h, kv, f = 4096, 8 * 128, 14336  # Llama 3 8B: 8 kv heads of 128
+    assert layer_params(LLAMA3_8B) == 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    dense, attn = layer_forward_flops(LLAMA3_8B, tokens=10)
+    assert dense == 2 * 10 * (2 * h * h + 2 * h * kv + 3 * h * f)
+    assert attn == 4 * 10 * 8192 * h  # QK^T and AV over all 32 query heads: unchanged by GQA
+    assert round(total_params(LLAMA3_8B) / 1e9, 2) == 8.03  # Meta's model card (+4096 for the final norm)
+
+
+def test_gqa_shrinks_kv_activations_and_tp_must_divide_kv_heads() -> None:
+    mha = dataclasses.replace(LLAMA3_8B, kv_heads=0)
+    # Korthikanti's 11 sbh of attention holds K and V at 2 sbh each: GQA keeps 2*kv/h of each.
+    saved = layer_activation_bytes(mha, 1, 1, False, "selective", 2) - layer_activation_bytes(
+        LLAMA3_8B, 1, 1, False, "selective", 2)
+    assert saved == pytest.approx(8192 * 4096 * 4 * (1 - 1024 / 4096))
+    pb = Problem(dataclasses.replace(LLAMA3_8B, kv_heads=2), PRESETS["h100"], 1, 8, 8)
+    assert _tp_options(pb) == [1, 2]  # 4 and 8 would split a key/value head
+
+
+def test_flash_attention_drops_score_memory_and_recomputes_scores() -> None:
+    sh = LLAMA3_8B
+    plain = layer_activation_bytes(sh, 1, 1, False, "none", 2)
+    flash = layer_activation_bytes(sh, 1, 1, False, "none", 2, flash=True)
+    assert plain - flash == pytest.approx(8192 * 1 * 4096 * 5 * 32 * 8192 / 4096)  # Korthikanti's 5as^2b
+    assert flash == layer_activation_bytes(sh, 1, 1, False, "selective", 2)
+    _, attn = layer_forward_flops(sh, 8192)
+    # FlashAttention-2's backward: 5 products instead of 4 = half a forward pass of scores more.
+    assert iteration_flops(sh, 1, "none", flash=True) - iteration_flops(sh, 1, "none") == pytest.approx(
+        32 * 0.5 * attn)
+    assert iteration_flops(sh, 1, "selective", flash=True) == iteration_flops(sh, 1, "none", flash=True)
+
+
+def test_tied_head_is_counted_once_on_one_stage() -> None:
+    tied = dataclasses.replace(LLAMA3_8B, tied=True)
+    assert total_params(LLAMA3_8B) - total_params(tied) == 128256 * 4096
+    pb_t, pb_u = (Problem(s, PRESETS["h200"], 1, 8, 8) for s in (tied, LLAMA3_8B))
+    plan = Plan(dp=1, tp=8, pp=1, micro=1, sp=True, recompute="full")
+    extra = estimate(pb_u, plan).memory["params"] - estimate(pb_t, plan).memory["params"]
+    assert extra == pytest.approx(128256 * 4096 / 8 * 2)  # bf16 weights of the head, per tp rank
+
+
+def test_uneven_pipeline_split_balances_and_covers_every_layer() -> None:
+    assert pipeline_split(70, 12, 0.0, 0.0) == (5,) + (6,) * 10 + (5,)  # the edge stages one layer short
+    # The head costs a block: the last stage holds one block less, so every stage costs 8 blocks at most.
+    counts = pipeline_split(126, 16, 0.0, 1.0)
+    assert sum(counts) == 126 and max(counts) == 8 and counts[-1] + 1.0 <= 8
+    assert pipeline_split(4, 4, 0.0, 3.0) == (1, 1, 1, 1)
+    with pytest.raises(ValueError):
+        pipeline_split(3, 4, 0.0, 0.0)
+
+
+def test_search_finds_layouts_whose_stages_do_not_divide_the_layers() -> None:
+    sh = dataclasses.replace(LLAMA3_8B, layers=30)
+    res = search(Problem(sh, PRESETS["h100"], 4, 8, 64))
+    assert any(30 % e.plan.pp for e in res.ranked), "pp=4 or 8 over 30 layers is searched"
+    est = estimate(res.problem, Plan(dp=4, tp=2, pp=4, micro=1, sp=True))
+    counts = rank_layers(sh, 4, 1)  # the head costs ~1.8 blocks of Llama 3 8B: the last stage holds fewer
+    assert sum(counts) == 30 and max(counts) == 8 and counts[-1] == 6 and est.fits
+
+
+def test_zero3_gathers_every_microbatch_and_zero2_reduces_every_microbatch() -> None:
+    sh = dataclasses.replace(LLAMA3_8B, layers=8, seq=2048)
+    pb1, pb8 = (Problem(sh, PRESETS["h100"], 2, 8, b) for b in (16, 128))
+    for zero in (2, 3):
+        one = estimate(pb1, Plan(dp=16, tp=1, pp=1, micro=1, zero=zero)).time["dp_comm"]
+        eight = estimate(pb8, Plan(dp=16, tp=1, pp=1, micro=1, zero=zero)).time["dp_comm"]
+        assert eight > 4 * one, (zero, one, eight)
+    one1 = estimate(pb1, Plan(dp=16, tp=1, pp=1, micro=1, zero=1)).time["dp_comm"]
+    eight1 = estimate(pb8, Plan(dp=16, tp=1, pp=1, micro=1, zero=1)).time["dp_comm"]
+    assert eight1 == pytest.approx(one1)  # ZeRO-1 accumulates full gradients: one reduce-scatter per step
+
+
+def test_evaluate_a_given_layout_and_refuse_bad_ones() -> None:
+    pb = Problem(LLAMA3_8B, PRESETS["h100"], 8, 8, 256)
+    ev = evaluate(pb, parse_layout("tp=8,pp=1,dp=8,mbs=1,zero=1,recompute=selective,sp=true", pb))
+    assert ev.estimate.fits and ev.rank is not None and ev.rank >= 1
+    best = ev.searched.ranked[0]
+    assert evaluate(pb, best.plan).rank == 1
+    for bad, words in [("tp=3", "must divide"), ("tp=8,pp=2,dp=2", "must equal the 64 GPUs"),
+                       ("tp=16", "must divide"), ("xx=1", "cannot read")]:
+        with pytest.raises(ValueError, match=words):
+            parse_layout(bad, pb)
+
+
+@pytest.mark.slow
+def test_plan_cli_layout_flag(tmp_path: Path) -> None:
+    exe = Path(sys.executable).parent / "xirang-plan"
+    res = subprocess.run([str(exe), "--layout", "tp=8,pp=16,dp=128,mbs=1,v=7,zero=1,recompute=full,sp=true",
+                          "model=llama3-405b", "cluster=h100-ib", "cluster.nodes=2048", "train.global_batch=2048"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "layout dp=128 tp=8 pp=16" in res.stdout and "fits; ranks #" in res.stdout
+    bad = subprocess.run([str(exe), "--layout", "tp=3", "model=llama3-8b", "cluster=h100-ib"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "tp=3 must divide" in bad.stderr
