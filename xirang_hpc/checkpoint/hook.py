@@ -17,12 +17,13 @@ import torch.distributed as dist
 
 from xirang_hpc.checkpoint import extra as E
 from xirang_hpc.checkpoint import state as S
-from xirang_hpc.checkpoint.manager import CheckpointManager
+from xirang_hpc.checkpoint.manager import CheckpointManager, SaveRecord
 from xirang_hpc.checkpoint.retention import RetentionPolicy
 from xirang_hpc.checkpoint.rollback import fork_for_resume
 from xirang_hpc.checkpoint.snapshot import restore_rng
 from xirang_hpc.checkpoint.tuner import IntervalTuner, read_history
 from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.monitor.events import append_event
 from xirang_hpc.runtime.topology import Topology
 from xirang_hpc.runtime.trainer import TrainerHook, lr_at
 
@@ -83,7 +84,8 @@ class CheckpointHook(TrainerHook):
         self.mgr = CheckpointManager(
             self.run_dir / "checkpoints", rank=self.topo.rank, world_size=self.topo.world_size, group=self.group,
             compression=c.compression, dedup=c.dedup, dir_mode=c.dir_mode, async_save=c.async_save,
-            retention=RetentionPolicy(c.keep_last, c.keep_every, tuple(c.pinned)), verify_checksums=c.verify_checksums)
+            retention=RetentionPolicy(c.keep_last, c.keep_every, tuple(c.pinned)), verify_checksums=c.verify_checksums,
+            on_commit=self._committed if self.topo.rank == 0 else None)
         self.mgr.cleanup_leftovers()
         restored = self.restore(trainer)
         if self.topo.rank == 0:
@@ -92,6 +94,11 @@ class CheckpointHook(TrainerHook):
         if c.auto_interval:
             self.tuner = IntervalTuner(mtbf_s=c.mtbf_hours * 3600, history=read_history(self.mgr.root))
         self.last_saved = restored
+
+    def _committed(self, rec: SaveRecord, path: Path) -> None:
+        """Rank 0, after a commit: record it in events.jsonl (the history survives retention pruning)."""
+        append_event(self.run_dir, "checkpoint", f"step {rec.step} committed", step=rec.step, path=str(path),
+                     stall_s=round(rec.stall_s, 4), persist_s=round(rec.persist_s, 4), new_bytes=rec.new_bytes)
 
     def restore(self, trainer: Any) -> int:
         """Load the newest good checkpoint into the trainer; returns its step (0 when none)."""

@@ -75,8 +75,10 @@ class CheckpointManager:
     def __init__(self, root: Path, *, rank: int = 0, world_size: int = 1, group: Any = None,
                  compression: str = "none", dedup: bool = False, dir_mode: int = 0o700,
                  retention: RetentionPolicy | None = None, async_save: bool = True,
-                 verify_checksums: bool = True) -> None:
+                 verify_checksums: bool = True, on_commit: Callable[[SaveRecord, Path], None] | None = None) -> None:
         self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
+        # Called on rank 0 once a step is committed on every rank (the run's events.jsonl records it).
+        self.on_commit = on_commit
         self.compression, self.dedup, self.dir_mode = compression, dedup, dir_mode
         self.retention = retention or RetentionPolicy()
         self.async_save, self.verify_checksums = async_save, verify_checksums
@@ -198,6 +200,11 @@ class CheckpointManager:
             L.write_latest(self.root, rec.step)
         self._barrier()
         rec.persist_s = now() - t0
+        if self.rank == 0 and self.on_commit is not None:
+            try:
+                self.on_commit(rec, final)
+            except OSError as exc:  # a full or read-only event log must not fail a durable checkpoint
+                log.warning("checkpoint step %d: commit callback failed: %s", rec.step, exc)
         if self.dedup:
             self._dedup_index = L.dedup_index(final)
         if self.rank == 0:  # after the commit: deleting old steps is not on the durability path

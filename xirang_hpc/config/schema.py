@@ -183,6 +183,10 @@ class ParallelConfig:
         _positive("parallel", "dp_replicate", self.dp_replicate)
 
 
+# Experiment-tracking back ends for train.loggers (jsonl is always written).
+LOGGERS = ("jsonl", "tensorboard", "mlflow")
+
+
 @dataclass
 class TrainConfig:
     """Optimisation and loop settings. ``global_batch`` counts sequences per optimizer step."""
@@ -199,7 +203,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    eval_every: int = 0  # 0: only at start and end
+    eval_every: int = 0  # validation every N steps (rows in metrics.jsonl); 0: only at start and end
     eval_batches: int = 8
     log_every: int = 10
     runs_root: str = "runs"
@@ -213,10 +217,22 @@ class TrainConfig:
     resume_from: int = -1
     # Mixed precision (issue 3): auto = bf16 autocast on CUDA (nccl), fp32 on CPU | fp32 | bf16.
     precision: str = "auto"
+    # Experiment tracking (rank 0): jsonl (<run>/metrics.jsonl, always on) | tensorboard (<run>/tb/) |
+    # mlflow (a run in <run>/mlruns, or in train.mlflow_uri). See xirang_hpc/monitor/tracking.py.
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    # MLflow tracking URI (file:/..., http://host:5000, sqlite:///...); empty: file store <run>/mlruns.
+    mlflow_uri: str = ""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "global_batch", "grad_accum", "lr", "log_every", "eval_batches"):
             _positive("train", name, getattr(self, name))
+        if self.eval_every < 0:
+            raise ConfigError("train.eval_every", self.eval_every, "use 0 (start and end only) or a step interval > 0")
+        unknown = [x for x in self.loggers if x not in LOGGERS]
+        if unknown:
+            raise ConfigError("train.loggers", list(self.loggers),
+                              f"unknown logger(s) {unknown}; choose from {list(LOGGERS)}, e.g. "
+                              "train.loggers=[jsonl,tensorboard]")
         if self.warmup_steps < 0:
             raise ConfigError("train.warmup_steps", self.warmup_steps, "use 0 or more")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -22,7 +22,7 @@ from xirang_hpc.data.tokenizer import file_sha256
 # Train fields that change how a run is executed or reported, not what it computes.
 _TRAIN_NON_SEMANTIC = {"name", "grad_accum", "eval_every", "eval_batches", "log_every", "runs_root",
                        "run_dir", "wait", "resume_from",
-                       "priority"}
+                       "priority", "loggers", "mlflow_uri"}
 _DATA_NON_SEMANTIC = {"out_dir", "shard_tokens"}
 # Data fields added with tokenizer/corpus choice: left out of the key at their defaults, so the run
 # directories of byte-level runs keep the names they always had.

@@ -58,6 +58,11 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
         from xirang_hpc.monitor.hook import MonitorHook  # heartbeats + node watchdog (issue 8)
 
         hooks.append(MonitorHook(cfg, topo, run_dir))
+    # config.json, TFLOP/s / MFU / memory in the metrics rows, train.loggers (TensorBoard, MLflow). After the
+    # checkpoint hook: it resolves a train.resume_from fork and rewinds metrics.jsonl before this one reads it.
+    from xirang_hpc.monitor.tracking import TrackingHook
+
+    hooks.append(TrackingHook(cfg, topo, run_dir))
     # Stop signals -> consensus -> save (through the checkpoint hook above) -> requeue -> exit (issue 6).
     from xirang_hpc.runtime.signals import StopSignalHook, find_saver
 

@@ -70,6 +70,12 @@ class TrainerHook:
     def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After an optimizer step; ``trainer.state.step`` counts completed steps."""
 
+    def on_log(self, trainer: Trainer, row: dict[str, object]) -> None:
+        """Rank 0 only: a metrics row (training or ``val_loss``) before it is appended to metrics.jsonl.
+
+        A hook may add fields to ``row`` (they are written too) and forward it to other loggers.
+        """
+
     def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
         """After the final evaluation, before the process group goes away."""
 
@@ -121,6 +127,8 @@ class Trainer:
 
     def _record(self, row: dict[str, object]) -> None:
         if self.topo.rank == 0:
+            for h in self.hooks:
+                h.on_log(self, row)
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
@@ -235,6 +243,7 @@ class Trainer:
                              f"grad norm {gnorm:.3f} | {tok_s:,.0f} tok/s | ETA {_fmt_eta(eta)}")
                 window_t, window_tokens = tnow, 0
             if t.eval_every and self.state.step % t.eval_every == 0 and self.state.step < t.max_steps:
+                self._phase("eval")
                 val = self.evaluate()
                 self._record({"step": self.state.step, "val_loss": val})
             for h in self.hooks:
