@@ -5,6 +5,7 @@ the Slurm command runner (no Slurm here), passed in explicitly."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -227,17 +228,53 @@ def _fake_run(tmp: Path, job: str, sessions: list[int], steps: int, total: int, 
 
 def test_status_requeued_run_counts_requeues_and_plot_marks_them(tmp_path: Path) -> None:
     run = _fake_run(tmp_path, "9999977", sessions=[0, 30], steps=60, total=100, done=True,
-                    events=[("requeue", {"reason": "preempted"})])
+                    events=[("requeue", {"reason": "preemption", "step": 30})]
+                    + [("checkpoint", {"reason": f"step {s} committed", "step": s}) for s in (10, 25, 50)])
     (run / "checkpoints" / "step_50").mkdir(parents=True)
-    (run / "checkpoints" / "step_25").mkdir(parents=True)
+    (run / "checkpoints" / "step_25").mkdir(parents=True)  # step 10 was pruned by retention
+    with (run / "metrics.jsonl").open("a") as f:
+        for s in (0, 60):
+            f.write(json.dumps({"step": s, "val_loss": 4.0 - s / 30}) + "\n")
     s = run_status(run)
     assert (s["state"], s["requeues"], s["sessions"], s["step"], s["total_steps"]) == ("COMPLETED", 1, 2, 60, 100)
     assert s["checkpoint"]["step"] == 50 and s["checkpoint"]["age_s"] < 60
     assert s["loss"] == pytest.approx(5.0 / 60) and s["tflops"] == pytest.approx(1000.0 * 1e6 / 1e12)
     info = plot_run(run, tmp_path / "p.png")
-    # the second session restarted at step 30; the requeue event (no step) lands at the last logged step
-    assert info["requeue_steps"] == [30, 60] and info["checkpoint_steps"] == [25, 50] and info["points"] == 12
+    assert info["requeue_steps"] == [30] and info["points"] == 12
+    # every checkpoint ever committed (the event log), the pruned one drawn apart
+    assert info["checkpoint_steps"] == [10, 25, 50] and info["pruned_checkpoint_steps"] == [10]
+    # two evaluations are two points, not a line between them; the throughput axis starts at zero
+    assert info["val_points"] == [0, 60] and info["val_segments"] == []
+    assert info["tokens_per_s_ylim"][0] == 0.0
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_plain_rerun_is_not_a_requeue_slurm_restarts_are(tmp_path: Path) -> None:
+    # Two sessions (the same run started twice by hand), no requeue event, no Slurm restart count.
+    run = _fake_run(tmp_path, "9999978", sessions=[0, 30], steps=60, total=100, done=True)
+    assert run_status(run)["requeues"] == 0
+    assert plot_run(run, tmp_path / "p.png")["requeue_steps"] == []
+    # Slurm says the job was requeued twice (scontrol's Restarts): that is the count.
+    sc = "JobId=9999978 JobState=RUNNING Reason=None Restarts=2"
+    hdir = run / HEARTBEAT_DIR
+    session = json.loads((hdir / SESSION_FILE).read_text())
+    write_json_atomic(hdir / SESSION_FILE, {**session, "source": "slurm"})
+    s = run_status(run, run=lambda argv: {"squeue": "RUNNING|None\n", "scontrol": sc}.get(argv[0]))
+    assert (s["state"], s["requeues"]) == ("RUNNING", 2)
+
+
+def test_periodic_evaluation_is_drawn_as_measured(tmp_path: Path) -> None:
+    from xirang_hpc.monitor.plot import val_segments
+
+    run = _fake_run(tmp_path, "9999979", sessions=[0], steps=60, total=60, done=True)
+    with (run / "metrics.jsonl").open("a") as f:
+        for s in (0, 20, 40, 60):
+            f.write(json.dumps({"step": s, "val_loss": 4.0 - s / 30}) + "\n")
+    info = plot_run(run, tmp_path / "p.png")
+    assert info["val_points"] == [0, 20, 40, 60] and info["val_segments"] == [(0, 20), (20, 40), (40, 60)]
+    # a gap (evaluations missing between 20 and 90) is not bridged
+    assert val_segments([0, 10, 20, 90, 100]) == [(0, 10), (10, 20), (90, 100)]
+    assert val_segments([0, 300]) == []
 
 
 def test_status_failed_run_and_array_view_one_line_per_task(tmp_path: Path, capsys) -> None:
@@ -296,3 +333,71 @@ def test_submitted_run_not_yet_started_shows_its_slurm_state(tmp_path: Path) -> 
     from xirang_hpc.monitor.status import find_runs
 
     assert find_runs(root, "77") == [run] and find_runs(root, "78") == []
+
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _early_failure(root: Path, name: str, job: str) -> Path:
+    """A run directory as a job that failed before its first step leaves it: only submitit's logs."""
+    import traceback
+
+    run = root / name
+    (run / "submitit").mkdir(parents=True)
+    try:
+        raise FileNotFoundError("data.out_dir=/data/nodata has no index.json; run xirang-prepare first")
+    except FileNotFoundError:
+        tb = traceback.format_exc()
+    (run / "submitit" / f"{job}_0_log.out").write_text("starting\n")
+    (run / "submitit" / f"{job}_0_log.err").write_text(f"submitit ERROR (2026-11-30) - Submitted job triggered "
+                                                      f"an exception\n{tb}")
+    return run
+
+
+def test_status_lists_every_run_sorted_by_task_in_fixed_columns(tmp_path: Path, capsys) -> None:
+    """Array tasks in task order (2 before 10), a run that failed before training with its cause, a
+    state longer than its column, all in columns that do not shift (golden file)."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    for task, steps in ((10, 40), (2, 40), (0, 40)):
+        _fake_run(root, f"700_{task}", sessions=[0], steps=steps, total=40, done=True)
+    # a task stopped for good by the requeue policy: its final exit status is longer than the state column
+    _fake_run(root, "700_3", sessions=[0], steps=20, total=40, done=False,
+              events=[("exit", {"reason": "preemption", "final": True, "status": "max_requeues_exceeded"})])
+    _early_failure(root, "run-early", "4242")
+    snap_rows = [run_status(p, now=0.0) for p in sorted(root.iterdir())]
+    assert len(snap_rows) == 5  # the early failure is a run too
+    assert status_main([str(root)]) == 0
+    text = capsys.readouterr().out
+    lines = text.rstrip("\n").splitlines()
+    assert [ln.split()[0] for ln in lines[1:]] == ["700_0", "700_2", "700_3", "700_10", "4242"]
+    # every line has the run name at the same column
+    col = lines[0].index("  run: ")
+    assert all(ln[col:col + 2] == "  " and ln[col + 2] != " " for ln in lines)
+    assert "MAX_REQUEUES_~" in lines[3] and "preemption" in lines[3]
+    assert "FAILED" in lines[5] and "failed before training started: FileNotFoundError: data.out_dir=" in lines[5]
+    # the golden file: paths and ages are the only things that vary between machines
+    norm = text.replace(str(tmp_path), "TMP")
+    golden = GOLDEN / "status_array.txt"
+    if os.environ.get("XIRANG_UPDATE_GOLDEN"):
+        golden.write_text(norm)
+    assert norm == golden.read_text()
+    # by job id
+    assert status_main(["4242", "--runs-root", str(root), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["state"] == "FAILED" and got["job_id"] == "4242" and got["state_source"] == "job log"
+
+
+def test_status_missing_path_is_no_such_run_directory(tmp_path: Path, capsys) -> None:
+    assert status_main([str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert f"no such run directory: {tmp_path / 'nope'}" in err and "unknown job" not in err
+    assert status_main(["runs/typo-dir"]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+    (tmp_path / "f.txt").write_text("x")
+    assert status_main([str(tmp_path / "f.txt")]) == 2
+    assert "is a file, not a run directory" in capsys.readouterr().err
+    # comparing: each argument must be a run directory
+    run = _fake_run(tmp_path, "1", sessions=[0], steps=10, total=10, done=True)
+    assert status_main([str(run), str(tmp_path / "nope")]) == 2
+    assert "no such run directory" in capsys.readouterr().err

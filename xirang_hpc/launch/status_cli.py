@@ -1,25 +1,31 @@
-"""``xirang-status [RUN_DIR | JOB_ID]``: where a run (or a sweep) stands, from anywhere.
+"""``xirang-status [RUN_DIR | JOB_ID | RUN_A RUN_B ...]``: where a run (or a sweep) stands, from anywhere.
 
 - a run directory: the full view (job state, requeues, progress, loss, tokens/s, MFU, ETA, last
   checkpoint, per-node resource use, recent events);
-- a directory of run directories (a runs root, an array sweep's runs): one line per run;
-- a job id: the runs under ``--runs-root`` launched by that job (array tasks ``ID_N`` included).
+- a directory of run directories (a runs root, an array sweep's runs): one fixed-width line per run,
+  array tasks in task order, failed runs with their cause;
+- a job id: the runs under ``--runs-root`` launched by that job (array tasks ``ID_N`` included);
+- two or more run directories: a comparison (config differences, progress, final numbers).
 
 ``--watch`` refreshes (a progress bar on a terminal, plain lines in logs), ``--json`` prints
-machine-readable output, ``--plot [PNG]`` writes loss and throughput against step.
+machine-readable output, ``--plot [PNG]`` writes loss and throughput against step (overlaid when
+comparing runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from xirang_hpc.monitor.render import render_array, render_run
-from xirang_hpc.monitor.status import TERMINAL, find_runs, is_run_dir, run_status
+from xirang_hpc.monitor.status import TERMINAL, find_runs, is_run_dir, run_status, task_key
+
+JOB_ID = re.compile(r"\d+(_\d+)?")
 
 
 class StatusError(Exception):
@@ -35,7 +41,13 @@ def resolve(target: str, runs_root: Path) -> tuple[list[Path], bool]:
         runs = find_runs(p)
         if runs:
             return runs, True
-        raise StatusError(f"{p} is neither a run directory (no metrics.jsonl or heartbeats/) nor a directory of runs")
+        raise StatusError(f"{p} is neither a run directory (no metrics.jsonl, events.jsonl, heartbeats/, "
+                          "checkpoints/ or submitit/) nor a directory of runs")
+    if p.exists():
+        raise StatusError(f"{p} is a file, not a run directory")
+    if not JOB_ID.fullmatch(target):
+        raise StatusError(f"no such run directory: {p.absolute()} (pass a run directory, a directory of runs, "
+                          "or a Slurm job id such as 1234 or 1234_5)")
     runs = find_runs(runs_root, target)
     if not runs:
         raise StatusError(f"no run directory for job {target!r} under {runs_root.absolute()}; "
@@ -46,7 +58,7 @@ def resolve(target: str, runs_root: Path) -> tuple[list[Path], bool]:
 def snapshot(runs: list[Path], many: bool) -> dict[str, Any]:
     """Status of every run (``{"runs": [...]}`` for many, else the one run's dict)."""
     rows = [run_status(r) for r in runs]
-    return {"runs": rows} if many else rows[0]
+    return {"runs": sorted(rows, key=task_key)} if many else rows[0]
 
 
 def render(snap: dict[str, Any], tty: bool) -> str:
@@ -62,7 +74,8 @@ def _finished(snap: dict[str, Any]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit code (2: nothing found)."""
     ap = argparse.ArgumentParser(prog="xirang-status", description=__doc__.split("\n\n")[0])
-    ap.add_argument("target", nargs="?", default="runs", help="run directory, directory of runs, or job id")
+    ap.add_argument("target", nargs="*", default=["runs"],
+                    help="run directory, directory of runs, or job id; several run directories: compare them")
     ap.add_argument("--runs-root", type=Path, default=Path("runs"), help="where to look up a job id (default ./runs)")
     ap.add_argument("--watch", action="store_true", help="refresh until the run ends (Ctrl-C to stop)")
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --watch")
@@ -70,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
                     help="write loss/throughput vs step (default RUN_DIR/status.png)")
     a = ap.parse_args(argv)
+    if len(a.target) > 1:
+        return _compare(a)
     try:
-        runs, many = resolve(a.target, a.runs_root)
+        runs, many = resolve(a.target[0], a.runs_root)
     except StatusError as exc:
         print(f"xirang-status: error: {exc}", file=sys.stderr)
         return 2
@@ -81,8 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         for r in runs:
             out = Path(a.plot) if a.plot and not many else r / "status.png"
             info = plot_run(r, out)
-            print(f"wrote {info['path']} ({info['points']} points, requeues at {info['requeue_steps']}, "
-                  f"checkpoints at {info['checkpoint_steps']})")
+            if a.json:
+                print(json.dumps(info))
+                continue
+            print(f"wrote {info['path']} ({info['points']} points, validation at {info['val_points']}, "
+                  f"requeues at {info['requeue_steps']}, checkpoints at {info['checkpoint_steps']}"
+                  + (f" (pruned since: {info['pruned_checkpoint_steps']})" if info["pruned_checkpoint_steps"] else "")
+                  + ")")
         return 0
     tty = sys.stdout.isatty()
     while True:
@@ -99,6 +119,34 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(a.interval)
         except KeyboardInterrupt:
             return 0
+
+
+def _compare(a: argparse.Namespace) -> int:
+    """``xirang-status RUN_A RUN_B ...``: config differences and overlaid curves."""
+    from xirang_hpc.monitor.compare import compare, plot_compare, render_compare
+
+    runs = []
+    for t in a.target:
+        p = Path(t).expanduser()
+        if not p.is_dir():
+            print(f"xirang-status: error: no such run directory: {p.absolute()}", file=sys.stderr)
+            return 2
+        if not is_run_dir(p):
+            print(f"xirang-status: error: {p} is not a run directory (comparing needs run directories)",
+                  file=sys.stderr)
+            return 2
+        runs.append(p)
+    c = compare(runs)
+    if a.plot is not None:
+        c["plot"] = plot_compare(runs, Path(a.plot) if a.plot else Path("compare.png"), c["config_diff"])
+    if a.json:
+        print(json.dumps(c, default=str))
+    else:
+        print(render_compare(c))
+        if "plot" in c:
+            counts = ", ".join(f"{k}: {v} points" for k, v in c["plot"]["series"].items())
+            print(f"wrote {c['plot']['path']} ({counts})")
+    return 0
 
 
 def cli() -> None:

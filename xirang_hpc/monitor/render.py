@@ -18,6 +18,19 @@ def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def fit(text: object, width: int, right: bool = False) -> str:
+    """``text`` in exactly ``width`` columns: padded, or cut with ``~`` at the end so columns never shift."""
+    t = str(text)
+    if len(t) > width:
+        t = t[: width - 1] + "~"
+    return t.rjust(width) if right else t.ljust(width)
+
+
+# The one-line-per-run table: (header, width, right-aligned); the last column (run, cause) is free.
+ARRAY_COLUMNS = (("task", 13, False), ("state", 14, False), ("step", 13, True), ("loss", 9, True),
+                 ("tok/s", 10, True), ("ETA", 9, True), ("requeues", 9, True))
+
+
 def progress(step: int, total: int, tty: bool, width: int = 30) -> str:
     """A bar on a terminal, plain ``step N/M (P%)`` in logs."""
     if not total:
@@ -55,13 +68,16 @@ def render_run(s: dict[str, Any], tty: bool = False) -> str:
         lines.append(f"pipeline  {pl['status']}: " + " -> ".join(
             f"{r['stage']} {r['status']}" + (f" ({r['job_id']})" if r.get("job_id") else "") for r in pl["stages"]))
     if s["nodes"]:
-        lines.append(f"{'node':<10}{'ranks':<10}{'steps':<12}{'phases':<22}{'beat':>6}{'cpu%':>7}{'rss MB':>9}  gpu")
+        lines.append(f"{fit('node', 15)} {fit('ranks', 11)} {fit('steps', 11)} {fit('phases', 21)} "
+                     f"{fit('beat', 6, True)} {fit('cpu%', 6, True)} {fit('rss MB', 9, True)}  gpu")
         for n in s["nodes"]:
             gpu = "-" if n["gpu_util"] is None else f"{n['gpu_util']:.0f}% {n['gpu_mem_mb']:,.0f} MB {n['gpu_name']}"
             steps = f"{min(n['steps'])}-{max(n['steps'])}" if min(n["steps"]) != max(n["steps"]) else str(n["steps"][0])
-            lines.append(f"{n['node']:<10}{','.join(map(str, n['ranks'])):<10}{steps:<12}"
-                         f"{','.join(sorted(set(n['phases']))):<22}{n['beat_age_s']:>5.0f}s{n['cpu_pct']:>7.0f}"
-                         f"{n['rss_mb']:>9,.0f}  {gpu}")
+            beat, cpu = format(n["beat_age_s"], ".0f") + "s", format(n["cpu_pct"], ".0f")
+            rss = format(n["rss_mb"], ",.0f")
+            lines.append(f"{fit(n['node'], 15)} {fit(','.join(map(str, n['ranks'])), 11)} {fit(steps, 11)} "
+                         f"{fit(','.join(sorted(set(n['phases']))), 21)} {fit(beat, 6, True)} "
+                         f"{fit(cpu, 6, True)} {fit(rss, 9, True)}  {gpu}")
     lines.append(f"events    last {len(s['events'])} of {s['n_events']}")
     for e in s["events"]:
         lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e.get('time', 0)))}  {e.get('kind', '?'):<12} "
@@ -69,12 +85,23 @@ def render_run(s: dict[str, Any], tty: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _row_note(s: dict[str, Any]) -> str:
+    """The last column: a failed run's cause, else the last event."""
+    reason = s.get("state_reason")
+    if s["state"] not in ("RUNNING", "COMPLETED") and reason not in (None, "", "None"):
+        return str(reason)[:100]
+    return str(s["events"][-1].get("reason", ""))[:60] if s["events"] else ""
+
+
 def render_array(rows: list[dict[str, Any]]) -> str:
-    """One line per task (array sweeps, or every run under a runs root)."""
-    out = [f"{'task':<14}{'state':<11}{'step':>12}{'loss':>9}{'tok/s':>10}{'ETA':>9}{'requeues':>9}  run / last event"]
+    """One line per run (array tasks in task order, or every run under a runs root), fixed-width columns."""
+    head = " ".join(fit(h, w, r) for h, w, r in ARRAY_COLUMNS)
+    out = [f"{head}  run: cause or last event"]
     for s in rows:
-        last = s["events"][-1]["reason"][:60] if s["events"] else ""
-        out.append(f"{str(s['job_id']):<14}{s['state']:<11}{str(s['step']) + '/' + str(s['total_steps']):>12}"
-                   f"{_num(s['loss'], '.4f'):>9}{_num(s['tokens_per_s'], ',.0f'):>10}{fmt_duration(s['eta_s']):>9}"
-                   f"{s['requeues']:>9}  {s['run_dir'].rsplit('/', 1)[-1]}  {last}")
+        total = f"/{s['total_steps']}" if s["total_steps"] else ""
+        cells = (s["job_id"] if s["job_id"] is not None else "-", s["state"], f"{s['step']}{total}",
+                 _num(s["loss"], ".4f"), _num(s["tokens_per_s"], ",.0f"), fmt_duration(s["eta_s"]), s["requeues"])
+        line = " ".join(fit(c, w, r) for c, (_, w, r) in zip(cells, ARRAY_COLUMNS))
+        note = _row_note(s)
+        out.append(f"{line}  {s['run_dir'].rsplit('/', 1)[-1]}" + (f": {note}" if note else ""))
     return "\n".join(out)

@@ -8,6 +8,7 @@ executor, squeue/sacct/scontrol for Slurm). :func:`run_status` returns a JSON-re
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from pathlib import Path
@@ -24,10 +25,36 @@ from xirang_hpc.monitor.jobstate import Runner, run_cmd, slurm_state
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
 
 
+# Files and directories only a run directory has: the trainer's, the monitor's, the launcher's (submitit
+# logs, the events log), the checkpoint manager's, the rank markers, a rollback fork's record.
+RUN_MARKERS = ("metrics.jsonl", HEARTBEAT_DIR, "events.jsonl", "checkpoints", "submitit", "ranks",
+               "config.json", "forked_from.json")
+# A traceback's last line: ``ValueError: ...``, ``torch.distributed.DistBackendError: ...``.
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure))(: .*)?$")
+
+
 def is_run_dir(path: Path) -> bool:
-    """A directory a training job has written to, or a submitted job's (its ``submit`` event; still pending)."""
-    return ((path / "metrics.jsonl").exists() or (path / HEARTBEAT_DIR / SESSION_FILE).exists()
-            or any(e.get("kind") == "submit" for e in read_events(path)))
+    """A directory a launch or a training job has written to (also one that failed before its first step)."""
+    return path.is_dir() and any((path / m).exists() for m in RUN_MARKERS)
+
+
+def log_cause(run_dir: Path) -> dict[str, str] | None:
+    """The newest exception in the job's submitit logs (``submitit/*_log.err``): ``{"cause", "log"}``.
+
+    A run that failed before its first step (bad data, rendezvous, import error) leaves only this.
+    """
+    logs = sorted((run_dir / "submitit").glob("*_log.err"), key=lambda p: p.stat().st_mtime, reverse=True)
+    newest_job = logs[0].name.split("_")[0] if logs else ""
+    for log in [p for p in logs if p.name.split("_")[0] == newest_job][:64]:  # the last attempt's tasks
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines):
+            m = _EXC_LINE.match(line.strip())
+            if m and m.group(1) not in ("SystemExit",):
+                return {"cause": line.strip()[:300], "log": str(log)}
+    return None
 
 
 def _submitted(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -94,6 +121,23 @@ def _job_state(session: dict[str, Any], beats: dict[int, dict[str, Any]], events
     return {"state": "UNKNOWN", "source": "none"}
 
 
+def _with_cause(job: dict[str, Any], run_dir: Path, has_session: bool) -> dict[str, Any]:
+    """A failed run names its cause: the job log's exception when the run's own files give none."""
+    if (job["state"] == "FAILED" and job.get("source") == "heartbeats") or job["state"] == "UNKNOWN":
+        found = log_cause(run_dir)
+        if found:
+            if job["state"] == "FAILED":
+                reason = f"ranks exited before finishing: {found['cause']}"
+            elif has_session:
+                reason = found["cause"]
+            else:
+                reason = f"failed before training started: {found['cause']}"
+            return {**job, "state": "FAILED", "reason": reason, "source": "job log", "log": found["log"]}
+        if job["state"] == "UNKNOWN" and not has_session:
+            return {**job, "reason": "no job record, heartbeat or log: never started, or its files were removed"}
+    return job
+
+
 def _nodes(beats: dict[int, dict[str, Any]], now: float) -> list[dict[str, Any]]:
     nodes: dict[str, dict[str, Any]] = {}
     for r, hb in beats.items():
@@ -136,9 +180,11 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
     peak = float(session.get("peak_tflops", 0.0)) or max(
         [peak_for_device(str(hb.get("gpu_name", ""))) for hb in beats.values()] + [0.0])
     who = session or _submitted(events)
-    job = _job_state(who, beats, events, now, run)
+    job = _with_cause(_job_state(who, beats, events, now, run), run_dir, bool(session))
+    # Requeues are what Slurm counts (Restarts, SLURM_RESTART_COUNT) and what the event log records; a
+    # plain rerun or resume of the same run (a new session) is not one.
     requeue_events = [e for e in events if e.get("kind") == "requeue"]
-    requeues = max(len(sessions) - 1, len(requeue_events), int(session.get("restart_count", 0)),
+    requeues = max(len(requeue_events), int(session.get("restart_count", 0) or 0),
                    int(job.get("restarts", 0) or 0), 0)
     tokens_per_step = int(session.get("global_batch", 0)) * int(session.get("seq_len", 0))
     eta = None
@@ -146,8 +192,9 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
         eta = max(0, total - step) * tokens_per_step / tok_s
     ckpts = checkpoints(run_dir)
     ckpt = dict(ckpts[-1], age_s=now - ckpts[-1]["time"]) if ckpts else None
+    job_id = who.get("job_id") or _log_job_id(run_dir)
     return {
-        "run_dir": str(run_dir), "job_id": who.get("job_id"), "executor": who.get("source"),
+        "run_dir": str(run_dir), "job_id": job_id, "executor": who.get("source"),
         "state": job["state"], "state_source": job.get("source"), "state_reason": job.get("reason"),
         "requeues": requeues, "sessions": len(sessions), "world_size": session.get("world_size"),
         "num_nodes": session.get("num_nodes"), "model": session.get("model"),
@@ -172,17 +219,32 @@ def _pipeline(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def _log_job_id(run_dir: Path) -> str | None:
+    """The job id in the newest submitit log name (``<job>_<task>_log.err``), for a run without a session."""
+    logs = sorted((run_dir / "submitit").glob("*_log.*"), key=lambda p: p.stat().st_mtime)
+    return logs[-1].name.split("_")[0] if logs else None
+
+
+def task_key(row: dict[str, Any]) -> tuple[int, int, int, str]:
+    """Sort key for status rows: array tasks by (array id, task index) numerically, then the rest by name."""
+    m = re.fullmatch(r"(\d+)(?:_(\d+))?", str(row.get("job_id") or ""))
+    if m:
+        return (0, int(m.group(1)), int(m.group(2) or -1), str(row.get("run_dir")))
+    return (1, 0, 0, f"{row.get('job_id') or ''}|{row.get('run_dir')}")
+
+
 def find_runs(root: Path, job_id: str | None = None) -> list[Path]:
     """Run directories under ``root`` (one level), optionally those of ``job_id`` or its array tasks."""
     if not root.is_dir():
         return []
     out = []
     for p in sorted(root.iterdir()):
-        if not (p.is_dir() and is_run_dir(p)):
+        if p.name.startswith(".") or not is_run_dir(p):
             continue
         if job_id is not None:
             jobs = {str(s.get("job_id")) for s in read_jsonl(p / HEARTBEAT_DIR / SESSIONS_LOG)}
             jobs |= {str(e["job"]) for e in read_events(p) if e.get("kind") == "submit" and e.get("job")}
+            jobs |= {str(j) for j in [_log_job_id(p)] if j}
             if not any(j == job_id or j.startswith(job_id + "_") for j in jobs):
                 continue
         out.append(p)
