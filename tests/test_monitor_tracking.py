@@ -177,6 +177,16 @@ def test_compare_a_rollback_fork_with_its_parent(tmp_path: Path, stdlib_data: Pa
     pl, fl = ({r_["step"]: r_["loss"] for r_ in _rows(d) if "loss" in r_} for d in (parent, fork))
     assert all(pl[s] == fl[s] for s in range(1, 11)) and pl[20] != fl[20]
     assert got["plot"]["path"] == str(out) and out.read_bytes()[:4] == b"\x89PNG"
+    # status of each, with the monitor off (no heartbeats): from config.json, metrics and the fork record
+    from xirang_hpc.monitor.status import run_status
+
+    sf, sr = run_status(fork), run_status(rolled)
+    assert (sf["state"], sf["step"], sf["total_steps"], sf["model"]) == ("COMPLETED", 20, 20, "tiny")
+    assert sr["state"] == "UNKNOWN" and sr["state_reason"].startswith(f"fork of {parent} at step 15")
+    r = subprocess.run([str(exe / "xirang-status"), str(parent), str(fork)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "config differences (2):" in r.stdout
+    assert ["train.lr", "0.003", "0.001"] in [ln.split() for ln in r.stdout.splitlines()], r.stdout
     assert got["plot"]["series"] == {parent.name: 20, fork.name: 20, rolled.name: 15}
 
 

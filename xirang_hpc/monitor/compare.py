@@ -110,9 +110,9 @@ def render_compare(c: dict[str, Any]) -> str:
     else:
         width = min(40, max(len(k) for k in diff))
         lines.append(f"config differences ({len(diff)}):")
-        lines.append(fit("", width + 2) + " ".join(fit(n, 14) for n in names))
+        lines.append(fit("", width + 3) + " ".join(fit(n, 14) for n in names))
         for k, vals in diff.items():
-            lines.append(f"  {fit(k, width)}" + " ".join(fit(json.dumps(v), 14) for v in vals))
+            lines.append(f"  {fit(k, width)} " + " ".join(fit(json.dumps(v), 14) for v in vals))
     return "\n".join(lines)
 
 

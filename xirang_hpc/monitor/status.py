@@ -174,13 +174,16 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
     val = [r for r in rows if "val_loss" in r]
     last = train[-1] if train else {}
     step = max([int(last.get("step", 0))] + [int(hb.get("step", 0)) for hb in beats.values()])
-    total = int(session.get("max_steps", 0))
+    cfg = (read_json(run_dir / "config.json") or {}).get("config") or {}  # every training start writes it
+    total = int(session.get("max_steps", 0) or cfg.get("train", {}).get("max_steps", 0) or 0)
     tok_s = float(last.get("tokens_per_s", 0.0))
     fpt = float(session.get("flops_per_token", 0.0))
     peak = float(session.get("peak_tflops", 0.0)) or max(
         [peak_for_device(str(hb.get("gpu_name", ""))) for hb in beats.values()] + [0.0])
     who = session or _submitted(events)
     job = _with_cause(_job_state(who, beats, events, now, run), run_dir, bool(session))
+    if job["state"] == "UNKNOWN":
+        job = _from_files(job, run_dir, val, total)
     # Requeues are what Slurm counts (Restarts, SLURM_RESTART_COUNT) and what the event log records; a
     # plain rerun or resume of the same run (a new session) is not one.
     requeue_events = [e for e in events if e.get("kind") == "requeue"]
@@ -197,7 +200,7 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
         "run_dir": str(run_dir), "job_id": job_id, "executor": who.get("source"),
         "state": job["state"], "state_source": job.get("source"), "state_reason": job.get("reason"),
         "requeues": requeues, "sessions": len(sessions), "world_size": session.get("world_size"),
-        "num_nodes": session.get("num_nodes"), "model": session.get("model"),
+        "num_nodes": session.get("num_nodes"), "model": session.get("model") or cfg.get("model", {}).get("name"),
         "step": step, "total_steps": total, "loss": last.get("loss"),
         "val_loss": val[-1]["val_loss"] if val else None, "val_step": val[-1]["step"] if val else None,
         "tokens_per_s": tok_s or None, "tflops": tok_s * fpt / 1e12 if tok_s and fpt else None,
@@ -217,6 +220,17 @@ def _pipeline(run_dir: Path) -> dict[str, Any] | None:
         return chain_status(run_dir)
     except (OSError, ValueError, KeyError):
         return None
+
+
+def _from_files(job: dict[str, Any], run_dir: Path, val: list[dict[str, Any]], total: int) -> dict[str, Any]:
+    """No scheduler, heartbeat or event says anything (monitor off, or a fork): what the files show."""
+    if total and val and int(val[-1].get("step", -1)) >= total:  # the trainer's final evaluation at max_steps
+        return {"state": "COMPLETED", "source": "metrics", "reason": f"final evaluation at step {total}"}
+    forked = read_json(run_dir / "forked_from.json")
+    if forked:
+        return {**job, "reason": f"fork of {forked.get('run')} at step {forked.get('step')}; not trained to the end "
+                                 "here (train it with train.run_dir=<this directory>)"}
+    return job
 
 
 def _log_job_id(run_dir: Path) -> str | None:
