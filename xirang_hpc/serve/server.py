@@ -244,9 +244,11 @@ class Server:
         if tokens_q is not None:
             return await self._stream(request, req, done, tokens_q, t0)
         try:
-            out = await done
+            out = await self._result(request, req, done)
         except Exception as exc:  # noqa: BLE001 - the engine failed this request
             return _err(500, f"generation failed: {exc}")
+        if out is None:
+            return web.Response(status=499)  # nobody is listening
         return web.json_response({"text": self.tok.decode(out), "tokenizer": self.tok.name,
                                   "prompt_tokens": len(p.prompt),
                                   "completion_tokens": len(out), "seed": req.seed,
@@ -282,6 +284,8 @@ class Server:
         """Queue ``req`` in the engine; its result arrives in the future (tokens in the queue if streaming)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[list[int]] = loop.create_future()
+        # Mark a failure as seen: a handler whose client left never awaits it (no "never retrieved" noise).
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
         tokens_q: asyncio.Queue[int] | None = asyncio.Queue() if stream else None
         active = self.metrics.active
 
@@ -323,12 +327,27 @@ class Server:
             if getter.done() and not getter.cancelled():
                 yield getter.result()
 
-    def _gone(self, request: web.Request, req: GenRequest) -> None:
-        """The client closed its connection mid-stream: cancel the generation, log one line."""
+    async def _result(self, request: web.Request, req: GenRequest, done: asyncio.Future[list[int]]
+                      ) -> list[int] | None:
+        """A non-streaming request's tokens; None if its client closed the connection first.
+
+        aiohttp does not cancel handlers when a client leaves, so look at the connection while
+        waiting: a long generation nobody will read is cancelled instead of run to the end.
+        """
+        while True:
+            await asyncio.wait({done}, timeout=0.25)
+            if done.done():
+                return done.result()
+            if request.transport is None or request.transport.is_closing():
+                self._gone(request, req, "before its reply")
+                return None
+
+    def _gone(self, request: web.Request, req: GenRequest, when: str = "mid-stream") -> None:
+        """The client closed its connection: cancel the generation, log one line."""
         self.engine.cancel(req)
         request[STATUS_KEY] = 499
-        log.warning("client %s went away mid-stream (%s %s) after %d of %d tokens; generation cancelled",
-                    request.remote or "?", request.method, request.path, len(req.out), req.max_tokens)
+        log.warning("client %s went away %s (%s %s) after %d of %d tokens; generation cancelled",
+                    request.remote or "?", when, request.method, request.path, len(req.out), req.max_tokens)
 
     # ---- the OpenAI-compatible API -----------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -370,9 +389,11 @@ class Server:
         if tokens_q is not None:
             return await self._sse(request, p, req, done, tokens_q, rid, created)
         try:
-            out = await done
+            out = await self._result(request, req, done)
         except Exception as exc:  # noqa: BLE001 - the engine failed this request
             return OpenAIError(500, f"generation failed: {exc}", code="generation_failed").response()
+        if out is None:
+            return web.Response(status=499)  # nobody is listening
         text, _ = oa.final_text(self.tok, out, p.stop)
         return web.json_response(oa.response_body(p, rid, created, self.model_id, text, _finish(req), len(out)))
 
