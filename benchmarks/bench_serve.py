@@ -1,11 +1,17 @@
-"""Load test of xirang-serve: N concurrent clients send M generate requests; ours (continuous batching,
-``--max-batch 32``) and the baseline (the same server decoding one request at a time, ``--max-batch 1``)
-run side by side on the same weights. Prints p50/p99 latency, throughput, errors, and the ratios.
+"""Load test of xirang-serve: N concurrent clients send M completion requests to three servers in one
+run, on the same weights: ours (continuous batching, ``--max-batch 32``, ``POST /v1/completions``), the
+baseline (the same server decoding one request at a time, ``--max-batch 1``) and a Hugging Face peer
+(the weights exported with ``xirang-ckpt export --format hf``, served by transformers ``generate``
+batched by a plain aiohttp server, benchmarks/hf_generate_server.py). Prints p50/p99 latency,
+throughput, errors and the ratios.
 
-    python benchmarks/bench_serve.py [--clients 32] [--requests 500] [--max-tokens 32] [--source W.safetensors]
+    python benchmarks/bench_serve.py [--clients 32] [--requests 500] [--max-tokens 32] [--source RUN_DIR]
 
-Without ``--source`` the weights are a fresh ``model=tiny`` preset exported to safetensors (the
-serving cost does not depend on what the weights learned).
+Without ``--source`` the weights are a fresh ``model=tiny`` preset, written as our safetensors export
+and as the Hugging Face directory ``export --format hf`` writes (same conversion functions); with a
+run directory the Hugging Face directory comes from ``xirang-ckpt export RUN --format hf`` itself.
+Prompts are 4 to (context - max_tokens) bytes, so no sequence outgrows the model's context
+(transformers' GPT-2 has no sliding window).
 """
 
 from __future__ import annotations
@@ -45,9 +51,35 @@ def make_weights(tmp: Path) -> Path:
     return path
 
 
-def start(source: Path, info: Path, max_batch: int, threads: int) -> subprocess.Popen:
+def hf_dir_for(source: Path, tmp: Path) -> Path:
+    """The Hugging Face directory of ``source``: ``xirang-ckpt export --format hf`` for a run directory;
+    for safetensors weights, the same conversion (``to_hf_state`` + ``hf_config_for``) applied directly."""
+    out = tmp / "hf"
+    if not str(source).endswith(".safetensors"):
+        subprocess.run([str(BIN / "xirang-ckpt"), "export", str(source), "--format", "hf", "--out", str(out)],
+                       check=True, stdout=subprocess.DEVNULL)
+        return out
+    from xirang_hpc.checkpoint.hf import hf_config_for, to_hf_state, write_hf_weights
+    from xirang_hpc.serve.weights import load_any
+
+    loaded = load_any(source)
+    out.mkdir(mode=0o700)
+    write_hf_weights(to_hf_state(loaded.model.state_dict(), loaded.cfg), out, 5 * 2**30)
+    (out / "config.json").write_text(json.dumps(hf_config_for(loaded.cfg, torch.float32), indent=1))
+    return out
+
+
+def context_of(source: Path) -> int:
+    from xirang_hpc.serve.weights import load_any
+
+    return load_any(source).cfg.seq_len
+
+
+def start(source: Path, info: Path, max_batch: int, threads: int, hf: bool = False) -> subprocess.Popen:
     env = {**os.environ, "XIRANG_SERVE_TOKEN": ""}
-    proc = subprocess.Popen([str(BIN / "xirang-serve"), str(source), "--port", "0", "--info-file", str(info),
+    cmd = ([sys.executable, str(Path(__file__).parent / "hf_generate_server.py")] if hf
+           else [str(BIN / "xirang-serve")])
+    proc = subprocess.Popen([*cmd, str(source), "--port", "0", "--info-file", str(info),
                              "--max-batch", str(max_batch), "--threads", str(threads)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
     t0 = time.monotonic()
@@ -58,14 +90,17 @@ def start(source: Path, info: Path, max_batch: int, threads: int) -> subprocess.
     return proc
 
 
-async def load(url: str, clients: int, n_requests: int, max_tokens: int) -> dict[str, float]:
+async def load(url: str, clients: int, n_requests: int, max_tokens: int, max_prompt: int,
+               model: str | None) -> dict[str, float]:
+    """Drive one server: ``model`` set = ours (``/v1/completions``), None = the HF peer (``/generate``)."""
     text = Path(__file__).read_text()
     rng = random.Random(0)
     bodies = []
-    for i in range(n_requests):
-        start_ = rng.randrange(0, len(text) - 48)
-        bodies.append({"prompt": text[start_: start_ + rng.randrange(4, 48)], "max_tokens": max_tokens,
-                       "temperature": 0.8, "top_k": 40, "seed": i})
+    for i in range(n_requests):  # the same prompts and lengths for every server (ASCII: bytes = characters)
+        start_ = rng.randrange(0, len(text) - max_prompt)
+        bodies.append({"prompt": text[start_: start_ + rng.randrange(4, max_prompt + 1)], "max_tokens": max_tokens,
+                       "temperature": 0.8, "top_k": 40, "seed": i, **({"model": model} if model else {})})
+    path = "/v1/completions" if model else "/generate"
     queue: asyncio.Queue[dict] = asyncio.Queue()
     for b in bodies:
         queue.put_nowait(b)
@@ -81,12 +116,12 @@ async def load(url: str, clients: int, n_requests: int, max_tokens: int) -> dict
                 return
             t0 = time.perf_counter()
             try:
-                async with session.post(f"{url}/v1/generate", json=body) as r:
+                async with session.post(f"{url}{path}", json=body) as r:
                     out = await r.json()
                     if r.status != 200:
                         errors.append(f"{r.status}: {out}")
                         continue
-                    tokens[0] += out["completion_tokens"]
+                    tokens[0] += out["usage"]["completion_tokens"] if model else out["completion_tokens"]
             except Exception as exc:  # noqa: BLE001 - counted as an error
                 errors.append(repr(exc))
                 continue
@@ -103,28 +138,40 @@ async def load(url: str, clients: int, n_requests: int, max_tokens: int) -> dict
             "req_per_s": len(lat) / wall, "tok_per_s": tokens[0] / wall, "first_error": errors[0] if errors else ""}
 
 
-def run_one(source: Path, tmp: Path, name: str, max_batch: int, a: argparse.Namespace) -> dict[str, float]:
+def run_one(source: Path, tmp: Path, name: str, max_batch: int, a: argparse.Namespace, max_prompt: int,
+            hf: bool = False) -> dict[str, float]:
     info = tmp / f"{name}.json"
-    proc = start(source, info, max_batch, a.threads)
+    proc = start(source, info, max_batch, a.threads, hf)
     try:
-        url = json.loads(info.read_text())["url"]
-        res = asyncio.run(load(url, a.clients, a.requests, a.max_tokens))
-        with urllib_open(f"{url}/v1/model") as stats:
-            res["mean_batch"] = stats["stats"]["batched_rows"] / max(1, stats["stats"]["forward_passes"])
+        started = json.loads(info.read_text())
+        url = started["url"]
+        probe = {"prompt": "def ", "max_tokens": 16, "temperature": 0, **({} if hf else {"model": started["model"]})}
+        with urllib_open(f"{url}{'/generate' if hf else '/v1/completions'}", probe) as out:
+            probe_text = out["text"] if hf else out["choices"][0]["text"]
+        res = asyncio.run(load(url, a.clients, a.requests, a.max_tokens, max_prompt, None if hf else started["model"]))
+        res["probe"] = probe_text
+        if hf:  # requests per generate call
+            with urllib_open(f"{url}/stats") as stats:
+                res["mean_batch"] = stats["rows"] / max(1, stats["batches"])
+        else:  # rows per forward pass (decode steps and single-row prefills)
+            with urllib_open(f"{url}/v1/model") as stats:
+                res["mean_batch"] = stats["stats"]["batched_rows"] / max(1, stats["stats"]["forward_passes"])
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     return res
 
 
-class urllib_open:  # noqa: N801 - tiny context manager around urllib for one JSON GET
-    def __init__(self, url: str) -> None:
-        self.url = url
+class urllib_open:  # noqa: N801 - tiny context manager around urllib for one JSON GET (or POST with body)
+    def __init__(self, url: str, body: dict | None = None) -> None:
+        self.url, self.body = url, body
 
     def __enter__(self) -> dict:
         import urllib.request
 
-        with urllib.request.urlopen(self.url, timeout=30) as r:
+        data = json.dumps(self.body).encode() if self.body is not None else None
+        req = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())
 
     def __exit__(self, *exc: object) -> None:
@@ -139,27 +186,39 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server (xirang-serve --threads)")
     p.add_argument("--source", default=None, help="run dir or .safetensors to serve (default: fresh tiny preset)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers peer")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         source = Path(a.source) if a.source else make_weights(tmp)
-        rows = {"ours (batched)": run_one(source, tmp, "ours", a.max_batch, a),
-                "baseline (one at a time)": run_one(source, tmp, "base", 1, a)}
-    print(f"{a.clients} clients, {a.requests} requests, {a.max_tokens} new tokens each, server torch threads "
-          f"{a.threads}, {os.cpu_count()} CPUs")
+        max_prompt = min(47, context_of(source) - a.max_tokens)
+        if max_prompt < 4:
+            raise SystemExit(f"--max-tokens {a.max_tokens} leaves no room for a prompt in the model's context")
+        rows = {"ours (batched)": run_one(source, tmp, "ours", a.max_batch, a, max_prompt),
+                "baseline (one at a time)": run_one(source, tmp, "base", 1, a, max_prompt)}
+        if not a.no_hf:
+            rows["HF transformers generate"] = run_one(hf_dir_for(source, tmp), tmp, "hf", a.max_batch, a, max_prompt,
+                                                       hf=True)
+    print(f"{a.clients} clients, {a.requests} requests, prompts 4-{max_prompt} bytes, {a.max_tokens} new tokens "
+          f"each, server torch threads {a.threads}, {os.cpu_count()} CPUs")
     print(f"{'server':<26} {'ok':>5} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} {'tok/s':>8} {'batch':>6}")
     for name, r in rows.items():
         print(f"{name:<26} {r['ok']:>5} {r['errors']:>4} {1e3 * r['p50_s']:>8.1f} {1e3 * r['p99_s']:>8.1f} "
               f"{r['req_per_s']:>7.1f} {r['tok_per_s']:>8.0f} {r['mean_batch']:>6.1f}")
         if r["errors"]:
             print(f"  first error: {r['first_error']}")
-    o, b = rows["ours (batched)"], rows["baseline (one at a time)"]
-    print(f"ratios ours/baseline: throughput x{o['req_per_s'] / b['req_per_s']:.2f}, "
-          f"p50 latency x{o['p50_s'] / b['p50_s']:.2f}, p99 latency x{o['p99_s'] / b['p99_s']:.2f}")
+    o = rows["ours (batched)"]
+    if "HF transformers generate" in rows:  # the peer computes what we compute: same greedy text
+        print(f"greedy probe (prompt 'def ', 16 tokens): HF text == ours: "
+              f"{rows['HF transformers generate']['probe'] == o['probe']}")
+    for peer, r in rows.items():
+        if peer != "ours (batched)":
+            print(f"ratios ours/{peer}: throughput x{o['req_per_s'] / r['req_per_s']:.2f}, "
+                  f"p50 latency x{o['p50_s'] / r['p50_s']:.2f}, p99 latency x{o['p99_s'] / r['p99_s']:.2f}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
-    if o["errors"] or b["errors"]:
+    if any(r["errors"] for r in rows.values()):
         sys.exit(1)
 
 
