@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from xirang_hpc.checkpoint.hf import IGNORED_HF_SUFFIXES, Src, expected_hf_shapes, hf_rows_for, tensor_map
 from xirang_hpc.config.hf import hf_family, read_hf_config
 from xirang_hpc.config.schema import ModelConfig
+from xirang_hpc.serve.weights import WeightsError
 
 #: What opens a safetensors file lazily (a module attribute so tests can record what each rank reads).
 safe_open: Any = None
@@ -37,7 +38,7 @@ def _safe_open(path: str) -> Any:
     return safe_open(path, framework="pt")
 
 
-class HFImportError(RuntimeError):
+class HFImportError(WeightsError):
     """A Hugging Face directory that does not fit the model; names the file or tensor and the fix."""
 
 

@@ -168,13 +168,17 @@ def load_exported(path: str | Path) -> LoadedModel:
 
 def load_hf(path: str | Path) -> LoadedModel:
     """A single-process GPT from a Hugging Face model directory (Llama or GPT-2 family)."""
+    from xirang_hpc.config.errors import ConfigError
     from xirang_hpc.config.hf import apply_hf_model
     from xirang_hpc.serve.hf_import import init_model_from_hf
 
-    fields = apply_hf_model({"init_from": str(path)}, [])
+    try:
+        fields = apply_hf_model({"init_from": str(path)}, [])
+    except ConfigError as exc:
+        raise WeightsError(str(exc)) from None
     cfg = model_config_from(fields)
     model = GPT(cfg)
-    init_model_from_hf(model, path, cfg)
+    init_model_from_hf(model, path, cfg)  # HFImportError is a WeightsError
     model.eval()
     source = str(Path(path).absolute())
     # Its own tokenizer.json (eos from tokenizer_config.json) when it has one, else bytes.
