@@ -200,6 +200,16 @@ def test_bad_weights_name_the_tensor_or_file(hf_dirs, tmp_path: Path) -> None:
     cfg = ModelConfig(**{**fields, "n_kv_head": 4})
     with pytest.raises(HFImportError, match=r"k_proj.weight has shape \(32, 64\), the model config needs \(64, 64\)"):
         init_model_from_hf(GPT(cfg), path, cfg)
+    # A tensor our model has no place for (e.g. an architecture variant with extra parameters).
+    extra = tmp_path / "extra"
+    shutil.copytree(path, extra)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(extra / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(tensors, str(extra / "model.safetensors"))
+    with pytest.raises(HFImportError, match=r"tensor\(s\) our model has no place for.*q_norm"):
+        load_hf(extra)
     # No weights at all.
     empty = tmp_path / "empty"
     empty.mkdir()
