@@ -11,13 +11,12 @@ Structure choices made for tensor and pipeline parallelism later:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from xirang_hpc.config.schema import ModelConfig
+from xirang_hpc.models.init import init_parameters
 
 
 class RMSNorm(nn.Module):
@@ -137,7 +136,12 @@ class GPT(nn.Module):
     input is hidden states (B, T, C) instead of token ids, and its output is hidden states.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, seed: int | None = None) -> None:
+        """Build and initialise (see :meth:`reset_parameters`); under ``torch.device("meta")`` only shapes.
+
+        ``seed``: the initialisation seed; by default one drawn from torch's global generator, so
+        ``torch.manual_seed(s); GPT(cfg)`` is reproducible and two models in a row differ.
+        """
         super().__init__()
         self.cfg = cfg
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -151,22 +155,57 @@ class GPT(nn.Module):
             # One parameter under two names: the state dict keeps both keys (identical tensors).
             self.head.weight = self.tok_emb.weight
         if cfg.pos == "rope":
-            cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
             # Not persistent: derived from the config, so checkpoints hold only learned state.
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+            self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim // 2), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim // 2), persistent=False)
+        if not self.tok_emb.weight.is_meta:
+            self.init_buffers()
+            self.reset_parameters(seed)
 
-    def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2L)."""
-        std = self.cfg.init_std
-        for name, p in self.named_parameters():  # a tied head is the embedding: initialised once
-            if p.dim() < 2:
-                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
-            elif name.endswith(("attn.o.weight", "mlp.down.weight")):
-                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layer))
-            else:
-                nn.init.normal_(p, 0.0, std)
+    def init_buffers(self) -> None:
+        """(Re)compute the non-persistent buffers (rope tables) on the model's device, e.g. after ``to_empty``."""
+        if self.cfg.pos == "rope":
+            cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta)
+            self.rope_cos = cos.to(self.rope_cos.device)
+            self.rope_sin = sin.to(self.rope_sin.device)
+
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """GPT-2 init: N(0, init_std), residual output projections scaled by 1/sqrt(2L), norms one, biases zero.
+
+        Values are a pure function of (seed, parameter name, element index) (xirang_hpc/models/init.py),
+        so this model, a pipeline stage of it or any shard of it starts from the same numbers.
+        ``seed`` None draws one from torch's global generator.
+        """
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+        init_parameters(self, self.cfg, seed)
+
+    def tie_weights(self) -> None:
+        """Point the head at the embedding again (``to_empty``/``load_state_dict(assign=True)`` can untie them)."""
+        if self.cfg.tie_embeddings and self.head is not None and self.tok_emb is not None:
+            if self.head.weight is not self.tok_emb.weight:
+                self.head.weight = self.tok_emb.weight
+
+    def materialize(self, device: torch.device | str, seed: int | None) -> None:
+        """Allocate a meta-built (and possibly carved/sharded) model on ``device`` and initialise it.
+
+        Each rank allocates and fills only the parameters (or DTensor shards) it holds; tied
+        embeddings stay one parameter; the rope tables are recomputed. ``seed`` None leaves the
+        parameters uninitialised (for weights that are loaded right after).
+        """
+        self.to_empty(device=device)
+        self.tie_weights()
+        self.init_buffers()
+        if seed is not None:
+            init_parameters(self, self.cfg, seed)
+
+    @classmethod
+    def for_loading(cls, cfg: ModelConfig, device: torch.device | str = "cpu") -> GPT:
+        """A model with allocated but uninitialised parameters, for ``load_state_dict`` to fill (no wasted init)."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.materialize(device, seed=None)
+        return model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, V); or hidden (B, T, C) on later stages."""

@@ -72,18 +72,34 @@ def device_for(mesh: DeviceMesh | None) -> torch.device:
     return torch.device("cpu")
 
 
-def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None) -> ParallelModel:
-    """Build this rank's model for ``dims`` on ``mesh`` (call with the same seed on every rank)."""
+def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None, *,
+                _full_build: bool = False) -> ParallelModel:
+    """Build this rank's model for ``dims`` on ``mesh``: on the meta device, then materialise only its share.
+
+    The whole GPT is built without storage (``torch.device("meta")``), carved to this rank's
+    pipeline stage(s), tensor-parallelised and FSDP2-sharded; only then are this rank's parameters
+    (or DTensor shards) allocated and initialised from ``train.seed`` with the layout-independent
+    init of xirang_hpc/models/init.py, so every layout starts from bitwise the same weights and no
+    rank holds more than its share. DDP replicates the materialised model afterwards.
+
+    ``_full_build`` (benchmarks only): the previous way, the full model allocated and initialised
+    on every rank before carving and sharding (same values, full-model peak memory).
+    """
     p, t = cfg.parallel, cfg.train
     coords = mesh_coords(dims, mesh)
     device = device_for(mesh)
-    model = GPT(cfg.model)  # full model on every rank: identical init without a broadcast
+    if _full_build:
+        model = GPT(cfg.model, seed=t.seed)
+    else:
+        with torch.device("meta"):
+            model = GPT(cfg.model)
     virtual = p.virtual_stages if p.schedule == "interleaved" else 1
     ranges = pipeline.stage_ranges(cfg.model, dims.pp * virtual)
     stages = pipeline.rank_stages(coords["pp"], dims.pp, virtual)
     if dims.pp > 1:
         pipeline.carve_stage(model, stages, ranges)
-    model.to(device)
+    if _full_build:
+        model.to(device)
     # Interleaved: one view per virtual stage (sharing the modules); these are what the schedule runs.
     chunks: list[nn.Module] = pipeline.stage_chunks(model, stages, ranges) if virtual > 1 else [model]
     if dims.tp > 1:
@@ -92,19 +108,25 @@ def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None) 
     apply_recompute(model, p.recompute)
     for c in chunks:
         precision = apply_autocast(c, t.precision, device)  # bf16 autocast around the forward, or nothing
-    kind = "none"
-    module: nn.Module = model
-    if dims.dp > 1:
+    use_fsdp = dims.dp > 1 and (p.data_parallel == "fsdp" or dims.tp > 1 or dims.pp > 1)
+    if use_fsdp:
         # DDP cannot hold tensor-parallel DTensors without swapping parameters (which breaks
         # their names), and its reducer rejects the several forwards before a backward that a
         # 1F1B pipeline runs. FSDP2 with a shard degree of 1 is exactly replication (gradient
         # all-reduce over dp), DTensor- and pipeline-aware, so it stands in for DDP there.
-        if p.data_parallel == "fsdp" or dims.tp > 1 or dims.pp > 1:
-            apply_fsdp(model, mesh, dims, roots=chunks)
-            kind = "fsdp"
-        else:
-            module = apply_ddp(model, mesh, ddp_bucket_cap_mb(cfg.comm))
-            kind = "ddp"
+        apply_fsdp(model, mesh, dims, roots=chunks)
+    if not _full_build:
+        model.materialize(device, seed=t.seed)  # this rank's stage/shards only
+        for c in chunks:  # stage views hold their own references to the (recomputed) rope tables
+            if c is not model and cfg.model.pos == "rope":
+                c.rope_cos, c.rope_sin = model.rope_cos, model.rope_sin
+    kind = "none"
+    module: nn.Module = model
+    if use_fsdp:
+        kind = "fsdp"
+    elif dims.dp > 1:
+        module = apply_ddp(model, mesh, ddp_bucket_cap_mb(cfg.comm))
+        kind = "ddp"
     pm = ParallelModel(dims=dims, mesh=mesh, model=model, module=module, data_parallel=kind, coords=coords,
                        stage_layers=ranges[stages[0]], precision=precision)
     if dims.pp > 1:
