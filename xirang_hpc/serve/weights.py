@@ -98,7 +98,7 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> LoadedModel:
     d = find_step_dir(path, step)
     state = L.read_state(d)
     cfg = model_config_from(state["config"]["model"])
-    model = GPT(cfg)
+    model = GPT.for_loading(cfg)  # allocated, not initialised: every tensor is loaded below
     # No process group: DCP loads in this one process and reassembles every saved shard.
     sd = {k.removeprefix("model."): v for k, v in load_full(d, "model.").items()}
     check_fits(model.state_dict(), sd, str(d))
@@ -157,7 +157,7 @@ def load_exported(path: str | Path) -> LoadedModel:
         raise WeightsError(f"{path}: no model config found (safetensors metadata 'config', "
                            f"{Path(path).with_suffix('.json').name} or config.json beside it)")
     cfg = model_config_from(cfg_dict)
-    model = GPT(cfg)
+    model = GPT.for_loading(cfg)  # allocated, not initialised: every tensor is loaded below
     check_fits(model.state_dict(), tensors, str(path))
     model.load_state_dict(tensors)
     model.eval()
