@@ -401,3 +401,18 @@ def test_status_missing_path_is_no_such_run_directory(tmp_path: Path, capsys) ->
     run = _fake_run(tmp_path, "1", sessions=[0], steps=10, total=10, done=True)
     assert status_main([str(run), str(tmp_path / "nope")]) == 2
     assert "no such run directory" in capsys.readouterr().err
+
+
+def test_a_sweeps_submitit_folder_is_not_a_run(tmp_path: Path) -> None:
+    from xirang_hpc.launch.slurm import RUN_DIR_MAP, write_run_dir_map
+    from xirang_hpc.monitor import status as st
+    from xirang_hpc.monitor.status import find_runs, is_run_dir
+
+    assert st.RUN_DIR_MAP == RUN_DIR_MAP  # the monitor reads the launcher's file by name (no upward import)
+    root = tmp_path / "runs"
+    run = _early_failure(root, "exp-tiny-abc", "77_0")
+    sweep = root / "sweeps" / "exp-123"
+    write_run_dir_map(sweep / "submitit", [run], array=True)
+    write_run_dir_map(run / "submitit", [run], array=False)  # a pipeline's own map names itself
+    assert not is_run_dir(sweep) and is_run_dir(run)
+    assert find_runs(root) == [run] and find_runs(root / "sweeps") == []

@@ -33,9 +33,21 @@ RUN_MARKERS = ("metrics.jsonl", HEARTBEAT_DIR, "events.jsonl", "checkpoints", "s
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure))(: .*)?$")
 
 
+# The launcher's map of array task -> run directory (launch/slurm.py): in a sweep's own submitit folder
+# (<runs_root>/sweeps/<name>-<hash>/submitit) it names other directories; that folder is not a run.
+RUN_DIR_MAP = "xirang_run_dirs.json"
+
+
 def is_run_dir(path: Path) -> bool:
     """A directory a launch or a training job has written to (also one that failed before its first step)."""
-    return path.is_dir() and any((path / m).exists() for m in RUN_MARKERS)
+    if not path.is_dir():
+        return False
+    found = [m for m in RUN_MARKERS if (path / m).exists()]
+    if found == ["submitit"]:
+        mapping = read_json(path / "submitit" / RUN_DIR_MAP)
+        if mapping and all(Path(d).absolute() != path.absolute() for d in mapping.values()):
+            return False
+    return bool(found)
 
 
 def log_cause(run_dir: Path) -> dict[str, str] | None:
