@@ -211,3 +211,51 @@ def test_unknown_logger_is_a_config_error() -> None:
         load_config(compose_cfg(["train.loggers=[jsonl,wandb]"]))
     with pytest.raises(ConfigError, match="train.eval_every"):
         load_config(compose_cfg(["train.eval_every=-1"]))
+
+
+def test_a_backend_added_later_is_backfilled_and_a_failing_store_does_not_stop_training(tmp_path: Path,
+                                                                                        capsys) -> None:
+    """The hook alone, in this process, on a run directory that so far had only metrics.jsonl (the
+    trainer's rows are written by hand here; the hook sees what ``Trainer._record`` passes it)."""
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from xirang_hpc.runtime.topology import Topology
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with (run / "metrics.jsonl").open("w") as f:
+        f.write(json.dumps({"step": 0, "val_loss": 5.5}) + "\n")
+        for s in range(1, 6):
+            f.write(json.dumps({"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 100.0, "time": 1e9 + s}) + "\n")
+    cfg = load_config(compose_cfg(["model=tiny", "train.loggers=[jsonl,tensorboard,mlflow]", "train.max_steps=8",
+                                    "train.warmup_steps=1"]))
+    topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1, node_name="n0",
+                    master_addr="127.0.0.1", master_port=1, job_id="1", source="local")
+    trainer = SimpleNamespace(run_dir=run, state=SimpleNamespace(step=5))
+    hook = TrackingHook(cfg, topo, run)
+    hook.on_fit_start(trainer)  # resumed at step 5: rows 0..5 are back-filled
+    row = {"step": 6, "loss": 4.3, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 120.0, "time": 1e9 + 6}
+    hook.on_log(trainer, row)
+    assert row["tflops"] > 0 and row["rss_mb"] > 0 and "mfu" not in row  # CPU: no peak, no MFU
+    run_id = json.loads((run / TRACKING_FILE).read_text())["mlflow"]["run_id"]
+    client = MlflowClient(tracking_uri=(run / "mlruns").as_uri())
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3, 4, 5, 6]
+    assert [m.step for m in client.get_metric_history(run_id, "val/loss")] == [0]
+    # the store goes away mid-run: training goes on, the failure is reported once
+    import shutil
+
+    shutil.rmtree(run / "mlruns")
+    (run / "mlruns").write_text("not a directory")
+    for s in (7, 8):
+        hook.on_log(trainer, {"step": s, "loss": 4.0, "tokens_per_s": 120.0})
+    out = capsys.readouterr().out
+    assert out.count("tracking: mlflow:") == 1 and "training continues" in out
+    hook.finished = True
+    hook.close()
+    ea = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("train/loss")] == list(range(1, 9))
+    assert [e.step for e in ea.Scalars("val/loss")] == [0]

@@ -254,6 +254,7 @@ class TrackingHook(TrainerHook):
         self.finished = False
         self.stopped = False
         self.closed = False
+        self.warned: set[str] = set()
 
     # ---- state -------------------------------------------------------------------------------
     def _save_state(self) -> None:
@@ -352,8 +353,20 @@ class TrackingHook(TrainerHook):
         for b in self.backends:
             marks = self._marks(b)
             if step > marks[kind]:  # rows of steps trained again after a restore were written already
-                b.log_metrics(step, values, wall)
-                marks[kind] = step
+                if self._safe(b, b.log_metrics, step, values, wall):
+                    marks[kind] = step
+
+    def _safe(self, b: Any, fn: Any, *args: Any) -> bool:
+        """Call a back end; a failure (a tracking server down) is reported, never fatal to training."""
+        try:
+            fn(*args)
+            return True
+        except Exception as exc:  # noqa: BLE001 - any client error; metrics.jsonl keeps every row
+            if b.name not in self.warned:
+                self.warned.add(b.name)
+                print(f"tracking: {b.name}: {type(exc).__name__}: {exc}; training continues "
+                      "(metrics.jsonl has every row; later failures are not repeated here)", flush=True)
+            return False
 
     def _drain_events(self) -> None:
         path = self.run_dir / EVENTS_FILE
@@ -361,11 +374,13 @@ class TrackingHook(TrainerHook):
             size = path.stat().st_size
         except FileNotFoundError:
             return
+        changed = False
         for b in self.backends:
             marks = self._marks(b)
             start = int(marks["events"])
             if size <= start:
                 continue
+            changed = True
             with path.open("rb") as f:
                 f.seek(start)
                 data = f.read(size - start)
@@ -380,11 +395,12 @@ class TrackingHook(TrainerHook):
                 if ev.get("kind") in ("stop", "requeue"):
                     self.stopped = True
                 step = ev.get("step", ev.get("saved_step"))
-                b.log_event(int(step) if isinstance(step, int) else self.step, ev)
+                self._safe(b, b.log_event, int(step) if isinstance(step, int) else self.step, ev)
             marks["events"] = start + end
             if isinstance(b, MLflowBackend):
                 marks.update(b.state())
-        self._save_state()
+        if changed:
+            self._save_state()
 
     def close(self) -> None:
         """Forward the last events (stop, requeue, exit) and close the back ends; runs at exit too."""
@@ -394,8 +410,8 @@ class TrackingHook(TrainerHook):
         self._drain_events()
         status = "FINISHED" if self.finished else "KILLED" if self.stopped else "FAILED"
         for b in self.backends:
-            b.flush()
-            b.close(status)
+            self._safe(b, b.flush)
+            self._safe(b, b.close, status)
         self._save_state()
 
 
