@@ -91,7 +91,7 @@ def prepared_data(folder: Path | None = None) -> Path:
 
     out = Path(folder or tempfile.gettempdir()) / "xirang-plan-check-data"
     if not is_prepared(out):
-        prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), out, val_fraction=0.2)
+        prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), out, val_fraction=0.2, progress=None)
     return out
 
 

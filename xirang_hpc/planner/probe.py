@@ -317,7 +317,7 @@ def ensure_data(folder: Path, rank: int) -> Path:
 
     out = Path(folder) / "probe-data"
     if rank == 0 and not is_prepared(out):
-        prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), out, val_fraction=0.2)
+        prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), out, val_fraction=0.2, progress=None)
     if dist.is_initialized():
         dist.barrier()
     return out

@@ -109,7 +109,8 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> LoadedModel:
 
 
 def _fitting_tokenizer(tok: Tokenizer, cfg: ModelConfig, source: str) -> Tokenizer:
-    if tok.vocab_size > cfg.vocab_size:
+    """``tok`` when its ids fit the model's embedding (a tokenizer.json beside the weights must)."""
+    if tok.tokenizer_json is not None and tok.vocab_size > cfg.vocab_size:
         raise WeightsError(f"{source}: its tokenizer {tok.name} has {tok.vocab_size} tokens but the model only "
                            f"{cfg.vocab_size} embeddings; the tokenizer.json beside it belongs to another model")
     return tok
