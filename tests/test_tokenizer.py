@@ -219,6 +219,25 @@ def test_records_are_split_by_a_hash_of_their_position(tmp_path: Path) -> None:
     assert a["splits"] == b["splits"] and 3 <= a["documents"]["val"] <= 25
 
 
+def test_a_single_text_file_gives_its_tail_to_val(tmp_path: Path) -> None:
+    p = tmp_path / "book.txt"
+    text = "".join(f"line {i}: {DOCS[i % len(DOCS)]}\n" for i in range(400))
+    p.write_text(text)
+    out = tmp_path / "out"
+    index = prepare(str(p), out, val_fraction=0.1, progress=None)
+    train, val = _tokens(out, "train").tobytes().decode(), _tokens(out, "val").tobytes().decode()
+    assert train.endswith("\n\n") and val.endswith("\n\n") and val.startswith("line ")
+    assert train[:-2] + val[:-2] == text  # cut at a line start, each part + the blank-line separator
+    assert 0.05 < len(val) / len(text) < 0.15 and index["documents"] == {"train": 1, "val": 1}
+
+
+def test_a_corrupt_parquet_file_is_named(tmp_path: Path) -> None:
+    p = tmp_path / "c.parquet"
+    p.write_bytes(b"PAR1 this is not really parquet")
+    with pytest.raises(CorpusError, match="c.parquet: not a readable Parquet file"):
+        prepare(str(p), tmp_path / "out", progress=None)
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 def _jsonl(tmp_path: Path, lines: list[str]) -> Path:
     p = tmp_path / "c.jsonl"

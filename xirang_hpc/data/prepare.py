@@ -18,7 +18,8 @@ the byte tokenizer has none and separates them by a blank line, as it always has
 Every shard carries HDF5 attributes: tokenizer, vocab_size, source, n_tokens, sha256.
 Text files go to the train or val split by a hash of their relative path, records by a hash of
 ``path:line`` (JSONL) or ``path:row`` (Parquet), so adding data never moves other documents between
-splits. The index is written last, via rename: a directory without ``index.json`` is an
+splits; a corpus that is one text file gives its last ``val_fraction`` (from a line start) to val.
+The index is written last, via rename: a directory without ``index.json`` is an
 unfinished preparation and is redone.
 """
 
@@ -327,7 +328,14 @@ def _parquet_docs(path: Path, rel: str, field_name: str, policy: str, stats: Rec
                           "set data.text_field= to the text column")
     size, rows = path.stat().st_size, max(pf.metadata.num_rows, 1)
     row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=[field_name]):
+    batches = pf.iter_batches(batch_size=1024, columns=[field_name])
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as exc:
+            raise CorpusError(f"{path}: unreadable Parquet data after row {row} ({exc}); fix or remove it") from None
+        if batch is None:
+            break
         texts = batch.column(0).to_pylist()
         progress.update(nbytes=size * len(texts) // rows)
         for text in texts:
@@ -354,6 +362,14 @@ def iter_documents(scan: CorpusScan, root: Path, text_field: str = "text", on_ba
     def split_of(key: str) -> str:
         return "val" if _split_score(key, split_seed) < val_fraction else "train"
 
+    if root.is_file() and scan.files:  # one text file: its last val_fraction (from a line start) is val
+        data = scan.files[0].read_text(encoding="utf-8")
+        progress.update(files=1, nbytes=len(data.encode("utf-8")))
+        cut = data.find("\n", int(len(data) * (1 - val_fraction))) + 1 or len(data)
+        yield Doc(data[:cut], "train", root)
+        if data[cut:].strip():
+            yield Doc(data[cut:], "val", root)
+        return
     text_rels = [rel_of(p) for p in scan.files]
     for path, split in zip(scan.files, assign_splits(text_rels, val_fraction, split_seed)):
         data = path.read_text(encoding="utf-8")
@@ -499,7 +515,7 @@ def prepare(
                           "(256 bytes + <|endoftext|>); set data.vocab_size=...")
     scan = scan_corpus(corpus)
     root = resolve_corpus(corpus)
-    if not scan.records and len(scan.files) < 2:
+    if root.is_dir() and not scan.records and len(scan.files) < 2:
         raise CorpusError(
             f"corpus {str(root)!r} has {len(scan.files)} usable file; a train/val split needs at least 2 "
             "text files (or JSONL/Parquet records)"
