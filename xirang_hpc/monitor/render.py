@@ -14,6 +14,11 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def _or(v: object) -> str:
+    """A value, or ``-`` when the run's files do not say (no heartbeats: the monitor was off)."""
+    return "-" if v is None else str(v)
+
+
 def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
@@ -46,8 +51,9 @@ def render_run(s: dict[str, Any], tty: bool = False) -> str:
     """The multi-line view of one run."""
     mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
     lines = [
-        f"run       {s['run_dir']}  (model {s['model']}, {s['world_size']} ranks on {s['num_nodes']} node(s))",
-        f"job       {s['job_id']} [{s['executor']}]  {s['state']}"
+        f"run       {s['run_dir']}  (model {_or(s['model'])}, {_or(s['world_size'])} ranks on {_or(s['num_nodes'])} "
+        "node(s))",
+        f"job       {_or(s['job_id'])} [{_or(s['executor'])}]  {s['state']}"
         + (f" ({s['state_reason']})" if s.get("state_reason") not in (None, "", "None") else "")
         + f"  | requeues {s['requeues']}",
         f"progress  {progress(s['step'], s['total_steps'], tty)}",

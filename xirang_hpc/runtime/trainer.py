@@ -246,6 +246,8 @@ class Trainer:
                 self._phase("eval")
                 val = self.evaluate()
                 self._record({"step": self.state.step, "val_loss": val})
+                if topo.rank == 0:
+                    self.log(f"step {self.state.step:>5}/{t.max_steps} | val loss {val:.4f}")
             for h in self.hooks:
                 h.on_step_end(self, {"loss": loss, "grad_norm": gnorm})
         elapsed = now() - t0
