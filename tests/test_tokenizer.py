@@ -136,6 +136,7 @@ def test_byte_stays_the_default_with_no_tokenizer_file(small_corpus: Path, tmp_p
     assert not (tmp_path / "b" / "tokenizer.json").exists()
     assert isinstance(load_data_tokenizer(tmp_path / "b"), ByteTokenizer)
     assert isinstance(load_tokenizer("byte"), ByteTokenizer) and ByteTokenizer().tokenizer_json is None
+    assert isinstance(ByteTokenizer(), Tokenizer) and ByteTokenizer().eos_id is None
     assert isinstance(load_run_tokenizer(tmp_path), ByteTokenizer)
 
 
@@ -342,6 +343,18 @@ def test_a_run_dir_keeps_its_tokenizer(small_corpus: Path, tmp_path: Path, tok_f
     d = load_config(compose_cfg(["model.vocab_size=512", "data.tokenizer=bpe"])).data
     assert "was prepared with tokenizer byte (byte), not data.tokenizer=bpe" in prepared_mismatch(d, byte)
     assert prepared_mismatch(load_config(compose_cfg([])).data, byte) is None
+
+
+def test_xirang_train_refuses_data_prepared_with_another_tokenizer(small_corpus: Path, tmp_path: Path) -> None:
+    prepare(str(small_corpus), tmp_path / "byte", val_fraction=0.2, progress=None)
+    r = subprocess.run([str(BIN / "xirang-train"), "model.vocab_size=512", "data.tokenizer=bpe",
+                        f"data.out_dir={tmp_path / 'byte'}", f"train.runs_root={tmp_path / 'runs'}",
+                        "cluster.nodes=1", "cluster.tasks_per_node=1", "parallel.pp=1"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert (f"{tmp_path / 'byte'} was prepared with tokenizer byte (byte), not data.tokenizer=bpe "
+            "(data.vocab_size=512); set data.out_dir=") in r.stderr
+    assert not (tmp_path / "runs").exists(), "nothing was submitted, no run directory made"
 
 
 def test_stream_decoder_holds_back_incomplete_characters(tok_file: Path) -> None:
