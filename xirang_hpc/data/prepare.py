@@ -226,7 +226,6 @@ class _Progress:
         self.every_s = every_s if self.tty else max(every_s, 10.0)
         self.t0 = self.last = time.perf_counter()
         self.files = self.bytes = self.tokens = 0
-        self.shown = False
 
     def update(self, files: int = 0, nbytes: int = 0, tokens: int = 0) -> None:
         self.files += files
@@ -252,7 +251,6 @@ class _Progress:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
-        self.shown = True
 
     def close(self) -> None:
         if self.stream is not None:
