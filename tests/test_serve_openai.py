@@ -509,3 +509,24 @@ def test_top_p_keeps_only_the_nucleus_and_one_leaves_sampling_unchanged() -> Non
     a = [sample_next(logits, 1.0, 0, torch.Generator().manual_seed(s)) for s in range(50)]
     b = [sample_next(logits, 1.0, 0, torch.Generator().manual_seed(s), top_p=1.0) for s in range(50)]
     assert a == b and len(set(a)) > 2
+
+
+def test_new_requests_are_prefilled_together_in_one_forward() -> None:
+    from xirang_hpc.serve.engine import Engine, GenRequest
+
+    loaded = _loaded()
+    prompts = [[1, 2, 3], list(range(40, 52)), [7] * 20, [9]]
+    eng = Engine(loaded.model, CFG.seq_len, max_batch=4)
+    left = threading.Semaphore(0)
+    reqs = [eng.submit(GenRequest(p, 1, on_done=lambda out, err: left.release())) for p in prompts]
+    eng.start()  # all four are queued before the loop runs: admitted together
+    try:
+        for _ in prompts:
+            assert left.acquire(timeout=120)
+        assert eng.stats["forward_passes"] == 1 and eng.stats["batched_rows"] == 4  # one padded prefill
+    finally:
+        eng.stop()
+    first = [r.out for r in reqs]
+    for p, tok in zip(prompts, first):  # each equals the plain model on that prompt alone
+        with torch.no_grad():
+            assert tok == [int(loaded.model(torch.tensor([p]))[0, -1].argmax())]

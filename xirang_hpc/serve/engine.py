@@ -1,13 +1,14 @@
 """Batched generation: one loop decodes every active request together (continuous batching).
 
 Each iteration admits waiting requests (up to ``max_batch``), gives each new request its slot
-in a key/value cache (:mod:`xirang_hpc.serve.kvcache`) filled by one forward over its prompt,
-then runs *one* batched decode step (one token per active request, attending over its cached
-prefix) and appends one token to each; finished requests leave at once and new ones join at the
-next iteration. Sequences longer than ``model.seq_len`` keep their last ``seq_len`` tokens
-(sliding window: the window is re-encoded, as learned positions are absolute). Without a cache
-(``kv_cache=False``, or a module that is not a whole GPT) every step re-runs all windows,
-right-padded: attention is causal, so a row's last real position never sees the padding.
+in a key/value cache (:mod:`xirang_hpc.serve.kvcache`), fills the new slots with one forward over
+their prompts (right-padded, all new requests together), then runs *one* batched decode step (one
+token per active request, attending over its cached prefix) and appends one token to each;
+finished requests leave at once and new ones join at the next iteration. Sequences longer than
+``model.seq_len`` keep their last ``seq_len`` tokens (sliding window: the window is re-encoded,
+as learned positions are absolute). Without a cache (``kv_cache=False``, or a module that is not
+a whole GPT) every step re-runs all windows, right-padded: attention is causal, so a row's last
+real position never sees the padding.
 Either way each row is decoded exactly as it would be alone (tests compare).
 
 Sampling is per request: ``temperature <= 0`` is greedy; otherwise softmax(logits / T) over the
@@ -205,16 +206,23 @@ class Engine:
             return self.step_recompute(active)
         decode = [r for r in active if 0 < r.cached < self.seq_len and len(r.prompt) + len(r.out) == r.cached + 1]
         in_decode = {id(r) for r in decode}
-        for r in active:  # new requests, and windows sliding past seq_len: (re)fill the cache
-            if id(r) in in_decode:
-                continue
-            seq = (r.prompt + r.out)[-self.seq_len:]
-            logits = self.cache.forward(torch.tensor([seq], dtype=torch.long), torch.tensor([r.slot]),
-                                        torch.tensor([0]))
-            r.cached = len(seq) if len(r.prompt) + len(r.out) < self.seq_len else 0
+        fill = [r for r in active if id(r) not in in_decode]
+        if fill:  # new requests, and windows sliding past seq_len: (re)fill their slots in one forward
+            seqs = [(r.prompt + r.out)[-self.seq_len:] for r in fill]
+            lens = [len(s) for s in seqs]
+            x = torch.zeros(len(seqs), max(lens), dtype=torch.long)
+            for i, s in enumerate(seqs):
+                x[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            # Right padding: a row's pad positions land in its own slot past its length, where no query
+            # looks (keys j <= the query's position) until the row's next real token overwrites them.
+            slots = torch.tensor([r.slot for r in fill])
+            logits = self.cache.forward(x, slots, torch.zeros(len(fill), dtype=torch.long))
+            last = logits[torch.arange(len(fill)), torch.tensor(lens) - 1]  # (B, V) at each row's last token
             self.stats["forward_passes"] += 1
-            self.stats["batched_rows"] += 1
-            self._emit(r, logits[0, -1])
+            self.stats["batched_rows"] += len(fill)
+            for r, seq, row in zip(fill, seqs, last):
+                r.cached = len(seq) if len(r.prompt) + len(r.out) < self.seq_len else 0
+                self._emit(r, row)
         if decode:
             last = torch.tensor([[(r.prompt + r.out)[-1]] for r in decode], dtype=torch.long)
             logits = self.cache.forward(last, torch.tensor([r.slot for r in decode]),
