@@ -20,8 +20,10 @@ $(VENV)/.installed: pyproject.toml setup.cfg
 demo: install
 	$(BIN)/xirang-train
 
+# ruff, and the architecture contract (.importlinter): layers import only downward, no cycles.
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 test: install lint
 	$(BIN)/python -m pytest -q

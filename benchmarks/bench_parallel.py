@@ -43,7 +43,8 @@ import parallel_harness as H  # noqa: E402
 
 from xirang_hpc.data.dataset import TokenWindows  # noqa: E402
 from xirang_hpc.models.gpt import GPT, lm_loss  # noqa: E402
-from xirang_hpc.runtime.trainer import Trainer, build_optimizer, lr_at  # noqa: E402
+from xirang_hpc.runtime.schedule import lr_at  # noqa: E402
+from xirang_hpc.runtime.trainer import Trainer, build_optimizer  # noqa: E402
 
 TINY = {"n_layer": 4, "n_head": 4, "d_model": 64, "d_ff": 256, "seq_len": 64}  # conf/model/tiny.yaml
 TRAIN = {"global_batch": 32, "grad_clip": 1.0, "warmup_steps": 2}

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from xirang_hpc.config.store import register_configs
+from xirang_hpc.launch.hydra_setup import register_configs
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "xirang_hpc" / "conf")
 

@@ -2,7 +2,7 @@
 
 20 steps uninterrupted vs 10 steps (stopped at a step boundary, as a preemption would) + resume
 + 10: the final weights and optimizer state are bitwise identical. Each run is 4 real processes
-with submitit's local-executor environment, calling ``xirang_hpc.runtime.job.run_training``.
+with submitit's local-executor environment, calling ``xirang_hpc.job.training.run_training``.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ RESHARD = {
 def _rank_main(rank: int, world: int, job: str, cfg: dict, run_dir: str, data_dir: str, stop_at: int) -> None:
     os.environ.update(SUBMITIT_LOCAL_GLOBALID=str(rank), SUBMITIT_LOCAL_LOCALID=str(rank),
                       SUBMITIT_LOCAL_NTASKS=str(world), SUBMITIT_LOCAL_JOB_ID=job)
-    from xirang_hpc.runtime import job as jobmod
-    from xirang_hpc.runtime.trainer import TrainerHook
+    from xirang_hpc.job import training as jobmod
+    from xirang_hpc.runtime.hooks import TrainerHook
 
     if stop_at:
         class StopAt(TrainerHook):  # what a preemption signal does: stop at a step boundary

@@ -1,7 +1,7 @@
 """Budget mode (local SGD, H=4, DiLoCo outer step) resumes exactly through the real job function.
 
 4 spawned ranks on 2 virtual nodes x 2 (pure dp, so DDP with the hierarchical hook), calling
-``xirang_hpc.runtime.job.run_training``: 20 steps straight vs 10 steps (stopped at a step
+``xirang_hpc.job.training.run_training``: 20 steps straight vs 10 steps (stopped at a step
 boundary mid-period, as a preemption would) + resume + 10. Between syncs the replicas on the two
 nodes differ, so the checkpoint must carry every rank's own parameters, optimizer moments and
 averaging state (``trainer.extra_state["comm"]`` -> ``extra.rank<r>.*``); the final checkpoints

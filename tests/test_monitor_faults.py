@@ -17,13 +17,13 @@ import pytest
 from conftest import compose_cfg
 
 from xirang_hpc.config.validate import load_config
+from xirang_hpc.job.training import run_training
 from xirang_hpc.launch.executors import make_executor
 from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
 from xirang_hpc.launch.status_cli import main as status_main
 from xirang_hpc.monitor.events import failed_nodes, read_events
 from xirang_hpc.monitor.heartbeat import read_heartbeats
 from xirang_hpc.monitor.status import run_status
-from xirang_hpc.runtime.job import run_training
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,7 @@ def _rank_main(rank: int, world: int, job: str, cfg: dict, run_dir: str, data_di
     os.environ.update(SUBMITIT_LOCAL_GLOBALID=str(rank), SUBMITIT_LOCAL_LOCALID=str(rank),
                       SUBMITIT_LOCAL_NTASKS=str(world), SUBMITIT_LOCAL_JOB_ID=job)
     from xirang_hpc.runtime import job as jobmod
-    from xirang_hpc.runtime.trainer import TrainerHook
+    from xirang_hpc.runtime.hooks import TrainerHook
 
     class Act(TrainerHook):
         """After the stop-signal hook: a preemption signal, or a crash, at a given step."""

@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 from xirang_hpc.config.schema import ClusterConfig
 from xirang_hpc.config.validate import check_runnable, load_config, validate
-from xirang_hpc.planner.auto import PLAN_FILE, apply_plan, plan_at_launch, record_measured, runtime_allows
+from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
+from xirang_hpc.planner.auto import PLAN_FILE, apply_plan, runtime_allows
 from xirang_hpc.planner.cost import Plan
 from xirang_hpc.planner.hardware import hardware_for
 

@@ -35,6 +35,7 @@ def _worker(rank: int, port: int, run_dir: str, overrides: list[str], source: st
     import torch.distributed as dist
 
     from xirang_hpc.config.validate import load_config
+    from xirang_hpc.monitor.events import EventLog
     from xirang_hpc.runtime.signals import StopSignalHook
     from xirang_hpc.runtime.topology import Topology
 
@@ -55,7 +56,8 @@ def _worker(rank: int, port: int, run_dir: str, overrides: list[str], source: st
         saved.append(trainer.state.step)
         return trainer.state.step
 
-    hook = StopSignalHook(cfg, topo, Path(run_dir), exit_fn=exit_fn, save_fn=save_fn).installed()
+    hook = StopSignalHook(cfg, topo, Path(run_dir), events=EventLog(run_dir), exit_fn=exit_fn,
+                          save_fn=save_fn).installed()
     trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=0), stop_requested=False)
     hook.on_fit_start(trainer)
     try:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from xirang_hpc.runtime.topology import discover, first_host, rendezvous_port
+from xirang_hpc.config.schema import ClusterConfig
+from xirang_hpc.runtime.topology import (
+    TopologyMismatchError,
+    discover,
+    first_host,
+    job_topology,
+    rendezvous_port,
+)
 
 
 def test_slurm_env_uses_node_ids_not_hostnames() -> None:
@@ -77,3 +84,31 @@ def test_inherited_master_port_does_not_leak_into_slurm_jobs() -> None:
     assert a.master_port != b.master_port and 45603 not in (a.master_port, b.master_port)
     assert a.master_addr != "10.9.9.9"
     assert discover({**base, "XIRANG_MASTER_PORT": "31000"}).master_port == 31000
+
+
+def _cluster(executor: str, nodes: int, per_node: int) -> ClusterConfig:
+    return ClusterConfig(name="t", executor=executor, nodes=nodes, tasks_per_node=per_node)
+
+
+def test_job_topology_splits_local_ranks_into_the_configured_nodes() -> None:
+    env = {"SUBMITIT_LOCAL_GLOBALID": "3", "SUBMITIT_LOCAL_NTASKS": "4", "SUBMITIT_LOCAL_JOB_ID": "9"}
+    topo = job_topology(_cluster("local", 2, 2), env)
+    assert (topo.num_nodes, topo.local_world_size, topo.node_id, topo.local_rank) == (2, 2, 1, 1)
+
+
+def test_job_topology_refuses_a_slurm_job_started_with_other_resources() -> None:
+    env = {"SLURM_PROCID": "0", "SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_NODEID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert job_topology(_cluster("slurm", 2, 2), env).world_size == 4
+    with pytest.raises(TopologyMismatchError) as err:
+        job_topology(_cluster("slurm", 4, 1), env)
+    msg = str(err.value)
+    # Both counts, where the job's came from, and the fix.
+    assert "2 node(s) x 2 rank(s)" in msg and "SLURM_JOB_NUM_NODES" in msg
+    assert "cluster.nodes=4" in msg and "cluster.nodes=2 cluster.tasks_per_node=2" in msg
+
+
+def test_job_topology_refuses_a_local_job_with_another_rank_count() -> None:
+    env = {"SUBMITIT_LOCAL_GLOBALID": "0", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_JOB_ID": "9"}
+    with pytest.raises(TopologyMismatchError, match="cluster.tasks_per_node=2"):
+        job_topology(_cluster("local", 2, 2), env)

@@ -23,9 +23,9 @@ from xirang_hpc.checkpoint.rollback import fork_for_resume
 from xirang_hpc.checkpoint.snapshot import restore_rng
 from xirang_hpc.checkpoint.tuner import IntervalTuner, read_history
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.monitor.events import append_event
+from xirang_hpc.runtime.hooks import EventSink, NullEventSink, TrainerHook
+from xirang_hpc.runtime.schedule import lr_at
 from xirang_hpc.runtime.topology import Topology
-from xirang_hpc.runtime.trainer import TrainerHook, lr_at
 
 log = logging.getLogger(__name__)
 STARTS = "starts.jsonl"
@@ -34,8 +34,10 @@ STARTS = "starts.jsonl"
 class CheckpointHook(TrainerHook):
     """Checkpoint restore/save for :class:`~xirang_hpc.runtime.trainer.Trainer`."""
 
-    def __init__(self, cfg: XirangConfig, topo: Topology, run_dir: Path) -> None:
+    def __init__(self, cfg: XirangConfig, topo: Topology, run_dir: Path, events: EventSink | None = None) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, Path(run_dir)
+        # The run's event log (the job passes it): every commit is recorded there, surviving pruning.
+        self.events: EventSink = NullEventSink() if events is None else events
         self.mgr: CheckpointManager | None = None
         self.group: Any = None
         self.every = cfg.checkpoint.every_steps
@@ -97,8 +99,8 @@ class CheckpointHook(TrainerHook):
 
     def _committed(self, rec: SaveRecord, path: Path) -> None:
         """Rank 0, after a commit: record it in events.jsonl (the history survives retention pruning)."""
-        append_event(self.run_dir, "checkpoint", f"step {rec.step} committed", step=rec.step, path=str(path),
-                     stall_s=round(rec.stall_s, 4), persist_s=round(rec.persist_s, 4), new_bytes=rec.new_bytes)
+        self.events.append("checkpoint", f"step {rec.step} committed", step=rec.step, path=str(path),
+                           stall_s=round(rec.stall_s, 4), persist_s=round(rec.persist_s, 4), new_bytes=rec.new_bytes)
 
     def restore(self, trainer: Any) -> int:
         """Load the newest good checkpoint into the trainer; returns its step (0 when none)."""

@@ -1,4 +1,8 @@
-"""Register the schemas in Hydra's ConfigStore so YAML presets are type-checked at composition."""
+"""Register the schemas in Hydra's ConfigStore so YAML presets are type-checked at composition.
+
+The Hydra launcher (``hydra/launcher=xirang``) is registered by ``launch/`` on top of this:
+entry points call :func:`xirang_hpc.launch.hydra_setup.register_configs`.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,10 @@ from xirang_hpc.config.schema import XirangConfig
 _REGISTERED = False
 
 
-def register_configs() -> None:
+def register_schema() -> None:
     """Register the root schema (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
     ConfigStore.instance().store(name="xirang_schema", node=XirangConfig)
-    from xirang_hpc.launch.sweep import register_launcher  # hydra/launcher=xirang: sweeps -> one array job
-
-    register_launcher()
     _REGISTERED = True

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from xirang_hpc.runtime.job import run_training
+from xirang_hpc.job.training import run_training
 
 
 def main(argv: list[str] | None = None) -> None:

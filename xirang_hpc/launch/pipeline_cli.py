@@ -21,10 +21,19 @@ from omegaconf import DictConfig
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.config.store import register_configs
 from xirang_hpc.config.validate import check_runnable, load_config
-from xirang_hpc.launch import pipeline as P
+from xirang_hpc.job.stages import STAGE_FNS, serve_stage, train_stage
+from xirang_hpc.launch.hydra_setup import register_configs
 from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
+from xirang_hpc.monitor.chain import (
+    STAGE_DIR,
+    STAGES,
+    chain_status,
+    format_chain,
+    stage_record,
+    write_pipeline,
+    write_stage,
+)
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -66,16 +75,16 @@ def _dep_params(dep: str | None) -> dict[str, Any]:
 
 def _submit_train(cfg: XirangConfig, run_dir: Path, data_dir: Path, dep: str) -> Any:
     """The training job exactly as xirang-train submits it (requeue supervisor included), plus the dependency."""
-    from xirang_hpc.launch import slurm as S
+    from xirang_hpc.launch import slurm
     from xirang_hpc.monitor.events import append_event
 
     folder = run_dir / "submitit"
-    S.write_job_file(cfg, run_dir)
-    S.write_run_dir_map(folder, [run_dir], array=False)
-    ex = S.make_slurm_executor(cfg.cluster, folder, cfg.train.priority)
-    extra = {**S.sbatch_parameters(cfg.cluster, cfg.train.priority)["additional_parameters"], **_dep_params(dep)}
+    slurm.write_job_file(cfg, run_dir)
+    slurm.write_run_dir_map(folder, [run_dir], array=False)
+    ex = slurm.make_slurm_executor(cfg.cluster, folder, cfg.train.priority)
+    extra = {**slurm.sbatch_parameters(cfg.cluster, cfg.train.priority)["additional_parameters"], **_dep_params(dep)}
     ex.update_parameters(job_name=f"xirang-{cfg.train.name}-train", additional_parameters=extra)
-    job = ex.submit(P.train_stage, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
+    job = ex.submit(train_stage, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
     append_event(run_dir, "submit", "submitted", job=str(job.job_id), cluster=cfg.cluster.name,
                  nodes=cfg.cluster.nodes, tasks_per_node=cfg.cluster.tasks_per_node, stage="train")
     return job
@@ -86,17 +95,17 @@ def launch_slurm_chain(cfg: XirangConfig, run_dir: Path) -> list[dict[str, Any]]
     data_dir, cfg_dict = _data_dir(cfg), dataclasses.asdict(cfg)
     stages: list[dict[str, Any]] = []
     prev: str | None = None
-    for name in P.STAGES:
+    for name in STAGES:
         if name == "train":
             assert prev is not None
             job = _submit_train(cfg, run_dir, data_dir, prev)
         else:
-            ex = _stage_executor(cfg, run_dir / P.STAGE_DIR / name, name, prev)
-            job = ex.submit(P.STAGE_FNS[name], cfg_dict, str(run_dir), str(data_dir))
+            ex = _stage_executor(cfg, run_dir / STAGE_DIR / name, name, prev)
+            job = ex.submit(STAGE_FNS[name], cfg_dict, str(run_dir), str(data_dir))
         stages.append({"stage": name, "job_id": str(job.job_id), "depends_on": prev,
                        "stdout": str(job.paths.stdout)})
         prev = str(job.job_id)
-        P.write_pipeline(run_dir, "slurm", stages)  # after each submit: a partial chain is still visible
+        write_pipeline(run_dir, "slurm", stages)  # after each submit: a partial chain is still visible
     return stages
 
 
@@ -105,28 +114,28 @@ def run_local_chain(cfg: XirangConfig, run_dir: Path) -> bool:
     from xirang_hpc.launch.train_cli import launch
 
     data_dir, cfg_dict = _data_dir(cfg), dataclasses.asdict(cfg)
-    P.write_pipeline(run_dir, "local", [{"stage": s, "job_id": None, "depends_on": None} for s in P.STAGES])
-    for name in P.STAGES:
+    write_pipeline(run_dir, "local", [{"stage": s, "job_id": None, "depends_on": None} for s in STAGES])
+    for name in STAGES:
         print(f"== pipeline stage {name}", flush=True)
         try:
             if name == "train":  # the usual local launch (submitit local executor, all ranks), blocking
-                with P.stage_record(run_dir, "train"):
+                with stage_record(run_dir, "train"):
                     launch(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, wait=True)))
             elif name == "serve":
-                P.serve_stage(cfg_dict, str(run_dir), str(data_dir), log=lambda m: print(m, flush=True))
+                serve_stage(cfg_dict, str(run_dir), str(data_dir), log=lambda m: print(m, flush=True))
             else:
-                out = P.STAGE_FNS[name](cfg_dict, str(run_dir), str(data_dir))
+                out = STAGE_FNS[name](cfg_dict, str(run_dir), str(data_dir))
                 if name == "eval":
                     print(f"eval: val loss {out['val_loss']:.4f} | perplexity {out['perplexity']:.2f} | "
                           f"sample {out['sample'][:60]!r}", flush=True)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - xirang-train's launch exits on failure
             if isinstance(exc, SystemExit) and exc.code in (0, None):
                 continue
-            if not (run_dir / P.STAGE_DIR / f"{name}.json").exists():
-                P.write_stage(run_dir, name, "failed", error=str(exc))
-            print(P.format_chain(P.chain_status(run_dir)), flush=True)
+            if not (run_dir / STAGE_DIR / f"{name}.json").exists():
+                write_stage(run_dir, name, "failed", error=str(exc))
+            print(format_chain(chain_status(run_dir)), flush=True)
             return False
-    print(P.format_chain(P.chain_status(run_dir)), flush=True)
+    print(format_chain(chain_status(run_dir)), flush=True)
     return True
 
 
@@ -152,11 +161,11 @@ def status_main(argv: list[str]) -> int:
     """``--status RUN_DIR [--json]``: print the chain; exit 1 when a stage failed."""
     run = Path(argv[0])
     try:
-        chain = P.chain_status(run)
+        chain = chain_status(run)
     except FileNotFoundError as exc:
         print(f"xirang-pipeline: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(chain, indent=1) if "--json" in argv else P.format_chain(chain))
+    print(json.dumps(chain, indent=1) if "--json" in argv else format_chain(chain))
     return 1 if chain["status"].startswith("failed") else 0
 
 

@@ -13,6 +13,7 @@ The same Hydra config groups as xirang-train; the parallel group is ignored (the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -22,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from xirang_hpc.config.errors import ConfigError
-from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.config.store import register_configs
+from xirang_hpc.config.schema import ClusterConfig, XirangConfig
+from xirang_hpc.launch.hydra_setup import register_configs
 
 _OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="", layout="")
 
@@ -73,7 +74,7 @@ def evaluate_layout(cfg: XirangConfig, spec: str, as_json: bool) -> str:
 def calibrate(cfg: XirangConfig, out: str) -> Path:
     """Measure the cluster and save a preset; returns its path."""
     from xirang_hpc.launch.rundir import make_private_dir
-    from xirang_hpc.planner.calibrate import run_calibration, write_preset
+    from xirang_hpc.planner.calibrate import write_preset
 
     name = f"{cfg.cluster.name}-calibrated"
     path = Path(out) if out else Path("conf") / "cluster" / f"{name}.yaml"
@@ -86,6 +87,17 @@ def calibrate(cfg: XirangConfig, out: str) -> Path:
     write_preset(cfg.cluster, fields, path, path.stem)
     print(f"wrote {path}; use it with cluster={path.stem}", flush=True)
     return path
+
+
+def run_calibration(cluster: ClusterConfig, folder: Path) -> dict[str, float]:
+    """Submit :func:`~xirang_hpc.planner.calibrate.calibration_job` to the cluster; rank 0's figures."""
+    from xirang_hpc.launch.executors import make_executor
+    from xirang_hpc.planner.calibrate import calibration_job
+
+    ex = make_executor(cluster, folder)
+    ex.update_parameters(name="xirang-calibrate")
+    job = ex.submit(calibration_job, dataclasses.asdict(cluster), str(folder), cluster.gpus_per_node == 0)
+    return job.results()[0]
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

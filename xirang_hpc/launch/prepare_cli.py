@@ -13,10 +13,10 @@ import hydra
 from omegaconf import DictConfig
 
 from xirang_hpc.config.errors import ConfigError
-from xirang_hpc.config.store import register_configs
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.data.prepare import CorpusError, prepare_data
 from xirang_hpc.data.tokenizer import TokenizerError
+from xirang_hpc.launch.hydra_setup import register_configs
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.config.store import register_configs
 from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.launch.hydra_setup import register_configs
 
 # Inside the package (so a non-editable install has it); the repo's top-level sbatch_templates/ links here.
 TEMPLATE = Path(__file__).resolve().parents[1] / "sbatch_templates" / "xirang.sbatch"

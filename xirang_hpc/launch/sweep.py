@@ -63,10 +63,10 @@ def check_same_resources(cfgs: list[XirangConfig], overrides: Sequence[Sequence[
 
 def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]) -> tuple[str, list[Path]]:
     """Submit every point as one task of one array job; returns (array job id, run dirs)."""
+    from xirang_hpc.job.training import run_training
     from xirang_hpc.launch import slurm
     from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
     from xirang_hpc.launch.train_cli import _ensure_data
-    from xirang_hpc.runtime.job import run_training
 
     check_same_resources(cfgs, overrides)
     run_dirs = [make_private_dir(run_dir_for(c), c.checkpoint.dir_mode) for c in cfgs]

@@ -18,13 +18,13 @@ from omegaconf import DictConfig
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.config.store import register_configs
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare_data, prepared_mismatch
+from xirang_hpc.job.training import run_training
+from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
 from xirang_hpc.launch.executors import make_executor
+from xirang_hpc.launch.hydra_setup import register_configs
 from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
-from xirang_hpc.planner.auto import plan_at_launch, record_measured
-from xirang_hpc.runtime.job import run_training
 
 log = logging.getLogger("xirang.train")
 

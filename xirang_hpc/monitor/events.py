@@ -59,3 +59,18 @@ def failed_nodes(run_dir: Path | str, since: float = 0.0) -> list[str]:
             if ev["node"] not in nodes:
                 nodes.append(ev["node"])
     return nodes
+
+
+class EventLog:
+    """The event log of one run as an event sink (``runtime.hooks.EventSink``) for the runtime."""
+
+    def __init__(self, run_dir: Path | str) -> None:
+        self.run_dir = Path(run_dir)
+
+    def append(self, kind: str, reason: str, **fields: Any) -> dict[str, Any]:
+        """Append one event to ``<run>/events.jsonl``."""
+        return append_event(self.run_dir, kind, reason, **fields)
+
+    def count(self, kind: str) -> int:
+        """How many events of ``kind`` the log holds."""
+        return sum(1 for e in read_events(self.run_dir) if e.get("kind") == kind)

@@ -32,8 +32,8 @@ from xirang_hpc.monitor.flops import flops_per_token_for
 from xirang_hpc.monitor.heartbeat import SESSION_FILE, SESSIONS_LOG, Heartbeat, heartbeat_dir, write_json_atomic
 from xirang_hpc.monitor.resources import ProcessSampler
 from xirang_hpc.monitor.watchdog import spawn
+from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.topology import Topology
-from xirang_hpc.runtime.trainer import TrainerHook
 
 if TYPE_CHECKING:
     from xirang_hpc.runtime.trainer import Trainer

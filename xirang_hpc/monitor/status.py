@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 
 from xirang_hpc.checkpoint.naming import committed_steps, step_dir_name
+from xirang_hpc.monitor.chain import PIPELINE_FILE, chain_status
 from xirang_hpc.monitor.events import FAULT_KINDS, read_events, read_jsonl
 from xirang_hpc.monitor.flops import mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import HEARTBEAT_DIR, SESSION_FILE, SESSIONS_LOG, read_heartbeats, read_json
@@ -223,11 +224,9 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
 
 
 def _pipeline(run_dir: Path) -> dict[str, Any] | None:
-    """The xirang-pipeline chain of this run (issue 9), if it was started by one."""
-    if not (run_dir / "pipeline.json").is_file():
+    """The xirang-pipeline chain of this run, if it was started by one."""
+    if not (run_dir / PIPELINE_FILE).is_file():
         return None
-    from xirang_hpc.launch.pipeline import chain_status
-
     try:
         return chain_status(run_dir)
     except (OSError, ValueError, KeyError):

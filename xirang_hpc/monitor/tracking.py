@@ -40,8 +40,8 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.monitor.events import EVENTS_FILE
 from xirang_hpc.monitor.flops import flops_per_token_for, mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import write_json_atomic
+from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.topology import Topology
-from xirang_hpc.runtime.trainer import TrainerHook
 
 if TYPE_CHECKING:
     from xirang_hpc.runtime.trainer import Trainer

@@ -127,34 +127,3 @@ def write_plan(run_dir: Path, record: dict[str, Any]) -> Path:
         json.dump(record, f, indent=2, sort_keys=True)
     os.replace(tmp, path)
     return path
-
-
-def record_measured(cfg: XirangConfig, summary: dict[str, Any] | None, say: Callable[[str], None] = print) -> None:
-    """With ``parallel.auto``: add the measured tokens/s to ``plan.json``, print it next to the prediction."""
-    from xirang_hpc.launch.rundir import run_dir_for
-
-    path = run_dir_for(cfg) / PLAN_FILE
-    if not cfg.parallel.auto or not summary or not path.exists():
-        return
-    record = json.loads(path.read_text())
-    measured = float(summary["tokens_per_s"])
-    predicted = float(record["predicted"]["tokens_per_s"])
-    tokens = cfg.train.global_batch * cfg.model.seq_len
-    record["measured"] = {"tokens_per_s": measured, "predicted_over_measured": predicted / measured,
-                          "step_s": tokens / measured,
-                          "predicted_step_s": float(record["predicted"]["time_s"]["total"])}
-    write_plan(path.parent, record)
-    say(f"parallel=auto: predicted {predicted:,.0f} tokens/s, measured {measured:,.0f} tokens/s "
-        f"(prediction {100 * (predicted / measured - 1):+.0f}%)")
-
-
-def plan_at_launch(cfg: XirangConfig, say: Callable[[str], None] = print) -> XirangConfig:
-    """xirang-train's hook: with ``parallel.auto`` choose the layout, announce it, write plan.json."""
-    if not cfg.parallel.auto:
-        return cfg
-    from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
-
-    new, record = choose(cfg)
-    announce(record, say)
-    write_plan(make_private_dir(run_dir_for(new), new.checkpoint.dir_mode), record)
-    return new

@@ -203,19 +203,16 @@ def calibration_job(cluster: dict[str, Any], folder: str = "", overheads: bool =
     using ``folder`` for a small prepared corpus.
     """
     from xirang_hpc.runtime import dist as xdist
-    from xirang_hpc.runtime.topology import discover
 
-    virtual = int(cluster["nodes"]) if cluster.get("executor") == "local" else 1
-    topo = discover(virtual_nodes=virtual)
-    threads = int(cluster.get("threads_per_rank") or 0)
+    spec = ClusterConfig(**cluster)
+    topo = xdist.start_job(spec)  # the same topology set-up (and check against the config) as the training job
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(threads or max(1, cores // topo.local_world_size))
-    xdist.init_distributed(topo, cluster.get("backend", "auto"))
+    local_nodes = spec.nodes if spec.executor == "local" else 1
     try:
         fields = measure(topo.rank, topo.world_size, topo.local_world_size)
         if overheads:  # CPU ranks share the node's cores; GPUs keep the preset's 1.0
             # Virtual nodes of the local executor share this machine's cores; a Slurm node has its own.
-            fields["bubble_exposed"] = bubble_exposed(topo.local_world_size, max(1, cores // virtual))
+            fields["bubble_exposed"] = bubble_exposed(topo.local_world_size, max(1, cores // local_nodes))
         if overheads:
             from xirang_hpc.planner.hardware import PRESETS
             from xirang_hpc.planner.probe import measure_overheads
@@ -227,16 +224,6 @@ def calibration_job(cluster: dict[str, Any], folder: str = "", overheads: bool =
     finally:
         xdist.shutdown()
     return fields if topo.rank == 0 else {}
-
-
-def run_calibration(cluster: ClusterConfig, folder: Path) -> dict[str, float]:
-    """Submit :func:`calibration_job` to the cluster and wait for rank 0's figures."""
-    from xirang_hpc.launch.executors import make_executor
-
-    ex = make_executor(cluster, folder)
-    ex.update_parameters(name="xirang-calibrate")
-    job = ex.submit(calibration_job, dataclasses.asdict(cluster), str(folder), cluster.gpus_per_node == 0)
-    return job.results()[0]
 
 
 def write_preset(cluster: ClusterConfig, fields: dict[str, float], path: Path, name: str) -> Path:

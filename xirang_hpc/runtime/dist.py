@@ -6,13 +6,15 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from xirang_hpc.runtime.topology import Topology
+from xirang_hpc.config.schema import ClusterConfig
+from xirang_hpc.runtime.topology import Topology, job_topology
 
 log = logging.getLogger(__name__)
 
@@ -131,3 +133,27 @@ def shutdown() -> None:
     """Destroy the default process group if one exists."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def threads_per_rank(requested: int, local_world: int) -> int:
+    """Torch intra-op threads for one rank: ``requested``, else this node's cores shared by its ranks."""
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local_world)
+
+
+def start_job(cluster: ClusterConfig, rendezvous_dir: Path | None = None,
+              before_join: Callable[[Topology], None] | None = None) -> Topology:
+    """Join the job described by ``cluster``: topology (checked against it), torch threads, process group.
+
+    Shared by the training job and the planner's calibration job, so both see the same
+    topology and the same per-rank thread count. ``before_join`` runs once the topology is
+    known (e.g. to set up logging with the rank). Pair with :func:`shutdown`.
+    """
+    topo = job_topology(cluster)
+    if before_join is not None:
+        before_join(topo)
+    torch.set_num_threads(threads_per_rank(cluster.threads_per_rank, topo.local_world_size))
+    init_distributed(topo, cluster.backend, rendezvous_dir=rendezvous_dir)
+    return topo

@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.runtime import slurmctl
+from xirang_hpc.runtime.hooks import EventSink, NullEventSink, TrainerHook
 from xirang_hpc.runtime.markers import mark_start
 from xirang_hpc.runtime.policy import decide
 from xirang_hpc.runtime.topology import Topology
-from xirang_hpc.runtime.trainer import Trainer, TrainerHook
+from xirang_hpc.runtime.trainer import Trainer
 
 EXIT_REQUEUED = 144  # submitit.local.local.LOCAL_REQUEUE_RETURN_CODE
 EXIT_STOPPED = 3
@@ -52,17 +52,18 @@ def exit_process(code: int) -> None:
     sys.exit(code)
 
 
-def restart_count(topo: Topology, run_dir: Path, env: Mapping[str, str]) -> int:
-    """How often this run was requeued: Slurm's ``SLURM_RESTART_COUNT``, else our own log."""
+def restart_count(topo: Topology, events: EventSink, env: Mapping[str, str]) -> int:
+    """How often this run was requeued: Slurm's ``SLURM_RESTART_COUNT``, else our own event log."""
     if topo.source == "slurm":
         return int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-    return sum(1 for e in read_events(run_dir) if e.get("kind") == "requeue")
+    return events.count("requeue")
 
 
 class StopSignalHook(TrainerHook):
     """Signal consensus, save-on-stop, requeue and exit; see the module docstring."""
 
     def __init__(self, cfg: XirangConfig, topo: Topology, run_dir: Path,
+                 events: EventSink | None = None,
                  env: Mapping[str, str] | None = None,
                  exit_fn: Callable[[int], None] = exit_process,
                  save_fn: Callable[[Trainer], int | None] | None = None,
@@ -70,11 +71,13 @@ class StopSignalHook(TrainerHook):
                  requeue_fn: Callable[[str], None] = slurmctl.requeue,
                  start_now_fn: Callable[[str, int], None] = slurmctl.after_requeue_detached) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
+        # The run's event log, handed in by the job (the runtime does not know where it lives).
+        self.events: EventSink = NullEventSink() if events is None else events
         self.env = os.environ if env is None else env
         self.exit_fn, self.save_fn = exit_fn, save_fn
         self.job_info, self.requeue_fn, self.start_now_fn = job_info, requeue_fn, start_now_fn
         self.received: list[tuple[str, float]] = []
-        self.restarts = restart_count(topo, run_dir, self.env)
+        self.restarts = restart_count(topo, self.events, self.env)
         self.first_step_logged = False
         self.start_step = 0
         self.proc_start = psutil.Process().create_time()
@@ -107,7 +110,7 @@ class StopSignalHook(TrainerHook):
 
     def _event(self, kind: str, reason: str, **fields: Any) -> None:
         if self.topo.rank == 0:
-            append_event(self.run_dir, kind, reason, job=self.topo.job_id, restart=self.restarts, **fields)
+            self.events.append(kind, reason, job=self.topo.job_id, restart=self.restarts, **fields)
 
     # -- hook points ---------------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer) -> None:

@@ -21,6 +21,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from xirang_hpc.config.schema import ClusterConfig
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -120,3 +122,43 @@ def discover(env: Mapping[str, str] | None = None, virtual_nodes: int = 1) -> To
         node_name=socket.gethostname(), master_addr="127.0.0.1", master_port=rendezvous_port(str(os.getpid())),
         job_id=str(os.getpid()), source="single",
     )
+
+
+class TopologyMismatchError(RuntimeError):
+    """The processes the job was started with do not match ``cfg.cluster``."""
+
+
+_SOURCE_VARS = {
+    "local": "SUBMITIT_LOCAL_NTASKS and cluster/local's virtual nodes",
+    "slurm": "SLURM_JOB_NUM_NODES and SLURM_NTASKS",
+    "torchrun": "WORLD_SIZE and LOCAL_WORLD_SIZE",
+    "single": "no launcher variables: one process",
+}
+
+
+def check_matches(topo: Topology, cluster: ClusterConfig) -> Topology:
+    """Raise :class:`TopologyMismatchError` unless ``topo`` has ``cluster.nodes`` x ``cluster.tasks_per_node`` ranks.
+
+    Validation and the parallel layout were derived from ``cfg.cluster``; a job started with other
+    resources (an edited sbatch script, a torchrun with other counts) would silently train another layout.
+    """
+    if (topo.num_nodes, topo.local_world_size) != (cluster.nodes, cluster.tasks_per_node):
+        raise TopologyMismatchError(
+            f"this job runs {topo.num_nodes} node(s) x {topo.local_world_size} rank(s) per node (from "
+            f"{_SOURCE_VARS.get(topo.source, topo.source)}), but the config asks for cluster.nodes={cluster.nodes} x "
+            f"cluster.tasks_per_node={cluster.tasks_per_node}; start the job with the config's resources "
+            f"(xirang-train / xirang-sbatch do) or set cluster.nodes={topo.num_nodes} "
+            f"cluster.tasks_per_node={topo.local_world_size}"
+        )
+    return topo
+
+
+def job_topology(cluster: ClusterConfig, env: Mapping[str, str] | None = None) -> Topology:
+    """This rank's :class:`Topology` for a job described by ``cluster``, checked against it.
+
+    The one place that turns a cluster config into a topology: the training job and the
+    planner's calibration job both start here. On the local executor the ranks are split into
+    ``cluster.nodes`` virtual nodes; elsewhere the nodes come from the launcher's variables.
+    """
+    local_nodes = cluster.nodes if cluster.executor == "local" else 1
+    return check_matches(discover(env, virtual_nodes=local_nodes), cluster)

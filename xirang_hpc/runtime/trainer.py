@@ -16,25 +16,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from xirang_hpc.config.schema import TrainConfig, XirangConfig
+from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.data.dataset import TokenWindows
 from xirang_hpc.models.gpt import full_model_params, lm_loss
 from xirang_hpc.runtime.data_parallel import build_optimizer
+from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.parallel_dims import ParallelDims, gather_nodes
 from xirang_hpc.runtime.parallelize import clip_and_reduce, global_mean, make_optimizer, parallelize
+from xirang_hpc.runtime.schedule import lr_at
 from xirang_hpc.runtime.topology import Topology
 
 # The clock is a tiny function so tests can substitute it.
 now: Callable[[], float] = time.perf_counter
-
-
-def lr_at(step: int, t: TrainConfig) -> float:
-    """Linear warmup to ``t.lr``, then cosine decay to ``t.lr * t.min_lr_ratio`` at max_steps."""
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.max_steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 __all__ = ["Trainer", "TrainerHook", "RunState", "build_optimizer", "lr_at"]
@@ -51,33 +44,6 @@ def _mean_across(value: float, world: int) -> float:
 def _fmt_eta(seconds: float) -> str:
     s = int(max(0, seconds))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-class TrainerHook:
-    """Extension point for checkpointing, signal handling and monitoring.
-
-    Hooks run on every rank, in registration order. ``on_fit_start`` may restore state
-    (``trainer.state``, model, optimizer) before the first step; a hook may set
-    ``trainer.stop_requested`` to end the loop cleanly at the next step boundary.
-    """
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        """Before the initial evaluation and the first step."""
-
-    def on_phase(self, trainer: Trainer, phase: str) -> None:
-        """Entering a phase: data | forward | backward | comm | optimizer | eval | checkpoint."""
-
-    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        """After an optimizer step; ``trainer.state.step`` counts completed steps."""
-
-    def on_log(self, trainer: Trainer, row: dict[str, object]) -> None:
-        """Rank 0 only: a metrics row (training or ``val_loss``) before it is appended to metrics.jsonl.
-
-        A hook may add fields to ``row`` (they are written too) and forward it to other loggers.
-        """
-
-    def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
-        """After the final evaluation, before the process group goes away."""
 
 
 @dataclass

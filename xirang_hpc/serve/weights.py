@@ -29,7 +29,7 @@ from xirang_hpc.checkpoint.export import load_full, run_dir_of
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.data.tokenizer import ByteTokenizer, Tokenizer, load_run_tokenizer, load_tokenizer
 from xirang_hpc.models.gpt import GPT
-from xirang_hpc.runtime.trainer import TrainerHook
+from xirang_hpc.runtime.hooks import TrainerHook
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from xirang_hpc.runtime.comm.budget import ModelAverager
 from xirang_hpc.runtime.comm.groups import CommLayout, CommLayoutError, build_layout, fsdp_node_note
 from xirang_hpc.runtime.comm.hierarchical import HierarchicalAllreduce
 from xirang_hpc.runtime.comm.hook import MB, BucketTuner, CommHook
+from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.topology import Topology
-from xirang_hpc.runtime.trainer import TrainerHook
 
 
 @dataclass

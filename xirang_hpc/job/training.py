@@ -1,34 +1,34 @@
-"""The job's entry function: what every rank runs, on Slurm or on the local executor.
+"""The training job's entry function: what every rank runs, on Slurm or on the local executor.
 
 Launch code hands this function a plain dict (the validated config) and the run directory;
-nothing else of the launcher crosses into the job.
+nothing else of the launcher crosses into the job. This module is the one place that knows
+every feature plugged into the loop: the runtime below it only knows the hook interface.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
+from xirang_hpc.checkpoint.hook import CheckpointHook
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.tokenizer import install_run_tokenizer
+from xirang_hpc.monitor.events import EventLog
+from xirang_hpc.monitor.hook import MonitorHook
+from xirang_hpc.monitor.tracking import TrackingHook
 from xirang_hpc.runtime import dist as xdist
-from xirang_hpc.runtime.topology import Topology, discover
-from xirang_hpc.runtime.trainer import Trainer, TrainerHook
-
-
-def _threads_per_rank(requested: int, local_world: int) -> int:
-    if requested > 0:
-        return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // local_world)
+from xirang_hpc.runtime.comm.install import CommTrainerHook
+from xirang_hpc.runtime.hooks import TrainerHook
+from xirang_hpc.runtime.signals import StopSignalHook, find_saver
+from xirang_hpc.runtime.topology import Topology
+from xirang_hpc.runtime.trainer import Trainer
+from xirang_hpc.serve.weights import InitFromHook
 
 
 def _say(msg: str) -> None:
@@ -36,50 +36,31 @@ def _say(msg: str) -> None:
 
 
 def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[TrainerHook]:
-    """The trainer's hooks, in order: checkpoint restore/save, signal consensus, monitoring.
+    """The trainer's hooks, in order: weight import, comm, checkpoint, monitoring, stop signals.
 
     Each feature adds its hook here (one line each) so the loop itself stays small.
     """
     hooks: list[TrainerHook] = []
-    if cfg.model.init_from:  # exported weights first, so a checkpoint restore (next hook) wins (issue 9)
-        from xirang_hpc.serve.weights import InitFromHook
-
+    if cfg.model.init_from:  # exported weights first, so a checkpoint restore (next hooks) wins
         hooks.append(InitFromHook(cfg.model.init_from))
-    # Hierarchical all-reduce / bandwidth budget on plain DDP (issue 4). Before the checkpoint hook, so a
+    # Hierarchical all-reduce / bandwidth budget on plain DDP. Before the checkpoint hook, so a
     # restore can fill ``trainer.extra_state["comm"]`` and a save sees the step's averaging done.
-    from xirang_hpc.runtime.comm.install import CommTrainerHook
-
     hooks.append(CommTrainerHook(cfg.comm))
-    if cfg.checkpoint.enabled:
-        from xirang_hpc.checkpoint.hook import CheckpointHook  # restore, periodic async save, final save (issue 5)
-
-        hooks.append(CheckpointHook(cfg, topo, run_dir))
-    if cfg.monitor.enabled:
-        from xirang_hpc.monitor.hook import MonitorHook  # heartbeats + node watchdog (issue 8)
-
+    if cfg.checkpoint.enabled:  # restore, periodic async save, final save
+        hooks.append(CheckpointHook(cfg, topo, run_dir, events=EventLog(run_dir)))
+    if cfg.monitor.enabled:  # heartbeats + node watchdog
         hooks.append(MonitorHook(cfg, topo, run_dir))
     # config.json, TFLOP/s / MFU / memory in the metrics rows, train.loggers (TensorBoard, MLflow). After the
     # checkpoint hook: it resolves a train.resume_from fork and rewinds metrics.jsonl before this one reads it.
-    from xirang_hpc.monitor.tracking import TrackingHook
-
     hooks.append(TrackingHook(cfg, topo, run_dir))
-    # Stop signals -> consensus -> save (through the checkpoint hook above) -> requeue -> exit (issue 6).
-    from xirang_hpc.runtime.signals import StopSignalHook, find_saver
-
-    hooks.append(StopSignalHook(cfg, topo, run_dir, save_fn=find_saver(hooks)).installed())
+    # Stop signals -> consensus -> save (through the checkpoint hook above) -> requeue -> exit.
+    hooks.append(StopSignalHook(cfg, topo, run_dir, events=EventLog(run_dir), save_fn=find_saver(hooks)).installed())
     return hooks
 
 
 def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
     """Train on this rank; returns the summary on rank 0 and ``{}`` elsewhere."""
     cfg = load_config(OmegaConf.create(cfg_dict))
-    virtual = cfg.cluster.nodes if cfg.cluster.executor == "local" else 1
-    topo = discover(virtual_nodes=virtual)
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stdout,
-        format=f"%(asctime)s rank{topo.rank}/{topo.node_name} %(levelname)s %(name)s: %(message)s",
-    )
-    torch.set_num_threads(_threads_per_rank(cfg.cluster.threads_per_rank, topo.local_world_size))
     check_runnable(cfg)
     # Every rank, before the rendezvous, so a mismatch fails all of them alike; the copy is atomic.
     tok = install_run_tokenizer(data_dir, run_dir)
@@ -87,7 +68,14 @@ def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,
                           f"the data in {data_dir} uses tokenizer {tok.name} with {tok.vocab_size} tokens; "
                           f"set model.vocab_size={tok.vocab_size} or more")
-    xdist.init_distributed(topo, cfg.cluster.backend, rendezvous_dir=Path(run_dir))
+
+    def _logging(topo: Topology) -> None:
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stdout,
+            format=f"%(asctime)s rank{topo.rank}/{topo.node_name} %(levelname)s %(name)s: %(message)s",
+        )
+
+    topo = xdist.start_job(cfg.cluster, rendezvous_dir=Path(run_dir), before_join=_logging)
     try:
         hooks = build_hooks(cfg, topo, Path(run_dir))
         summary = Trainer(cfg, topo, Path(run_dir), Path(data_dir), log=_say, hooks=hooks).fit()

@@ -1,4 +1,4 @@
-"""The pipeline's stages and its record: prepare -> train -> eval -> serve, one config for all.
+"""The record of a pipeline's stage chain: prepare -> train -> eval -> serve, one config for all.
 
 Every stage receives the *same* validated config (composed from the usual groups). On Slurm each
 stage is its own job, submitted up front and chained with ``--dependency=afterok:<previous>``
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from xirang_hpc.runtime import slurmctl
 
 STAGES = ("prepare", "train", "eval", "serve")
 PIPELINE_FILE = "pipeline.json"
@@ -75,66 +75,6 @@ def stage_record(run_dir: Path, stage: str, enabled: bool = True) -> Iterator[No
         write_stage(run_dir, stage, "completed")
 
 
-def _cfg(cfg_dict: dict[str, Any]) -> Any:
-    from xirang_hpc.config.validate import load_config
-
-    return load_config(OmegaConf.create(cfg_dict))
-
-
-# ---- stage entry points (run inside the stage's job, or in-process on the local executor) ----
-def prepare_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> str:
-    """Tokenize the corpus into ``data_dir`` (skipped when already prepared)."""
-    from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare_data, prepared_mismatch
-
-    cfg = _cfg(cfg_dict)
-    with stage_record(Path(run_dir), "prepare"):
-        if not is_prepared(data_dir):
-            prepare_data(cfg.data, data_dir)
-        elif (why := prepared_mismatch(cfg.data, data_dir)) is not None:
-            raise CorpusError(why)
-    return data_dir
-
-
-def _rank() -> int:
-    for var in ("SLURM_PROCID", "RANK", "SUBMITIT_LOCAL_GLOBAL_RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
-
-
-def train_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
-    """The training job (every rank); rank 0 records the stage."""
-    from xirang_hpc.runtime.job import run_training
-
-    with stage_record(Path(run_dir), "train", enabled=_rank() == 0):
-        return run_training(cfg_dict, run_dir, data_dir)
-
-
-def eval_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
-    """Evaluate the newest checkpoint; fails (nonzero exit on Slurm) when ``eval.max_val_loss`` is exceeded."""
-    from xirang_hpc.eval.evaluate import run_eval
-
-    cfg = _cfg(cfg_dict)
-    with stage_record(Path(run_dir), "eval"):
-        return run_eval(run_dir, data_dir, cfg.eval)
-
-
-def serve_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str,
-                log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Serve the newest checkpoint (``<run>/serve.json`` says where) until stopped or ``serve.duration_s``."""
-    from xirang_hpc.serve.run import SERVE_FILE, serve
-    from xirang_hpc.serve.weights import load_checkpoint
-
-    cfg = _cfg(cfg_dict)
-    with stage_record(Path(run_dir), "serve"):
-        loaded = load_checkpoint(run_dir, cfg.eval.step if cfg.eval.step >= 0 else None)
-        return serve(loaded, cfg.serve, Path(run_dir) / SERVE_FILE, log=log)
-
-
-STAGE_FNS: dict[str, Callable[..., Any]] = {"prepare": prepare_stage, "train": train_stage, "eval": eval_stage,
-                                            "serve": serve_stage}
-
-
 # ---- the record -------------------------------------------------------------------------------
 def write_pipeline(run_dir: Path, executor: str, stages: list[dict[str, Any]]) -> None:
     """``<run>/pipeline.json``: the chain as launched."""
@@ -143,10 +83,10 @@ def write_pipeline(run_dir: Path, executor: str, stages: list[dict[str, Any]]) -
 
 
 def _slurm_state(job_id: str) -> str | None:
-    from xirang_hpc.launch.slurm import job_state
-
     try:
-        return job_state(job_id)
+        return slurmctl.job_info(job_id).get("JobState", "UNKNOWN")
+    except slurmctl.SlurmCommandError:
+        return "UNKNOWN"
     except Exception:  # noqa: BLE001 - no Slurm here: fall back to the stages' own records
         return None
 

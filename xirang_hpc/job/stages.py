@@ -1,0 +1,71 @@
+"""The pipeline's stage entry points: prepare -> train -> eval -> serve, one config for all.
+
+Each runs inside the stage's Slurm job, or in-process on the local executor, and records its
+status through :mod:`xirang_hpc.monitor.chain` (``<run>/pipeline/<stage>.json``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from xirang_hpc.config.validate import load_config
+from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare_data, prepared_mismatch
+from xirang_hpc.eval.evaluate import run_eval
+from xirang_hpc.job.training import run_training
+from xirang_hpc.monitor.chain import stage_record
+from xirang_hpc.serve.run import SERVE_FILE, serve
+from xirang_hpc.serve.weights import load_checkpoint
+
+
+def _cfg(cfg_dict: dict[str, Any]) -> Any:
+    return load_config(OmegaConf.create(cfg_dict))
+
+
+# ---- stage entry points (run inside the stage's job, or in-process on the local executor) ----
+def prepare_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> str:
+    """Tokenize the corpus into ``data_dir`` (skipped when already prepared)."""
+    cfg = _cfg(cfg_dict)
+    with stage_record(Path(run_dir), "prepare"):
+        if not is_prepared(data_dir):
+            prepare_data(cfg.data, data_dir)
+        elif (why := prepared_mismatch(cfg.data, data_dir)) is not None:
+            raise CorpusError(why)
+    return data_dir
+
+
+def _rank() -> int:
+    for var in ("SLURM_PROCID", "RANK", "SUBMITIT_LOCAL_GLOBAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def train_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
+    """The training job (every rank); rank 0 records the stage."""
+    with stage_record(Path(run_dir), "train", enabled=_rank() == 0):
+        return run_training(cfg_dict, run_dir, data_dir)
+
+
+def eval_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
+    """Evaluate the newest checkpoint; fails (nonzero exit on Slurm) when ``eval.max_val_loss`` is exceeded."""
+    cfg = _cfg(cfg_dict)
+    with stage_record(Path(run_dir), "eval"):
+        return run_eval(run_dir, data_dir, cfg.eval)
+
+
+def serve_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str,
+                log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Serve the newest checkpoint (``<run>/serve.json`` says where) until stopped or ``serve.duration_s``."""
+    cfg = _cfg(cfg_dict)
+    with stage_record(Path(run_dir), "serve"):
+        loaded = load_checkpoint(run_dir, cfg.eval.step if cfg.eval.step >= 0 else None)
+        return serve(loaded, cfg.serve, Path(run_dir) / SERVE_FILE, log=log)
+
+
+STAGE_FNS: dict[str, Callable[..., Any]] = {"prepare": prepare_stage, "train": train_stage, "eval": eval_stage,
+                                            "serve": serve_stage}

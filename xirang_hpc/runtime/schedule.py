@@ -1,0 +1,16 @@
+"""The learning-rate schedule, shared by the loop, the checkpoint record and the benchmarks."""
+
+from __future__ import annotations
+
+import math
+
+from xirang_hpc.config.schema import TrainConfig
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Linear warmup to ``t.lr``, then cosine decay to ``t.lr * t.min_lr_ratio`` at max_steps."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.max_steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
