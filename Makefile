@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test lint clean
+.PHONY: install demo check test lint clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
+# The fast tier for every change: ruff, the layer contract, the unit tests (under 2 minutes).
+check: install lint
+	$(BIN)/python -m pytest -q -m unit
+
+# Everything (CI): unit, slow (multi-process training runs) and slurm (the real testbed) tiers.
 test: install lint
 	$(BIN)/python -m pytest -q
 

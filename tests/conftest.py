@@ -11,6 +11,17 @@ from omegaconf import DictConfig
 from xirang_hpc.launch.hydra_setup import register_configs
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "xirang_hpc" / "conf")
+TIERS = ("unit", "slow", "slurm")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test belongs to exactly one tier: a test not marked ``slow`` or ``slurm`` is ``unit``."""
+    for item in items:
+        tiers = [t for t in TIERS if item.get_closest_marker(t) is not None]
+        if not tiers:
+            item.add_marker(pytest.mark.unit)
+        elif "slurm" in tiers and "slow" in tiers:
+            raise pytest.UsageError(f"{item.nodeid}: marked both slow and slurm; a test has one tier")
 
 
 def compose_cfg(overrides: list[str] | None = None) -> DictConfig:

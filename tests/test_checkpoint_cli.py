@@ -126,11 +126,11 @@ def test_export_safetensors_is_usable_outside(run, tmp_path):
 def test_interval_prints_inputs_and_waste(run):
     # As a console script, end to end.
     p = subprocess.run([sys.executable, "-m", "xirang_hpc.launch.ckpt_cli", "interval", str(run[0])],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     assert "MTBF 2.00h from config" in p.stdout and "Daly interval" in p.stdout and "expected waste" in p.stdout
     rec = json.loads(subprocess.run([sys.executable, "-m", "xirang_hpc.launch.ckpt_cli", "interval", str(run[0]),
-                                     "--json"], capture_output=True, text=True, timeout=120).stdout)
+                                     "--json"], capture_output=True, text=True, timeout=600).stdout)
     assert rec["step_s"] == pytest.approx(64 / 1000)
     assert rec["interval_s"] >= rec["persist_s"]
 

@@ -79,7 +79,7 @@ def test_type_errors_are_caught_at_composition() -> None:
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).parent / "xirang-train"
-    return subprocess.run([str(exe), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run([str(exe), *args], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
 def test_cli_rejects_bad_tp_before_anything_starts(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ def test_short_embedded_run(tmp_path: Path, stdlib_data: Path) -> None:
     r = subprocess.run(
         [str(exe), "train.max_steps=80", "train.log_every=20", f"train.runs_root={tmp_path}/runs",
          f"data.out_dir={stdlib_data}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout

@@ -27,7 +27,7 @@ from xirang_hpc.monitor.events import read_events
 from xirang_hpc.monitor.plot import plot_run
 from xirang_hpc.monitor.status import run_status
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slurm
 ONE_RANK = ["cluster.nodes=1", "cluster.tasks_per_node=1"]
 
 

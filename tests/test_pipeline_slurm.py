@@ -1,7 +1,7 @@
 """xirang-pipeline on the real Slurm testbed: four dependent jobs (afterok), and a failing eval stage
 (the eval.max_val_loss gate) stops the chain with a clear status while Slurm cancels the serve job.
 
-Skips when the testbed is not up (`tools/slurm-testbed start`); CI starts it.
+Skips when the testbed is not up (`tools/slurm-testbed start`); CI starts it. Tier: ``slurm``.
 """
 
 from __future__ import annotations
@@ -38,9 +38,17 @@ def _testbed_env() -> dict[str, str] | None:
     return env if r.returncode == 0 and r.stdout.strip() else None
 
 
-ENV = _testbed_env()
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(ENV is None, reason="Slurm testbed not up (tools/slurm-testbed start)")]
+ENV: dict[str, str] | None = None  # the testbed's environment, probed when a test of this module first runs
+pytestmark = [pytest.mark.slurm]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _testbed() -> None:
+    """Probe the testbed lazily (not at import: collecting the suite must not run Slurm commands)."""
+    global ENV
+    ENV = _testbed_env()
+    if ENV is None:
+        pytest.skip("Slurm testbed not up (tools/slurm-testbed start)")
 
 
 def _launch(tmp: Path, name: str, *extra: str) -> tuple[Path, list[dict]]:

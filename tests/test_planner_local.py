@@ -29,7 +29,7 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("cal")
     out = tmp / "local-calibrated.yaml"
     r = subprocess.run([str(BIN / "xirang-plan"), "--calibrate", "--out", str(out), f"train.runs_root={tmp}/runs"],
-                       cwd=tmp, capture_output=True, text=True, timeout=300)
+                       cwd=tmp, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return out
 
@@ -70,7 +70,7 @@ def test_train_parallel_auto_runs_the_plan_and_records_measured(calibrated: Path
                         "cluster=local-calibrated", "parallel=auto", "train.max_steps=12", "train.eval_batches=1",
                         "train.warmup_steps=2", "train.log_every=6",
                         f"train.runs_root={tmp_path}/runs"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=400)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=900)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "parallel=auto chose dp=" in out and "measured" in out

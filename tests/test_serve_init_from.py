@@ -89,7 +89,7 @@ def test_training_starts_from_exported_weights_and_a_checkpoint_wins_on_restart(
 
 def test_init_from_must_name_a_safetensors_file_before_anything_starts(tmp_path: Path) -> None:
     r = subprocess.run([str(BIN / "xirang-train"), f"model.init_from={tmp_path}/run/checkpoints",
-                        f"train.runs_root={tmp_path}/runs"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                        f"train.runs_root={tmp_path}/runs"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2
     assert "model.init_from" in r.stderr and "xirang-ckpt export RUN --format safetensors" in r.stderr
     assert not (tmp_path / "runs").exists()

@@ -79,7 +79,7 @@ def _start_server(path: Path, info: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "XIRANG_SERVE_TOKEN": ""}
     proc = subprocess.Popen([str(BIN / "xirang-serve"), str(path), "--port", "0", "--info-file", str(info), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # a safety net against a hang
     while not info.exists():
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline, "server did not start"
@@ -90,7 +90,7 @@ def _start_server(path: Path, info: Path, *extra: str) -> subprocess.Popen:
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(f"{url}/v1/generate", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
+    with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
 
 

@@ -25,7 +25,7 @@ import pytest
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.runtime.markers import rank_pid
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()"]
 
