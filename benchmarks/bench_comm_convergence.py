@@ -6,7 +6,7 @@
 Runs the real ``xirang-train`` (submitit local executor, 2 virtual nodes x 2 gloo ranks, pure data
 parallelism so DDP carries the hierarchical hook) once per ``comm.sync_period`` with everything
 else equal (model=tiny, same seed and data), and prints each run's final validation loss and its
-ratio to H=1. Target (issue 4): H=8 within 3% of H=1.
+ratio to H=1. Target: H=8 within 3% of H=1.
 """
 
 from __future__ import annotations

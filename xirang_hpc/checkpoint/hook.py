@@ -118,7 +118,7 @@ class CheckpointHook(TrainerHook):
             restore_rng(res.rank_state["rng"])
         elif self.topo.rank == 0:
             trainer.log("checkpoint: saved under another world size; RNG states not restored")
-        extra = getattr(trainer, "extra_state", {})  # per-rank hook state, e.g. local-SGD averaging (issue 4)
+        extra = getattr(trainer, "extra_state", {})  # per-rank hook state, e.g. local-SGD averaging
         missing = set(extra) - set(E.restore(extra, res.path, res.rank_state, self.topo.rank))
         if missing and self.topo.rank == 0:
             trainer.log(f"checkpoint: no saved state for {sorted(missing)} in {res.path}; starting it fresh")

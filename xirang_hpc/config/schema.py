@@ -119,14 +119,14 @@ class ClusterConfig:
     srun_args: list[str] = field(default_factory=list)
     # Torch intra-op threads per rank; 0 = cores / ranks on this node.
     threads_per_rank: int = 0
-    # Scheduling classes (Slurm issue): train.priority=exploratory submits to the preemptible
+    # Scheduling classes: train.priority=exploratory submits to the preemptible
     # scavenger partition/QoS (requeued on preemption); min_time_min is sbatch --time-min (0: unset),
     # which lets the backfill scheduler start the job in a gap shorter than time_min.
     scavenger_partition: str | None = None
     scavenger_qos: str | None = None
     min_time_min: int = 0
     backend: str = "auto"  # auto | gloo | nccl
-    # Planner (issue 7): accelerator preset (a100-40gb | a100-80gb | h100 | h200 | cpu; "" = cpu
+    # Planner: accelerator preset (a100-40gb | a100-80gb | h100 | h200 | cpu; "" = cpu
     # without GPUs, else a100-80gb) and measured overrides of its fields (xirang_hpc/planner/hardware.py).
     gpu: str = ""
     hardware: dict[str, float] = field(default_factory=dict)
@@ -213,9 +213,9 @@ class TrainConfig:
     wait: bool | None = None
     # Scheduling class: normal | exploratory (scavenger partition/QoS of the cluster preset).
     priority: str = "normal"
-    # Resume from a specific step (later issues: checkpoint rollback); -1 = latest.
+    # Resume from a specific step (forks a new run from it; see checkpoint rollback); -1 = latest.
     resume_from: int = -1
-    # Mixed precision (issue 3): auto = bf16 autocast on CUDA (nccl), fp32 on CPU | fp32 | bf16.
+    # Mixed precision: auto = bf16 autocast on CUDA (nccl), fp32 on CPU | fp32 | bf16.
     precision: str = "auto"
     # Experiment tracking (rank 0): jsonl (<run>/metrics.jsonl, always on) | tensorboard (<run>/tb/) |
     # mlflow (a run in <run>/mlruns, or in train.mlflow_uri). See xirang_hpc/monitor/tracking.py.
@@ -277,7 +277,7 @@ class CheckpointConfig:
 
 @dataclass
 class RequeueConfig:
-    """Sysadmin requeue policy (enforced by the Slurm issue)."""
+    """Sysadmin requeue policy (applied inside the job on a stop signal and by the supervisor after a failure)."""
 
     enabled: bool = True
     max_requeues: int = 5

@@ -5,7 +5,7 @@ validates every point of the sweep first (nothing is submitted if one is invalid
 a single ``sbatch --array=0-N%array_parallelism`` through submitit's ``map_array``, prints the
 array id and each task's run directory, and returns. Each task's run directory is the
 experiment's deterministic one (:func:`~xirang_hpc.launch.rundir.run_dir_for`), so a requeued
-task (requeued alone, as ``ARRAYJOBID_TASKID``) finds its own checkpoints (pain points 4, 7, 9).
+task (requeued alone, as ``ARRAYJOBID_TASKID``) finds its own checkpoints.
 Local sweeps (``cluster=local``) run one after another through Hydra's basic launcher.
 """
 

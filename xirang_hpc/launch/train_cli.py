@@ -97,7 +97,7 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     """Submit the training job for a validated config; follow it when ``train.wait``."""
     data_dir = _ensure_data(cfg)  # first: data that cannot be used leaves no run directory behind
     run_dir = make_private_dir(run_dir_for(cfg), cfg.checkpoint.dir_mode)
-    if cfg.cluster.executor == "slurm":  # submit and return (issue 6); train.wait=true blocks
+    if cfg.cluster.executor == "slurm":  # submit and return; train.wait=true blocks
         from xirang_hpc.launch.slurm import launch_slurm
 
         return launch_slurm(cfg, run_dir, data_dir, run_training)

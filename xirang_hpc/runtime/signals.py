@@ -4,18 +4,19 @@ Slurm warns a job with SIGUSR2 (``--signal=USR2@delay``: time limit, or preempti
 ``preempt_send_user_signal``) and ends it with SIGTERM (preemption without a user signal, time
 limit, ``scancel``). The handler only records the signal; the decision happens at the next step
 boundary, where one all-reduce (MAX) of a flag makes every rank see the same verdict even if the
-signal reached only some of them (pain points 1, 2, 6). Then:
+signal reached only some of them: a stop is never half-agreed. Then:
 
 1. every rank saves its shard through the checkpoint hook (if the save cannot finish within the
    grace time, the last periodic checkpoint stands: checkpoints are committed atomically);
 2. rank 0 asks Slurm why (:func:`~xirang_hpc.runtime.slurmctl.classify_stop`: ``PreemptTime``,
    ``TimeLimit``/``RunTime``), applies the requeue policy, logs the verdict, and requeues
-   ``ARRAYJOBID_TASKID`` or the job id with ``scontrol requeue`` (pain points 4, 5);
-3. **every** rank exits (pain point 8): :data:`EXIT_REQUEUED` (submitit's local requeue code, so
-   the local executor reruns the job too) or :data:`EXIT_STOPPED` when the policy said no.
+   ``ARRAYJOBID_TASKID`` or the job id with ``scontrol requeue`` (only the task of an array, never the whole array);
+3. **every** rank exits (none is left behind holding the allocation): :data:`EXIT_REQUEUED`
+   (submitit's local requeue code, so the local executor reruns the job too) or
+   :data:`EXIT_STOPPED` when the policy said no.
 
 This hook replaces submitit's own USR2/SIGTERM handlers in every rank, so there is exactly one
-requeue manager (pain point 3).
+requeue manager.
 """
 
 from __future__ import annotations

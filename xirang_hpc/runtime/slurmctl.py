@@ -2,7 +2,7 @@
 
 Everything else here is parsing and decisions over plain data, so it is testable without Slurm:
 - :func:`requeue_target` names what to requeue: ``ARRAYJOBID_TASKID`` for an array task
-  (never the whole array; pain point 4), else the job id;
+  (never the whole array), else the job id;
 - :func:`classify_stop` tells a time limit from a preemption from Slurm's own data
   (``PreemptTime``, ``TimeLimit``, ``RunTime`` of ``scontrol show job``), not a wall-clock guess.
 """
