@@ -32,7 +32,7 @@ TWO_RANKS = ["cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.tp=1", "pa
 def _rank_main(rank: int, world: int, job: str, cfg: dict, run_dir: str, data_dir: str, act: dict) -> None:
     os.environ.update(SUBMITIT_LOCAL_GLOBALID=str(rank), SUBMITIT_LOCAL_LOCALID=str(rank),
                       SUBMITIT_LOCAL_NTASKS=str(world), SUBMITIT_LOCAL_JOB_ID=job)
-    from xirang_hpc.runtime import job as jobmod
+    from xirang_hpc.job import training as jobmod
     from xirang_hpc.runtime.hooks import TrainerHook
 
     class Act(TrainerHook):
