@@ -1,0 +1,155 @@
+"""Array submission and requeue decisions against a fake Slurm: ``sbatch`` / ``scontrol`` scripts on PATH.
+
+As submitit's own tests do, the Slurm client commands are replaced by small executables that
+record their arguments (and the batch script) and answer like Slurm. Nothing runs: these check
+what xirang *asks* Slurm to do. The same paths on a real cluster are covered by the testbed
+tests (tests/test_slurm_e2e.py, tier ``slurm``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import compose_cfg
+
+from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.launch.slurm import RUN_DIR_MAP
+from xirang_hpc.launch.supervise import supervise
+from xirang_hpc.launch.sweep import submit_array, sweep_folder
+from xirang_hpc.monitor.events import read_events
+from xirang_hpc.runtime.markers import mark_exit, mark_start
+
+FAKE = r'''#!{python}
+"""Fake Slurm client: log the call, answer like Slurm."""
+import json, os, sys
+name = os.path.basename(sys.argv[0])
+args = sys.argv[1:]
+entry = {{"cmd": name, "args": args}}
+if name == "sbatch":
+    entry["script"] = open(args[-1]).read()
+with open(os.environ["FAKE_SLURM_LOG"], "a") as f:
+    f.write(json.dumps(entry) + "\n")
+if name == "sbatch":
+    print("Submitted batch job 4242")
+elif name == "scontrol" and args[:2] == ["show", "job"]:
+    print(os.environ.get("FAKE_SCONTROL_JOB", "JobId=4242 JobState=RUNNING ExcNodeList=(null)"))
+elif name == "scontrol" and args[:2] == ["show", "hostnames"]:
+    print("\n".join(a for a in args[2].split(",") if a))
+elif name == "scontrol" and args[:2] == ["show", "partition"]:
+    print("PartitionName=low Nodes=n1,n2,n3")
+elif name == "scontrol" and args[:2] == ["show", "node"]:
+    for n in ("n1", "n2", "n3"):
+        print(f"NodeName={{n}} State=IDLE")
+'''
+
+
+@pytest.fixture
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A bin/ with fake Slurm client commands first on PATH; returns the call log."""
+    bin_dir, log = tmp_path / "fake-bin", tmp_path / "slurm-calls.jsonl"
+    bin_dir.mkdir()
+    for cmd in ("sbatch", "scontrol", "squeue", "sacct", "srun"):  # submitit looks for srun
+        exe = bin_dir / cmd
+        exe.write_text(FAKE.format(python=sys.executable))
+        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_LOG", str(log))
+    log.touch()
+    return log
+
+
+def _calls(log: Path, cmd: str | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    return [r for r in rows if cmd is None or r["cmd"] == cmd]
+
+
+def test_a_sweep_is_one_array_job_with_a_run_dir_per_task(fake_slurm: Path, tmp_path: Path,
+                                                           small_corpus: Path) -> None:
+    common = ["cluster=testbed", "requeue=testbed", f"train.runs_root={tmp_path}/runs", f"data.corpus={small_corpus}",
+              f"data.out_dir={tmp_path}/data", "data.val_fraction=0.2", "cluster.array_parallelism=2"]
+    overrides = [[*common, f"train.lr={lr}"] for lr in ("1e-3", "3e-4", "1e-4")]
+    cfgs = [load_config(compose_cfg(o)) for o in overrides]
+    for c in cfgs:
+        check_runnable(c)
+    array_id, run_dirs = submit_array(cfgs, overrides)
+
+    assert array_id == "4242"
+    sbatch = _calls(fake_slurm, "sbatch")
+    assert len(sbatch) == 1, "a sweep must be one sbatch call"
+    script = sbatch[0]["script"]
+    assert "#SBATCH --array=0-2%2" in script  # three tasks, at most array_parallelism at once
+    assert f"#SBATCH --signal=USR2@{cfgs[0].cluster.signal_delay_s}" in script
+    assert "#SBATCH --requeue" in script
+    assert f"#SBATCH --nodes={cfgs[0].cluster.nodes}" in script
+    assert "xirang_hpc.launch.supervise" in script  # the requeue supervisor runs after srun
+    # One deterministic, private run directory per point, each knowing its policy and its task id.
+    assert len(set(run_dirs)) == 3
+    mapping = json.loads((sweep_folder(cfgs, overrides) / "submitit" / RUN_DIR_MAP).read_text())
+    assert mapping == {str(i): str(d) for i, d in enumerate(run_dirs)}
+    for i, d in enumerate(run_dirs):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+        job = json.loads((d / "slurm_job.json").read_text())
+        assert job["requeue"]["start_now"] is True  # requeue=testbed
+        (submit,) = [e for e in read_events(d) if e["kind"] == "submit"]
+        assert (submit["job"], submit["array"], submit["task"]) == (f"4242_{i}", "4242", i)
+
+
+def _run_dir(tmp_path: Path, **policy: object) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    requeue = {"enabled": True, "max_requeues": 2, "on_preemption": True, "on_timeout": True,
+               "on_node_failure": True, "on_nonzero_exit": False, "backoff_s": 0,
+               "exclude_failed_nodes": False, "start_now": False, **policy}
+    (run / "slurm_job.json").write_text(json.dumps({"requeue": requeue, "signal_delay_s": 90, "nodes": 2,
+                                                    "partition": "low"}))
+    return run
+
+
+ARRAY_TASK = {"SLURM_JOB_ID": "4243", "SLURM_ARRAY_JOB_ID": "4242", "SLURM_ARRAY_TASK_ID": "1",
+              "SLURM_RESTART_COUNT": "0"}
+
+
+def test_a_lost_rank_requeues_only_its_array_task(fake_slurm: Path, tmp_path: Path) -> None:
+    run = _run_dir(tmp_path)
+    for rank, node in enumerate(("n1", "n1", "n2", "n2")):
+        mark_start(run, 0, rank, node)
+        if rank != 3:
+            mark_exit(run, 0, rank)  # rank 3 on n2 died without unwinding (kill -9, OOM)
+    assert supervise(137, run, dict(ARRAY_TASK)) == 137
+    assert [c["args"] for c in _calls(fake_slurm, "scontrol") if c["args"][0] == "requeue"] == [["requeue", "4242_1"]]
+    (failure,) = [e for e in read_events(run) if e["kind"] == "failure"]
+    assert (failure["reason"], failure["ranks"], failure["nodes"]) == ("node_failure", [3], ["n2"])
+    assert [e["status"] for e in read_events(run) if e["kind"] == "exit"] == ["requeued"]
+
+
+def test_a_nonzero_exit_is_final_under_the_default_policy(fake_slurm: Path, tmp_path: Path) -> None:
+    run = _run_dir(tmp_path)
+    for rank in range(2):
+        mark_start(run, 0, rank, "n1")
+        mark_exit(run, 0, rank)
+    assert supervise(1, run, dict(ARRAY_TASK)) == 1
+    assert not [c for c in _calls(fake_slurm, "scontrol") if c["args"][0] == "requeue"]
+    (final,) = [e for e in read_events(run) if e["kind"] == "exit"]
+    assert final["final"] is True and final["reason"] == "nonzero_exit"
+
+
+def test_requeues_stop_at_max_requeues(fake_slurm: Path, tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, max_requeues=2)
+    mark_start(run, 2, 0, "n1")  # third start (two requeues already), rank 0 lost
+    assert supervise(137, run, {**ARRAY_TASK, "SLURM_RESTART_COUNT": "2"}) == 137
+    assert not [c for c in _calls(fake_slurm, "scontrol") if c["args"][0] == "requeue"]
+    (final,) = [e for e in read_events(run) if e["kind"] == "exit"]
+    assert final["status"] == "max_requeues_exceeded"
+
+
+def test_a_completed_step_is_recorded_without_asking_slurm(fake_slurm: Path, tmp_path: Path) -> None:
+    run = _run_dir(tmp_path)
+    assert supervise(0, run, dict(ARRAY_TASK)) == 0
+    assert _calls(fake_slurm) == []
+    (done,) = [e for e in read_events(run) if e["kind"] == "exit"]
+    assert (done["status"], done["job"]) == ("completed", "4242_1")
