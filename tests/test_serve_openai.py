@@ -530,3 +530,11 @@ def test_new_requests_are_prefilled_together_in_one_forward() -> None:
     for p, tok in zip(prompts, first):  # each equals the plain model on that prompt alone
         with torch.no_grad():
             assert tok == [int(loaded.model(torch.tensor([p]))[0, -1].argmax())]
+
+
+def test_read_timeout_must_be_positive() -> None:
+    from xirang_hpc.config.errors import ConfigError
+
+    for bad in (0.0, -1.0):
+        with pytest.raises(ConfigError, match="serve.read_timeout_s"):
+            ServeConfig(read_timeout_s=bad)

@@ -5,8 +5,8 @@ OpenAI's response shapes (or server-sent events with ``stream: true``); ``GET /v
 one served model. The HTTP handlers live in :mod:`xirang_hpc.serve.server`; this module holds what
 they share and what can be tested without a socket.
 
-Tokenizer: any object with ``encode(text) -> ids``, ``decode(ids) -> text`` and optionally
-``eos_id`` (a token that ends a generation) and a chat template (``chat_template`` set and an
+Tokenizer: the run's :class:`~xirang_hpc.data.tokenizer.Tokenizer` (``encode``, ``decode``,
+``eos_id``: a token that ends a generation), optionally with a chat template (``chat_template`` set and an
 ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` method, as Hugging
 Face tokenizers have). Without a chat template, messages are rendered by :func:`simple_chat_prompt`.
 """
@@ -18,23 +18,17 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
+
+from xirang_hpc.data.tokenizer import Tokenizer
 
 _MAX_SEED = 2**63 - 1
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # The simple template's turn marker: a reply that starts the next turn ("\n<|user|>") ends there.
 SIMPLE_CHAT_STOP = "\n<|"
-
-
-class Tokenizer(Protocol):
-    """What the API needs of a tokenizer (the byte tokenizer and run tokenizers have it)."""
-
-    def encode(self, text: str) -> Any: ...  # noqa: D102 - a sequence of token ids
-
-    def decode(self, tokens: Any) -> str: ...  # noqa: D102
 
 
 class OpenAIError(Exception):
