@@ -43,12 +43,14 @@ TOK = ByteTokenizer()
 class Served:
     """``start_server`` in a background event loop (the sync openai client needs its own thread)."""
 
-    def __init__(self, token: str | None = None, tokenizer: Any = None, **scfg: Any) -> None:
+    def __init__(self, token: str | None = None, tokenizer: Any = None, loaded: LoadedModel | None = None,
+                 **scfg: Any) -> None:
         kw = {"port": 0, "max_batch": 8, "max_prompt_tokens": 64, "max_new_tokens": 40, "model_name": MODEL, **scfg}
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
         self.thread.start()
-        fut = asyncio.run_coroutine_threadsafe(start_server(_loaded(), ServeConfig(**kw), token, tokenizer), self.loop)
+        starting = start_server(loaded or _loaded(), ServeConfig(**kw), token, tokenizer)
+        fut = asyncio.run_coroutine_threadsafe(starting, self.loop)
         self.running: Running = fut.result(timeout=120)
         self.url = self.running.url
 
@@ -255,6 +257,34 @@ def test_a_tokenizers_chat_template_and_eos_token_are_used() -> None:
         text, _ = _stream_text(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=30,
                                                               temperature=0, stream=True), chat=True)
         assert text == r.choices[0].message.content
+
+
+def test_a_bpe_run_tokenizer_counts_its_own_tokens_and_streams_the_same_text(tmp_path: Path) -> None:
+    from test_tokenizer import _backend
+
+    from xirang_hpc.config.schema import ModelConfig
+    from xirang_hpc.data.tokenizer import HFTokenizer
+    from xirang_hpc.models.gpt import GPT
+
+    _backend().save(str(tmp_path / "tokenizer.json"))  # a byte-level BPE trained by the tokenizers library
+    tok = HFTokenizer(tmp_path / "tokenizer.json")
+    cfg = ModelConfig(name="bpe", n_layer=2, n_head=2, d_model=32, seq_len=32, vocab_size=tok.vocab_size)
+    torch.manual_seed(0)
+    # No tokenizer passed to the server: it uses the one that came with the weights.
+    with served(loaded=LoadedModel(GPT(cfg).eval(), cfg, "random-init", tokenizer=tok)) as s:
+        client = s.client()
+        prompt = "Document 3: word1 val=3 ünïcode 🙂"
+        ids = [int(t) for t in tok.encode(prompt)]
+        c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+        assert c.usage.prompt_tokens == len(ids) < len(prompt.encode())  # BPE tokens, not bytes
+        ref = s.running.engine.generate([ids], 20)[0]
+        expected = ref[: ref.index(tok.eos_id)] if tok.eos_id in ref else ref  # the EOS token ends a reply
+        assert c.choices[0].text == tok.decode(expected) and c.usage.completion_tokens == len(expected)
+        for seed in (1, 2, 3):
+            kw = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 1.0, "seed": seed}
+            plain = client.completions.create(**kw)
+            text, _ = _stream_text(client.completions.create(**kw, stream=True))
+            assert text == plain.choices[0].text
 
 
 # ---- models and errors --------------------------------------------------------------------------
