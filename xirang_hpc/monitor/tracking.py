@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import time
@@ -62,15 +63,21 @@ class TrackingError(RuntimeError):
     """A tracking back end cannot be used (package missing, store unreachable)."""
 
 
-def require_packages(loggers: list[str]) -> None:
-    """Import check for the selected back ends; raises :class:`TrackingError` naming the fix."""
+def require_packages(loggers: list[str], load: bool = True) -> None:
+    """Check the selected back ends' packages; raises :class:`TrackingError` naming the fix.
+
+    ``load=False`` only looks the package up (ranks that never log need not pay for importing mlflow).
+    """
     for name in loggers:
         if name not in PACKAGES:
             continue
         module, req = PACKAGES[name]
         try:
-            importlib.import_module(module)
-        except ImportError as exc:
+            if load:
+                importlib.import_module(module)
+            elif importlib.util.find_spec(module) is None:
+                raise ImportError(f"No module named {module!r}")
+        except (ImportError, ValueError) as exc:  # find_spec: ValueError for a module blocked in sys.modules
             raise TrackingError(
                 f"train.loggers includes {name!r} but the {module!r} package is not installed ({exc}); "
                 f"install it with `pip install 'xirang-hpc[track]'` (or `pip install {req}`), "
@@ -244,7 +251,7 @@ class TrackingHook(TrainerHook):
     def __init__(self, cfg: XirangConfig, topo: Topology, run_dir: Path) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, Path(run_dir)
         self.names = [n for n in dict.fromkeys(cfg.train.loggers) if n != "jsonl"]
-        require_packages(self.names)
+        require_packages(self.names, load=topo.rank == 0)
         self.backends: list[Any] = []
         self.state: dict[str, Any] = {}
         self.fpt = flops_per_token_for(cfg.model)
