@@ -57,3 +57,20 @@ def test_private_directory_despite_umask(tmp_path: Path) -> None:
     d.chmod(0o777)
     make_private_dir(d)  # an existing directory is tightened
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_model_fields_at_their_old_meaning_keep_the_run_directory() -> None:
+    """Fields added later (GQA, tying, norm/rotary constants) stay out of the key at the values that mean
+    what models always computed, so earlier runs keep their directories; other values change it."""
+    from conftest import compose_cfg
+
+    from xirang_hpc.config.validate import load_config
+    from xirang_hpc.launch.rundir import experiment_hash, experiment_key
+
+    base = load_config(compose_cfg([]))
+    key = experiment_key(base)["model"]
+    assert not {"n_kv_head", "norm_eps", "rope_theta", "tie_embeddings"} & set(key)
+    for override in ("model.tie_embeddings=true", "model.norm_eps=1e-6", "model.n_kv_head=2"):
+        assert experiment_hash(load_config(compose_cfg([override]))) != experiment_hash(base), override
+    llama = experiment_key(load_config(compose_cfg(["model=llama-7b"])))["model"]
+    assert llama["norm_eps"] == 1e-6  # RMSNorm's epsilon is part of what an RMSNorm run computes

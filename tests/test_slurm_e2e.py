@@ -253,3 +253,20 @@ def test_wait_blocks_until_the_job_ends(slurm, stdlib_data, tmp_path):
                                   "train.max_steps=5", "--wait"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"job \d+ ended: Slurm state COMPLETED; run status completed", out.stdout), out.stdout
+
+
+def test_second_submission_of_a_live_run_is_refused_or_queued_behind_it(slurm, stdlib_data, tmp_path):
+    """One job per run directory on Slurm: refused with the job id while it is pending/running; with
+    train.after_active=true queued behind it (afterany), and the queued job waits for it."""
+    args = [*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=1",
+            "train.max_steps=400"]
+    job, run = _submit(args)
+    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and f"already has job {job} (" in out.stderr, out.stdout + out.stderr
+    assert f"scancel {job}" in out.stderr and "submitted Slurm job" not in out.stdout
+    job2, run2 = _submit([*args, "train.after_active=true"])
+    assert run2 == run and job2 != job
+    info = subprocess.run(["scontrol", "show", "job", "-o", job2], capture_output=True, text=True).stdout
+    assert f"Dependency=afterany:{job}" in info and "JobState=PENDING" in info, info
+    subprocess.run(["scancel", job2], check=False)
+    subprocess.run(["scancel", job], check=False)

@@ -213,6 +213,9 @@ class TrainConfig:
     wait: bool | None = None
     # Scheduling class: normal | exploratory (scavenger partition/QoS of the cluster preset).
     priority: str = "normal"
+    # A launch whose run directory already has a live Slurm job queues behind it (--dependency=afterany)
+    # instead of being refused.
+    after_active: bool = False
     # Resume from a specific step (forks a new run from it; see checkpoint rollback); -1 = latest.
     resume_from: int = -1
     # Mixed precision: auto = bf16 autocast on CUDA (nccl), fp32 on CPU | fp32 | bf16.

@@ -147,15 +147,29 @@ def wait_for(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None) -
 
 
 def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any) -> submitit.Job:
-    """Submit ``fn(*args)`` as one Slurm job for ``cfg``; log the submission in the run's event log."""
+    """Submit ``fn(*args)`` as one Slurm job for ``cfg``; log the submission in the run's event log.
+
+    The run directory must be free (one job per run directory, launch/runlock.py): a live job of it
+    refuses the submission, or with ``train.after_active`` the new job waits for it (afterany).
+    """
+    from xirang_hpc.launch.runlock import claim, record_owner, submission_lock
+
     folder = run_dir / "submitit"
-    write_job_file(cfg, run_dir)
-    write_run_dir_map(folder, [run_dir], array=False)
-    ex = make_slurm_executor(cfg.cluster, folder, cfg.train.priority)
-    ex.update_parameters(job_name=f"xirang-{cfg.train.name}")
-    job = ex.submit(fn, *args)
+    with submission_lock(run_dir):
+        after = claim(run_dir, "slurm", cfg.train.after_active)
+        write_job_file(cfg, run_dir)
+        write_run_dir_map(folder, [run_dir], array=False)
+        ex = make_slurm_executor(cfg.cluster, folder, cfg.train.priority)
+        ex.update_parameters(job_name=f"xirang-{cfg.train.name}")
+        if after:
+            extra = dict(ex.parameters.get("additional_parameters") or {})
+            extra["dependency"] = f"afterany:{after}"
+            ex.update_parameters(additional_parameters=extra)
+        job = ex.submit(fn, *args)
+        record_owner(run_dir, "slurm", str(job.job_id), after=after)
     append_event(run_dir, "submit", "submitted", job=str(job.job_id), cluster=cfg.cluster.name,
-                 nodes=cfg.cluster.nodes, tasks_per_node=cfg.cluster.tasks_per_node)
+                 nodes=cfg.cluster.nodes, tasks_per_node=cfg.cluster.tasks_per_node,
+                 **({"after": after} if after else {}))
     return job
 
 

@@ -25,6 +25,7 @@ from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
 from xirang_hpc.launch.executors import make_executor
 from xirang_hpc.launch.hydra_setup import register_configs
 from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
+from xirang_hpc.launch.runlock import RunBusyError, claim, record_owner, submission_lock
 
 log = logging.getLogger("xirang.train")
 
@@ -103,7 +104,10 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
         return launch_slurm(cfg, run_dir, data_dir, run_training)
     executor = make_executor(cfg.cluster, run_dir / "submitit")
     executor.update_parameters(name=f"xirang-{cfg.train.name}")
-    job = executor.submit(run_training, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
+    with submission_lock(run_dir):  # one job per run directory (launch/runlock.py)
+        claim(run_dir, "local", cfg.train.after_active)
+        job = executor.submit(run_training, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
+        record_owner(run_dir, "local", str(job.job_id), pid=int(job.job_id))
     print(f"submitted job {job.job_id} ({cfg.cluster.name}: {cfg.cluster.nodes} node(s) x "
           f"{cfg.cluster.tasks_per_node} ranks) | run dir {run_dir}", flush=True)
     if cfg.train.wait is False:
@@ -132,7 +136,7 @@ def _app(dcfg: DictConfig) -> None:
         _fail(str(exc))
     try:
         record_measured(cfg, launch(cfg))  # parallel=auto: measured tokens/s next to the prediction
-    except CorpusError as exc:
+    except (CorpusError, RunBusyError) as exc:
         _fail(str(exc))
 
 

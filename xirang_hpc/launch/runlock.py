@@ -1,0 +1,131 @@
+"""One job per run directory.
+
+A run directory belongs to at most one live job: two jobs in one directory would write duplicated
+metrics, interleave events and commit the same checkpoint steps. ``<run>/job.json`` names the job
+that owns the directory (executor, job id; for the local executor also the pid and its start time);
+a launch that finds a live owner is refused with its id, or, on Slurm and when asked
+(``train.after_active=true``), queued behind it with ``--dependency=afterany:<id>``.
+
+A dead job cannot leave the directory locked: the owner is "live" only while Slurm reports it in a
+non-terminal state (``scontrol show job``: pending, running, requeued, suspended, ...) or, for the
+local executor, while its process (same pid and start time, so a reused pid does not count) runs.
+Concurrent launches of the same run serialise on an ``flock`` of ``<run>/.submit.lock`` from the
+check to the record, so exactly one of them submits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+OWNER_FILE = "job.json"
+SUBMIT_LOCK = ".submit.lock"
+# Slurm job states in which a job may still write to its run directory.
+LIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "CONFIGURING",
+               "COMPLETING", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
+
+
+class RunBusyError(RuntimeError):
+    """The run directory already has a live job; the message names it and the ways out."""
+
+
+def _slurm_state(job_id: str) -> str:
+    from xirang_hpc.launch.slurm import job_state
+
+    return job_state(job_id)
+
+
+def _local_alive(pid: int, started: float) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def read_owner(run_dir: Path) -> dict[str, Any] | None:
+    """The recorded owner of ``run_dir`` (None when none was recorded or the file is unreadable)."""
+    try:
+        return json.loads((run_dir / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def live_owner(run_dir: Path, slurm_state: Callable[[str], str] = _slurm_state) -> dict[str, Any] | None:
+    """The owner of ``run_dir`` if its job is still live, with ``state``; None when free (or stale)."""
+    owner = read_owner(run_dir)
+    if owner is None:
+        return None
+    if owner.get("executor") == "slurm":
+        state = slurm_state(str(owner["job_id"])).split()[0] if owner.get("job_id") else "UNKNOWN"
+        return dict(owner, state=state) if state in LIVE_STATES else None
+    pid, started = owner.get("pid"), owner.get("pid_started")
+    if isinstance(pid, int) and isinstance(started, (int, float)) and _local_alive(pid, float(started)):
+        return dict(owner, state="RUNNING")
+    return None
+
+
+def busy_message(run_dir: Path, owner: dict[str, Any]) -> str:
+    """Why a launch is refused, and the ways out."""
+    jid, state = owner.get("job_id"), owner.get("state", "RUNNING")
+    if owner.get("executor") == "slurm":
+        outs = (f"wait for it (squeue -j {jid}), cancel it (scancel {jid}), queue this launch behind it with "
+                "train.after_active=true, or use another train.run_dir")
+    else:
+        outs = f"wait for it, stop it (kill {owner.get('pid')}), or use another train.run_dir"
+    return f"run directory {run_dir} already has job {jid} ({state}, submitted {owner.get('submitted', '?')}): {outs}"
+
+
+@contextlib.contextmanager
+def submission_lock(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``<run>/.submit.lock`` (released when the process dies, too)."""
+    fd = os.open(run_dir / SUBMIT_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def record_owner(run_dir: Path, executor: str, job_id: str, pid: int | None = None,
+                 after: str | None = None) -> dict[str, Any]:
+    """Write ``<run>/job.json`` (atomically) naming the job that now owns the directory."""
+    owner: dict[str, Any] = {"executor": executor, "job_id": str(job_id),
+                             "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": os.uname().nodename}
+    if pid is not None:
+        owner["pid"] = pid
+        with contextlib.suppress(psutil.Error):
+            owner["pid_started"] = psutil.Process(pid).create_time()
+    if after:
+        owner["after"] = after
+    tmp = run_dir / f".{OWNER_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(owner, indent=1))
+    os.replace(tmp, run_dir / OWNER_FILE)
+    return owner
+
+
+def claim(run_dir: Path, executor: str, after_active: bool,
+          slurm_state: Callable[[str], str] = _slurm_state) -> str | None:
+    """Check ``run_dir`` before submitting (call inside :func:`submission_lock`).
+
+    Returns None when the directory is free, or the live owner's job id to depend on when
+    ``after_active`` (Slurm only); raises :class:`RunBusyError` otherwise.
+    """
+    owner = live_owner(run_dir, slurm_state)
+    if owner is None:
+        return None
+    if after_active and executor == "slurm" and owner.get("executor") == "slurm":
+        return str(owner["job_id"])
+    msg = busy_message(run_dir, owner)
+    if after_active:
+        msg += "; train.after_active queues behind a Slurm job only (the local executor has no dependencies)"
+    raise RunBusyError(msg)
