@@ -70,7 +70,7 @@ def test_model_fields_at_their_old_meaning_keep_the_run_directory() -> None:
     base = load_config(compose_cfg([]))
     key = experiment_key(base)["model"]
     assert not {"n_kv_head", "norm_eps", "rope_theta", "tie_embeddings"} & set(key)
-    for override in ("model.tie_embeddings=true", "model.norm_eps=1e-6", "model.n_kv_head=2"):
+    for override in ("model.rope_theta=500000", "model.norm_eps=1e-6", "model.n_kv_head=2"):
         assert experiment_hash(load_config(compose_cfg([override]))) != experiment_hash(base), override
     llama = experiment_key(load_config(compose_cfg(["model=llama-7b"])))["model"]
     assert llama["norm_eps"] == 1e-6  # RMSNorm's epsilon is part of what an RMSNorm run computes
