@@ -119,6 +119,18 @@ def test_hf_config_fills_the_model_unless_a_preset_or_field_says_otherwise(hf_di
     # Inside the job (no command line known) every shape field must already agree.
     with pytest.raises(ConfigError, match="model.n_layer"):
         apply_hf_model({"n_layer": 3, "n_head": 4, "init_from": str(path)}, None)
+    # A sweep's per-job config carries its own overrides in its hydra node: those decide (fill, not check).
+    from conftest import CONF_DIR
+    from hydra import compose, initialize_config_dir
+
+    from xirang_hpc.config.store import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        job = compose(config_name="config", overrides=[f"model.init_from={path}", "train.lr=1e-3"],
+                      return_hydra_config=True)
+    swept = load_config(job).model
+    assert (swept.n_layer, swept.n_kv_head, swept.d_ff, swept.name) == (4, 2, 96, "hf-llama")
     # Through load_config with Hydra's own composition (no command line: a filled config validates).
     cfg = compose_cfg([f"model.init_from={path}", *[f"model.{k}={v}" for k, v in m.items() if k not in
                                                    ("init_from", "name")]])
