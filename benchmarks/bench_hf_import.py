@@ -8,7 +8,7 @@ their shards two ways, back to back in the same processes:
 - baseline: every rank ``safetensors.torch.load_file``s the whole checkpoint, then keeps its region
   (what loading a full state dict on every rank amounts to).
 
-Printed per rank: bytes read, seconds, peak RSS growth; then the ratios. Both must give identical shards.
+Printed per rank: bytes read and seconds; then the ratios. Both must give identical shards.
 
     python benchmarks/bench_hf_import.py [--hidden 512 --layers 8 --vocab 8192]
 """
@@ -16,7 +16,6 @@ Printed per rank: bytes read, seconds, peak RSS growth; then the ratios. Both mu
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import tempfile
 import time
@@ -27,10 +26,6 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _worker(rank: int, world: int, port: int, hf_dir: str, queue: Any) -> None:
@@ -87,12 +82,10 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, queue: Any) -> None:
         mesh = dims.build_mesh(topo, nodes=gather_nodes(topo))
         torch.manual_seed(0)
         pm = parallelize(cfg, dims, mesh)
-        rss0 = _rss_mb()
         dist.barrier()
         t0 = time.perf_counter()
         hi.init_model_from_hf(pm.model, hf_dir, cfg.model)
         ours_s = time.perf_counter() - t0
-        rss_ours = _rss_mb() - rss0
         ours = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
                 for n, p in pm.model.named_parameters()}
         dist.barrier()
@@ -116,9 +109,8 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, queue: Any) -> None:
                 local.copy_(hi.read_region(Mem(), tmap[n], shapes[n], off, shape))
                 same &= torch.equal(local, ours[n])
         base_s = time.perf_counter() - t0
-        rss_base = _rss_mb() - rss0
         queue.put((rank, {"ours_bytes": read[0], "ours_s": ours_s, "base_bytes": base_bytes, "base_s": base_s,
-                          "rss_ours": rss_ours, "rss_base": rss_base, "same": bool(same)}))
+                          "same": bool(same)}))
     except Exception:  # noqa: BLE001 - report to the parent
         queue.put((rank, {"error": traceback.format_exc()}))
     finally:
@@ -162,11 +154,11 @@ def main() -> None:
         for p in procs:
             p.join()
     print(f"Llama {n_params / 1e6:.1f}M params fp32, 4 ranks fsdp2xtp2 (dp2 FSDP2 x tp2), torch {torch.__version__}")
-    print("rank | ours MB read | ours s | baseline MB read | baseline s | peak RSS growth ours/baseline MB | same")
+    print("rank | ours MB read | ours s | baseline MB read | baseline s | same shards")
     for r in range(world):
         x = res[r]
         print(f"{r:4d} | {x['ours_bytes'] / 1e6:12.1f} | {x['ours_s']:6.2f} | {x['base_bytes'] / 1e6:16.1f} | "
-              f"{x['base_s']:10.2f} | {x['rss_ours']:8.0f} / {x['rss_base']:.0f} | {x['same']}")
+              f"{x['base_s']:10.2f} | {x['same']}")
     ob = sum(x["ours_bytes"] for x in res.values())
     bb = sum(x["base_bytes"] for x in res.values())
     os_, bs = max(x["ours_s"] for x in res.values()), max(x["base_s"] for x in res.values())
