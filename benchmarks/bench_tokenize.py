@@ -11,7 +11,7 @@ interpreter's standard-library ``.py`` files (sorted paths), copied to a tempora
   one ``encode_batch_fast`` call (the same without offsets: what prepare uses); the ratio is taken
   against the faster of the two.
 
-Medians over ``--repeats`` rounds, the methods alternating inside each round.
+Medians over ``--repeats`` rounds, the methods alternating inside each round (order rotated per round).
 
     python benchmarks/bench_tokenize.py --mb 4 --repeats 3
 """
@@ -91,8 +91,10 @@ def main() -> None:
                    "ceiling encode_batch": ceiling, "ceiling _fast": ceiling_fast}
         times: dict[str, list[float]] = {k: [] for k in methods}
         tokens: dict[str, int] = {}
-        for _ in range(a.repeats):
-            for name, fn in methods.items():
+        names = list(methods)
+        for r in range(a.repeats):
+            for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order every round
+                fn = methods[name]
                 t0 = time.perf_counter()
                 tokens[name] = fn()
                 times[name].append(time.perf_counter() - t0)
