@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,7 @@ def test_gpt2_tensor_parallel_run_exports_sharded_bfloat16_that_transformers_loa
                         f"train.run_dir={tmp_path}/run"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    shutil.rmtree(hf_dir)  # the trained run no longer needs the directory it started from
     out = tmp_path / "exp"
     e = subprocess.run([str(BIN / "xirang-ckpt"), "export", str(tmp_path / "run"), "--format", "hf", "--out", str(out),
                         "--dtype", "bfloat16", "--max-shard-mb", "0.05"], capture_output=True, text=True, timeout=600)

@@ -262,14 +262,14 @@ def export_hf(step_dir: Path, out_dir: Path, dtype: str = "float32", max_shard_b
     """Write a transformers-loadable directory from a checkpoint of any layout; returns the files written."""
     import dataclasses
 
-    from xirang_hpc.checkpoint.export import load_full
+    from xirang_hpc.checkpoint.export import load_full, run_dir_of
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if dtype not in dtypes:
         raise ValueError(f"--dtype {dtype!r}: choose float32 or bfloat16")
     L.verify(step_dir)
     state = L.read_state(step_dir)
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"init_from"}  # the source may be gone
     cfg = ModelConfig(**{k: v for k, v in state["config"]["model"].items() if k in names})
     family_of(cfg)  # refuse before reading any tensor
     full = {k.removeprefix("model."): v for k, v in load_full(step_dir, "model.").items()}
@@ -277,8 +277,7 @@ def export_hf(step_dir: Path, out_dir: Path, dtype: str = "float32", max_shard_b
         raise ValueError(f"{step_dir}: no model tensors in this checkpoint")
     hf_state = {k: v.to(dtypes[dtype]) for k, v in to_hf_state(full, cfg).items()}
     L.make_dir(out_dir, mode)
-    run_dir = step_dir.parent.parent
-    special = _tokenizer_files(run_dir, out_dir)
+    special = _tokenizer_files(run_dir_of(step_dir), out_dir)
     written = write_hf_weights(hf_state, out_dir, max_shard_bytes)
     cfg_path = out_dir / "config.json"
     cfg_path.write_text(json.dumps(hf_config_for(cfg, dtypes[dtype], special), indent=1))

@@ -52,7 +52,9 @@ class LoadedModel:
 
 def model_config_from(d: dict[str, Any]) -> ModelConfig:
     """A :class:`ModelConfig` from a JSON dict (unknown keys are ignored, so newer exports load)."""
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    # Not init_from: where a trained model's first weights came from (perhaps a directory gone since)
+    # does not matter to loading it, and ModelConfig checks that path.
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"init_from"}
     return ModelConfig(**{k: v for k, v in d.items() if k in names})
 
 
