@@ -137,12 +137,19 @@ def test_hf_config_fills_the_model_unless_a_preset_or_field_says_otherwise(hf_di
     assert load_config(cfg).model.n_kv_head == 2
 
 
-def test_xirang_train_fills_the_model_from_the_directory_and_refuses_a_conflict(hf_dirs, tmp_path: Path) -> None:
+def test_xirang_train_fills_the_model_from_the_directory_and_refuses_a_conflict(hf_dirs, tmp_path: Path,
+                                                                                  small_corpus: Path) -> None:
     path = hf_dirs["llama"][0]
-    r = subprocess.run([str(BIN / "xirang-train"), f"model.init_from={path}", "--cfg", "job"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
-    # --cfg prints the composed config before our filling; the filled one is what validation sees:
+    # The job's config as a launcher writes it (xirang-sbatch renders without submitting): filled from the dir.
+    r = subprocess.run([str(BIN / "xirang-sbatch"), f"model.init_from={path}", f"data.corpus={small_corpus}",
+                        "data.val_fraction=0.2", f"data.out_dir={tmp_path}/data", f"train.runs_root={tmp_path}/sb",
+                        "--out", str(tmp_path / "job.sbatch")], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
+    (job,) = (tmp_path / "sb").glob("*/job_config.json")
+    model = json.loads(job.read_text())["config"]["model"]
+    assert (model["name"], model["n_layer"], model["n_kv_head"], model["d_ff"], model["rope_theta"]) == \
+        ("hf-llama", 4, 2, 96, 500000.0)
     r = subprocess.run([str(BIN / "xirang-train"), f"model.init_from={path}", "model.n_head=8",
                         f"train.runs_root={tmp_path}/runs"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
