@@ -205,8 +205,9 @@ def main() -> None:
           f"{max(f['build_peak'] for f in full) / max(m['build_peak'] for m in meta):.2f}x")
     worst_meta = max(m["step_peak"] for m in meta)
     worst_full = max(f["step_peak"] for f in full)
-    print(f"max peak over ranks (build + step): full build {worst_full / GIB:.3f} GiB, meta init {worst_meta / GIB:.3f} GiB: "
-          f"ratio {worst_full / worst_meta:.2f}x (min over ranks {min(ratios):.2f}x)")
+    print(f"max peak over ranks (build + step): full build {worst_full / GIB:.3f} GiB, "
+          f"meta init {worst_meta / GIB:.3f} GiB: ratio {worst_full / worst_meta:.2f}x "
+          f"(min over ranks {min(ratios):.2f}x)")
     print(f"build time (max over ranks): meta {max(m['build_s'] for m in meta):.1f} s, "
           f"full {max(f['build_s'] for f in full):.1f} s")
     same = all(abs(m["loss"] - f["loss"]) <= 1e-6 * abs(f["loss"]) for m, f in zip(meta, full))
