@@ -71,7 +71,8 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg.parallel, topo.world_size)
         self.nodes = gather_nodes(topo)  # (node_id, local_rank) per rank: the mesh placement and comm notes
         self.mesh = self.dims.build_mesh(topo, log_fn=log if topo.rank == 0 else None, nodes=self.nodes)
-        # Same seed on every rank: identical initial weights without a broadcast.
+        # Initial weights come from train.seed inside parallelize (identical in every layout, no broadcast);
+        # the global generator gets the same seed on every rank for anything else drawn at random.
         torch.manual_seed(t.seed)
         self.pm = parallelize(cfg, self.dims, self.mesh)
         self.dp_size, self.dp_rank = self.dims.dp, self.pm.coords["dp"]
