@@ -137,6 +137,7 @@ def test_hf_config_fills_the_model_unless_a_preset_or_field_says_otherwise(hf_di
     assert load_config(cfg).model.n_kv_head == 2
 
 
+@pytest.mark.slow
 def test_xirang_train_fills_the_model_from_the_directory_and_refuses_a_conflict(hf_dirs, tmp_path: Path,
                                                                                   small_corpus: Path) -> None:
     path = hf_dirs["llama"][0]
