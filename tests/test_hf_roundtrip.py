@@ -189,3 +189,22 @@ def test_export_refuses_models_no_hugging_face_family_expresses() -> None:
         family_of(gqa_gpt2)
     assert family_of(ModelConfig(name="t")) == "gpt2"
     assert family_of(ModelConfig(name="l", norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)) == "llama"
+
+
+def test_the_default_preset_exports_as_an_untied_gpt2_that_transformers_loads(tmp_path: Path) -> None:
+    """model=tiny (layernorm, gelu, learned positions, biases, untied head) -> GPT-2 layout, same logits."""
+    from xirang_hpc.checkpoint.hf import hf_config_for, to_hf_state, write_hf_weights
+    from xirang_hpc.config.schema import ModelConfig
+    from xirang_hpc.models.gpt import GPT
+
+    cfg = ModelConfig(name="tiny", n_layer=2, n_head=4, d_model=64, d_ff=256, seq_len=64)
+    torch.manual_seed(0)
+    ours = GPT(cfg).eval()
+    hf_state = to_hf_state(ours.state_dict(), cfg)
+    assert "lm_head.weight" in hf_state  # untied: the head travels on its own
+    write_hf_weights(hf_state, tmp_path, 1 << 30)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_for(cfg, torch.float32)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)).abs().max().item() <= TOL

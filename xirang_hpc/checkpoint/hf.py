@@ -182,7 +182,8 @@ def hf_config_for(cfg: ModelConfig, dtype: torch.dtype, vocab: dict[str, Any] | 
             "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "resid_pdrop": 0.0,
             "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": cfg.init_std, "use_cache": True,
-            "torch_dtype": dt, **special,
+            # GPT2Config's own defaults (50256) lie outside a small vocabulary; the tokenizer's ids, if any, win.
+            "bos_token_id": None, "eos_token_id": None, "torch_dtype": dt, **special,
         }
     back = model_fields_from_hf(hf)
     for k in ("n_layer", "n_head", "n_kv_head", "d_model", "vocab_size", "norm", "mlp", "pos", "bias"):
