@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from xirang_hpc.checkpoint import extra as E
 from xirang_hpc.checkpoint import state as S
+from xirang_hpc.checkpoint.identity import read_identity, write_identity
 from xirang_hpc.checkpoint.manager import CheckpointManager, SaveRecord
 from xirang_hpc.checkpoint.retention import RetentionPolicy
 from xirang_hpc.checkpoint.rollback import fork_for_resume
@@ -70,6 +71,8 @@ class CheckpointHook(TrainerHook):
             raise FileNotFoundError(target.removeprefix("error: "))
         new = Path(target)
         if new != self.run_dir and self.topo.rank == 0:
+            if read_identity(new) is None:  # the fork records what it trains (lr etc. may differ)
+                write_identity(new, self.cfg, forked_from=str(self.run_dir), fork_step=step)
             trainer.log(f"checkpoint: train.resume_from={step} forked {self.run_dir} -> {new}; "
                         "the original history is untouched")
         trainer.run_dir, trainer.metrics_path = new, new / "metrics.jsonl"

@@ -225,6 +225,10 @@ class TrainConfig:
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])
     # MLflow tracking URI (file:/..., http://host:5000, sqlite:///...); empty: file store <run>/mlruns.
     mlflow_uri: str = ""
+    # Train a run past max_steps, to this step (0 = no extension). Not part of the run-dir hash, so the
+    # same command plus train.extend_to=N finds the run and resumes from its last checkpoint; the LR
+    # schedule is still defined by max_steps, so the extra steps run at the final (minimum) LR.
+    extend_to: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "global_batch", "grad_accum", "lr", "log_every", "eval_batches"):
@@ -244,6 +248,14 @@ class TrainConfig:
             raise ConfigError("train.priority", self.priority, "choose normal or exploratory")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError("train.precision", self.precision, "choose auto, fp32 or bf16")
+        if self.extend_to and self.extend_to <= self.max_steps:
+            raise ConfigError("train.extend_to", self.extend_to,
+                              f"must exceed train.max_steps={self.max_steps} (or be 0: no extension)")
+
+    @property
+    def end_step(self) -> int:
+        """The step training runs to: ``extend_to`` when set, else ``max_steps``."""
+        return self.extend_to or self.max_steps
 
 
 # HDF5 filters for checkpoint shards (zstd through hdf5plugin); checkpoint/storage.py uses the same list.

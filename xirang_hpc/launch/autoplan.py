@@ -14,7 +14,7 @@ from xirang_hpc.planner.auto import PLAN_FILE, announce, choose, write_plan
 def record_measured(cfg: XirangConfig, summary: dict[str, Any] | None, say: Callable[[str], None] = print) -> None:
     """With ``parallel.auto``: add the measured tokens/s to ``plan.json``, print it next to the prediction."""
     path = run_dir_for(cfg) / PLAN_FILE
-    if not cfg.parallel.auto or not summary or not path.exists():
+    if not cfg.parallel.auto or not summary or not summary.get("tokens_per_s") or not path.exists():
         return
     record = json.loads(path.read_text())
     measured = float(summary["tokens_per_s"])

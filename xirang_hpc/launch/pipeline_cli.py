@@ -24,7 +24,7 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.job.stages import STAGE_FNS, serve_stage, train_stage
 from xirang_hpc.launch.hydra_setup import register_configs
-from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
+from xirang_hpc.launch.preflight import open_run_dir, preflight
 from xirang_hpc.monitor.chain import (
     STAGE_DIR,
     STAGES,
@@ -144,9 +144,10 @@ def _app(dcfg: DictConfig) -> None:
     try:
         cfg = load_config(dcfg)
         check_runnable(cfg)
+        preflight(cfg)  # identity and paths before anything is written (a complete run still evaluates)
     except ConfigError as exc:
         _fail(str(exc))
-    run_dir = make_private_dir(run_dir_for(cfg), cfg.checkpoint.dir_mode)
+    run_dir = open_run_dir(cfg)
     if cfg.cluster.executor == "slurm":
         stages = launch_slurm_chain(cfg, run_dir)
         chain = " -> ".join(f"{s['stage']} ({s['job_id']})" for s in stages)

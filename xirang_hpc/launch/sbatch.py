@@ -87,13 +87,14 @@ _OUT: list[str] = []
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _app(dcfg: DictConfig) -> None:
-    from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
+    from xirang_hpc.launch.preflight import open_run_dir, preflight
     from xirang_hpc.launch.train_cli import _ensure_data
 
     try:
         cfg = load_config(dcfg)
         check_runnable(cfg)
-        run_dir = make_private_dir(run_dir_for(cfg), cfg.checkpoint.dir_mode)
+        preflight(cfg)
+        run_dir = open_run_dir(cfg)
         out = Path(_OUT[0]) if _OUT else run_dir / "job.sbatch"
         text = render(cfg, run_dir, sys.executable, str(out))
     except ConfigError as exc:

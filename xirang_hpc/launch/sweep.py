@@ -65,14 +65,17 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]) -
     """Submit every point as one task of one array job; returns (array job id, run dirs)."""
     from xirang_hpc.job.training import run_training
     from xirang_hpc.launch import slurm
+    from xirang_hpc.launch.preflight import open_run_dir, preflight
     from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
     from xirang_hpc.launch.train_cli import _ensure_data
 
     check_same_resources(cfgs, overrides)
-    run_dirs = [make_private_dir(run_dir_for(c), c.checkpoint.dir_mode) for c in cfgs]
-    if len(set(run_dirs)) != len(run_dirs):
-        raise ConfigError("train.run_dir", str(run_dirs[0]),
+    if len({run_dir_for(c) for c in cfgs}) != len(cfgs):
+        raise ConfigError("train.run_dir", str(run_dir_for(cfgs[0])),
                           "two points of the sweep map to the same run directory; leave train.run_dir empty")
+    for c in cfgs:  # every point's identity and paths before any directory is made
+        preflight(c)
+    run_dirs = [open_run_dir(c) for c in cfgs]
     data_dirs = [_ensure_data(c) for c in cfgs]
     folder = make_private_dir(sweep_folder(cfgs, overrides))
     for c, d in zip(cfgs, run_dirs):

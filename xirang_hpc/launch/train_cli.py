@@ -24,7 +24,7 @@ from xirang_hpc.job.training import run_training
 from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
 from xirang_hpc.launch.executors import make_executor
 from xirang_hpc.launch.hydra_setup import register_configs
-from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
+from xirang_hpc.launch.preflight import complete_message, open_run_dir, preflight
 from xirang_hpc.launch.runlock import RunBusyError, claim, record_owner, submission_lock
 
 log = logging.getLogger("xirang.train")
@@ -83,21 +83,42 @@ def _follow(job: submitit.Job, poll_s: float = 0.5) -> None:
         echo.close()
 
 
-def _print_summary(s: dict[str, Any]) -> None:
+def format_summary(s: dict[str, Any]) -> str:
+    """The end-of-run summary: this session's steps and throughput, and where the run stands."""
     ratio = s["final_val_loss"] / s["initial_val_loss"]
-    print("=" * 72)
-    print(f"done: {s['steps']} steps on {s['world_size']} ranks in {s['train_seconds']:.1f}s")
-    print(f"  validation loss  {s['initial_val_loss']:.4f} -> {s['final_val_loss']:.4f} "
-          f"({100 * ratio:.1f}% of initial)")
-    print(f"  throughput       {s['tokens_per_s']:,.0f} tokens/s")
+    run_steps, end = s["steps"], s.get("end_step", s["steps"])
+    ran = s.get("session_steps", run_steps)
+    start = s.get("start_step", run_steps - ran)
+    where = f"steps {start} -> {run_steps} of {end}" if start else f"{run_steps} of {end} steps"
+    lines = [
+        "=" * 72,
+        f"done: {ran} steps this session ({where}) on {s['world_size']} ranks in {s['train_seconds']:.1f}s",
+        f"  validation loss  {s['initial_val_loss']:.4f} -> {s['final_val_loss']:.4f} "
+        f"({100 * ratio:.1f}% of initial)",
+        f"  throughput       {s['tokens_per_s']:,.0f} tokens/s over this session's steps" if ran
+        else "  throughput       n/a (no step ran in this session)",
+    ]
+    return "\n".join(lines)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    print(format_summary(s))
     print(f"  run directory    {s['run_dir']}")
     print("=" * 72, flush=True)
 
 
 def launch(cfg: XirangConfig) -> dict[str, Any] | None:
-    """Submit the training job for a validated config; follow it when ``train.wait``."""
+    """Submit the training job for a validated config; follow it when ``train.wait``.
+
+    Nothing is written or started when :func:`preflight` refuses (``PreflightError``) or finds the
+    run already complete (then it says so and returns None).
+    """
+    status = preflight(cfg)
+    if status.complete:
+        print(complete_message(cfg, status), flush=True)
+        return None
     data_dir = _ensure_data(cfg)  # first: data that cannot be used leaves no run directory behind
-    run_dir = make_private_dir(run_dir_for(cfg), cfg.checkpoint.dir_mode)
+    run_dir = open_run_dir(cfg)
     if cfg.cluster.executor == "slurm":  # submit and return; train.wait=true blocks
         from xirang_hpc.launch.slurm import launch_slurm
 
@@ -130,13 +151,18 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
 def _app(dcfg: DictConfig) -> None:
     try:
         cfg = load_config(dcfg)
+        # Identity, completion and paths, before anything (plan.json included) is written.
+        status = preflight(cfg)
+        if status.complete:
+            print(complete_message(cfg, status), flush=True)
+            return
         cfg = plan_at_launch(cfg)  # parallel=auto: the planner fills in the layout, writes plan.json
         check_runnable(cfg)
     except ConfigError as exc:
         _fail(str(exc))
     try:
         record_measured(cfg, launch(cfg))  # parallel=auto: measured tokens/s next to the prediction
-    except (CorpusError, RunBusyError) as exc:
+    except (CorpusError, RunBusyError, ConfigError) as exc:
         _fail(str(exc))
 
 

@@ -71,7 +71,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     return {
         "run_dir": str(run_dir), "name": run_dir.name, "config_source": source,
         "steps": int(train[-1]["step"]) if train else 0,
-        "total_steps": (cfg or {}).get("train", {}).get("max_steps"),
+        "total_steps": (cfg or {}).get("train", {}).get("extend_to") or (cfg or {}).get("train", {}).get("max_steps"),
         "loss": train[-1]["loss"] if train else None,
         "val_loss": val[-1]["val_loss"] if val else None, "val_step": val[-1]["step"] if val else None,
         "tokens_per_s_median": statistics.median(tput) if tput else None,

@@ -71,7 +71,7 @@ class MonitorHook(TrainerHook):
             "session": session, "job_id": t.job_id, "source": t.source, "started": time.time(),
             "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
             "world_size": t.world_size, "num_nodes": t.num_nodes, "start_step": trainer.state.step,
-            "max_steps": c.train.max_steps, "global_batch": c.train.global_batch, "seq_len": c.model.seq_len,
+            "max_steps": c.train.end_step, "global_batch": c.train.global_batch, "seq_len": c.model.seq_len,
             "model": c.model.name, "flops_per_token": flops_per_token_for(c.model),
             "devices": t.world_size if c.cluster.gpus_per_node else 0, "peak_tflops": self.m.peak_tflops,
             "train_name": c.train.name, "host": socket.gethostname(), "pid": os.getpid(),

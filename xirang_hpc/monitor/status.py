@@ -188,7 +188,8 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
     last = train[-1] if train else {}
     step = max([int(last.get("step", 0))] + [int(hb.get("step", 0)) for hb in beats.values()])
     cfg = (read_json(run_dir / "config.json") or {}).get("config") or {}  # every training start writes it
-    total = int(session.get("max_steps", 0) or cfg.get("train", {}).get("max_steps", 0) or 0)
+    train_cfg = cfg.get("train", {})
+    total = int(session.get("max_steps", 0) or train_cfg.get("extend_to") or train_cfg.get("max_steps", 0) or 0)
     tok_s = float(last.get("tokens_per_s", 0.0))
     fpt = float(session.get("flops_per_token", 0.0))
     peak = float(session.get("peak_tflops", 0.0)) or max(

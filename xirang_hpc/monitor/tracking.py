@@ -345,7 +345,7 @@ class TrackingHook(TrainerHook):
 
     def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
         """The loop ended (completed or stopped without a requeue)."""
-        self.finished = trainer.state.step >= self.cfg.train.max_steps
+        self.finished = trainer.state.step >= self.cfg.train.end_step
         if self.backends and self.topo.rank == 0:
             self._drain_events()
 

@@ -8,7 +8,11 @@ from xirang_hpc.config.schema import TrainConfig
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
-    """Linear warmup to ``t.lr``, then cosine decay to ``t.lr * t.min_lr_ratio`` at max_steps."""
+    """Linear warmup to ``t.lr``, then cosine decay to ``t.lr * t.min_lr_ratio`` at max_steps.
+
+    Steps past ``max_steps`` (a run extended with ``train.extend_to``) stay at the final, minimum LR:
+    the schedule the run was trained under is not re-stretched, so no LR jump follows the resume.
+    """
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
     span = max(1, t.max_steps - t.warmup_steps)

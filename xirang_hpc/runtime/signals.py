@@ -138,7 +138,7 @@ class StopSignalHook(TrainerHook):
             mark(phase)
 
     def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
-        if trainer.state.step >= self.cfg.train.max_steps:
+        if trainer.state.step >= self.cfg.train.end_step:
             self._event("exit", "completed", final=True, status="completed", step=trainer.state.step)
 
     # -- the stop sequence ---------------------------------------------------------------------

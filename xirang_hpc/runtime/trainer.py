@@ -172,8 +172,13 @@ class Trainer:
         return mean_loss, gnorm
 
     def fit(self) -> dict[str, object]:
-        """Train to ``max_steps``; returns the summary (meaningful on rank 0)."""
+        """Train to ``train.end_step`` (``max_steps``, or ``extend_to``); returns the summary (meaningful on rank 0).
+
+        The summary separates this session from the run: ``steps`` is the step reached,
+        ``session_steps`` how many of them ran now, and ``tokens_per_s`` covers only those.
+        """
         t, topo = self.cfg.train, self.topo
+        end = t.end_step
         tokens_per_step = t.global_batch * self.cfg.model.seq_len
         if topo.rank == 0:
             self.log(
@@ -187,29 +192,29 @@ class Trainer:
             self.state.initial_val_loss = self.evaluate()
             self._record({"step": self.state.step, "val_loss": self.state.initial_val_loss})
             if topo.rank == 0:
-                self.log(f"step {self.state.step:>5}/{t.max_steps} | val loss {self.state.initial_val_loss:.4f}")
+                self.log(f"step {self.state.step:>5}/{end} | val loss {self.state.initial_val_loss:.4f}")
         t0 = now()
         window_t, window_tokens = t0, 0
         start_step = self.state.step
-        for step in range(start_step, t.max_steps):
+        for step in range(start_step, end):
             if self.stop_requested:
                 break
-            logged = (step + 1) % t.log_every == 0 or step + 1 == t.max_steps
+            logged = (step + 1) % t.log_every == 0 or step + 1 == end
             loss, gnorm = self.train_step(step, reduce_loss=logged)
             self.state.step = step + 1
             self.state.tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
-            if self.state.step % t.log_every == 0 or self.state.step == t.max_steps:
+            if self.state.step % t.log_every == 0 or self.state.step == end:
                 tnow = now()
                 tok_s = window_tokens / max(tnow - window_t, 1e-9)
-                eta = (t.max_steps - self.state.step) * (tnow - t0) / (self.state.step - start_step)
+                eta = (end - self.state.step) * (tnow - t0) / (self.state.step - start_step)
                 self._record({"step": self.state.step, "loss": loss, "grad_norm": gnorm,
                               "lr": lr_at(step, t), "tokens_per_s": tok_s, "time": time.time()})
                 if topo.rank == 0:
-                    self.log(f"step {self.state.step:>5}/{t.max_steps} | loss {loss:.4f} | "
+                    self.log(f"step {self.state.step:>5}/{end} | loss {loss:.4f} | "
                              f"grad norm {gnorm:.3f} | {tok_s:,.0f} tok/s | ETA {_fmt_eta(eta)}")
                 window_t, window_tokens = tnow, 0
-            if t.eval_every and self.state.step % t.eval_every == 0 and self.state.step < t.max_steps:
+            if t.eval_every and self.state.step % t.eval_every == 0 and self.state.step < end:
                 self._phase("eval")
                 val = self.evaluate()
                 self._record({"step": self.state.step, "val_loss": val})
@@ -221,16 +226,20 @@ class Trainer:
         self._phase("eval")
         final_val = self.evaluate()
         self._record({"step": self.state.step, "val_loss": final_val})
-        trained = (self.state.step - start_step) * tokens_per_step
+        session_steps = self.state.step - start_step
         summary: dict[str, object] = {
             "initial_val_loss": self.state.initial_val_loss,
             "final_val_loss": final_val,
             "steps": self.state.step,
-            "tokens_per_s": trained / max(elapsed, 1e-9),
+            "end_step": end,
+            "start_step": start_step,
+            "session_steps": session_steps,
+            # Over this session's steps only (a resumed run did not train the restored ones now).
+            "tokens_per_s": session_steps * tokens_per_step / elapsed if session_steps and elapsed > 0 else 0.0,
             "train_seconds": elapsed,
             "run_dir": str(self.run_dir),
             "world_size": topo.world_size,
-            "stopped_early": self.state.step < t.max_steps,
+            "stopped_early": self.state.step < end,
         }
         for h in self.hooks:
             h.on_fit_end(self, summary)

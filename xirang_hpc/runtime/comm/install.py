@@ -190,7 +190,7 @@ class CommTrainerHook(TrainerHook):
     def on_step_end(self, trainer: Any, metrics: dict[str, float]) -> None:
         if self.state is None:
             return
-        final = trainer.state.step >= trainer.cfg.train.max_steps
+        final = trainer.state.step >= trainer.cfg.train.end_step
         self.state.after_step(time.perf_counter() - self._t0, final=final)
 
     def on_fit_end(self, trainer: Any, summary: dict[str, object]) -> None:
