@@ -182,3 +182,19 @@ def test_fsdp_node_note_says_when_hsdp_is_already_hierarchical_and_how_to_fix_fs
         .startswith("FSDP shard groups span nodes")
     # pp across nodes, dp inside each node: nothing of FSDP's crosses a node link.
     assert fsdp_node_note(ParallelDims(pp=2, dp_replicate=1, dp_shard=2, tp=1, world_size=4), two_by_two) is None
+
+
+def test_fsdp_comm_note_says_what_really_reduces() -> None:
+    # parallel.data_parallel=ddp under pp/tp runs as FSDP2 with shard degree 1; the log must say so,
+    # not that "FSDP/HSDP reduce internally" (nothing is sharded there).
+    from xirang_hpc.runtime.comm.install import fsdp_comm_note
+    from xirang_hpc.runtime.parallel_dims import ParallelDims
+
+    two_by_two = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    pp = fsdp_comm_note(ParallelDims(pp=2, dp_replicate=2, dp_shard=1, tp=1, world_size=4), two_by_two, "ddp")
+    assert "dp=2 runs as FSDP2 with shard degree 1 under pipeline parallelism" in pp
+    assert "parameters not sharded" in pp and "no gradient traffic crosses a node link" in pp
+    tp = fsdp_comm_note(ParallelDims(pp=1, dp_replicate=2, dp_shard=1, tp=2, world_size=4), two_by_two, "ddp")
+    assert "under tensor parallelism" in tp and "spans 2 nodes flat" in tp
+    fsdp = fsdp_comm_note(ParallelDims(pp=1, dp_replicate=1, dp_shard=4, tp=1, world_size=4), two_by_two, "fsdp")
+    assert fsdp.startswith("comm: FSDP2/HSDP reduce gradients") and "parallel.dp_replicate=2" in fsdp

@@ -29,7 +29,7 @@ def test_short_embedded_run(tmp_path: Path, stdlib_data: Path) -> None:
     for step in (20, 40, 60, 80):
         assert f"step    {step}/80 | loss" in out
     assert "tok/s" in out and "ETA" in out
-    summary = out[out.index("done: 80 steps on 4 ranks"):]
+    summary = out[out.index("done: 80 steps this session (80 of 80 steps) on 4 ranks"):]
     assert "validation loss" in summary and "tokens/s" in summary and "run directory" in summary
 
     run_dirs = list((tmp_path / "runs").iterdir())

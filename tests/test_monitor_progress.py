@@ -97,4 +97,4 @@ def test_xirang_train_on_a_pty_shows_a_progress_line(tmp_path: Path, stdlib_data
     assert "step     2/8 | loss" not in text  # the scrolling lines were replaced
     assert "step     0/8 | val loss" in text  # other lines still print
     # the bar's line is ended before the summary
-    assert re.search(r"ETA \S+\n=+\ndone: 8 steps on 1 ranks", text), text[-3000:]
+    assert re.search(r"ETA \S+\n=+\ndone: 8 steps this session \(8 of 8 steps\) on 1 ranks", text), text[-3000:]

@@ -181,7 +181,9 @@ def cmd_interval(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
-    p = argparse.ArgumentParser(prog="xirang-ckpt", description=__doc__)
+    from xirang_hpc.launch.cli_help import argparse_texts
+
+    p = argparse.ArgumentParser(prog="xirang-ckpt", **argparse_texts("xirang-ckpt"))  # type: ignore[arg-type]
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def add(name: str, fn: object, step: bool = True, help_: str = "") -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.job.stages import STAGE_FNS, serve_stage, train_stage
+from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs
 from xirang_hpc.launch.preflight import open_run_dir, preflight
 from xirang_hpc.monitor.chain import (
@@ -172,6 +173,7 @@ def status_main(argv: list[str]) -> int:
 
 def main() -> None:
     """Console entry point."""
+    maybe_print_help("xirang-pipeline", sys.argv[1:])
     if len(sys.argv) > 1 and sys.argv[1] == "--status":
         if len(sys.argv) < 3:
             _fail("usage: xirang-pipeline --status RUN_DIR [--json]")

@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, XirangConfig
+from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs
 
 _OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="", layout="")
@@ -129,6 +130,7 @@ def parse_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main() -> None:
     """Console entry point."""
     global _OPTS
+    maybe_print_help("xirang-plan", sys.argv[1:])
     _OPTS, rest = parse_flags(sys.argv[1:])
     sys.argv = [sys.argv[0], *rest]
     register_configs()

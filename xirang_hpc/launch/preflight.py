@@ -72,6 +72,8 @@ def _why(exc: OSError) -> str:
         return f"permission denied for uid {os.getuid()}"
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return "no space left on the device (or quota exceeded)"
+    if exc.errno == errno.ENOENT:  # e.g. /proc or /sys: the directory exists but takes no new entries
+        return "its file system does not allow creating directories there"
     return exc.strerror or str(exc)
 
 

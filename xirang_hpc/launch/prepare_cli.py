@@ -16,11 +16,15 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.data.prepare import CorpusError, prepare_data
 from xirang_hpc.data.tokenizer import TokenizerError
+from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
 from xirang_hpc.launch.hydra_setup import register_configs
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _app(cfg: DictConfig) -> None:
+    # The result line printed below is the report; prepare()'s own log line (through Hydra's job
+    # logging) would say the same thing a second time.
+    logging.getLogger("xirang_hpc.data.prepare").setLevel(logging.WARNING)
     try:
         d = load_config(cfg).data
         index = prepare_data(d)
@@ -36,6 +40,7 @@ def _app(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point."""
-    logging.basicConfig(level=logging.INFO)
+    maybe_print_help("xirang-prepare", sys.argv[1:])
+    setup_logging(logging.INFO)
     register_configs()
     _app()

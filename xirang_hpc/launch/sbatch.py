@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs
 
 # Inside the package (so a non-editable install has it); the repo's top-level sbatch_templates/ links here.
@@ -108,6 +109,7 @@ def _app(dcfg: DictConfig) -> None:
 def main() -> None:
     """Console entry point; ``--out FILE`` chooses where the script goes (default: the run dir)."""
     argv = sys.argv[1:]
+    maybe_print_help("xirang-sbatch", argv)
     if "--out" in argv:
         i = argv.index("--out")
         _OUT.append(argv[i + 1])

@@ -22,7 +22,9 @@ from xirang_hpc.serve.weights import WeightsError, load_any
 
 def _parser() -> argparse.ArgumentParser:
     d = ServeConfig()
-    p = argparse.ArgumentParser(prog="xirang-serve", description=__doc__.split("\n\n")[0])
+    from xirang_hpc.launch.cli_help import argparse_texts
+
+    p = argparse.ArgumentParser(prog="xirang-serve", **argparse_texts("xirang-serve"))  # type: ignore[arg-type]
     p.add_argument("path", help="run dir, checkpoints dir, step_N dir, or FILE.safetensors")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest that verifies)")
     p.add_argument("--host", default=d.host, help=f"bind address (default {d.host}; 0.0.0.0 exposes it)")

@@ -73,7 +73,9 @@ def _finished(snap: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit code (2: nothing found)."""
-    ap = argparse.ArgumentParser(prog="xirang-status", description=__doc__.split("\n\n")[0])
+    from xirang_hpc.launch.cli_help import argparse_texts
+
+    ap = argparse.ArgumentParser(prog="xirang-status", **argparse_texts("xirang-status"))  # type: ignore[arg-type]
     ap.add_argument("target", nargs="*", default=["runs"],
                     help="run directory, directory of runs, or job id; several run directories: compare them")
     ap.add_argument("--runs-root", type=Path, default=Path("runs"), help="where to look up a job id (default ./runs)")

@@ -22,6 +22,7 @@ from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare_data, prepared_mismatch
 from xirang_hpc.job.training import run_training
 from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
+from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
 from xirang_hpc.launch.executors import make_executor
 from xirang_hpc.launch.hydra_setup import register_configs
 from xirang_hpc.launch.preflight import complete_message, open_run_dir, preflight
@@ -168,7 +169,8 @@ def _app(dcfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point."""
-    logging.basicConfig(level=logging.WARNING)
+    maybe_print_help("xirang-train", sys.argv[1:])
+    setup_logging(logging.WARNING)
     if "--wait" in sys.argv:  # block until a Slurm job ends (same as train.wait=true)
         sys.argv = [a for a in sys.argv if a != "--wait"] + ["train.wait=true"]
     register_configs()

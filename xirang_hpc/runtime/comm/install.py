@@ -143,6 +143,31 @@ def install_comm(ddp: nn.Module, topo: Topology, cfg: CommConfig,
     return state
 
 
+def fsdp_comm_note(dims: Any, nodes: list[tuple[int, int]], configured: str) -> str:
+    """What really reduces the gradients when data parallelism runs through FSDP2 (said once at start-up).
+
+    ``configured`` is ``parallel.data_parallel``. With ``ddp`` under pipeline or tensor parallelism the
+    runtime stands FSDP2 in for DDP with a shard degree of 1 (pure replication: one gradient all-reduce
+    over the dp group per step, no parameter sharding); the hierarchical DDP hook is not installed.
+    """
+    note = fsdp_node_note(dims, nodes)
+    if configured == "ddp" and dims.dp_shard == 1:
+        why = " and ".join(n for n, d in (("pipeline", dims.pp), ("tensor", dims.tp)) if d > 1)
+        dp_groups: dict[tuple[int, int], set[int]] = {}  # (pp, tp) coordinate -> nodes of that dp group
+        for pos, rank in enumerate(dims.placement(nodes)):
+            c = dims.coords(pos)
+            dp_groups.setdefault((c["pp"], c["tp"]), set()).add(nodes[rank][0])
+        spans = max(len(g) for g in dp_groups.values())
+        where = (f"its all-reduce spans {spans} nodes flat (the hierarchical hook needs plain DDP: "
+                 "parallel.pp=1 and parallel.tp=1)" if spans > 1 else "each dp group lies inside one node, "
+                 "so no gradient traffic crosses a node link")
+        return (f"comm: data parallel dp={dims.dp} runs as FSDP2 with shard degree 1 under {why} parallelism "
+                f"(replication, as DDP: parameters not sharded, one gradient all-reduce per step over the dp "
+                f"group); {where}")
+    return ("comm: FSDP2/HSDP reduce gradients inside their own collectives (the hierarchical DDP hook is for "
+            "plain DDP)" + (f"; {note}" if note else ""))
+
+
 class CommTrainerHook(TrainerHook):
     """Installs the hook at fit start (DDP only) and drives the averager after every step."""
 
@@ -177,11 +202,8 @@ class CommTrainerHook(TrainerHook):
 
     @staticmethod
     def _fsdp_note(trainer: Any) -> None:
-        # Where FSDP's own collectives run, from the placement the trainer gathered for its mesh.
-        note = fsdp_node_note(trainer.dims, trainer.nodes)
         if trainer.topo.rank == 0:
-            trainer.log("comm: hierarchical DDP hook not used (FSDP/HSDP reduce internally)"
-                        + (f"; {note}" if note else ""))
+            trainer.log(fsdp_comm_note(trainer.dims, trainer.nodes, trainer.cfg.parallel.data_parallel))
 
     def on_phase(self, trainer: Any, phase: str) -> None:
         if phase == "data":

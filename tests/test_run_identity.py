@@ -1,0 +1,233 @@
+"""A run directory holds one run: mismatched launches are refused before anything is written or started,
+finished runs start nothing, ``train.extend_to`` extends, and unwritable paths are named up front.
+
+The launches are the real ``xirang-train`` (submitit local executor, one gloo rank) on a real run
+directory; read-only and full file systems are real tmpfs mounts (root ignores permission bits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import compose_cfg
+
+from xirang_hpc.config.validate import load_config
+from xirang_hpc.launch.preflight import PreflightError, check_paths, checkpoint_bytes, preflight
+from xirang_hpc.launch.train_cli import format_summary
+
+EXE = Path(sys.executable).parent / "xirang-train"
+# One rank, a few steps, a checkpoint every 2 steps: the smallest real run.
+SMALL = ["cluster.nodes=1", "cluster.tasks_per_node=1", "parallel.pp=1", "parallel.microbatches=1",
+         "train.max_steps=4", "train.warmup_steps=1", "train.global_batch=8", "train.log_every=2",
+         "train.eval_batches=1", "checkpoint.every_steps=2", "monitor.enabled=false"]
+
+
+def _train(run: Path, data: Path, *over: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(EXE), *SMALL, f"train.run_dir={run}", f"data.out_dir={data}", *over],
+                          cwd=run.parent, capture_output=True, text=True, timeout=600)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` with its size and mtime: any write shows up."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, email_data: Path) -> tuple[Path, Path]:
+    """A finished 4-step run (checkpoints at steps 2 and 4)."""
+    run = tmp_path_factory.mktemp("identity") / "run"
+    r = _train(run, email_data)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_2", "step_4"]
+    return run, email_data
+
+
+@pytest.mark.slow
+def test_shape_change_is_refused_before_anything_is_written(trained: tuple[Path, Path]) -> None:
+    run, data = trained
+    ident = json.loads((run / "identity.json").read_text())
+    assert ident["model"]["d_model"] == 64 and ident["data"]["tokenizer"] == "byte"
+    before = _snapshot(run)
+    r = _train(run, data, "model.d_model=32")
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "model.d_model: the run has 64, this launch has 32" in r.stderr
+    assert "a new run directory" in r.stderr and "Traceback" not in r.stderr
+    assert "submitted job" not in r.stdout  # no rank started
+    assert _snapshot(run) == before  # checkpoints, metrics, logs: untouched
+
+
+@pytest.mark.slow
+def test_run_without_identity_file_is_checked_against_its_checkpoint(trained: tuple[Path, Path]) -> None:
+    # A run made before identity.json existed: the config in its newest checkpoint identifies it.
+    run, data = trained
+    ident = run / "identity.json"
+    saved = ident.read_bytes()
+    ident.unlink()
+    try:
+        before = _snapshot(run)
+        r = _train(run, data, "model.n_layer=2")
+        assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "model.n_layer: the run has 4, this launch has 2" in r.stderr
+        assert "checkpoint step 4" in r.stderr
+        assert _snapshot(run) == before
+    finally:
+        ident.write_bytes(saved)
+
+
+@pytest.mark.slow
+def test_finished_run_starts_nothing(trained: tuple[Path, Path]) -> None:
+    run, data = trained
+    before = _snapshot(run)
+    r = _train(run, data)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "is complete: its last checkpoint is step 4 of 4" in r.stdout
+    assert "train.extend_to=" in r.stdout and "submitted job" not in r.stdout
+    assert _snapshot(run) == before
+
+
+@pytest.mark.slow
+def test_more_steps_on_a_run_points_to_extend_to(trained: tuple[Path, Path]) -> None:
+    run, data = trained
+    before = _snapshot(run)
+    r = _train(run, data, "train.max_steps=8")
+    assert r.returncode == 2
+    assert "train.max_steps: the run has 4, this launch has 8" in r.stderr
+    assert "train.extend_to=8" in r.stderr and "train.resume_from=STEP (steps [2, 4])" in r.stderr
+    assert _snapshot(run) == before
+
+
+@pytest.mark.slow
+def test_extend_to_resumes_and_reports_this_session(trained: tuple[Path, Path]) -> None:
+    run, data = trained
+    r = _train(run, data, "train.extend_to=6")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "(step 4)" in r.stdout
+    assert "done: 2 steps this session (steps 4 -> 6 of 6)" in r.stdout
+    assert "step_6" in {p.name for p in (run / "checkpoints").glob("step_*")}
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lrs = {row["step"]: row["lr"] for row in rows if "lr" in row}
+    cfg = load_config(compose_cfg(SMALL))
+    assert lrs[6] == pytest.approx(cfg.train.lr * cfg.train.min_lr_ratio)  # past max_steps: the final LR
+    # The same command again: complete at the new end.
+    again = _train(run, data, "train.extend_to=6")
+    assert again.returncode == 0 and "is complete: its last checkpoint is step 6 of 6" in again.stdout
+
+
+def test_fork_may_change_optimisation_but_not_the_model(tmp_path: Path) -> None:
+    from xirang_hpc.config.identity import write_identity
+
+    run = tmp_path / "run"
+    run.mkdir()
+    write_identity(run, load_config(compose_cfg([f"train.run_dir={run}"])))
+    # train.resume_from forks: a new LR is what forks are for...
+    st = preflight(load_config(compose_cfg([f"train.run_dir={run}", "train.resume_from=2", "train.lr=1e-4"])))
+    assert not st.complete
+    # ...but its checkpoints could not load into another shape.
+    with pytest.raises(PreflightError, match=r"model.n_head: the run has 4, this launch has 2"):
+        preflight(load_config(compose_cfg([f"train.run_dir={run}", "train.resume_from=2", "model.n_head=2"])))
+    with pytest.raises(PreflightError, match="train.lr: the run has 0.003, this launch has 0.0001"):
+        preflight(load_config(compose_cfg([f"train.run_dir={run}", "train.lr=1e-4"])))
+
+
+# ---- writable paths: real read-only and full file systems ------------------------------------------
+
+@pytest.fixture
+def mounts(tmp_path: Path) -> Iterator[dict[str, Path]]:
+    """A read-only tmpfs and a 1 MiB tmpfs (needs root and mount(2); skipped elsewhere)."""
+    ro, tiny = tmp_path / "ro", tmp_path / "tiny"
+    ro.mkdir()
+    tiny.mkdir()
+    done: list[Path] = []
+    try:
+        for path, opts in ((ro, "ro,size=1m"), (tiny, "size=1m")):
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+            if r.returncode:
+                pytest.skip(f"cannot mount tmpfs here: {r.stderr.decode().strip()}")
+            done.append(path)
+        yield {"ro": ro, "tiny": tiny}
+    finally:
+        for path in done:
+            subprocess.run(["umount", str(path)], check=False)
+
+
+def _cfg(*over: str):  # noqa: ANN202 - a XirangConfig
+    return load_config(compose_cfg([*SMALL, *over]))
+
+
+def test_read_only_run_dir_is_named(mounts: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(PreflightError, match=r"run directory .*/ro/run is not writable .*read-only file system"):
+        preflight(_cfg(f"train.run_dir={mounts['ro']}/run", f"data.out_dir={tmp_path}/d"))
+    with pytest.raises(PreflightError, match=r"runs root .*/ro/runs is not writable.*read-only"):
+        preflight(_cfg(f"train.runs_root={mounts['ro']}/runs", f"data.out_dir={tmp_path}/d"))
+    with pytest.raises(PreflightError, match=r"data directory .*/ro/data is not writable.*read-only"):
+        preflight(_cfg(f"train.run_dir={tmp_path}/run", f"data.out_dir={mounts['ro']}/data"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_read_only_checkpoint_dir_is_named(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    ck.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ck)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        cfg = _cfg(f"train.run_dir={run}", f"data.out_dir={tmp_path}/d")
+        with pytest.raises(PreflightError, match=r"checkpoint directory .*/run/checkpoints is not writable.*read-only"):
+            check_paths(cfg, run)
+    finally:
+        subprocess.run(["umount", str(ck)], check=False)
+
+
+def test_kernel_filesystem_is_named(tmp_path: Path) -> None:
+    # /proc/sys refuses new entries even to root.
+    with pytest.raises(PreflightError, match=r"run directory /proc/sys/run is not writable"):
+        preflight(_cfg("train.run_dir=/proc/sys/run", f"data.out_dir={tmp_path}/d"))
+
+
+def test_no_space_for_one_checkpoint(mounts: dict[str, Path], tmp_path: Path) -> None:
+    cfg = _cfg(f"train.run_dir={mounts['tiny']}/run", f"data.out_dir={tmp_path}/d")
+    need = checkpoint_bytes(cfg)
+    assert need > 1 << 20  # the tiny model's checkpoint does not fit in 1 MiB
+    with pytest.raises(PreflightError, match=r"checkpoint directory .*only 1.0 MiB free.*needs about 2.7 MiB"):
+        preflight(cfg)
+    # Without checkpoints nothing large is written: accepted.
+    preflight(_cfg(f"train.run_dir={mounts['tiny']}/run", f"data.out_dir={tmp_path}/d", "checkpoint.enabled=false"))
+
+
+@pytest.mark.slow
+def test_read_only_run_dir_fails_before_submission_from_the_cli(mounts: dict[str, Path], email_data: Path) -> None:
+    r = _train(mounts["ro"] / "run", email_data)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "is not writable" in r.stderr and "read-only file system" in r.stderr
+    assert "Traceback" not in r.stderr and "submitted job" not in r.stdout
+
+
+# ---- summaries ---------------------------------------------------------------------------------------
+
+def _summary(**kw: object) -> dict[str, object]:
+    base = {"initial_val_loss": 5.0, "final_val_loss": 4.0, "steps": 80, "end_step": 80, "start_step": 60,
+            "session_steps": 20, "world_size": 4, "train_seconds": 7.1, "tokens_per_s": 5770.0, "run_dir": "/r"}
+    return {**base, **kw}
+
+
+def test_summary_counts_this_session() -> None:
+    text = format_summary(_summary())
+    assert "done: 20 steps this session (steps 60 -> 80 of 80) on 4 ranks in 7.1s" in text
+    assert "5,770 tokens/s over this session's steps" in text
+    fresh = format_summary(_summary(start_step=0, session_steps=80))
+    assert "done: 80 steps this session (80 of 80 steps)" in fresh
+    idle = format_summary(_summary(start_step=80, session_steps=0, tokens_per_s=0.0, train_seconds=0.0))
+    assert "done: 0 steps this session" in idle and "n/a (no step ran in this session)" in idle
+
+
+def test_ro_probe_leaves_nothing(tmp_path: Path) -> None:
+    check_paths(_cfg(f"train.run_dir={tmp_path}/run", f"data.out_dir={tmp_path}/d"), tmp_path / "run")
+    assert os.listdir(tmp_path) == []
