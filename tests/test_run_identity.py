@@ -136,6 +136,14 @@ def test_fork_may_change_optimisation_but_not_the_model(tmp_path: Path) -> None:
         preflight(load_config(compose_cfg([f"train.run_dir={run}", "train.lr=1e-4"])))
 
 
+def test_unreadable_identity_is_named(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "identity.json").write_text("{not json")
+    with pytest.raises(PreflightError, match=r"identity.json cannot be read .*nothing was started"):
+        preflight(load_config(compose_cfg([f"train.run_dir={run}"])))
+
+
 # ---- writable paths: real read-only and full file systems ------------------------------------------
 
 @pytest.fixture

@@ -136,7 +136,14 @@ def recorded_identity(run_dir: Path) -> tuple[dict[str, Any] | None, str]:
 
     A run made before ``identity.json`` existed is identified by the config in its newest checkpoint.
     """
-    rec = read_identity(run_dir)
+    try:
+        rec = read_identity(run_dir)
+    except (OSError, ValueError) as exc:
+        path = run_dir / "identity.json"
+        raise PreflightError("train.run_dir", str(run_dir),
+                             f"{path} cannot be read ({exc}); it records what this run trains, so nothing was "
+                             f"started: restore it, or remove it to identify the run by its newest checkpoint"
+                             ) from None
     if rec is not None:
         return rec, str(run_dir / "identity.json")
     root = run_dir / "checkpoints"
