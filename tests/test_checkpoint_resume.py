@@ -168,6 +168,8 @@ def test_resume_from_forks_a_new_run_through_the_job_function(runs):
     fork = Path(json.loads((full / "forks.json").read_text())["10"])
     assert fork.parent == full.parent and fork.name.startswith(f"{full.name}-from10-")
     assert json.loads((fork / "forked_from.json").read_text())["step"] == 10
+    ident = json.loads((fork / "identity.json").read_text())  # the fork records what it trains
+    assert ident["fork_step"] == 10 and ident["forked_from"] == str(full) and ident["model"]["d_model"] > 0
     assert L.committed_steps(fork / "checkpoints") == [10, 20]
     a, b = saved_tensors(full / "checkpoints" / "step_20"), saved_tensors(fork / "checkpoints" / "step_20")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
