@@ -44,7 +44,7 @@ def test_help_matches_golden(cmd: str) -> None:
 def test_own_flags_are_listed() -> None:
     assert "--wait" in _run("xirang-train", "-h").stdout
     plan = _run("xirang-plan", "--help").stdout
-    for flag in ("--json", "--top N", "--calibrate", "--out FILE"):
+    for flag in ("--json", "--top N", "--runnable", "--layout SPEC", "--calibrate", "--out FILE"):
         assert flag in plan
     assert "--out FILE" in _run("xirang-sbatch", "--help").stdout
     assert "--status RUN_DIR" in _run("xirang-pipeline", "--help").stdout

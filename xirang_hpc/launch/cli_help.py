@@ -83,18 +83,23 @@ COMMANDS: dict[str, CommandHelp] = {
     ),
     "xirang-plan": CommandHelp(
         usage="xirang-plan [--json] [--top N] [--runnable] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
+              "       xirang-plan --layout SPEC|config [--json] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
               "       xirang-plan --calibrate [--out FILE] cluster=OPTION",
         about=(
             "Rank parallel layouts (dp x tp x pp, FSDP/HSDP, ZeRO-1, recomputation, microbatches) for a model on "
             "a cluster: memory per GPU, step time (compute, tensor-parallel communication, pipeline bubble, "
             "exposed data-parallel communication), MFU and tokens/s, and why each runner-up lost. The parallel "
-            "group is ignored (the planner chooses it). --calibrate measures this cluster's compute and links "
+            "group is ignored (the planner chooses it) unless --layout config asks for exactly that layout. "
+            "--calibrate measures this cluster's compute and links "
             "instead and writes a cluster preset."
         ),
         flags=[
             ("--json", "machine-readable plans"),
             ("--top N", "how many plans to show (default 5)"),
             ("--runnable", "only layouts this build's runtime can run (what parallel=auto uses)"),
+            ("--layout SPEC", "evaluate one given layout instead of searching: tp=8,pp=16,dp=64,mbs=1,v=4,zero=1,"
+                              "recompute=selective,sp=true, or 'config' for the parallel group as xirang-train "
+                              "runs it"),
             ("--calibrate", "measure the cluster (runs a short job) and write a preset"),
             ("--out FILE", "where --calibrate writes the preset (default conf/cluster/<cluster>-calibrated.yaml)"),
             *_HYDRA_FLAGS,
@@ -102,6 +107,7 @@ COMMANDS: dict[str, CommandHelp] = {
         examples=[
             ("xirang-plan model=gpt-175b cluster=a100-80gb-ib cluster.nodes=128 train.global_batch=1536", ""),
             ("xirang-plan model=gpt-7b cluster=h100-ib cluster.nodes=8 --json --top 5", ""),
+            ("xirang-plan --layout config parallel=dp2xtp2", "the cost of one layout, as xirang-train runs it"),
             ("xirang-plan --calibrate cluster=local --out conf/cluster/local-calibrated.yaml", ""),
         ],
         notes="Exit status: 0 planned, 2 a bad config or no layout fits.",
@@ -171,15 +177,16 @@ COMMANDS: dict[str, CommandHelp] = {
         about=(
             "Serve a trained model over HTTP: the newest good checkpoint of a run directory (from any dp/tp/pp/"
             "fsdp layout, reassembled in one process), one step_N directory, or exported safetensors. "
-            "Endpoints: GET /health, GET /v1/model, POST /v1/generate (prompt, max_tokens, temperature, top_k, "
-            "seed, stream). Concurrent requests are decoded together. Binds 127.0.0.1 unless --host says "
+            "Endpoints: GET /health, GET /metrics (Prometheus), POST /v1/generate, and the OpenAI API "
+            "(POST /v1/completions and /v1/chat/completions, streaming or not; GET /v1/models), so OpenAI "
+            "clients work unchanged. Concurrent requests are decoded together. Binds 127.0.0.1 unless --host says "
             "otherwise; set $XIRANG_SERVE_TOKEN (or the variable --token-env names) to require a bearer token."
         ),
         examples=[
             ("xirang-serve RUN_DIR", "127.0.0.1:8000"),
             ("xirang-serve RUN_DIR --step 400 --port 0 --info-file serve.json", ""),
             ("xirang-serve RUN_DIR/export/step_300/model.safetensors --max-batch 32 --threads 1", ""),
-            ("XIRANG_SERVE_TOKEN=s3cret xirang-serve RUN_DIR", ""),
+            ("XIRANG_SERVE_TOKEN=s3cret xirang-serve RUN_DIR", "/v1/* then needs 'Authorization: Bearer s3cret'"),
         ],
         notes="Exit status: 0 stopped, 2 nothing servable at PATH.",
         hydra=False,
@@ -245,7 +252,8 @@ def render(name: str) -> str:
     h = COMMANDS[name]
     width = max(len(f) for f, _ in h.flags)
     lines = [f"usage: {h.usage}", "", _wrap(h.about), "", "options:"]
-    lines += [f"  {f:<{width}}  {m}" for f, m in h.flags]
+    lines += [textwrap.fill(m, WIDTH, initial_indent=f"  {f:<{width}}  ", subsequent_indent=" " * (width + 4),
+                            break_on_hyphens=False) for f, m in h.flags]
     lines += ["", "examples:", *_examples(h), ""]
     lines += _groups_text()
     if h.notes:
