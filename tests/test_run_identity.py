@@ -121,7 +121,7 @@ def test_extend_to_resumes_and_reports_this_session(trained: tuple[Path, Path]) 
 
 
 def test_fork_may_change_optimisation_but_not_the_model(tmp_path: Path) -> None:
-    from xirang_hpc.config.identity import write_identity
+    from xirang_hpc.checkpoint.identity import write_identity
 
     run = tmp_path / "run"
     run.mkdir()
