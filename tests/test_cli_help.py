@@ -23,16 +23,32 @@ def _run(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str
                           env=ENV, cwd=cwd)
 
 
+ENTRY = {"xirang-train": "train_cli", "xirang-prepare": "prepare_cli", "xirang-plan": "plan_cli",
+         "xirang-sbatch": "sbatch", "xirang-pipeline": "pipeline_cli", "xirang-status": "status_cli",
+         "xirang-serve": "serve_cli", "xirang-ckpt": "ckpt_cli"}
+
+
+def _help_in_process(cmd: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
+    """``CMD --help`` through the console entry point itself, in this process (the fast tier)."""
+    import importlib
+
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(sys, "argv", [cmd, "--help"])
+    mod = importlib.import_module(f"xirang_hpc.launch.{ENTRY[cmd]}")
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--help"]) if not COMMANDS[cmd].hydra else mod.main()
+    assert exc.value.code in (0, None)
+    return capsys.readouterr().out
+
+
 @pytest.mark.parametrize("cmd", sorted(COMMANDS))
-def test_help_matches_golden(cmd: str) -> None:
-    r = _run(cmd, "--help")
-    assert r.returncode == 0, r.stderr
+def test_help_matches_golden(cmd: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help_in_process(cmd, monkeypatch, capsys)
     golden = GOLDEN / f"help_{cmd.removeprefix('xirang-')}.txt"
     if os.environ.get("XIRANG_UPDATE_GOLDEN"):
-        golden.write_text(r.stdout)
-    assert r.stdout == golden.read_text(), f"{cmd} --help changed; regenerate with XIRANG_UPDATE_GOLDEN=1"
+        golden.write_text(text)
+    assert text == golden.read_text(), f"{cmd} --help changed; regenerate with XIRANG_UPDATE_GOLDEN=1"
     # What a new user needs: what it does, its own flags, examples, where the config is.
-    text = r.stdout
     assert "examples:" in text and text.count(f"  {cmd}") >= 3
     assert "Hydra" not in text.split("options:")[0]  # not Hydra's generic help
     if COMMANDS[cmd].hydra:
@@ -41,6 +57,15 @@ def test_help_matches_golden(cmd: str) -> None:
             assert flag in text
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", sorted(COMMANDS))
+def test_installed_command_prints_the_same_help(cmd: str) -> None:
+    r = _run(cmd, "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (GOLDEN / f"help_{cmd.removeprefix('xirang-')}.txt").read_text()
+
+
+@pytest.mark.slow
 def test_own_flags_are_listed() -> None:
     assert "--wait" in _run("xirang-train", "-h").stdout
     plan = _run("xirang-plan", "--help").stdout
@@ -55,6 +80,7 @@ def _repeated(text: str) -> list[str]:
     return [line for line, n in Counter(lines).items() if n > 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", ["xirang-train", "xirang-prepare", "xirang-plan"])
 def test_info_prints_each_line_once(cmd: str) -> None:
     r = _run(cmd, "--info")
@@ -64,12 +90,14 @@ def test_info_prints_each_line_once(cmd: str) -> None:
     assert "DEBUG:hydra" not in out
 
 
+@pytest.mark.slow
 def test_cfg_job_prints_once() -> None:
     r = _run("xirang-train", "--cfg", "job")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("d_model:") == 1 and r.stdout.count("max_steps:") == 1
 
 
+@pytest.mark.slow
 def test_prepare_reports_once(tmp_path: Path, small_corpus: Path) -> None:
     r = _run("xirang-prepare", f"data.corpus={small_corpus}", f"data.out_dir={tmp_path}/out", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
