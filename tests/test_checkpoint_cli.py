@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.manager import CheckpointManager
 from xirang_hpc.checkpoint.retention import RetentionPolicy
 from xirang_hpc.checkpoint.rollback import fork_for_resume
@@ -78,9 +78,10 @@ def test_rollback_forks_and_keeps_history(run, tmp_path, capsys):
     new = tmp_path / "forked"
     assert main(["rollback", str(src), "--step", "2", "--to", str(new)]) == 0
     assert f"train.run_dir={new}" in capsys.readouterr().out
-    assert L.committed_steps(src / "checkpoints") == [1, 2, 3] and L.read_latest(src / "checkpoints") == 3
-    assert L.committed_steps(new / "checkpoints") == [2] and L.read_latest(new / "checkpoints") == 2
-    L.verify(new / "checkpoints" / "step_2")
+    assert ckpt_layout.committed_steps(src / "checkpoints") == [1, 2, 3]
+    assert ckpt_layout.read_latest(src / "checkpoints") == 3
+    assert ckpt_layout.committed_steps(new / "checkpoints") == [2] and ckpt_layout.read_latest(new / "checkpoints") == 2
+    ckpt_layout.verify(new / "checkpoints" / "step_2")
     a, b = src / "checkpoints/step_2/rank_0.h5", new / "checkpoints/step_2/rank_0.h5"
     assert a.stat().st_ino == b.stat().st_ino  # hard-linked, not copied
     assert [json.loads(x)["step"] for x in (new / "metrics.jsonl").read_text().splitlines()] == [1, 2]
@@ -91,7 +92,7 @@ def test_resume_from_forks_once_and_is_idempotent(run):
     src = run[0]
     assert fork_for_resume(src, 3) == src  # newest step: continue in place
     new = fork_for_resume(src, 1)
-    assert new != src and L.committed_steps(new / "checkpoints") == [1]
+    assert new != src and ckpt_layout.committed_steps(new / "checkpoints") == [1]
     assert fork_for_resume(src, 1) == new  # a requeued job finds the same fork
     with pytest.raises(FileNotFoundError, match=r"train.resume_from=7: no checkpoint .*have \[1, 2, 3\]"):
         fork_for_resume(src, 7)
@@ -101,9 +102,9 @@ def test_prune_and_pin(run, capsys):
     root = run[0] / "checkpoints"
     assert main(["pin", str(run[0]), "--step", "1"]) == 0
     assert main(["prune", str(run[0]), "--keep-last", "1", "--dry-run"]) == 0
-    assert L.committed_steps(root) == [1, 2, 3]
+    assert ckpt_layout.committed_steps(root) == [1, 2, 3]
     assert main(["prune", str(run[0]), "--keep-last", "1"]) == 0
-    assert L.committed_steps(root) == [1, 3]
+    assert ckpt_layout.committed_steps(root) == [1, 3]
     assert "removed: [2]" in capsys.readouterr().out
 
 

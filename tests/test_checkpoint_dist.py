@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.manager import CheckpointManager
 
 ROWS = 10  # not divisible by 4: uneven shards
@@ -36,7 +36,7 @@ def _check_load(mgr: CheckpointManager, mesh, rank: int, world: int, step: int) 
         want = distribute_tensor(full[k], mesh, [Shard(0)]).to_local()
         assert isinstance(zeros[k], DTensor) and torch.equal(zeros[k].to_local(), want), (rank, k)
     assert torch.equal(zeros["r"], full["r"])
-    saved_world = len(L.read_manifest(res.path)["files"]) // 2 - 1  # rank_i.h5 + rank_i.json, state, metadata
+    saved_world = len(ckpt_layout.read_manifest(res.path)["files"]) // 2 - 1  # rank_i.h5 + rank_i.json, state, metadata
     assert res.rank_state == ({"rank": rank} if rank < saved_world else None)
 
 
@@ -95,7 +95,7 @@ def _run(world: int, root: Path, mode: str, step: int) -> None:
 def test_sharded_state_reshards_2_to_4_and_4_to_2(tmp_path):
     root = tmp_path / "ckpt"
     _run(2, root, "save", 1)  # async save on 2 ranks under concurrent training traffic
-    m = L.verify(root / "step_1")
+    m = ckpt_layout.verify(root / "step_1")
     assert set(m["files"]) >= {"rank_0.h5", "rank_1.h5", "rank_0.json", "rank_1.json"}
     _run(4, root, "load+save", 2)  # 2 -> 4 (each rank reads a hyperslab of one saved shard), then save on 4
     _run(2, root, "load", 2)  # 4 -> 2

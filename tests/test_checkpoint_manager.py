@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.manager import CheckpointManager
 from xirang_hpc.checkpoint.retention import RetentionPolicy, plan_prune
 
@@ -70,8 +70,8 @@ def test_kill_minus_9_at_random_moments_never_leaves_a_bad_latest(tmp_path):
         t = _template()
         res = mgr.load(t)
         assert res is not None and res.skipped == []
-        assert res.step == max(L.committed_steps(root)) and res.step > last
-        L.verify(res.path)
+        assert res.step == max(ckpt_layout.committed_steps(root)) and res.step > last
+        ckpt_layout.verify(res.path)
         _assert_is_step(t, res.step)
         assert res.state == {"step": res.step} and res.rank_state == {"rank": 0, "step": res.step}
         last = res.step
@@ -92,8 +92,8 @@ def test_truncated_shard_is_named_and_falls_back(two_steps, caplog):
     bad = root / "step_2" / "rank_0.h5"
     with bad.open("r+b") as f:
         f.truncate(bad.stat().st_size // 2)
-    with pytest.raises(L.CheckpointCorruptError, match=r"step_2/rank_0\.h5: size \d+ bytes.*truncated"):
-        L.verify(root / "step_2")
+    with pytest.raises(ckpt_layout.CheckpointCorruptError, match=r"step_2/rank_0\.h5: size \d+ bytes.*truncated"):
+        ckpt_layout.verify(root / "step_2")
     t = _template()
     with caplog.at_level(logging.ERROR):
         res = mgr.load(t)
@@ -112,7 +112,8 @@ def test_garbage_shard_is_named_and_falls_back(two_steps, caplog):
     assert res.step == 1
     _assert_is_step(t, 1)
     assert "step_2/rank_0.h5: checksum" in caplog.text
-    with pytest.raises(L.CheckpointCorruptError, match=r"step_2/rank_0\.h5: checksum \(xxh3_128\) .* \(corrupted\)"):
+    corrupt = r"step_2/rank_0\.h5: checksum \(xxh3_128\) .* \(corrupted\)"
+    with pytest.raises(ckpt_layout.CheckpointCorruptError, match=corrupt):
         mgr.load(_template(), step=2, fallback=False)
 
 
@@ -141,8 +142,8 @@ def test_async_save_waits_for_the_previous_one(tmp_path):
     for s in range(1, 5):
         mgr.save(s, _tensors(s), state={"step": s})
     mgr.wait()
-    assert L.committed_steps(tmp_path / "ckpt") == [2, 3, 4]  # keep_last=3 by default
-    assert L.read_latest(tmp_path / "ckpt") == 4
+    assert ckpt_layout.committed_steps(tmp_path / "ckpt") == [2, 3, 4]  # keep_last=3 by default
+    assert ckpt_layout.read_latest(tmp_path / "ckpt") == 4
     assert all(r.persist_s > 0 for r in mgr.history)
 
 
@@ -152,8 +153,8 @@ def test_retention_keeps_last_every_and_pinned(tmp_path):
     for s in range(1, 10):
         mgr.save(s, _tensors(s))
         if s == 5:
-            (root / "step_5" / L.PINNED).touch()
-    assert L.committed_steps(root) == [3, 4, 5, 8, 9]
+            (root / "step_5" / ckpt_layout.PINNED).touch()
+    assert ckpt_layout.committed_steps(root) == [3, 4, 5, 8, 9]
     keep, delete = plan_prune(root, RetentionPolicy(keep_last=1))
     assert keep == {5, 9} and delete == {3, 4, 8}
 
@@ -187,8 +188,8 @@ def test_dedup_frozen_half_stores_about_half(tmp_path):
     on_disk = (root / "step_2" / "rank_0.h5").stat().st_size
     assert on_disk < 0.6 * (root / "step_1" / "rank_0.h5").stat().st_size
     # keep_last=1, but step_1 holds data step_2 references: retention must keep it.
-    assert L.committed_steps(root) == [1, 2]
-    assert L.read_manifest(root / "step_2")["refs"] == ["../step_1"]
+    assert ckpt_layout.committed_steps(root) == [1, 2]
+    assert ckpt_layout.read_manifest(root / "step_2")["refs"] == ["../step_1"]
     out = {"model": {k: torch.zeros(256, 256) for k in [*frozen, *live]}}
     assert mgr.load(out).step == 2
     for k, v in {**frozen, **live}.items():
@@ -202,7 +203,7 @@ def test_corrupt_dedup_reference_is_caught_through_the_referencing_step(tmp_path
     t2 = _tensors(1)
     t2["optim"]["m"].fill_(-2.0)  # only this tensor changes; the rest of step 2 points into step 1
     rec = mgr.save(2, t2)
-    assert rec.ref_bytes > 0 and L.read_manifest(root / "step_2")["refs"] == ["../step_1"]
+    assert rec.ref_bytes > 0 and ckpt_layout.read_manifest(root / "step_2")["refs"] == ["../step_1"]
     bad = root / "step_1" / "rank_0.h5"
     data = bytearray(bad.read_bytes())
     data[-100:] = b"\xff" * 100

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import compose_cfg
 
-from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.rollback import fork_run
 from xirang_hpc.checkpoint.storage import HDF5StorageReader, read_metadata
 from xirang_hpc.config.validate import load_config
@@ -120,7 +120,7 @@ def runs(tmp_path_factory, stdlib_data) -> dict[str, Path]:
 @pytest.mark.slow
 def test_exact_resume_20_vs_10_plus_10(runs):
     full, split = runs["full"], runs["split"]
-    assert L.committed_steps(split / "checkpoints") == [10]
+    assert ckpt_layout.committed_steps(split / "checkpoints") == [10]
     run_job(make_cfg(runs["data"], split, SAVE_LAYOUT), split, runs["data"])
     a, b = saved_tensors(full / "checkpoints" / "step_20"), saved_tensors(split / "checkpoints" / "step_20")
     assert a.keys() == b.keys() and any(k.startswith("model.") for k in a)
@@ -130,9 +130,9 @@ def test_exact_resume_20_vs_10_plus_10(runs):
     # The model really trained between 10 and 20 (the comparison is not between untouched tensors).
     early = saved_tensors(full / "checkpoints" / "step_10")
     assert all(not torch.equal(a[k], early[k]) for k in a if k.startswith("model.") and "weight" in k)
-    sa = L.read_state(full / "checkpoints" / "step_20")
-    sb = L.read_state(split / "checkpoints" / "step_20")
-    assert L.read_manifest(full / "checkpoints" / "step_20")["layout"]["dims"] == {"dp": 2, "tp": 2, "pp": 1}
+    sa = ckpt_layout.read_state(full / "checkpoints" / "step_20")
+    sb = ckpt_layout.read_state(split / "checkpoints" / "step_20")
+    assert ckpt_layout.read_manifest(full / "checkpoints" / "step_20")["layout"]["dims"] == {"dp": 2, "tp": 2, "pp": 1}
     assert sa["step"] == sb["step"] == 20 and sa["tokens_seen"] == sb["tokens_seen"]
     assert sa["initial_val_loss"] == sb["initial_val_loss"]
     assert _losses(full) == _losses(split) and sorted(_losses(full)) == [5, 10, 15, 20]
@@ -151,8 +151,8 @@ def test_resharded_resume_continues_training(runs, change):
     assert sorted(got) == [5, 10, 15, 20]
     for step in (15, 20):
         assert got[step] == pytest.approx(ref[step], rel=1e-4), f"step {step}: {got[step]} vs {ref[step]}"
-    m = L.read_manifest(fork / "checkpoints" / "step_20")
-    saved = L.read_manifest(runs[src] / "checkpoints" / "step_10")
+    m = ckpt_layout.read_manifest(fork / "checkpoints" / "step_20")
+    saved = ckpt_layout.read_manifest(runs[src] / "checkpoints" / "step_10")
     assert m["world_size"] == world and math.prod(m["layout"]["dims"].values()) == world
     assert (m["world_size"], m["layout"]) != (saved["world_size"], saved["layout"])  # the layout really changed
 
@@ -162,7 +162,7 @@ def test_resume_from_forks_a_new_run_through_the_job_function(runs):
     """train.resume_from=10 on a finished 20-step run: the job forks, trains 11..20 in the fork and
     reaches bitwise the same step 20; the original run's checkpoints and metrics are untouched."""
     full = runs["full"]
-    before = {s: L.read_manifest(full / "checkpoints" / f"step_{s}")["committed_at"] for s in (10, 20)}
+    before = {s: ckpt_layout.read_manifest(full / "checkpoints" / f"step_{s}")["committed_at"] for s in (10, 20)}
     metrics_before = (full / "metrics.jsonl").read_text()
     run_job(make_cfg(runs["data"], full, [*SAVE_LAYOUT, "train.resume_from=10"]), full, runs["data"])
     fork = Path(json.loads((full / "forks.json").read_text())["10"])
@@ -170,9 +170,9 @@ def test_resume_from_forks_a_new_run_through_the_job_function(runs):
     assert json.loads((fork / "forked_from.json").read_text())["step"] == 10
     ident = json.loads((fork / "identity.json").read_text())  # the fork records what it trains
     assert ident["fork_step"] == 10 and ident["forked_from"] == str(full) and ident["model"]["d_model"] > 0
-    assert L.committed_steps(fork / "checkpoints") == [10, 20]
+    assert ckpt_layout.committed_steps(fork / "checkpoints") == [10, 20]
     a, b = saved_tensors(full / "checkpoints" / "step_20"), saved_tensors(fork / "checkpoints" / "step_20")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _losses(fork) == _losses(full)
-    after = {s: L.read_manifest(full / "checkpoints" / f"step_{s}")["committed_at"] for s in (10, 20)}
+    after = {s: ckpt_layout.read_manifest(full / "checkpoints" / f"step_{s}")["committed_at"] for s in (10, 20)}
     assert after == before and (full / "metrics.jsonl").read_text() == metrics_before

@@ -19,9 +19,9 @@ from comm_harness import run  # noqa: E402
 from xirang_hpc.config.errors import ConfigError  # noqa: E402
 from xirang_hpc.config.schema import CommConfig  # noqa: E402
 from xirang_hpc.runtime.comm.budget import budget_bytes_per_s, derive_period  # noqa: E402
+from xirang_hpc.runtime.comm.comm_hook import BucketTuner  # noqa: E402
 from xirang_hpc.runtime.comm.groups import CommLayoutError, split_by_node  # noqa: E402
 from xirang_hpc.runtime.comm.hierarchical import shard_bounds  # noqa: E402
-from xirang_hpc.runtime.comm.hook import BucketTuner  # noqa: E402
 
 SCENARIOS = ["sizes", "flat", "hier", "budget_h1", "auto", "budget_h8", "resume"]
 

@@ -252,7 +252,7 @@ def _worker(rank: int, world: int, port: int, layout: str, hf_dir: str, queue: A
     import xirang_hpc.serve.hf_import as hi
     from xirang_hpc.checkpoint.hf import tensor_map
     from xirang_hpc.config.hf import apply_hf_model as fill
-    from xirang_hpc.runtime.parallel_dims import ParallelDims, gather_nodes
+    from xirang_hpc.runtime.parallel_dims import Layout
     from xirang_hpc.runtime.parallelize import parallelize
 
     torch.set_num_threads(1)
@@ -297,10 +297,10 @@ def _worker(rank: int, world: int, port: int, layout: str, hf_dir: str, queue: A
         fields = fill({"init_from": hf_dir}, [])
         cfg = make_cfg(world, LAYOUTS[layout], steps=2, model={k: v for k, v in fields.items() if k != "init_from"})
         topo = topology(rank, world, port)
-        dims = ParallelDims.from_config(cfg.parallel, world)
-        mesh = dims.build_mesh(topo, nodes=gather_nodes(topo))
+        layout = Layout.for_job(cfg.parallel, topo)
+        mesh = layout.build_mesh(topo)
         torch.manual_seed(0)
-        pm = parallelize(cfg, dims, mesh)
+        pm = parallelize(cfg, layout, mesh)
         n = hi.init_model_from_hf(pm.model, hf_dir, cfg.model)
         local, sharded = 0, set()
         tmap = tensor_map(cfg.model)
@@ -313,7 +313,7 @@ def _worker(rank: int, world: int, port: int, layout: str, hf_dir: str, queue: A
             local += (p.to_local() if isinstance(p, DTensor) else p).numel()
         with torch.no_grad():
             x = TOKENS
-            if dims.pp > 1:
+            if layout.dims.pp > 1:
                 pp_group = mesh["pp"].get_group()
                 if pm.is_first_stage:
                     h = pm.model(x)

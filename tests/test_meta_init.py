@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.models.init import BLOCK_ELEMS, block_rows, init_parameters, normal_region
-from xirang_hpc.runtime.parallel_dims import ParallelDims, gather_nodes
+from xirang_hpc.runtime.parallel_dims import Layout
 from xirang_hpc.runtime.parallelize import parallelize
 
 SEED = 1234
@@ -119,9 +119,8 @@ class _Allocations(TorchDispatchMode):
 def _build(world: int, name: str, model: dict[str, Any], full_build: bool = False) -> tuple[Any, Any]:
     cfg = H.make_cfg(world, H.LAYOUTS[name], model=model)
     topo = H.topology(dist.get_rank(), world, 0) if world > 1 else H.topology(0, 1, 0)
-    dims = ParallelDims.from_config(cfg.parallel, world)
-    mesh = dims.build_mesh(topo, nodes=gather_nodes(topo))
-    return cfg, parallelize(cfg, dims, mesh, _full_build=full_build)
+    layout = Layout.for_job(cfg.parallel, topo)
+    return cfg, parallelize(cfg, layout, layout.build_mesh(topo), _full_build=full_build)
 
 
 def _worker(rank: int, world: int, port: int, queue: Any) -> None:

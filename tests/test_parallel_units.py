@@ -25,7 +25,7 @@ def test_dims_product_must_equal_world() -> None:
 
 
 def test_dims_from_config_ddp_fsdp_hsdp() -> None:
-    assert ParallelDims.from_config(ParallelConfig(dp=-1, tp=2), 8).shape == (1, 4, 1, 2)
+    assert ParallelDims.from_config(ParallelConfig(dp=4, tp=2), 8).shape == (1, 4, 1, 2)
     assert ParallelDims.from_config(ParallelConfig(dp=4, data_parallel="fsdp"), 4).shape == (1, 1, 4, 1)
     hsdp = ParallelDims.from_config(ParallelConfig(dp=4, data_parallel="fsdp", dp_replicate=2), 4)
     assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp) == (2, 2, 4)

@@ -40,7 +40,7 @@ def test_local_executor_virtual_nodes() -> None:
     env = {"SUBMITIT_LOCAL_GLOBALID": "2", "SUBMITIT_LOCAL_NTASKS": "4", "SUBMITIT_LOCAL_JOB_ID": "777",
            # Inherited from an enclosing allocation: must not win over the local executor.
            "SLURM_JOB_ID": "1", "SLURM_PROCID": "0"}
-    t = discover(env, virtual_nodes=2)
+    t = discover(env, local_nodes=2)
     assert (t.rank, t.node_id, t.local_rank, t.num_nodes, t.node_name) == (2, 1, 0, 2, "vnode1")
     assert t.source == "local"
 

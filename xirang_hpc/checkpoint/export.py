@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.storage import HDF5StorageReader, read_metadata
 from xirang_hpc.data.tokenizer import copy_tokenizer_file, load_run_tokenizer, tokenizer_info
 
@@ -34,12 +34,12 @@ def export_safetensors(step_dir: Path, out_dir: Path, mode: int = 0o700) -> tupl
     """Write ``model.safetensors`` (full weights, names without the ``model.`` prefix) and ``config.json``."""
     from safetensors.torch import save_file
 
-    L.verify(step_dir)
+    ckpt_layout.verify(step_dir)
     weights = {k.removeprefix("model."): v.contiguous() for k, v in load_full(step_dir, "model.").items()}
     if not weights:
         raise ValueError(f"{step_dir}: no model tensors in this checkpoint")
-    state: dict[str, Any] = L.read_state(step_dir)
-    L.make_dir(out_dir, mode)
+    state: dict[str, Any] = ckpt_layout.read_state(step_dir)
+    ckpt_layout.make_dir(out_dir, mode)
     wpath, cpath = out_dir / "model.safetensors", out_dir / "config.json"
     save_file(weights, str(wpath), metadata={"format": "pt", "step": str(state.get("step", ""))})
     cfg = state.get("config", {})

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.config.hf import hf_family, model_fields_from_hf
 from xirang_hpc.config.schema import ModelConfig
 
@@ -268,8 +268,8 @@ def export_hf(step_dir: Path, out_dir: Path, dtype: str = "float32", max_shard_b
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if dtype not in dtypes:
         raise ValueError(f"--dtype {dtype!r}: choose float32 or bfloat16")
-    L.verify(step_dir)
-    state = L.read_state(step_dir)
+    ckpt_layout.verify(step_dir)
+    state = ckpt_layout.read_state(step_dir)
     names = {f.name for f in dataclasses.fields(ModelConfig)} - {"init_from"}  # the source may be gone
     cfg = ModelConfig(**{k: v for k, v in state["config"]["model"].items() if k in names})
     family_of(cfg)  # refuse before reading any tensor
@@ -277,7 +277,7 @@ def export_hf(step_dir: Path, out_dir: Path, dtype: str = "float32", max_shard_b
     if not full:
         raise ValueError(f"{step_dir}: no model tensors in this checkpoint")
     hf_state = {k: v.to(dtypes[dtype]) for k, v in to_hf_state(full, cfg).items()}
-    L.make_dir(out_dir, mode)
+    ckpt_layout.make_dir(out_dir, mode)
     special = _tokenizer_files(run_dir_of(step_dir), out_dir)
     written = write_hf_weights(hf_state, out_dir, max_shard_bytes)
     cfg_path = out_dir / "config.json"

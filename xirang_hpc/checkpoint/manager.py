@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.retention import RetentionPolicy, prune
 from xirang_hpc.checkpoint.snapshot import HostSnapshot
 from xirang_hpc.checkpoint.storage import METADATA_FILE, HDF5StorageReader, HDF5StorageWriter
@@ -88,7 +88,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._dedup_index: dict[str, tuple[str, str]] | None = None
         if rank == 0:
-            L.make_dir(self.root, dir_mode)
+            ckpt_layout.make_dir(self.root, dir_mode)
         self._barrier()
 
     # ---- collectives on our own group ---------------------------------------------------
@@ -117,7 +117,7 @@ class CheckpointManager:
     # ---- save ---------------------------------------------------------------------------
     def cleanup_leftovers(self) -> list[Path]:
         """Rank 0 removes temporaries of saves that never committed; every rank waits."""
-        removed = L.cleanup_leftovers(self.root) if self.rank == 0 else []
+        removed = ckpt_layout.cleanup_leftovers(self.root) if self.rank == 0 else []
         for p in removed:
             log.warning("removed unfinished checkpoint %s", p)
         self._barrier()
@@ -163,9 +163,10 @@ class CheckpointManager:
     def _index(self) -> dict[str, tuple[str, str]]:
         """Dedup index of the newest committed step (built from disk after a restart)."""
         if self._dedup_index is None:
-            steps = L.committed_steps(self.root)
+            steps = ckpt_layout.committed_steps(self.root)
             try:
-                self._dedup_index = L.dedup_index(self.root / L.step_dir_name(steps[-1])) if steps else {}
+                last = self.root / ckpt_layout.step_dir_name(steps[-1]) if steps else None
+                self._dedup_index = ckpt_layout.dedup_index(last) if last is not None else {}
             except (OSError, ValueError, KeyError) as exc:
                 log.warning("dedup: cannot index step %s (%s); writing a full checkpoint", steps[-1], exc)
                 self._dedup_index = {}
@@ -176,28 +177,29 @@ class CheckpointManager:
         t0 = now()
         name = None
         if self.rank == 0:
-            name = f"{L.step_dir_name(rec.step)}.tmp-{uuid.uuid4().hex[:10]}"
-            L.make_dir(self.root / name, self.dir_mode)
+            name = f"{ckpt_layout.step_dir_name(rec.step)}.tmp-{uuid.uuid4().hex[:10]}"
+            ckpt_layout.make_dir(self.root / name, self.dir_mode)
         tmp = self.root / self._bcast(name)
         rank_json = f"rank_{self.rank}.json"
-        L.write_json_durable(tmp / rank_json, rank_state)
+        ckpt_layout.write_json_durable(tmp / rank_json, rank_state)
         writer = HDF5StorageWriter(tmp, self.compression, self._index() if self.dedup else None)
         dcp.save(snap, storage_writer=writer, process_group=self.group)
         # The writer checksummed its file while fsyncing it (no second pass here).
-        own = {rank_json: L.file_entry(tmp / rank_json), **writer.file_entries}
+        own = {rank_json: ckpt_layout.file_entry(tmp / rank_json), **writer.file_entries}
         gathered = self._gather((own, writer.stats))
         rec.new_bytes = sum(g[1]["new_bytes"] for g in gathered)
         rec.ref_bytes = sum(g[1]["ref_bytes"] for g in gathered)
-        final = self.root / L.step_dir_name(rec.step)
+        final = self.root / ckpt_layout.step_dir_name(rec.step)
         if self.rank == 0:
-            L.write_json_durable(tmp / L.STATE, state)
-            files = {L.STATE: L.file_entry(tmp / L.STATE), METADATA_FILE: L.file_entry(tmp / METADATA_FILE)}
+            ckpt_layout.write_json_durable(tmp / ckpt_layout.STATE, state)
+            files = {ckpt_layout.STATE: ckpt_layout.file_entry(tmp / ckpt_layout.STATE),
+                     METADATA_FILE: ckpt_layout.file_entry(tmp / METADATA_FILE)}
             for entries, _ in gathered:
                 files.update(entries)
             meta = {"step": rec.step, "world_size": self.world_size, "new_bytes": rec.new_bytes,
                     "ref_bytes": rec.ref_bytes, "stall_s": rec.stall_s, "persist_s": now() - t0, **info}
-            L.commit(tmp, final, files, L.refs_of_metadata(tmp), meta)
-            L.write_latest(self.root, rec.step)
+            ckpt_layout.commit(tmp, final, files, ckpt_layout.refs_of_metadata(tmp), meta)
+            ckpt_layout.write_latest(self.root, rec.step)
         self._barrier()
         rec.persist_s = now() - t0
         if self.rank == 0 and self.on_commit is not None:
@@ -206,7 +208,7 @@ class CheckpointManager:
             except OSError as exc:  # a full or read-only event log must not fail a durable checkpoint
                 log.warning("checkpoint step %d: commit callback failed: %s", rec.step, exc)
         if self.dedup:
-            self._dedup_index = L.dedup_index(final)
+            self._dedup_index = ckpt_layout.dedup_index(final)
         if self.rank == 0:  # after the commit: deleting old steps is not on the durability path
             t1 = now()
             prune(self.root, self.retention)
@@ -217,7 +219,7 @@ class CheckpointManager:
     # ---- load ---------------------------------------------------------------------------
     def candidates(self) -> list[int]:
         """Committed steps, newest first (rank 0's view, shared with every rank)."""
-        return self._bcast(sorted(L.committed_steps(self.root), reverse=True) if self.rank == 0 else None)
+        return self._bcast(sorted(ckpt_layout.committed_steps(self.root), reverse=True) if self.rank == 0 else None)
 
     def load(self, tensors: dict[str, Any], step: int | None = None, fallback: bool = True) -> LoadResult | None:
         """Load the newest good checkpoint (or ``step``) into ``tensors`` in place.
@@ -234,30 +236,30 @@ class CheckpointManager:
             order = [step] if not fallback else [s for s in order if s <= step]
         skipped: list[tuple[int, str]] = []
         for s in order:
-            d = self.root / L.step_dir_name(s)
+            d = self.root / ckpt_layout.step_dir_name(s)
             problem = None
             if self.rank == 0:
                 try:  # manifest, sizes, small files; the loader checksums the tensor files it reads
-                    L.verify(d, checksums=self.verify_checksums, skip_suffix=".h5")
-                except L.CheckpointCorruptError as exc:
+                    ckpt_layout.verify(d, checksums=self.verify_checksums, skip_suffix=".h5")
+                except ckpt_layout.CheckpointCorruptError as exc:
                     problem = str(exc)
             problem = self._bcast(problem)
             if problem is None:
                 try:
-                    sums = L.expected_checksums(d) if self.verify_checksums else None
+                    sums = ckpt_layout.expected_checksums(d) if self.verify_checksums else None
                     dcp.load(tensors, storage_reader=HDF5StorageReader(d, sums), process_group=self.group)
                 except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every rank's failure
                     problem = _explain(exc)
             if problem is None:
                 rank_file = d / f"rank_{self.rank}.json"
                 rank_state = json.loads(rank_file.read_text()) if rank_file.exists() else None
-                return LoadResult(s, d, L.read_state(d), rank_state, skipped)
+                return LoadResult(s, d, ckpt_layout.read_state(d), rank_state, skipped)
             if self.rank == 0:
                 log.error("checkpoint %s is not usable: %s%s", d, problem,
                           "; falling back to the previous one" if fallback else "")
             skipped.append((s, problem))
             if not fallback:
-                raise L.CheckpointCorruptError(problem)
+                raise ckpt_layout.CheckpointCorruptError(problem)
         if step is not None:
-            raise L.CheckpointCorruptError(f"no usable checkpoint at or before step {step}: {skipped}")
+            raise ckpt_layout.CheckpointCorruptError(f"no usable checkpoint at or before step {step}: {skipped}")
         return None

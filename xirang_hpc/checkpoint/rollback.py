@@ -13,14 +13,14 @@ import shutil
 import time
 from pathlib import Path
 
-from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint import layout as ckpt_layout
 
 FORKS = "forks.json"
 FORKED_FROM = "forked_from.json"
 
 
 def _link_tree(src: Path, dst: Path, mode: int) -> None:
-    L.make_dir(dst, mode)
+    ckpt_layout.make_dir(dst, mode)
     for p in src.iterdir():
         if p.is_file():
             try:
@@ -38,15 +38,15 @@ def fork_run(run_dir: Path, step: int, new_dir: Path | None = None, mode: int = 
     """Create a new run directory whose only (newest) checkpoint is ``step`` of ``run_dir``."""
     run_dir = Path(run_dir)
     src_root = run_dir / "checkpoints"
-    src = src_root / L.step_dir_name(step)
+    src = src_root / ckpt_layout.step_dir_name(step)
     if not src.is_dir():
-        have = L.committed_steps(src_root)
+        have = ckpt_layout.committed_steps(src_root)
         raise FileNotFoundError(f"{run_dir}: no checkpoint for step {step} (have {have})")
-    L.verify(src)
+    ckpt_layout.verify(src)
     dst_run = Path(new_dir) if new_dir is not None else default_fork_dir(run_dir, step)
     if dst_run.exists() and any(dst_run.iterdir()):
         raise FileExistsError(f"{dst_run} already exists and is not empty; choose another --to")
-    dst_root = L.make_dir(dst_run / "checkpoints", mode)
+    dst_root = ckpt_layout.make_dir(dst_run / "checkpoints", mode)
     os.chmod(dst_run, mode)
     todo, done = [src], set()
     while todo:
@@ -55,8 +55,8 @@ def fork_run(run_dir: Path, step: int, new_dir: Path | None = None, mode: int = 
             continue
         done.add(d.name)
         _link_tree(d, dst_root / d.name, mode)
-        todo += [(d / r).resolve() for r in L.read_manifest(d).get("refs", [])]
-    L.write_latest(dst_root, step)
+        todo += [(d / r).resolve() for r in ckpt_layout.read_manifest(d).get("refs", [])]
+    ckpt_layout.write_latest(dst_root, step)
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
@@ -73,7 +73,7 @@ def fork_for_resume(run_dir: Path, step: int, mode: int = 0o700) -> Path:
     with the same config) find that fork and continue there.
     """
     root = Path(run_dir) / "checkpoints"
-    steps = L.committed_steps(root)
+    steps = ckpt_layout.committed_steps(root)
     if step not in steps:
         raise FileNotFoundError(f"train.resume_from={step}: no checkpoint for that step under {root} (have {steps})")
     if step == steps[-1]:

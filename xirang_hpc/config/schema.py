@@ -8,12 +8,33 @@ Each group (``model/``, ``cluster/``, ...) has one dataclass here; the YAML file
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.hf import is_hf_dir
+
+
+def _finite(group: str, obj: object) -> None:
+    """Refuse NaN and infinities in every float field of ``obj`` (also inside lists and dicts).
+
+    ``nan <= 0`` is False, so without this a NaN slips through every range check below.
+    """
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if isinstance(value, dict):
+            items = list(value.items())
+        elif isinstance(value, list):
+            items = list(enumerate(value))
+        else:
+            items = [(None, value)]
+        for key, v in items:
+            if isinstance(v, float) and not math.isfinite(v):
+                where = f"{group}.{f.name}" + (f"[{key!r}]" if key is not None else "")
+                raise ConfigError(where, v, "must be a finite number (not NaN or infinity)")
 
 
 def _positive(group: str, name: str, value: float, fix: str = "use a value > 0") -> None:
@@ -51,6 +72,7 @@ class ModelConfig:
     init_from: str | None = None
 
     def __post_init__(self) -> None:
+        _finite("model", self)
         for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len", "norm_eps", "rope_theta"):
             _positive("model", name, getattr(self, name))
         if self.n_kv_head < 0:
@@ -132,6 +154,7 @@ class ClusterConfig:
     hardware: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _finite("cluster", self)
         if self.executor not in ("local", "slurm"):
             raise ConfigError("cluster.executor", self.executor, "choose local or slurm")
         for name in ("nodes", "tasks_per_node", "time_min"):
@@ -167,6 +190,7 @@ class ParallelConfig:
     auto: bool = False
 
     def __post_init__(self) -> None:
+        _finite("parallel", self)
         if self.dp != -1 and self.dp < 1:
             raise ConfigError("parallel.dp", self.dp, "use a positive degree, or -1 to derive it")
         for name in ("tp", "pp", "microbatches"):
@@ -231,6 +255,7 @@ class TrainConfig:
     extend_to: int = 0
 
     def __post_init__(self) -> None:
+        _finite("train", self)
         for name in ("max_steps", "global_batch", "grad_accum", "lr", "log_every", "eval_batches"):
             _positive("train", name, getattr(self, name))
         if self.eval_every < 0:
@@ -280,6 +305,7 @@ class CheckpointConfig:
     dir_mode: int = 0o700
 
     def __post_init__(self) -> None:
+        _finite("checkpoint", self)
         _positive("checkpoint", "every_steps", self.every_steps)
         _positive("checkpoint", "mtbf_hours", self.mtbf_hours)
         if self.keep_last < 1:
@@ -305,6 +331,7 @@ class RequeueConfig:
     start_now: bool = False
 
     def __post_init__(self) -> None:
+        _finite("requeue", self)
         if self.max_requeues < 0:
             raise ConfigError("requeue.max_requeues", self.max_requeues, "use 0 or more")
 
@@ -331,11 +358,16 @@ class DataConfig:
     split_seed: int = 0
 
     def __post_init__(self) -> None:
+        _finite("data", self)
         if not self.tokenizer:
             raise ConfigError("data.tokenizer", self.tokenizer,
                               "use byte, bpe, a tokenizer.json path or an HF model dir")
         if self.vocab_size < 0:
             raise ConfigError("data.vocab_size", self.vocab_size, "use 0 (= model.vocab_size) or a size >= 257")
+        if self.vocab_size and self.tokenizer != "bpe":  # byte is 256; a tokenizer.json brings its own size
+            raise ConfigError("data.vocab_size", self.vocab_size,
+                              f"only a trained tokenizer (data.tokenizer=bpe) takes a vocabulary size, not "
+                              f"data.tokenizer={self.tokenizer}; leave data.vocab_size at 0")
         if self.on_bad_record not in ("fail", "skip"):
             raise ConfigError("data.on_bad_record", self.on_bad_record, "choose fail or skip")
         if not self.text_field:
@@ -371,6 +403,7 @@ class MonitorConfig:
     debug_slow_s: float = 0.0
 
     def __post_init__(self) -> None:
+        _finite("monitor", self)
         for name in ("heartbeat_s", "hang_s", "stale_s", "straggler_k", "straggler_window"):
             _positive("monitor", name, getattr(self, name))
         if self.stale_s < 2 * self.heartbeat_s:
@@ -404,6 +437,7 @@ class CommConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        _finite("comm", self)
         if str(self.bucket) != "auto":
             try:
                 mb = float(self.bucket)
@@ -440,6 +474,7 @@ class EvalConfig:
     max_val_loss: float = 0.0
 
     def __post_init__(self) -> None:
+        _finite("eval", self)
         for name in ("batches", "batch_size"):
             _positive("eval", name, getattr(self, name))
         if self.sample_tokens < 0 or self.max_val_loss < 0:
@@ -465,6 +500,7 @@ class ServeConfig:
     model_name: str = ""  # the model id of the OpenAI-compatible API; "" = the run directory's name
 
     def __post_init__(self) -> None:
+        _finite("serve", self)
         if not self.read_timeout_s > 0:
             raise ConfigError("serve.read_timeout_s", self.read_timeout_s,
                               "use a number of seconds > 0 (how long a request may take to arrive)")

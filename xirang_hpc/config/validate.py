@@ -100,12 +100,13 @@ def validate(cfg: XirangConfig) -> XirangConfig:
         )
     if p.schedule == "interleaved" and p.pp == 1:
         raise ConfigError("parallel.schedule", p.schedule, "interleaved is a pipeline schedule: set parallel.pp > 1")
-    if p.tp > c.tasks_per_node:
+    if c.tasks_per_node % p.tp:  # the one config-level check (the mesh placement then keeps each group on a node)
+        ok = [d for d in _divisors(c.tasks_per_node) if m.n_head % d == 0 and m.d_model % d == 0]
         raise ConfigError(
             "parallel.tp",
             p.tp,
-            f"tensor parallel groups stay inside a node (cluster.tasks_per_node={c.tasks_per_node}); "
-            f"use parallel.tp <= {c.tasks_per_node}",
+            f"tensor parallel groups stay inside a node: tp must divide cluster.tasks_per_node={c.tasks_per_node}; "
+            f"choose parallel.tp from {ok}",
         )
     if world % (p.tp * p.pp):
         raise ConfigError(
@@ -114,7 +115,7 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             f"tp*pp={p.tp * p.pp} must divide the world size {world} "
             f"(cluster.nodes={c.nodes} x cluster.tasks_per_node={c.tasks_per_node})",
         )
-    dp = world // (p.tp * p.pp) if p.dp == -1 else p.dp
+    dp = world // (p.tp * p.pp) if p.dp == -1 else p.dp  # the one place parallel.dp=-1 is resolved
     if dp * p.tp * p.pp != world:
         raise ConfigError(
             "parallel.dp",
@@ -127,7 +128,8 @@ def validate(cfg: XirangConfig) -> XirangConfig:
         raise ConfigError(
             "train.global_batch",
             t.global_batch,
-            f"must be divisible by dp*grad_accum*microbatches={per_step}; use a multiple of {per_step}",
+            f"must be divisible by dp*train.grad_accum*parallel.microbatches={dp}*{t.grad_accum}*{p.microbatches}"
+            f"={per_step}; use a multiple of {per_step} or change train.grad_accum / parallel.microbatches",
         )
     if t.warmup_steps > t.max_steps:
         raise ConfigError(
@@ -195,15 +197,17 @@ def _check_tokenizer(cfg: XirangConfig) -> DataConfig:
 
 
 def check_runnable(cfg: XirangConfig) -> None:
-    """Layout choices that are valid on their own but that the runtime cannot combine."""
-    p, c = cfg.parallel, cfg.cluster
-    dp = p.dp if p.dp > 0 else c.world_size // (p.tp * p.pp)
-    if c.tasks_per_node % p.tp:
-        raise ConfigError(
-            "parallel.tp",
-            p.tp,
-            f"tensor parallel groups stay inside a node: tp must divide cluster.tasks_per_node={c.tasks_per_node}",
-        )
+    """Layout choices that are valid on their own but that the runtime cannot combine (after :func:`validate`)."""
+    p = cfg.parallel
+    if p.dp < 1:
+        raise ConfigError("parallel.dp", p.dp, "unresolved: check_runnable needs a config from load_config/validate")
+    dp = p.dp
+    _check_comm_applies(cfg)
+    c = cfg.cluster
+    if cfg.train.priority == "exploratory" and not (c.scavenger_partition or c.scavenger_qos):
+        raise ConfigError("train.priority", cfg.train.priority,
+                          f"cluster {c.name!r} names no scavenger partition/QoS; set "
+                          "cluster.scavenger_partition or cluster.scavenger_qos, or use train.priority=normal")
     if p.dp_replicate > 1 and p.data_parallel != "fsdp":
         raise ConfigError(
             "parallel.dp_replicate",
@@ -212,11 +216,11 @@ def check_runnable(cfg: XirangConfig) -> None:
         )
     if dp % p.dp_replicate:
         raise ConfigError("parallel.dp_replicate", p.dp_replicate, f"must divide the data parallel degree {dp}")
-    if p.optimizer_sharding and (p.data_parallel != "ddp" or p.tp > 1):
-        raise ConfigError(
+    if p.optimizer_sharding and (p.data_parallel != "ddp" or p.tp > 1 or p.pp > 1):
+        raise ConfigError(  # under tp or pp the runtime replicates through FSDP2, where ZeRO-1 does not apply
             "parallel.optimizer_sharding",
             p.optimizer_sharding,
-            "ZeroRedundancyOptimizer works with data_parallel=ddp and tp=1; "
+            "ZeroRedundancyOptimizer works with data_parallel=ddp, tp=1 and pp=1; "
             "use data_parallel=fsdp to shard optimizer state otherwise",
         )
     if p.sequence_parallel and p.tp == 1:
@@ -225,3 +229,29 @@ def check_runnable(cfg: XirangConfig) -> None:
         raise ConfigError(
             "parallel.sequence_parallel", True, f"parallel.tp={p.tp} must divide model.seq_len={cfg.model.seq_len}"
         )
+
+
+def _check_comm_applies(cfg: XirangConfig) -> None:
+    """Refuse a bandwidth budget / sync period that the layout would silently not apply.
+
+    Periodic cross-node averaging (local SGD) is installed by the DDP comm hook, which runs only
+    under plain data parallelism (ddp, tp=1, pp=1) and only matters when the replicas span nodes.
+    """
+    p, comm, nodes = cfg.parallel, cfg.comm, cfg.cluster.nodes
+    if comm.inter_node_budget > 0 and comm.sync_period == 1:
+        raise ConfigError("comm.inter_node_budget", comm.inter_node_budget,
+                          "comm.sync_period=1 (sync every step) overrides the budget, so it would have no effect; "
+                          "set comm.sync_period=0 to derive the period from the budget, or leave the budget at 0")
+    if comm.inter_node_budget <= 0 and comm.sync_period <= 1:
+        return
+    name, value = (("comm.sync_period", comm.sync_period) if comm.sync_period > 1
+                   else ("comm.inter_node_budget", comm.inter_node_budget))
+    if p.data_parallel != "ddp" or p.tp > 1 or p.pp > 1:
+        raise ConfigError(name, value,
+                          f"periodic cross-node averaging runs under plain DDP only (parallel.data_parallel=ddp, "
+                          f"tp=1, pp=1), this layout is data_parallel={p.data_parallel} tp={p.tp} pp={p.pp}; "
+                          f"use parallel.pp=1 parallel.tp=1 parallel.data_parallel=ddp, or leave {name} at its default")
+    if nodes < 2:
+        raise ConfigError(name, value,
+                          f"cluster.nodes={nodes}: there is no inter-node link to save; use cluster.nodes >= 2 "
+                          f"or leave {name} at its default")

@@ -14,14 +14,14 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from xirang_hpc.checkpoint.hook import CheckpointHook
+from xirang_hpc.checkpoint.trainer_hook import CheckpointHook
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.tokenizer import install_run_tokenizer
 from xirang_hpc.monitor.events import EventLog
-from xirang_hpc.monitor.hook import MonitorHook
 from xirang_hpc.monitor.tracking import TrackingHook
+from xirang_hpc.monitor.trainer_hook import MonitorHook
 from xirang_hpc.runtime import dist as xdist
 from xirang_hpc.runtime.comm.install import CommTrainerHook
 from xirang_hpc.runtime.hooks import TrainerHook

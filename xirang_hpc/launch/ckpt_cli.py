@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint import layout as ckpt_layout
 
 
 def _root(run: str) -> Path:
@@ -23,7 +23,7 @@ def _root(run: str) -> Path:
 
 
 def _step(root: Path, step: int | None) -> int:
-    steps = L.committed_steps(root)
+    steps = ckpt_layout.committed_steps(root)
     if not steps:
         raise SystemExit(f"xirang-ckpt: error: no checkpoints under {root}")
     if step is None:
@@ -36,9 +36,9 @@ def _step(root: Path, step: int | None) -> int:
 def cmd_list(a: argparse.Namespace) -> int:
     """Table of steps, sizes, commit times, layouts."""
     root = _root(a.run)
-    latest = L.read_latest(root)
+    latest = ckpt_layout.read_latest(root)
     print(f"{'step':>8}  {'size MB':>9}  {'committed (UTC)':<19}  {'ranks':>5}  {'layout':<16}  flags")
-    for s in L.describe(root):
+    for s in ckpt_layout.describe(root):
         dims = s.layout.get("dims", {})
         lay = "x".join(f"{k}{v}" for k, v in dims.items() if v and v > 1) or "-"
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(s.committed_at)) if s.committed_at else "?"
@@ -55,8 +55,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from xirang_hpc.checkpoint.storage import read_metadata
 
     root = _root(a.run)
-    d = root / L.step_dir_name(_step(root, a.step))
-    m, st = L.read_manifest(d), L.read_state(d)
+    d = root / ckpt_layout.step_dir_name(_step(root, a.step))
+    m, st = ckpt_layout.read_manifest(d), ckpt_layout.read_state(d)
     print(f"checkpoint {d}")
     for k in ("step", "world_size", "new_bytes", "ref_bytes", "stall_s", "persist_s", "refs", "layout"):
         print(f"  {k:<12} {m.get(k)}")
@@ -75,13 +75,13 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 def cmd_verify(a: argparse.Namespace) -> int:
     """Check sizes and checksums of every file (all steps, or one); exit 1 if any is bad."""
     root = _root(a.run)
-    steps = [_step(root, a.step)] if a.step is not None else L.committed_steps(root)
+    steps = [_step(root, a.step)] if a.step is not None else ckpt_layout.committed_steps(root)
     bad = 0
     for s in steps:
         try:
-            L.verify(root / L.step_dir_name(s))
+            ckpt_layout.verify(root / ckpt_layout.step_dir_name(s))
             print(f"step {s}: OK")
-        except L.CheckpointCorruptError as exc:
+        except ckpt_layout.CheckpointCorruptError as exc:
             bad += 1
             print(f"step {s}: CORRUPT: {exc}")
     return 1 if bad else 0
@@ -104,7 +104,8 @@ def cmd_prune(a: argparse.Namespace) -> int:
     from xirang_hpc.checkpoint.retention import RetentionPolicy, prune
 
     root = _root(a.run)
-    cfg = L.read_state(root / L.step_dir_name(_step(root, None))).get("config", {}).get("checkpoint", {})
+    state = ckpt_layout.read_state(root / ckpt_layout.step_dir_name(_step(root, None)))
+    cfg = state.get("config", {}).get("checkpoint", {})
     pol = RetentionPolicy(a.keep_last if a.keep_last is not None else cfg.get("keep_last", 3),
                           a.keep_every if a.keep_every is not None else cfg.get("keep_every", 0),
                           tuple(cfg.get("pinned", [])))
@@ -116,7 +117,7 @@ def cmd_prune(a: argparse.Namespace) -> int:
 def cmd_pin(a: argparse.Namespace) -> int:
     """Mark a step so retention never removes it (``--unpin`` to undo)."""
     root = _root(a.run)
-    marker = root / L.step_dir_name(_step(root, a.step)) / L.PINNED
+    marker = root / ckpt_layout.step_dir_name(_step(root, a.step)) / ckpt_layout.PINNED
     marker.unlink(missing_ok=True) if a.unpin else marker.touch()
     print(f"{'unpinned' if a.unpin else 'pinned'} step {a.step}")
     return 0
@@ -134,7 +135,7 @@ def cmd_export(a: argparse.Namespace) -> int:
         from xirang_hpc.checkpoint.hf import export_hf
 
         out = Path(a.out) if a.out else root.parent / "export" / f"hf_step_{step}"
-        files = export_hf(root / L.step_dir_name(step), out, dtype=a.dtype,
+        files = export_hf(root / ckpt_layout.step_dir_name(step), out, dtype=a.dtype,
                           max_shard_bytes=int(a.max_shard_mb * 2**20))
         size = sum(f.stat().st_size for f in files)
         print(f"wrote {out} ({len(files)} files, {size / 1e6:.2f} MB): load it with "
@@ -143,7 +144,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     if a.dtype != "float32":
         raise SystemExit("xirang-ckpt: error: --dtype applies to --format hf only")
     out = Path(a.out) if a.out else root.parent / "export" / f"step_{step}"
-    w, c = export_safetensors(root / L.step_dir_name(step), out)
+    w, c = export_safetensors(root / ckpt_layout.step_dir_name(step), out)
     print(f"wrote {w} ({w.stat().st_size / 1e6:.2f} MB) and {c}")
     return 0
 
@@ -153,11 +154,11 @@ def cmd_interval(a: argparse.Namespace) -> int:
     from xirang_hpc.checkpoint.tuner import IntervalTuner, read_history
 
     root = _root(a.run)
-    infos = [L.read_manifest(root / L.step_dir_name(s)) for s in L.committed_steps(root)]
+    infos = [ckpt_layout.read_manifest(root / ckpt_layout.step_dir_name(s)) for s in ckpt_layout.committed_steps(root)]
     infos = [m for m in infos if "stall_s" in m]
     if not infos:
         raise SystemExit(f"xirang-ckpt: error: {root} has no measured saves yet")
-    st = L.read_state(root / L.step_dir_name(infos[-1]["step"]))
+    st = ckpt_layout.read_state(root / ckpt_layout.step_dir_name(infos[-1]["step"]))
     cfg = st.get("config", {})
     mtbf_h = a.mtbf_hours if a.mtbf_hours is not None else cfg.get("checkpoint", {}).get("mtbf_hours", 24.0)
     tuner = IntervalTuner(mtbf_s=mtbf_h * 3600, history=read_history(root), restart_s=a.restart_s)
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("xirang-ckpt: error: pin needs --step")
     try:
         return a.fn(a)
-    except (FileNotFoundError, FileExistsError, L.CheckpointCorruptError, ValueError) as exc:
+    except (FileNotFoundError, FileExistsError, ckpt_layout.CheckpointCorruptError, ValueError) as exc:
         print(f"xirang-ckpt: error: {exc}", file=sys.stderr)
         return 2
 

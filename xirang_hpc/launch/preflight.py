@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.identity import experiment_key, flatten, read_identity, write_identity
 from xirang_hpc.checkpoint.naming import committed_steps
 from xirang_hpc.config.errors import ConfigError
@@ -149,7 +149,7 @@ def recorded_identity(run_dir: Path) -> tuple[dict[str, Any] | None, str]:
     root = run_dir / "checkpoints"
     for step in reversed(committed_steps(root)):
         try:
-            cfg = L.read_state(root / L.step_dir_name(step)).get("config")
+            cfg = ckpt_layout.read_state(root / ckpt_layout.step_dir_name(step)).get("config")
         except (OSError, ValueError):
             continue
         if cfg:

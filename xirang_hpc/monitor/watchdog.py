@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,12 @@ def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, grace_
     return hit
 
 
+def thresholds_for(cfg: Mapping[str, Any]) -> Thresholds:
+    """The detection thresholds from the monitor config (as the dict the watchdog process receives)."""
+    return Thresholds(hang_s=cfg["hang_s"], stale_s=cfg["stale_s"], straggler_k=cfg["straggler_k"],
+                      straggler_min_s=cfg["straggler_min_s"], straggler_window=cfg["straggler_window"])
+
+
 class Watchdog:
     """One node's watchdog loop (see the module docstring)."""
 
@@ -90,8 +96,7 @@ class Watchdog:
         self.run_dir, self.session, self.node, self.leader, self.cfg = run_dir, session, node, leader, cfg
         self.poll_s = poll_s
         self.host = socket.gethostname()
-        self.th = Thresholds(hang_s=cfg["hang_s"], stale_s=cfg["stale_s"], straggler_k=cfg["straggler_k"],
-                             straggler_min_s=cfg["straggler_min_s"], straggler_window=cfg["straggler_window"])
+        self.th = thresholds_for(cfg)
         self.state = WatchState()
         self.stack_sig = int(getattr(signal, cfg.get("stack_signal", "SIGQUIT")))
         self.abort_path = run_dir / HEARTBEAT_DIR / ABORT_FILE

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -56,8 +56,15 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
-        """Degrees from a validated :class:`ParallelConfig` (``dp`` already resolved)."""
-        dp = p.dp if p.dp > 0 else world_size // (p.tp * p.pp)
+        """Degrees from a validated :class:`ParallelConfig`.
+
+        ``parallel.dp`` is resolved once, by ``config.validate.validate``; an unresolved ``-1`` here
+        means the config skipped validation, which would let two places derive dp differently.
+        """
+        if p.dp < 1:
+            raise LayoutError(f"parallel.dp={p.dp} is unresolved; load the config through "
+                              "xirang_hpc.config.validate (load_config or validate), which derives it once")
+        dp = p.dp
         if p.data_parallel == "fsdp":
             rep = max(1, p.dp_replicate)
             if dp % rep:
@@ -116,12 +123,13 @@ class ParallelDims:
                    nodes: list[tuple[int, int]] | None = None) -> DeviceMesh | None:
         """Build the named mesh on every rank (collective); ``None`` for a single process.
 
-        Also creates the flattened ``dp`` dimension (replicate x shard), and logs the
-        rank -> placement table once, on rank 0.
+        ``nodes`` is the gathered placement (:func:`gather_nodes`; a :class:`Layout` carries it),
+        gathered here only when not given. Also creates the flattened ``dp`` dimension
+        (replicate x shard), and logs the rank -> placement table once, on rank 0.
         """
         if self.world_size == 1 and not dist.is_initialized():
             return None
-        nodes = gather_nodes(topo) if nodes is None else nodes
+        nodes = gather_nodes(topo) if nodes is None else list(nodes)
         order = self.placement(nodes)
         mesh_tensor = torch.tensor(order, dtype=torch.int).view(self.shape)
         mesh = DeviceMesh(device_type, mesh_tensor, mesh_dim_names=MESH_DIMS)
@@ -129,6 +137,38 @@ class ParallelDims:
         if dist.get_rank() == 0:
             (log_fn or log.info)(format_table(self, self.table(nodes)))
         return mesh
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job's parallel layout, derived once: degrees, where every rank sits, and the layout choices.
+
+    ``dims`` (pp x dp_replicate x dp_shard x tp) come from the validated ``cfg.parallel``;
+    ``placement[rank] = (node_id, local_rank)`` is gathered once per job and shared by the mesh,
+    the gradient-communication node groups and the FSDP note; ``parallel`` keeps the choices that
+    are not degrees (ddp/fsdp, schedule, microbatches, recompute, sequence parallel, ZeRO-1).
+    Everything that builds the parallel model reads the layout from here, not from the config.
+    """
+
+    dims: ParallelDims
+    placement: tuple[tuple[int, int], ...]
+    parallel: ParallelConfig = field(repr=False)
+
+    @classmethod
+    def for_job(cls, p: ParallelConfig, topo: Topology) -> Layout:
+        """Collective: the layout of the running job (one all-gather of the placement)."""
+        dims = ParallelDims.from_config(p, topo.world_size)
+        return cls(dims=dims, placement=tuple(gather_nodes(topo)), parallel=p)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline model chunks per rank: ``parallel.virtual_stages`` under interleaved 1F1B, else 1."""
+        return self.parallel.virtual_stages if self.parallel.schedule == "interleaved" else 1
+
+    def build_mesh(self, topo: Topology, device_type: str = "cpu",
+                   log_fn: Callable[[str], None] | None = None) -> DeviceMesh | None:
+        """The named mesh for this layout's placement (collective; ``None`` for a single process)."""
+        return self.dims.build_mesh(topo, device_type, log_fn=log_fn, nodes=list(self.placement))
 
 
 def gather_nodes(topo: Topology) -> list[tuple[int, int]]:

@@ -26,7 +26,7 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.runtime import pipeline
 from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer, ddp_bucket_cap_mb
-from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh, mesh_coords
+from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims, dp_mesh, mesh_coords
 from xirang_hpc.runtime.precision import apply_autocast
 from xirang_hpc.runtime.recompute import apply_recompute
 from xirang_hpc.runtime.tensor_parallel import apply_tensor_parallel
@@ -72,9 +72,12 @@ def device_for(mesh: DeviceMesh | None) -> torch.device:
     return torch.device("cpu")
 
 
-def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None, *,
+def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
                 _full_build: bool = False) -> ParallelModel:
-    """Build this rank's model for ``dims`` on ``mesh``: on the meta device, then materialise only its share.
+    """Build this rank's model for ``layout`` on ``mesh``: on the meta device, then materialise only its share.
+
+    The layout (degrees and choices) comes only from ``layout``; ``cfg`` supplies the model, the
+    training settings (seed, precision, accumulation) and DDP's bucket size.
 
     The whole GPT is built without storage (``torch.device("meta")``), carved to this rank's
     pipeline stage(s), tensor-parallelised and FSDP2-sharded; only then are this rank's parameters
@@ -85,7 +88,7 @@ def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None, 
     ``_full_build`` (benchmarks only): the previous way, the full model allocated and initialised
     on every rank before carving and sharding (same values, full-model peak memory).
     """
-    p, t = cfg.parallel, cfg.train
+    p, t, dims = layout.parallel, cfg.train, layout.dims
     coords = mesh_coords(dims, mesh)
     device = device_for(mesh)
     if _full_build:
@@ -93,15 +96,15 @@ def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None, 
     else:
         with torch.device("meta"):
             model = GPT(cfg.model)
-    virtual = p.virtual_stages if p.schedule == "interleaved" else 1
-    ranges = pipeline.stage_ranges(cfg.model, dims.pp * virtual)
-    stages = pipeline.rank_stages(coords["pp"], dims.pp, virtual)
+    chunks_per_rank = layout.virtual_stages
+    ranges = pipeline.stage_ranges(cfg.model, dims.pp * chunks_per_rank)
+    stages = pipeline.rank_stages(coords["pp"], dims.pp, chunks_per_rank)
     if dims.pp > 1:
         pipeline.carve_stage(model, stages, ranges)
     if _full_build:
         model.to(device)
     # Interleaved: one view per virtual stage (sharing the modules); these are what the schedule runs.
-    chunks: list[nn.Module] = pipeline.stage_chunks(model, stages, ranges) if virtual > 1 else [model]
+    chunks: list[nn.Module] = pipeline.stage_chunks(model, stages, ranges) if chunks_per_rank > 1 else [model]
     if dims.tp > 1:
         for c in chunks:  # per chunk: sequence-parallel scatter/gather sits at each stage's boundary
             apply_tensor_parallel(c, mesh["tp"], p.sequence_parallel)
@@ -131,14 +134,16 @@ def parallelize(cfg: XirangConfig, dims: ParallelDims, mesh: DeviceMesh | None, 
                        stage_layers=ranges[stages[0]], precision=precision)
     if dims.pp > 1:
         pm.n_microbatches = p.microbatches * t.grad_accum
-        pm.schedule = pipeline.build_schedule(chunks if virtual > 1 else module, stages if virtual > 1 else stages[0],
-                                              dims.pp * virtual, mesh["pp"], pm.n_microbatches, p.schedule, device)
+        interleaved = chunks_per_rank > 1
+        pm.schedule = pipeline.build_schedule(chunks if interleaved else module, stages if interleaved else stages[0],
+                                              dims.pp * chunks_per_rank, mesh["pp"], pm.n_microbatches, p.schedule,
+                                              device)
     return pm
 
 
-def make_optimizer(pm: ParallelModel, cfg: XirangConfig) -> torch.optim.Optimizer:
-    """AdamW over this rank's parameters; ZeRO-1 over dp when asked (DDP only)."""
-    zero = cfg.parallel.optimizer_sharding and pm.data_parallel == "ddp"
+def make_optimizer(pm: ParallelModel, cfg: XirangConfig, layout: Layout) -> torch.optim.Optimizer:
+    """AdamW over this rank's parameters; ZeRO-1 over dp when the layout asks for it (DDP only)."""
+    zero = layout.parallel.optimizer_sharding and pm.data_parallel == "ddp"
     return build_optimizer(pm.model, cfg.train, dp_mesh(pm.mesh) if zero else None)
 
 

@@ -82,9 +82,9 @@ def stage_ranges(cfg: ModelConfig, pp: int) -> list[range]:
     return split_layers(pp, emb, blocks, head)
 
 
-def rank_stages(pp_rank: int, pp: int, virtual: int = 1) -> list[int]:
-    """The stage indices rank ``pp_rank`` holds: r, r+pp, ... (``virtual`` of them, loop placement)."""
-    return [pp_rank + k * pp for k in range(virtual)]
+def rank_stages(pp_rank: int, pp: int, chunks_per_rank: int = 1) -> list[int]:
+    """The stage indices rank ``pp_rank`` holds: r, r+pp, ... (``chunks_per_rank`` of them, loop placement)."""
+    return [pp_rank + k * pp for k in range(chunks_per_rank)]
 
 
 def carve_stage(model: nn.Module, stage: int | list[int], ranges: list[range]) -> None:

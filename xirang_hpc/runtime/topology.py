@@ -75,13 +75,13 @@ def _resolvable(host: str) -> bool:
         return False
 
 
-def discover(env: Mapping[str, str] | None = None, virtual_nodes: int = 1) -> Topology:
+def discover(env: Mapping[str, str] | None = None, local_nodes: int = 1) -> Topology:
     """Build the :class:`Topology` of this process from its environment."""
     env = os.environ if env is None else env
     if "SUBMITIT_LOCAL_GLOBALID" in env:
         world = int(env["SUBMITIT_LOCAL_NTASKS"])
         rank = int(env["SUBMITIT_LOCAL_GLOBALID"])
-        nodes = virtual_nodes if virtual_nodes >= 1 and world % virtual_nodes == 0 else 1
+        nodes = local_nodes if local_nodes >= 1 and world % local_nodes == 0 else 1
         per_node = world // nodes
         job = env["SUBMITIT_LOCAL_JOB_ID"]
         return Topology(
@@ -161,4 +161,4 @@ def job_topology(cluster: ClusterConfig, env: Mapping[str, str] | None = None) -
     ``cluster.nodes`` virtual nodes; elsewhere the nodes come from the launcher's variables.
     """
     local_nodes = cluster.nodes if cluster.executor == "local" else 1
-    return check_matches(discover(env, virtual_nodes=local_nodes), cluster)
+    return check_matches(discover(env, local_nodes=local_nodes), cluster)

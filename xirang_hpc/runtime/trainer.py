@@ -21,7 +21,7 @@ from xirang_hpc.data.dataset import TokenWindows
 from xirang_hpc.models.gpt import full_model_params, lm_loss
 from xirang_hpc.runtime.data_parallel import build_optimizer
 from xirang_hpc.runtime.hooks import TrainerHook
-from xirang_hpc.runtime.parallel_dims import ParallelDims, gather_nodes
+from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims
 from xirang_hpc.runtime.parallelize import clip_and_reduce, global_mean, make_optimizer, parallelize
 from xirang_hpc.runtime.schedule import lr_at
 from xirang_hpc.runtime.topology import Topology
@@ -67,26 +67,31 @@ class Trainer:
         # restored by the checkpoint hook for every rank (e.g. "comm": the local-SGD averaging state).
         self.extra_state: dict[str, Any] = {}
         t = cfg.train
-        # One ParallelDims object, passed explicitly; the mesh is built from the real topology.
-        self.dims = ParallelDims.from_config(cfg.parallel, topo.world_size)
-        self.nodes = gather_nodes(topo)  # (node_id, local_rank) per rank: the mesh placement and comm notes
-        self.mesh = self.dims.build_mesh(topo, log_fn=log if topo.rank == 0 else None, nodes=self.nodes)
+        # One layout object (degrees + the placement, gathered once), passed explicitly to everything
+        # that builds or reduces over the parallel model; the mesh is built from the real topology.
+        self.layout = Layout.for_job(cfg.parallel, topo)
+        self.mesh = self.layout.build_mesh(topo, log_fn=log if topo.rank == 0 else None)
         # Initial weights come from train.seed inside parallelize (identical in every layout, no broadcast);
         # the global generator gets the same seed on every rank for anything else drawn at random.
         torch.manual_seed(t.seed)
-        self.pm = parallelize(cfg, self.dims, self.mesh)
+        self.pm = parallelize(cfg, self.layout, self.mesh)
         self.dp_size, self.dp_rank = self.dims.dp, self.pm.coords["dp"]
         # ``model``: this rank's (stage of the) GPT, full-model parameter names; ``ddp``: what runs forward.
         self.model: nn.Module = self.pm.model
         self.ddp: nn.Module = self.pm.module
-        self.opt = make_optimizer(self.pm, cfg)
+        self.opt = make_optimizer(self.pm, cfg, self.layout)
         self.train_data = TokenWindows(data_dir, "train", cfg.model.seq_len)
         self.val_data = TokenWindows(data_dir, "val", cfg.model.seq_len)
         self.state = RunState()
         # Accumulation steps without a pipeline (under pp, microbatches go to the schedule).
-        self.accum = 1 if self.dims.pp > 1 else t.grad_accum * cfg.parallel.microbatches
+        self.accum = 1 if self.dims.pp > 1 else t.grad_accum * self.layout.parallel.microbatches
         self.micro = t.global_batch // (self.dp_size * self.accum)
         self.metrics_path = run_dir / "metrics.jsonl"
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout's degrees (``self.layout.dims``)."""
+        return self.layout.dims
 
     def _phase(self, phase: str) -> None:
         for h in self.hooks:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xirang_hpc.checkpoint import layout as L
+from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.export import load_full, run_dir_of
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.data.tokenizer import ByteTokenizer, Tokenizer, load_run_tokenizer, load_tokenizer
@@ -63,7 +63,7 @@ def checkpoint_root(path: str | Path) -> Path:
     p = Path(path).expanduser().absolute()
     if (p / "checkpoints").is_dir():
         return p / "checkpoints"
-    if L.committed_steps(p):
+    if ckpt_layout.committed_steps(p):
         return p
     raise WeightsError(f"{p}: no checkpoints found (expected a run directory with checkpoints/step_N, "
                        "a checkpoints directory, or a step_N directory); train first, or pass the right path")
@@ -72,24 +72,24 @@ def checkpoint_root(path: str | Path) -> Path:
 def find_step_dir(path: str | Path, step: int | None = None) -> Path:
     """The step directory to load: ``path`` itself if it is one, else ``step`` or the newest that verifies."""
     p = Path(path).expanduser().absolute()
-    if (p / L.MANIFEST).is_file():
-        L.verify(p)
+    if (p / ckpt_layout.MANIFEST).is_file():
+        ckpt_layout.verify(p)
         return p
     root = checkpoint_root(p)
-    steps = L.committed_steps(root)
+    steps = ckpt_layout.committed_steps(root)
     if step is not None and step >= 0:
         if step not in steps:
             raise WeightsError(f"no checkpoint for step {step} under {root}; have steps {steps}")
-        d = root / L.step_dir_name(step)
-        L.verify(d)
+        d = root / ckpt_layout.step_dir_name(step)
+        ckpt_layout.verify(d)
         return d
     problems = []
     for s in reversed(steps):
-        d = root / L.step_dir_name(s)
+        d = root / ckpt_layout.step_dir_name(s)
         try:
-            L.verify(d)
+            ckpt_layout.verify(d)
             return d
-        except L.CheckpointCorruptError as exc:
+        except ckpt_layout.CheckpointCorruptError as exc:
             log.error("skipping checkpoint %s: %s", d, exc)
             problems.append(str(exc))
     raise WeightsError(f"no usable checkpoint under {root}: {problems or 'none committed'}")
@@ -98,7 +98,7 @@ def find_step_dir(path: str | Path, step: int | None = None) -> Path:
 def load_checkpoint(path: str | Path, step: int | None = None) -> LoadedModel:
     """A single-process GPT from a run's checkpoint, whatever layout wrote it (DCP resharding)."""
     d = find_step_dir(path, step)
-    state = L.read_state(d)
+    state = ckpt_layout.read_state(d)
     cfg = model_config_from(state["config"]["model"])
     model = GPT.for_loading(cfg)  # allocated, not initialised: every tensor is loaded below
     # No process group: DCP loads in this one process and reassembles every saved shard.

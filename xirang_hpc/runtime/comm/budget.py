@@ -120,7 +120,7 @@ class ModelAverager:
         link = node_bytes / comm_s if comm_s > 0 else 0.0
         local_s = max(step_s - comm_s, 0.25 * step_s)
         budget = budget_bytes_per_s(self.budget, link)
-        self.period = derive_period(self.param_bytes, lay.nodes, budget, local_s)
+        self.period = derive_period(self.param_bytes, lay.num_nodes, budget, local_s)
         self.decision = {"period": self.period, "link_bytes_per_s": link, "budget_bytes_per_s": budget,
                          "local_step_s": local_s, "sync_step_s": step_s, "param_bytes": self.param_bytes}
         self._say(f"comm: inter-node budget {budget / 1e6:.2f} MB/s (link measured {link / 1e6:.1f} MB/s), "

@@ -11,6 +11,7 @@ hierarchical all-reduce. Subgroup creation is collective over the whole world (e
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ class CommLayout:
 
     group: Any  # the data-parallel ProcessGroup (DDP's), or None for a single process
     group_ranks: list[int]
-    nodes: int  # m: nodes the group spans
+    num_nodes: int  # m: nodes the group spans
     local: int  # k: ranks of the group per node
     node_index: int  # which of the m nodes this rank is on
     local_index: int  # j: this rank's index among the group's ranks on its node
@@ -45,7 +46,7 @@ class CommLayout:
     @property
     def size(self) -> int:
         """p = m x k ranks in the group."""
-        return self.nodes * self.local
+        return self.num_nodes * self.local
 
 
 def split_by_node(members: list[tuple[int, int, int]]) -> list[list[int]]:
@@ -66,16 +67,28 @@ def split_by_node(members: list[tuple[int, int, int]]) -> list[list[int]]:
     return rows
 
 
-def build_layout(topo: Topology, group: Any = None, backend: str = "gloo") -> CommLayout:
-    """Collective over the world: build the node groups for ``group`` (default: the world)."""
+def build_layout(topo: Topology, group: Any = None, backend: str = "gloo",
+                 placement: Sequence[tuple[int, int]] | None = None) -> CommLayout:
+    """Collective over the world: build the node groups for ``group`` (default: the world).
+
+    ``placement[rank] = (node_id, local_rank)`` is the job's gathered placement (the trainer's
+    :class:`~xirang_hpc.runtime.parallel_dims.Layout` passes it, the same one its mesh uses); only
+    standalone callers (benchmarks, tests) leave it out, and then it is gathered here.
+    """
     if not dist.is_initialized():
-        return CommLayout(group=None, group_ranks=[0], nodes=1, local=1, node_index=0, local_index=0,
+        return CommLayout(group=None, group_ranks=[0], num_nodes=1, local=1, node_index=0, local_index=0,
                           node_id=topo.node_id, token=uuid.uuid4().hex[:12], intra_ranks=[0])
     group = group if group is not None else dist.group.WORLD
     mine = tuple(dist.get_process_group_ranks(group))
     world = dist.get_world_size()
     info: list[Any] = [None] * world
-    dist.all_gather_object(info, (topo.node_id, topo.local_rank, mine, uuid.uuid4().hex[:12]))
+    if placement is None:
+        dist.all_gather_object(info, (topo.node_id, topo.local_rank, mine, uuid.uuid4().hex[:12]))
+    else:  # where ranks sit is known; only the group memberships and segment names are exchanged
+        if len(placement) != world:
+            raise CommLayoutError(f"placement lists {len(placement)} ranks, the world has {world}")
+        dist.all_gather_object(info, (mine, uuid.uuid4().hex[:12]))
+        info = [(placement[r][0], placement[r][1], *info[r]) for r in range(world)]
     me = dist.get_rank()
     groups = sorted({tuple(i[2]) for i in info})
     layout: CommLayout | None = None
@@ -90,14 +103,14 @@ def build_layout(topo: Topology, group: Any = None, backend: str = "gloo") -> Co
         for n, row in enumerate(rows):
             if me in row:
                 j = row.index(me)
-                layout = CommLayout(group=group, group_ranks=list(g), nodes=m, local=k, node_index=n, local_index=j,
+                layout = CommLayout(group=group, group_ranks=list(g), num_nodes=m, local=k, node_index=n, local_index=j,
                                     node_id=topo.node_id, token=token, cross_group=cross[j], intra_group=intra[n],
                                     intra_ranks=row)
     assert layout is not None, "this rank is not in its own data-parallel group"
     return layout
 
 
-def fsdp_node_note(dims: ParallelDims, nodes: list[tuple[int, int]]) -> str | None:
+def fsdp_node_note(dims: ParallelDims, nodes: Sequence[tuple[int, int]]) -> str | None:
     """How FSDP2/HSDP's own collectives map onto nodes, for ``dims`` placed on ``nodes[rank] = (node, local)``.
 
     HSDP is the hierarchical all-reduce by construction when every shard group lies inside one node:
@@ -107,6 +120,7 @@ def fsdp_node_note(dims: ParallelDims, nodes: list[tuple[int, int]]) -> str | No
     the mesh already has that shape, and if shard groups span nodes, the override that fixes it.
     Returns ``None`` when the data-parallel group lives on one node (nothing crosses a node link).
     """
+    nodes = list(nodes)
     order = dims.placement(nodes)
     shard_groups: dict[tuple[int, int, int], list[int]] = {}
     dp_nodes: dict[tuple[int, int], set[int]] = {}

@@ -78,12 +78,12 @@ class HierarchicalAllreduce:
 
     def _cross(self, t: torch.Tensor) -> None:
         lay = self.layout
-        if lay.nodes == 1 or t.numel() == 0:
+        if lay.num_nodes == 1 or t.numel() == 0:
             return
         t0 = time.perf_counter()
         dist.all_reduce(t, group=lay.cross_group)
         self.internode_s += time.perf_counter() - t0
-        self.internode_bytes += 2 * (lay.nodes - 1) / lay.nodes * t.numel() * t.element_size()
+        self.internode_bytes += 2 * (lay.num_nodes - 1) / lay.num_nodes * t.numel() * t.element_size()
 
     def allreduce_(self, tensors: list[torch.Tensor], inter_node: bool = True, chunk_bytes: int = 0) -> None:
         """Average the 1-D ``tensors`` (one dtype) in place over the group, or over this node only.
@@ -140,9 +140,9 @@ class HierarchicalAllreduce:
             else:
                 torch.sum(ins[:, lo:hi], dim=0, out=shard)
             shard.div_(divisor)
-            if inter_node and lay.nodes > 1:
+            if inter_node and lay.num_nodes > 1:
                 work = dist.all_reduce(shard, group=lay.cross_group, async_op=True)
-                self.internode_bytes += 2 * (lay.nodes - 1) / lay.nodes * shard.numel() * shard.element_size()
+                self.internode_bytes += 2 * (lay.num_nodes - 1) / lay.num_nodes * shard.numel() * shard.element_size()
         return pieces, out, work, time.perf_counter()
 
     def _finish_chunk(self, pieces: list[tuple[torch.Tensor, int, int, int]], out: torch.Tensor, work: object,

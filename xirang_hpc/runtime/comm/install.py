@@ -8,7 +8,7 @@ exact synchronous data parallelism (the hook only changes how the average is com
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +18,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from xirang_hpc.config.schema import CommConfig
 from xirang_hpc.runtime.comm.budget import ModelAverager
+from xirang_hpc.runtime.comm.comm_hook import MB, BucketTuner, CommHook
 from xirang_hpc.runtime.comm.groups import CommLayout, CommLayoutError, build_layout, fsdp_node_note
 from xirang_hpc.runtime.comm.hierarchical import HierarchicalAllreduce
-from xirang_hpc.runtime.comm.hook import MB, BucketTuner, CommHook
 from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.topology import Topology
 
@@ -121,29 +121,33 @@ def parse_bucket(cfg: CommConfig) -> tuple[int, BucketTuner | None]:
 
 
 def install_comm(ddp: nn.Module, topo: Topology, cfg: CommConfig,
-                 log_fn: Callable[[str], None] | None = None) -> CommState:
-    """Register the hierarchical hook on ``ddp`` (collective over the world; before the first backward)."""
-    layout = build_layout(topo, getattr(ddp, "process_group", None))
+                 log_fn: Callable[[str], None] | None = None,
+                 placement: Sequence[tuple[int, int]] | None = None) -> CommState:
+    """Register the hierarchical comm hook on ``ddp`` (collective over the world; before the first backward).
+
+    ``placement`` is the job's gathered ``(node_id, local_rank)`` per rank (the trainer's layout).
+    """
+    layout = build_layout(topo, getattr(ddp, "process_group", None), placement=placement)
     bucket, tuner = parse_bucket(cfg)
     ar = HierarchicalAllreduce(layout, slot_bytes=bucket, timeout_s=cfg.timeout_s)
     hook = CommHook(ar, bucket, tuner, log_fn=log_fn)
     # A lambda: DDP inspects the hook's annotations, which ``from __future__ import annotations`` turns into strings.
     ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))  # type: ignore[operator]
     state = CommState(layout=layout, ar=ar, hook=hook)
-    if cfg.sync_period != 1 and (cfg.sync_period > 1 or cfg.inter_node_budget > 0) and layout.nodes > 1:
+    if cfg.sync_period != 1 and (cfg.sync_period > 1 or cfg.inter_node_budget > 0) and layout.num_nodes > 1:
         params = [p for p in ddp.parameters() if p.requires_grad]
         state.averager = ModelAverager(
             params, ar, lambda on: setattr(hook, "inter_node", on), period=cfg.sync_period,
             budget=cfg.inter_node_budget, calibration_steps=cfg.calibration_steps, outer=cfg.outer_optimizer,
             outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, log_fn=log_fn)
     if log_fn is not None and topo.rank == 0:
-        log_fn(f"comm: hierarchical all-reduce over {layout.nodes} node(s) x {layout.local} rank(s), "
+        log_fn(f"comm: hierarchical all-reduce over {layout.num_nodes} node(s) x {layout.local} rank(s), "
                f"bucket {'auto' if tuner else f'{bucket / MB:g} MB'}, "
                f"sync period {state.averager.period if state.averager else 1} (0 = from budget)")
     return state
 
 
-def fsdp_comm_note(dims: Any, nodes: list[tuple[int, int]], configured: str) -> str:
+def fsdp_comm_note(dims: Any, nodes: Sequence[tuple[int, int]], configured: str) -> str:
     """What really reduces the gradients when data parallelism runs through FSDP2 (said once at start-up).
 
     ``configured`` is ``parallel.data_parallel``. With ``ddp`` under pipeline or tensor parallelism the
@@ -183,7 +187,8 @@ class CommTrainerHook(TrainerHook):
         if isinstance(trainer.ddp, nn.parallel.DistributedDataParallel):
             say = trainer.log if trainer.topo.rank == 0 else None
             try:
-                self.state = install_comm(trainer.ddp, trainer.topo, self.cfg, log_fn=say)
+                self.state = install_comm(trainer.ddp, trainer.topo, self.cfg, log_fn=say,
+                                          placement=trainer.layout.placement)
             except CommLayoutError as exc:  # same decision on every rank (from the gathered topology)
                 if c.inter_node_budget > 0 or c.sync_period > 1:
                     raise
@@ -203,7 +208,8 @@ class CommTrainerHook(TrainerHook):
     @staticmethod
     def _fsdp_note(trainer: Any) -> None:
         if trainer.topo.rank == 0:
-            trainer.log(fsdp_comm_note(trainer.dims, trainer.nodes, trainer.cfg.parallel.data_parallel))
+            layout = trainer.layout  # the placement the trainer gathered for its mesh
+            trainer.log(fsdp_comm_note(layout.dims, layout.placement, layout.parallel.data_parallel))
 
     def on_phase(self, trainer: Any, phase: str) -> None:
         if phase == "data":

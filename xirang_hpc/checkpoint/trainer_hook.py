@@ -15,8 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from xirang_hpc.checkpoint import extra as E
-from xirang_hpc.checkpoint import state as S
+from xirang_hpc.checkpoint import extra as ckpt_extra
+from xirang_hpc.checkpoint import state as ckpt_state
 from xirang_hpc.checkpoint.identity import read_identity, write_identity
 from xirang_hpc.checkpoint.manager import CheckpointManager, SaveRecord
 from xirang_hpc.checkpoint.retention import RetentionPolicy
@@ -111,36 +111,36 @@ class CheckpointHook(TrainerHook):
         if not self.mgr.candidates():
             return 0
         # Building the template initialises optimizer state; only do it when there is something to load.
-        tensors, groups = S.tensor_state(trainer.model, trainer.opt)
+        tensors, groups = ckpt_state.tensor_state(trainer.model, trainer.opt)
         res = self.mgr.load(tensors)
         if res is None:
             return 0
-        S.apply_tensor_state(trainer.model, trainer.opt, tensors, res.state["param_groups"], groups)
-        S.restore_run_state(trainer, res.state)
+        ckpt_state.apply_tensor_state(trainer.model, trainer.opt, tensors, res.state["param_groups"], groups)
+        ckpt_state.restore_run_state(trainer, res.state)
         if res.rank_state is not None:
             restore_rng(res.rank_state["rng"])
         elif self.topo.rank == 0:
             trainer.log("checkpoint: saved under another world size; RNG states not restored")
         extra = getattr(trainer, "extra_state", {})  # per-rank hook state, e.g. local-SGD averaging
-        missing = set(extra) - set(E.restore(extra, res.path, res.rank_state, self.topo.rank))
+        missing = set(extra) - set(ckpt_extra.restore(extra, res.path, res.rank_state, self.topo.rank))
         if missing and self.topo.rank == 0:
             trainer.log(f"checkpoint: no saved state for {sorted(missing)} in {res.path}; starting it fresh")
         if self.topo.rank == 0:
-            S.rewrite_metrics(Path(trainer.metrics_path), res.state.get("metrics", []))
+            ckpt_state.rewrite_metrics(Path(trainer.metrics_path), res.state.get("metrics", []))
             trainer.log(f"checkpoint: resumed from {res.path} (step {res.step})")
         return res.step
 
     def _save(self, trainer: Any, block: bool) -> int:
         assert self.mgr is not None
         step = trainer.state.step
-        tensors, groups = S.tensor_state(trainer.model, trainer.opt)
-        state = S.run_state_json(trainer, lr_at(max(step - 1, 0), self.cfg.train))
+        tensors, groups = ckpt_state.tensor_state(trainer.model, trainer.opt)
+        state = ckpt_state.run_state_json(trainer, lr_at(max(step - 1, 0), self.cfg.train))
         state["param_groups"] = groups
-        extra_tensors, extra_json = E.save_parts(getattr(trainer, "extra_state", {}), self.topo.rank)
+        extra_tensors, extra_json = ckpt_extra.save_parts(getattr(trainer, "extra_state", {}), self.topo.rank)
         tensors.update(extra_tensors)
-        rank_state = {**S.rank_state_json(trainer), **({"extra": extra_json} if extra_json else {})}
+        rank_state = {**ckpt_state.rank_state_json(trainer), **({"extra": extra_json} if extra_json else {})}
         self.mgr.save(step, tensors, state=state, rank_state=rank_state,
-                      info={"layout": S.layout_json(trainer)}, block=block)
+                      info={"layout": ckpt_state.layout_json(trainer)}, block=block)
         self.last_saved = step
         return step
 

@@ -1,0 +1,292 @@
+"""Every field of every config group has an effect, or a non-default value is refused before launch.
+
+The table below names, for each field of ``config.schema.GROUPS``, a non-default value and where
+its effect shows:
+
+- an *observer*: a real function of the launcher or runtime applied to the validated config (the
+  run directory's identity hash, the sbatch parameters, the parallel degrees, the learning-rate
+  schedule, the requeue decisions, the retention plan, the watchdog thresholds, the serving limits,
+  the comm bucket, the hardware preset, thread and backend choice); the test asserts that the
+  observed value changes;
+- ``REFUSED``: validation (``load_config`` + ``check_runnable``) raises a ``ConfigError`` that
+  names the field;
+- ``reads(module)``: the field is consumed inside the running job or a server, where a cheap
+  observer does not exist; the test asserts that ``module`` really reads the field (an attribute
+  access ``<x>.<field>`` or the key ``"<field>"`` in its source), so a field nothing reads any
+  more fails here.
+
+A new schema field without an entry fails ``test_every_field_is_covered``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import pytest
+from conftest import compose_cfg
+
+from xirang_hpc.checkpoint.retention import RetentionPolicy, steps_to_keep
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import GROUPS, XirangConfig
+from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.launch.rundir import run_dir_for
+from xirang_hpc.launch.slurm import sbatch_parameters
+from xirang_hpc.monitor.watchdog import thresholds_for
+from xirang_hpc.planner.hardware import hardware_for
+from xirang_hpc.runtime.comm.install import parse_bucket
+from xirang_hpc.runtime.dist import pick_backend, threads_per_rank
+from xirang_hpc.runtime.parallel_dims import ParallelDims
+from xirang_hpc.runtime.policy import REASONS, decide
+from xirang_hpc.runtime.schedule import lr_at
+from xirang_hpc.serve.run import limits_for
+
+REFUSED = "refused"
+
+
+def identity(cfg: XirangConfig) -> str:
+    return str(run_dir_for(cfg))
+
+
+def sbatch(cfg: XirangConfig) -> dict[str, Any]:
+    return sbatch_parameters(cfg.cluster, cfg.train.priority)
+
+
+def dims(cfg: XirangConfig) -> tuple[int, ...]:
+    return ParallelDims.from_config(cfg.parallel, cfg.cluster.world_size).shape
+
+
+def lr_schedule(cfg: XirangConfig) -> list[float]:
+    return [lr_at(s, cfg.train) for s in range(0, cfg.train.max_steps + 1, 5)]
+
+
+def requeue_decisions(cfg: XirangConfig) -> list[Any]:
+    return [decide(r, n, cfg.requeue) for r in [*REASONS, "terminated"] for n in range(7)]
+
+
+def retention(cfg: XirangConfig) -> list[int]:
+    c = cfg.checkpoint
+    return sorted(steps_to_keep(list(range(1, 200)), RetentionPolicy(c.keep_last, c.keep_every, tuple(c.pinned))))
+
+
+def watchdog(cfg: XirangConfig) -> Any:
+    return thresholds_for(dataclasses.asdict(cfg.monitor))
+
+
+def serve_limits(cfg: XirangConfig) -> Any:
+    return limits_for(cfg.serve, cfg.model.seq_len)
+
+
+def bucket(cfg: XirangConfig) -> Any:
+    size, tuner = parse_bucket(cfg.comm)
+    return size, None if tuner is None else (tuner.candidates, tuner.steps_each)
+
+
+def hardware(cfg: XirangConfig) -> Any:
+    return hardware_for(cfg.cluster)
+
+
+def threads(cfg: XirangConfig) -> int:
+    return threads_per_rank(cfg.cluster.threads_per_rank, cfg.cluster.tasks_per_node)
+
+
+def backend(cfg: XirangConfig) -> str:
+    return pick_backend(cfg.cluster.backend)
+
+
+def reads(module: str) -> tuple[str, str]:
+    return ("reads", module)
+
+
+EXPLORATORY = ["train.priority=exploratory"]
+PURE_DP = ["parallel.pp=1", "parallel.microbatches=1"]
+# "group.field": (non-default value, observer | REFUSED | reads(module), extra overrides for context)
+FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
+    # model: what is trained -> the run's identity (and the model built from it)
+    **{f"model.{k}": (v, identity, []) for k, v in {
+        "name": "other", "n_layer": 6, "n_head": 2, "n_kv_head": 2, "d_model": 32, "d_ff": 96, "vocab_size": 512,
+        "seq_len": 32, "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False, "norm_eps": 1e-6,
+        "init_std": 0.01, "init_from": "w.safetensors"}.items()},
+    "model.rope_theta": (500000.0, identity, ["model.pos=rope"]),
+    "model.tie_embeddings": (True, identity, PURE_DP),  # one stage holds embedding and head
+    # cluster: the batch script, the hardware preset, the job's threads and backend
+    "cluster.name": ("renamed", reads("xirang_hpc.launch.slurm"), []),
+    "cluster.executor": ("slurm", reads("xirang_hpc.launch.train_cli"), []),
+    **{f"cluster.{k}": (v, sbatch, []) for k, v in {
+        "nodes": 1, "tasks_per_node": 4, "gpus_per_node": 1, "cpus_per_task": 2, "mem_gb": 8.0, "time_min": 90,
+        "partition": "gpu", "qos": "high", "account": "proj", "constraint": "a100", "exclude": "n3",
+        "signal_delay_s": 120, "array_parallelism": 8, "setup": ["module load cuda"], "srun_args": ["--exclusive"],
+        "min_time_min": 30}.items()},
+    "cluster.scavenger_partition": ("low", sbatch, [*EXPLORATORY, "cluster.scavenger_qos=scav"]),
+    "cluster.scavenger_qos": ("scav", sbatch, [*EXPLORATORY, "cluster.scavenger_partition=low"]),
+    "cluster.threads_per_rank": (3, threads, []),
+    "cluster.backend": ("nccl", backend, []),
+    "cluster.gpu": ("h100", hardware, []),
+    "cluster.hardware": ({"peak_tflops": 123.0}, hardware, []),
+    # parallel: the degrees, or refused where the layout cannot apply the choice
+    "parallel.dp": (3, REFUSED, []),
+    "parallel.tp": (2, dims, []),
+    "parallel.pp": (1, dims, []),
+    "parallel.data_parallel": ("fsdp", dims, []),
+    "parallel.dp_replicate": (2, REFUSED, []),  # ddp has no replicate groups
+    "parallel.microbatches": (2, reads("xirang_hpc.runtime.parallelize"), []),
+    "parallel.schedule": ("gpipe", reads("xirang_hpc.runtime.parallelize"), []),
+    "parallel.virtual_stages": (3, REFUSED, ["parallel.schedule=interleaved"]),  # 2 x 3 stages > 4 layers
+    "parallel.recompute": ("full", reads("xirang_hpc.runtime.parallelize"), []),
+    "parallel.sequence_parallel": (True, REFUSED, []),  # needs tp > 1
+    "parallel.optimizer_sharding": (True, REFUSED, []),  # dp2 x pp2 replicates through FSDP, not DDP
+    "parallel.auto": (True, reads("xirang_hpc.launch.autoplan"), []),
+    # train: what is trained -> identity; the schedule; how the loop runs
+    **{f"train.{k}": (v, identity, []) for k, v in {
+        "seed": 7, "max_steps": 400, "global_batch": 64, "lr": 1e-3, "min_lr_ratio": 0.5, "warmup_steps": 5,
+        "weight_decay": 0.0, "beta1": 0.8, "beta2": 0.99, "grad_clip": 0.5, "precision": "bf16"}.items()},
+    "train.name": ("other", identity, []),
+    "train.runs_root": ("elsewhere", identity, []),
+    "train.run_dir": ("/tmp/xirang-explicit-run", identity, []),
+    "train.grad_accum": (3, REFUSED, []),  # global batch 32 is not a multiple of dp2 x 3
+    "train.eval_every": (10, reads("xirang_hpc.runtime.trainer"), []),
+    "train.eval_batches": (2, reads("xirang_hpc.runtime.trainer"), []),
+    "train.log_every": (5, reads("xirang_hpc.runtime.trainer"), []),
+    "train.wait": (True, reads("xirang_hpc.launch.slurm"), []),
+    "train.priority": ("exploratory", REFUSED, []),  # cluster=local names no scavenger partition
+    "train.resume_from": (10, reads("xirang_hpc.checkpoint.trainer_hook"), []),
+    "train.loggers": (["tensorboard"], reads("xirang_hpc.monitor.tracking"), []),
+    "train.mlflow_uri": ("file:/tmp/mlruns", reads("xirang_hpc.monitor.tracking"), ["train.loggers=[mlflow]"]),
+    # checkpoint: retention, the manager, the tuner
+    "checkpoint.enabled": (False, reads("xirang_hpc.job.training"), []),
+    "checkpoint.every_steps": (7, reads("xirang_hpc.checkpoint.trainer_hook"), []),
+    "checkpoint.keep_last": (1, retention, []),
+    "checkpoint.keep_every": (50, retention, []),
+    "checkpoint.pinned": ([5], retention, []),
+    "checkpoint.async_save": (False, reads("xirang_hpc.checkpoint.trainer_hook"), []),
+    "checkpoint.compression": ("gzip", reads("xirang_hpc.checkpoint.trainer_hook"), []),
+    "checkpoint.dedup": (True, reads("xirang_hpc.checkpoint.trainer_hook"), []),
+    "checkpoint.verify_checksums": (False, reads("xirang_hpc.checkpoint.trainer_hook"), []),
+    "checkpoint.auto_interval": (True, reads("xirang_hpc.checkpoint.trainer_hook"), []),
+    "checkpoint.mtbf_hours": (2.0, reads("xirang_hpc.checkpoint.trainer_hook"), ["checkpoint.auto_interval=true"]),
+    "checkpoint.dir_mode": (0o750, reads("xirang_hpc.launch.train_cli"), []),
+    # requeue: the decisions for every stop reason and restart count
+    **{f"requeue.{k}": (v, requeue_decisions, []) for k, v in {
+        "enabled": False, "max_requeues": 1, "on_preemption": False, "on_timeout": False, "on_node_failure": False,
+        "on_nonzero_exit": True, "backoff_s": 30, "start_now": True}.items()},
+    "requeue.exclude_failed_nodes": (False, reads("xirang_hpc.launch.supervise"), []),
+    # data: what is trained on -> identity; where and how it is stored
+    "data.corpus": ("/some/corpus", identity, []),
+    "data.tokenizer": ("bpe", identity, ["model.vocab_size=512"]),
+    "data.vocab_size": (300, REFUSED, []),  # only for a trained BPE tokenizer (byte here)
+    "data.text_field": ("content", identity, []),
+    "data.on_bad_record": ("skip", identity, []),
+    "data.val_fraction": (0.1, identity, []),
+    "data.split_seed": (3, identity, []),
+    "data.out_dir": ("data/other", reads("xirang_hpc.launch.train_cli"), []),
+    "data.shard_tokens": (1024, reads("xirang_hpc.data.prepare"), []),
+    # monitor: the watchdog's thresholds; the rest inside the job
+    **{f"monitor.{k}": (v, watchdog, []) for k, v in {
+        "hang_s": 60.0, "stale_s": 20.0, "straggler_k": 3.0, "straggler_min_s": 0.5, "straggler_window": 9}.items()},
+    "monitor.enabled": (False, reads("xirang_hpc.job.training"), []),
+    "monitor.heartbeat_s": (2.0, reads("xirang_hpc.monitor.trainer_hook"), []),
+    "monitor.abort_on_hang": (False, reads("xirang_hpc.monitor.watchdog"), []),
+    "monitor.abort_on_dead": (False, reads("xirang_hpc.monitor.watchdog"), []),
+    "monitor.stack_signal": ("SIGUSR1", reads("xirang_hpc.monitor.trainer_hook"), []),
+    "monitor.peak_tflops": (100.0, reads("xirang_hpc.monitor.tracking"), []),
+    "monitor.debug_slow_rank": (1, reads("xirang_hpc.monitor.trainer_hook"), []),
+    "monitor.debug_slow_s": (0.5, reads("xirang_hpc.monitor.trainer_hook"), ["monitor.debug_slow_rank=1"]),
+    # comm: the bucket, refusals where the layout cannot apply a budget, the averager
+    "comm.hierarchical": (False, reads("xirang_hpc.runtime.comm.install"), []),
+    "comm.bucket": ("auto", bucket, []),
+    "comm.auto_candidates_mb": ([2.0, 8.0], bucket, ["comm.bucket=auto"]),
+    "comm.auto_steps": (4, bucket, ["comm.bucket=auto"]),
+    "comm.inter_node_budget": (0.25, REFUSED, []),  # dp2 x pp2: no DDP comm hook to apply it
+    "comm.sync_period": (8, REFUSED, []),  # idem
+    "comm.calibration_steps": (5, reads("xirang_hpc.runtime.comm.install"), [*PURE_DP, "comm.inter_node_budget=0.5"]),
+    "comm.outer_optimizer": ("nesterov", reads("xirang_hpc.runtime.comm.install"), [*PURE_DP, "comm.sync_period=4"]),
+    "comm.outer_lr": (0.5, reads("xirang_hpc.runtime.comm.install"), [*PURE_DP, "comm.sync_period=4"]),
+    "comm.outer_momentum": (0.5, reads("xirang_hpc.runtime.comm.install"), [*PURE_DP, "comm.sync_period=4"]),
+    "comm.timeout_s": (60.0, reads("xirang_hpc.runtime.comm.install"), []),
+    # eval: inside the eval stage
+    **{f"eval.{k}": (v, reads("xirang_hpc.eval.evaluate"), []) for k, v in {
+        "batches": 4, "batch_size": 2, "seed": 5, "sample_prompt": "class", "sample_tokens": 8,
+        "max_val_loss": 3.0}.items()},
+    "eval.step": (100, reads("xirang_hpc.job.stages"), []),
+    # serve: the request limits; the rest configure the server
+    "serve.max_prompt_tokens": (16, serve_limits, []),
+    "serve.max_new_tokens": (32, serve_limits, []),
+    **{f"serve.{k}": (v, reads("xirang_hpc.serve.run"), []) for k, v in {
+        "host": "0.0.0.0", "port": 9000, "max_batch": 4, "token_env": "MY_TOKEN", "duration_s": 5.0,
+        "read_timeout_s": 5.0, "model_name": "m"}.items()},
+}
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list | dict):
+        return repr(v).replace("'", "")
+    return str(v)
+
+
+def _load(overrides: list[str]) -> XirangConfig:
+    cfg = load_config(compose_cfg(overrides))
+    check_runnable(cfg)
+    return cfg
+
+
+@cache
+def _attribute_reads(module: str) -> frozenset[str]:
+    tree = ast.parse(inspect.getsource(importlib.import_module(module)))
+    attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    # cfg["hang_s"] / cfg.get("hang_s"): a config passed on as a dict (to the watchdog process)
+    keys = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return frozenset(attrs | keys)
+
+
+def test_every_field_is_covered() -> None:
+    fields = {f"{g}.{f.name}" for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+    assert sorted(fields - FIELDS.keys()) == [], "new config fields: say where their effect shows (or refuse them)"
+    assert sorted(FIELDS.keys() - fields) == [], "entries for fields that no longer exist"
+
+
+@pytest.mark.parametrize("key", sorted(FIELDS))
+def test_a_non_default_value_changes_something_or_is_refused(key: str) -> None:
+    value, effect, context = FIELDS[key]
+    group, name = key.split(".")
+    base_over = list(context)
+    changed = [*base_over, f"{key}={_value(value)}"]
+    if key == "cluster.hardware":  # a dict: add one entry
+        changed = [*base_over, "+cluster.hardware.peak_tflops=123.0"]
+    base = _load(base_over)
+    assert getattr(getattr(base, group), name) != value, f"{key}: the test value is the default"
+    if effect == REFUSED:
+        with pytest.raises(ConfigError) as err:
+            _load(changed)
+        assert key in str(err.value), f"refused, but the message does not name {key}: {err.value}"
+        return
+    cfg = _load(changed)
+    assert getattr(getattr(cfg, group), name) == value
+    if isinstance(effect, tuple):
+        module = effect[1]
+        assert name in _attribute_reads(module), f"{module} no longer reads {key}"
+        return
+    observe: Callable[[XirangConfig], Any] = effect
+    assert observe(cfg) != observe(base), f"{key}={value!r} changes nothing that {observe.__name__} sees"
+
+
+@pytest.mark.parametrize("key", ["train.lr", "train.grad_clip", "comm.outer_lr", "monitor.hang_s",
+                                 "checkpoint.mtbf_hours", "cluster.mem_gb", "model.init_std", "serve.duration_s"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_non_finite_floats_are_refused_with_the_field_named(key: str, bad: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _load([f"{key}={bad}"])
+    assert key in str(err.value)
+
+
+def test_lr_schedule_observer_sees_the_schedule_fields() -> None:
+    """The schedule fields also reach the learning rate itself (not only the run identity)."""
+    base = _load([])
+    for over in ("train.lr=1e-3", "train.min_lr_ratio=0.5", "train.warmup_steps=5", "train.max_steps=400"):
+        assert lr_schedule(_load([over])) != lr_schedule(base), over
