@@ -25,7 +25,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
-# The fast tier for every change: ruff, the layer contract, the unit tests (under 2 minutes).
+# The fast tier for every change: ruff, the layer contract, the unit tests (about 2 minutes of CPU).
 check: install lint
 	$(BIN)/python -m pytest -q -m unit
 
