@@ -62,7 +62,7 @@ def dims(cfg: XirangConfig) -> tuple[int, ...]:
 
 
 def lr_schedule(cfg: XirangConfig) -> list[float]:
-    return [lr_at(s, cfg.train) for s in range(0, cfg.train.max_steps + 1, 5)]
+    return [lr_at(s, cfg.train) for s in range(0, cfg.train.end_step + 1, 5)]
 
 
 def requeue_decisions(cfg: XirangConfig) -> list[Any]:
@@ -149,6 +149,8 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "train.runs_root": ("elsewhere", identity, []),
     "train.run_dir": ("/tmp/xirang-explicit-run", identity, []),
     "train.grad_accum": (3, REFUSED, []),  # global batch 32 is not a multiple of dp2 x 3
+    "train.extend_to": (400, lr_schedule, []),  # the schedule now decays towards step 400
+    "train.after_active": (True, reads("xirang_hpc.launch.slurm"), []),
     "train.eval_every": (10, reads("xirang_hpc.runtime.trainer"), []),
     "train.eval_batches": (2, reads("xirang_hpc.runtime.trainer"), []),
     "train.log_every": (5, reads("xirang_hpc.runtime.trainer"), []),
@@ -169,7 +171,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "checkpoint.verify_checksums": (False, reads("xirang_hpc.checkpoint.trainer_hook"), []),
     "checkpoint.auto_interval": (True, reads("xirang_hpc.checkpoint.trainer_hook"), []),
     "checkpoint.mtbf_hours": (2.0, reads("xirang_hpc.checkpoint.trainer_hook"), ["checkpoint.auto_interval=true"]),
-    "checkpoint.dir_mode": (0o750, reads("xirang_hpc.launch.train_cli"), []),
+    "checkpoint.dir_mode": (0o750, reads("xirang_hpc.launch.preflight"), []),
     # requeue: the decisions for every stop reason and restart count
     **{f"requeue.{k}": (v, requeue_decisions, []) for k, v in {
         "enabled": False, "max_requeues": 1, "on_preemption": False, "on_timeout": False, "on_node_failure": False,
