@@ -46,10 +46,10 @@ def test_init_model_from_copies_every_tensor_and_rejects_a_wrong_preset(tmp_path
         init_model_from(dst, tmp_path / "nope.safetensors")
 
 
-def _train(tmp: Path, weights: Path, data: Path) -> subprocess.CompletedProcess:
+def _train(tmp: Path, weights: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "xirang-train"), f"model.init_from={weights}", "cluster.nodes=1",
                            "cluster.tasks_per_node=1", "parallel.pp=1", "train.max_steps=3", "train.warmup_steps=1",
-                           "train.eval_batches=2", f"train.runs_root={tmp}/runs", f"data.out_dir={data}"],
+                           "train.eval_batches=2", f"train.runs_root={tmp}/runs", f"data.out_dir={data}", *extra],
                           cwd=tmp, capture_output=True, text=True, timeout=600)
 
 
@@ -76,15 +76,19 @@ def test_training_starts_from_exported_weights_and_a_checkpoint_wins_on_restart(
     vals = [x["val_loss"] for x in rows if "val_loss" in x]
     assert vals[0] == pytest.approx(expected, rel=1e-5)  # step 0 evaluated the exported weights
 
-    # Same experiment again, but the file now holds other weights: the run's checkpoint must win.
+    # The same run extended, but the file now holds other weights: the run's checkpoint must win.
     torch.manual_seed(8)
-    _export(GPT(TINY), weights)
-    r2 = _train(tmp_path, weights, data)
+    other = GPT(TINY)
+    _export(other, weights)
+    fresh = sum(lm_loss(other(x), y).item() for x, y in (val.batch(1234, i, 32) for i in range(2))) / 2
+    r2 = _train(tmp_path, weights, data, "train.extend_to=5")
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     assert "checkpoint: resumed from" in r2.stdout
     rows2 = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     vals2 = [x["val_loss"] for x in rows2 if "val_loss" in x]
-    assert vals2[0] == vals[0] and vals2[-1] == pytest.approx(vals[-1], rel=1e-6)
+    assert vals2[: len(vals)] == vals  # the first session's record is kept
+    # Two more steps from the checkpoint stay near where the run was, far from the file's weights.
+    assert abs(vals2[-1] - vals[-1]) < abs(vals2[-1] - fresh), (vals, vals2, fresh)
 
 
 def test_init_from_must_name_a_safetensors_file_before_anything_starts(tmp_path: Path) -> None:
