@@ -68,20 +68,49 @@ class GenRequest:
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator | None,
                 top_p: float = 1.0) -> int:
     """One token from a (V,) logits row: greedy at ``temperature <= 0``, else top-k / top-p sampling."""
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    scaled = logits.float() / temperature
-    if 0 < top_k < scaled.numel():
-        kth = torch.topk(scaled, top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1.0:
-        # Nucleus: keep the most likely tokens until their mass reaches top_p (at least one token).
-        sorted_p, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the tokens ranked above each one
-        drop = order[before >= top_p]
-        probs = probs.index_fill(0, drop, 0.0)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return sample_rows(logits[None], [temperature], [top_k], [top_p], [gen])[0]
+
+
+def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
+                gens: list[torch.Generator | None]) -> list[int]:
+    """One token per row of (B, V) logits, each row with its own sampling parameters and generator.
+
+    Row b: greedy at ``temperature[b] <= 0``; otherwise softmax(logits / T) restricted to the
+    ``top_k[b]`` largest logits (0 = all) and, with ``top_p[b] < 1``,
+    to the most likely tokens until their mass reaches top_p (at least one). The draw is one
+    uniform number from the row's own generator mapped through the row's cumulative distribution
+    (inverse-CDF sampling), so a row's token depends only on its logits, parameters and generator,
+    never on the other rows: a (prompt, seed) gives the same text in any batch. All rows are
+    filtered in a handful of batched tensor operations (one top-k), which is what makes a decode
+    step of 32 rows cheap; only the uniform draws are per row.
+    """
+    greedy_tok = logits.argmax(dim=-1)  # (B,)
+    sampled = [i for i, t in enumerate(temperature) if t > 0]
+    if not sampled:
+        return greedy_tok.tolist()
+    v = logits.shape[-1]
+    rows = torch.tensor(sampled)
+    temps = torch.tensor([temperature[i] for i in sampled], dtype=torch.float32)
+    scaled = logits.index_select(0, rows).float() / temps[:, None]  # (b, V)
+    ks = [top_k[i] if 0 < top_k[i] < v else v for i in sampled]
+    # Only the largest k of any row can be drawn: rank that many (a partial sort; all V when a row has no top_k).
+    ranked, order = torch.topk(scaled, max(ks), dim=-1)  # (b, K) descending: column 0 is the most likely
+    beyond = torch.arange(ranked.shape[1])[None, :] >= torch.tensor(ks)[:, None]  # ranks past the row's own k
+    probs = torch.softmax(ranked.masked_fill(beyond, float("-inf")), dim=-1)
+    ps = torch.tensor([top_p[i] for i in sampled], dtype=torch.float32)[:, None]  # (b, 1)
+    if bool((ps < 1.0).any()):
+        # Nucleus: drop a token once the mass ranked above it already reaches top_p (the first stays).
+        before = torch.cumsum(probs, dim=-1) - probs
+        probs = probs.masked_fill((before >= ps) & (ps < 1.0), 0.0)
+    cdf = torch.cumsum(probs, dim=-1)  # (b, K), unnormalised after the nucleus cut
+    u = torch.cat([torch.rand(1, generator=gens[i], dtype=torch.float64) for i in sampled])
+    target = (u * cdf[:, -1].double())[:, None].to(cdf.dtype)  # (b, 1)
+    # First rank whose cumulative mass exceeds the target: zero-probability ranks are never chosen.
+    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=ranked.shape[1] - 1)  # (b, 1)
+    out = greedy_tok.tolist()
+    for i, tok in zip(sampled, order.gather(1, pick).flatten().tolist()):
+        out[i] = tok
+    return out
 
 
 class Engine:
@@ -187,8 +216,14 @@ class Engine:
                 req.slot, req.cached = self._free.pop(), 0
                 active.append(req)
 
-    def _emit(self, r: GenRequest, row: torch.Tensor) -> None:
-        tok = sample_next(row, r.temperature, r.top_k, r.gen, r.top_p)
+    def _emit_all(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
+        """Sample one token per request from its (B, V) logits row and hand each to its request."""
+        toks = sample_rows(logits, [r.temperature for r in reqs], [r.top_k for r in reqs],
+                           [r.top_p for r in reqs], [r.gen for r in reqs])
+        for r, tok in zip(reqs, toks):
+            self._emit(r, tok)
+
+    def _emit(self, r: GenRequest, tok: int) -> None:
         if r.eos_id is not None and tok == r.eos_id:
             r.finish_reason = "stop"
             return
@@ -205,6 +240,7 @@ class Engine:
         if self.cache is None:
             return self.step_recompute(active)
         decode = [r for r in active if 0 < r.cached < self.seq_len and len(r.prompt) + len(r.out) == r.cached + 1]
+        decode.sort(key=lambda r: r.slot)  # consecutive slots let the cache be read without a copy
         in_decode = {id(r) for r in decode}
         fill = [r for r in active if id(r) not in in_decode]
         if fill:  # new requests, and windows sliding past seq_len: (re)fill their slots in one forward
@@ -220,9 +256,9 @@ class Engine:
             last = logits[torch.arange(len(fill)), torch.tensor(lens) - 1]  # (B, V) at each row's last token
             self.stats["forward_passes"] += 1
             self.stats["batched_rows"] += len(fill)
-            for r, seq, row in zip(fill, seqs, last):
+            for r, seq in zip(fill, seqs):
                 r.cached = len(seq) if len(r.prompt) + len(r.out) < self.seq_len else 0
-                self._emit(r, row)
+            self._emit_all(fill, last)
         if decode:
             last = torch.tensor([[(r.prompt + r.out)[-1]] for r in decode], dtype=torch.long)
             logits = self.cache.forward(last, torch.tensor([r.slot for r in decode]),
@@ -230,9 +266,9 @@ class Engine:
             self.stats["forward_passes"] += 1
             self.stats["batched_rows"] += len(decode)
             self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(decode))
-            for r, row in zip(decode, logits[:, -1]):
+            for r in decode:
                 r.cached += 1
-                self._emit(r, row)
+            self._emit_all(decode, logits[:, -1])
 
     @torch.inference_mode()
     def step_recompute(self, active: list[GenRequest]) -> None:
@@ -248,8 +284,7 @@ class Engine:
         self.stats["forward_passes"] += 1
         self.stats["batched_rows"] += len(seqs)
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(seqs))
-        for r, row in zip(active, last):
-            self._emit(r, row)
+        self._emit_all(active, last)
 
     def _loop(self) -> None:
         active: list[GenRequest] = []

@@ -35,6 +35,16 @@ class KVCache:
         shape = (slots, cfg.n_kv_head, cfg.seq_len, self.head_dim)
         self.k = [torch.zeros(shape, dtype=p.dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, dtype=p.dtype) for _ in range(cfg.n_layer)]
+        # q, k and v of a layer as one projection: one matmul per layer instead of three (a decode
+        # step is a few rows, so its cost is per call, not per FLOP). Copies, made once: serving
+        # does not change weights.
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for block in model.layers.values():
+            a = block.attn
+            w = torch.cat([a.q.weight, a.k.weight, a.v.weight]).detach()
+            bias = None if a.q.bias is None else torch.cat([a.q.bias, a.k.bias, a.v.bias]).detach()
+            self.qkv.append((w, bias))
+        self.q_width, self.kv_width = model.cfg.n_head * self.head_dim, cfg.n_kv_head * self.head_dim
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -52,18 +62,25 @@ class KVCache:
         visible = torch.arange(self.seq_len)[None, None, :] <= pos[:, :, None]  # (B, T, S)
         mask = visible[:, None]  # (B, 1, T, S)
         rows = slots[:, None].expand(b, t)
+        # Rows whose slots are consecutive (a full batch, or the usual case after sorting by slot) read
+        # the cache through a view; otherwise gather their slots (a copy per layer).
+        lo = int(slots[0])
+        contiguous = bool(torch.equal(slots, torch.arange(lo, lo + b)))
         for i, block in enumerate(m.layers.values()):
             a = block.attn
             x = block.attn_norm(h)
-            q = a.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-            k = a.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-            v = a.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            qkv = F.linear(x, *self.qkv[i])  # (B, T, (nh + 2 nkv) hd)
+            q, k, v = qkv.split((self.q_width, self.kv_width, self.kv_width), dim=-1)
+            q = q.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+            k = k.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+            v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
             if rope is not None:
                 q, k = _rope_at(q, *rope), _rope_at(k, *rope)
             self.k[i][rows, :, pos] = k.transpose(1, 2)  # (B, T, nkv, hd) into (slot, :, position)
             self.v[i][rows, :, pos] = v.transpose(1, 2)
-            keys = repeat_kv(self.k[i].index_select(0, slots), self.groups)  # (B, nh, S, hd)
-            vals = repeat_kv(self.v[i].index_select(0, slots), self.groups)
+            ck, cv = ((self.k[i][lo:lo + b], self.v[i][lo:lo + b]) if contiguous
+                      else (self.k[i].index_select(0, slots), self.v[i].index_select(0, slots)))
+            keys, vals = repeat_kv(ck, self.groups), repeat_kv(cv, self.groups)  # (B, nh, S, hd)
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # (B, nh, T, hd)
             h = h + a.o(y.transpose(1, 2).reshape(b, t, -1))
             h = h + block.mlp(block.mlp_norm(h))
