@@ -97,16 +97,23 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_l
                          "parallel_tool_calls", "store", "metadata", "service_tier"}
 
 
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, else a 400 saying what was wrong."""
+def json_object(raw: bytes, example: str) -> dict[str, Any]:
+    """A request body as a JSON object; ValueError saying what is wrong (``example`` shows a good body)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise bad(f"request body is not valid JSON ({exc}); send a JSON object like "
-                  '{"model": "...", "prompt": "def ", "max_tokens": 16}') from exc
+        raise ValueError(f"request body is not valid JSON ({exc}); send a JSON object like {example}") from exc
     if not isinstance(body, dict):
-        raise bad(f"request body must be a JSON object, got {type(body).__name__}")
+        raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, else a 400 saying what was wrong."""
+    try:
+        return json_object(raw, '{"model": "...", "prompt": "def ", "max_tokens": 16}')
+    except ValueError as exc:
+        raise bad(str(exc)) from exc
 
 
 def requested_model(body: dict[str, Any]) -> str:

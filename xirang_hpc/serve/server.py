@@ -26,12 +26,13 @@ connection is closed; a client that goes away mid-stream cancels its generation 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,12 +83,9 @@ def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int)
 def parse_generate(raw: bytes, limits: Limits, vocab: int, tok: Tokenizer) -> Params:
     """Validate a generate body; raises :class:`BadRequest` naming the field and the fix."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON ({exc}); send a JSON object like "
-                         '{"prompt": "def ", "max_tokens": 32}') from exc
-    if not isinstance(body, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+        body = oa.json_object(raw, '{"prompt": "def ", "max_tokens": 32}')
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
         raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(_FIELDS)}")
@@ -259,7 +257,7 @@ class Server:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         dec = StreamDecoder(self.tok)
-        try:
+        with self._cancel_if_gone(request, req):
             async for tok in self._tokens(request, req, done, tokens_q):
                 await resp.write((json.dumps({"token": tok, "text": dec.push(tok)}) + "\n").encode())
             final: dict[str, Any] = {"done": True, "tokenizer": self.tok.name, "seed": req.seed,
@@ -271,11 +269,6 @@ class Server:
                 final["error"] = f"generation failed: {exc}"
             await resp.write((json.dumps(final) + "\n").encode())
             await resp.write_eof()
-        except ConnectionError:
-            self._gone(request, req)
-        except asyncio.CancelledError:  # server shutting down
-            self.engine.cancel(req)
-            raise
         return resp
 
     # ---- shared by the endpoints -----------------------------------------------------------
@@ -342,6 +335,18 @@ class Server:
                 self._gone(request, req, "before its reply")
                 return None
 
+    @contextlib.contextmanager
+    def _cancel_if_gone(self, request: web.Request, req: GenRequest) -> Iterator[None]:
+        """Around a streamed reply: a client that closed its connection cancels the generation (one
+        log line, no traceback); a server shutting down cancels it too and lets the shutdown proceed."""
+        try:
+            yield
+        except ConnectionError:
+            self._gone(request, req)
+        except asyncio.CancelledError:
+            self.engine.cancel(req)
+            raise
+
     def _gone(self, request: web.Request, req: GenRequest, when: str = "mid-stream") -> None:
         """The client closed its connection: cancel the generation, log one line."""
         self.engine.cancel(req)
@@ -403,7 +408,7 @@ class Server:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         model, out, sent = self.model_id, [], ""
-        try:
+        with self._cancel_if_gone(request, req):
             if p.kind == "chat":  # OpenAI's first chat chunk carries the role
                 await resp.write(oa.sse(oa.chunk_body(p, rid, created, model, "", None, first=True)))
             async for tok in self._tokens(request, req, done, tokens_q):
@@ -425,11 +430,6 @@ class Server:
                     await resp.write(oa.sse(oa.usage_chunk(p, rid, created, model, len(final))))
             await resp.write(oa.sse("[DONE]"))
             await resp.write_eof()
-        except ConnectionError:
-            self._gone(request, req)
-        except asyncio.CancelledError:  # server shutting down
-            self.engine.cancel(req)
-            raise
         return resp
 
 
