@@ -180,7 +180,7 @@ def load_hf(path: str | Path) -> LoadedModel:
     except ConfigError as exc:
         raise WeightsError(str(exc)) from None
     cfg = model_config_from(fields)
-    model = GPT(cfg)
+    model = GPT.for_loading(cfg)  # every tensor comes from the files: no random init to throw away
     init_model_from_hf(model, path, cfg)  # HFImportError is a WeightsError
     model.eval()
     source = str(Path(path).absolute())
