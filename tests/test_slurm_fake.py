@@ -76,9 +76,9 @@ def test_a_sweep_is_one_array_job_with_a_run_dir_per_task(fake_slurm: Path, tmp_
     cfgs = [load_config(compose_cfg(o)) for o in overrides]
     for c in cfgs:
         check_runnable(c)
-    array_id, run_dirs = submit_array(cfgs, overrides)
+    array_id, run_dirs, tasks = submit_array(cfgs, overrides)
 
-    assert array_id == "4242"
+    assert array_id == "4242" and tasks == ["4242_0", "4242_1", "4242_2"]
     sbatch = _calls(fake_slurm, "sbatch")
     assert len(sbatch) == 1, "a sweep must be one sbatch call"
     script = sbatch[0]["script"]
@@ -153,3 +153,57 @@ def test_a_completed_step_is_recorded_without_asking_slurm(fake_slurm: Path, tmp
     assert _calls(fake_slurm) == []
     (done,) = [e for e in read_events(run) if e["kind"] == "exit"]
     assert (done["status"], done["job"]) == ("completed", "4242_1")
+
+
+def test_a_sweep_leaves_out_complete_runs_and_submits_nothing_when_all_are(
+        fake_slurm: Path, tmp_path: Path, small_corpus: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from xirang_hpc.checkpoint.naming import step_dir_name
+    from xirang_hpc.launch.preflight import open_run_dir
+
+    common = ["cluster=testbed", "requeue=testbed", f"train.runs_root={tmp_path}/runs", f"data.corpus={small_corpus}",
+              f"data.out_dir={tmp_path}/data", "data.val_fraction=0.2", "cluster.array_parallelism=2"]
+    overrides = [[*common, f"train.lr={lr}"] for lr in ("1e-3", "3e-4", "1e-4")]
+    cfgs = [load_config(compose_cfg(o)) for o in overrides]
+    # The second point has finished: its run directory holds a committed checkpoint at its last step.
+    done = open_run_dir(cfgs[1])
+    (done / "checkpoints" / step_dir_name(cfgs[1].train.end_step)).mkdir(parents=True)
+
+    array_id, run_dirs, tasks = submit_array(cfgs, overrides)
+    assert array_id == "4242" and tasks == ["4242_0", None, "4242_1"]
+    assert run_dirs[1] == done
+    (sbatch,) = _calls(fake_slurm, "sbatch")
+    assert "#SBATCH --array=0-1%2" in sbatch["script"]  # two tasks: the complete run is left out
+    assert not [e for e in read_events(done) if e["kind"] == "submit"]
+    assert f"run {done} is complete" in capsys.readouterr().out
+
+    # Every point complete: nothing is submitted at all.
+    for c, d in zip(cfgs, run_dirs):
+        (d / "checkpoints" / step_dir_name(c.train.end_step)).mkdir(parents=True, exist_ok=True)
+    assert submit_array(cfgs, overrides) == (None, run_dirs, [None, None, None])
+    assert len(_calls(fake_slurm, "sbatch")) == 1
+
+
+def test_a_pipeline_on_a_complete_run_submits_no_training_job(fake_slurm: Path, tmp_path: Path,
+                                                              small_corpus: Path) -> None:
+    from xirang_hpc.checkpoint.naming import step_dir_name
+    from xirang_hpc.launch.pipeline_cli import launch_slurm_chain
+    from xirang_hpc.launch.preflight import open_run_dir, preflight
+    from xirang_hpc.monitor.chain import chain_status, format_chain
+
+    cfg = load_config(compose_cfg(["cluster=testbed", f"train.runs_root={tmp_path}/runs",
+                                   f"data.corpus={small_corpus}", f"data.out_dir={tmp_path}/data"]))
+    run = open_run_dir(cfg)
+    (run / "checkpoints" / step_dir_name(cfg.train.end_step)).mkdir(parents=True)
+    status = preflight(cfg)
+    assert status.complete
+    stages = launch_slurm_chain(cfg, run, status.last_step)
+
+    assert [s["stage"] for s in stages] == ["prepare", "train", "eval", "serve"]
+    assert stages[1]["job_id"] is None
+    assert stages[2]["depends_on"] == stages[0]["job_id"]  # eval waits for prepare directly
+    names = [c["script"] for c in _calls(fake_slurm, "sbatch")]
+    assert len(names) == 3 and not any("-train" in s for s in names)
+    chain = chain_status(run, slurm_state=lambda job: "PENDING")
+    train = chain["stages"][1]
+    assert train["status"] == "completed" and "already complete" in train["detail"]
+    assert "train    completed  not submitted" in format_chain(chain)

@@ -91,12 +91,22 @@ def _submit_train(cfg: XirangConfig, run_dir: Path, data_dir: Path, dep: str) ->
     return job
 
 
-def launch_slurm_chain(cfg: XirangConfig, run_dir: Path) -> list[dict[str, Any]]:
-    """Submit the four stages as dependent Slurm jobs; returns the chain as recorded in pipeline.json."""
+def launch_slurm_chain(cfg: XirangConfig, run_dir: Path, train_done_at: int | None = None) -> list[dict[str, Any]]:
+    """Submit the four stages as dependent Slurm jobs; returns the chain as recorded in pipeline.json.
+
+    ``train_done_at``: the run is already complete at this step, so no training job is submitted
+    (the stage is recorded as completed, and eval depends on prepare directly).
+    """
     data_dir, cfg_dict = _data_dir(cfg), dataclasses.asdict(cfg)
     stages: list[dict[str, Any]] = []
     prev: str | None = None
     for name in STAGES:
+        if name == "train" and train_done_at is not None:
+            write_stage(run_dir, "train", "completed",
+                        note=f"run already complete at step {train_done_at}; no training job submitted")
+            stages.append({"stage": name, "job_id": None, "depends_on": None})
+            write_pipeline(run_dir, "slurm", stages)
+            continue
         if name == "train":
             assert prev is not None
             job = _submit_train(cfg, run_dir, data_dir, prev)
@@ -145,12 +155,14 @@ def _app(dcfg: DictConfig) -> None:
     try:
         cfg = load_config(dcfg)
         check_runnable(cfg)
-        preflight(cfg)  # identity and paths before anything is written (a complete run still evaluates)
+        # Identity and paths before anything is written; a complete run is not trained again, but its
+        # other stages (eval, export, serve) still run.
+        status = preflight(cfg)
     except ConfigError as exc:
         _fail(str(exc))
     run_dir = open_run_dir(cfg)
     if cfg.cluster.executor == "slurm":
-        stages = launch_slurm_chain(cfg, run_dir)
+        stages = launch_slurm_chain(cfg, run_dir, status.last_step if status.complete else None)
         chain = " -> ".join(f"{s['stage']} ({s['job_id']})" for s in stages)
         print(f"submitted pipeline: {chain} | run dir {run_dir}", flush=True)
         print(f"follow it with: xirang-pipeline --status {run_dir}", flush=True)

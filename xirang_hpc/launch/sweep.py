@@ -61,11 +61,17 @@ def check_same_resources(cfgs: list[XirangConfig], overrides: Sequence[Sequence[
             raise ConfigError("train.priority", c.train.priority, "must be the same for every point of a sweep")
 
 
-def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]) -> tuple[str, list[Path]]:
-    """Submit every point as one task of one array job; returns (array job id, run dirs)."""
+def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]
+                 ) -> tuple[str | None, list[Path], list[str | None]]:
+    """Submit every point as one task of one array job; returns (array job id, run dirs, task ids).
+
+    A point whose run is already complete is reported (how to extend it) and left out of the array:
+    its run directory is still returned, its task id is None. When every point is complete nothing
+    is submitted and the array id is None.
+    """
     from xirang_hpc.job.training import run_training
     from xirang_hpc.launch import slurm
-    from xirang_hpc.launch.preflight import open_run_dir, preflight
+    from xirang_hpc.launch.preflight import complete_message, open_run_dir, preflight
     from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
     from xirang_hpc.launch.train_cli import _ensure_data
 
@@ -73,9 +79,16 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]) -
     if len({run_dir_for(c) for c in cfgs}) != len(cfgs):
         raise ConfigError("train.run_dir", str(run_dir_for(cfgs[0])),
                           "two points of the sweep map to the same run directory; leave train.run_dir empty")
-    for c in cfgs:  # every point's identity and paths before any directory is made
-        preflight(c)
+    statuses = [preflight(c) for c in cfgs]  # every point's identity and paths before any directory is made
+    for c, st in zip(cfgs, statuses):
+        if st.complete:
+            print(complete_message(c, st), flush=True)
     run_dirs = [open_run_dir(c) for c in cfgs]
+    todo = [i for i, st in enumerate(statuses) if not st.complete]
+    if not todo:
+        return None, run_dirs, [None] * len(run_dirs)
+    all_dirs, cfgs, run_dirs = run_dirs, [cfgs[i] for i in todo], [run_dirs[i] for i in todo]
+    overrides = [overrides[i] for i in todo]
     data_dirs = [_ensure_data(c) for c in cfgs]
     folder = make_private_dir(sweep_folder(cfgs, overrides))
     for c, d in zip(cfgs, run_dirs):
@@ -89,7 +102,10 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]) -
     array_id = str(jobs[0].job_id).split("_")[0]
     for i, (j, d) in enumerate(zip(jobs, run_dirs)):
         append_event(d, "submit", "submitted", job=str(j.job_id), array=array_id, task=i, cluster=c0.cluster.name)
-    return array_id, run_dirs
+    tasks: list[str | None] = [None] * len(all_dirs)
+    for i, j in zip(todo, jobs):
+        tasks[i] = str(j.job_id)
+    return array_id, all_dirs, tasks
 
 
 class XirangLauncher(Launcher):
@@ -121,16 +137,24 @@ class XirangLauncher(Launcher):
             basic.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=self.config)
             return basic.launch(job_overrides, initial_job_idx)
         try:
-            array_id, run_dirs = submit_array(cfgs, job_overrides)
+            array_id, run_dirs, tasks = submit_array(cfgs, job_overrides)
         except ConfigError as exc:
             raise SystemExit(f"xirang-train: error: {exc}") from None
-        print(f"submitted Slurm array job {array_id}: {len(cfgs)} task(s), at most "
-              f"{min(len(cfgs), cfgs[0].cluster.array_parallelism)} at once", flush=True)
         common = set.intersection(*(set(o) for o in job_overrides))
-        for i, (ov, d) in enumerate(zip(job_overrides, run_dirs)):
+        task_of = {d: t for d, t in zip(run_dirs, tasks) if t is not None}  # complete runs have no task
+        if array_id is None:
+            print(f"nothing submitted: all {len(cfgs)} runs of the sweep are complete", flush=True)
+        else:
+            print(f"submitted Slurm array job {array_id}: {len(task_of)} task(s), at most "
+                  f"{min(len(task_of), cfgs[0].cluster.array_parallelism)} at once"
+                  + (f"; {len(cfgs) - len(task_of)} complete run(s) left out" if len(task_of) < len(cfgs) else ""),
+                  flush=True)
+        for ov, d in zip(job_overrides, run_dirs):
             varying = [o for o in filter_overrides(ov) if o not in common]
-            print(f"  {array_id}_{i}: {' '.join(varying) or '(defaults)'} -> {d}", flush=True)
-        print(f"follow it with: squeue -j {array_id}; xirang-status {run_dirs[0].parent}", flush=True)
+            print(f"  {task_of.get(d, 'complete')}: {' '.join(varying) or '(defaults)'} -> {d}", flush=True)
+        if array_id is not None:
+            print(f"follow it with: squeue -j {array_id}; xirang-status {run_dirs[0].parent}", flush=True)
         return [JobReturn(overrides=list(ov), cfg=c, hydra_cfg=self.config, working_dir=str(d),
-                          task_name="xirang-train", status=JobStatus.COMPLETED, _return_value=f"{array_id}_{i}")
-                for i, (ov, c, d) in enumerate(zip(job_overrides, loaded, run_dirs))]
+                          task_name="xirang-train", status=JobStatus.COMPLETED, _return_value=task_of.get(d))
+                for ov, c, d in zip(job_overrides, loaded, run_dirs)]
+

@@ -105,7 +105,7 @@ def chain_status(run_dir: Path, slurm_state: Callable[[str], str | None] = _slur
     for st in pipe["stages"]:
         name = st["stage"]
         own = read_json(run_dir / STAGE_DIR / f"{name}.json") or {}
-        status, detail = own.get("status", "pending"), own.get("error", "")
+        status, detail = own.get("status", "pending"), own.get("error") or own.get("note", "")
         job = st.get("job_id")
         sstate = slurm_state(job) if (job and pipe["executor"] == "slurm") else None
         if sstate in ("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL") and status != "failed":
@@ -141,7 +141,8 @@ def format_chain(chain: dict[str, Any]) -> str:
     """A small table of the chain for terminals."""
     lines = [f"pipeline {chain['run_dir']} ({chain['executor']}): {chain['status']}"]
     for r in chain["stages"]:
-        job = f"job {r['job_id']}" if r["job_id"] else "in-process"
+        job = (f"job {r['job_id']}" if r["job_id"]
+               else "not submitted" if chain["executor"] == "slurm" else "in-process")
         dep = f" after {r['depends_on']}" if r.get("depends_on") else ""
         lines.append(f"  {r['stage']:<8} {r['status']:<10} {job}{dep}  {r['detail']}".rstrip())
     return "\n".join(lines)
