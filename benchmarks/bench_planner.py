@@ -67,6 +67,7 @@ def main() -> None:
         print(f"| {params}B | {ref} | {pub.tflops_per_gpu:.1f} | {100 * err:+.1f}% | {best.plan.label()} | "
               f"{best.tokens_per_s / pub.tokens_per_s:.2f}x |")
     print(f"mean |error| {100 * statistics.mean(errs):.1f}%, max {100 * max(errs):.1f}%\n")
+    validation_table()
     gpt3 = Shape(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, ffn=4 * 12288)
     # Llama 3.1 405B (Meta 2024, table 3): GQA with 8 kv heads, SwiGLU 53248, untied 128256 vocab, 8K context.
     llama = Shape(layers=126, hidden=16384, heads=128, seq=8192, vocab=128256, ffn=53248, swiglu=True, bias=False,
@@ -86,6 +87,26 @@ def main() -> None:
         med = statistics.median(times)
         print(f"| {name} | {gpus} | {batch} | {res.evaluated} | {1e3 * med:.0f} ms | < {target:g} s "
               f"({target / med:.0f}x margin) |")
+
+
+def validation_table() -> None:
+    """Every published row (xirang_hpc/planner/published.py): the rows that set constants, then the held-out
+    rows predicted without refitting, each group with its mean and max |error|."""
+    from xirang_hpc.planner.published import ALL, predict
+
+    for role, title in (("fit", "rows that set the constants (in-sample)"),
+                        ("held-out", "held-out rows (out-of-sample, nothing refitted)")):
+        rows = [r for r in ALL if r.role == role]
+        print(f"{title}:\n| source | run | GPUs | metric | published | predicted | error |")
+        print("|---|---|---|---|---|---|---|")
+        errs = []
+        for r in rows:
+            pred = predict(r)
+            errs.append(pred / r.value - 1)
+            unit = "TFLOP/s/GPU" if r.metric == "tflops" else "tokens/s/GPU"
+            print(f"| {r.source} | {r.name} | {r.gpus} | {unit} | {r.value:g} | {pred:.0f} | {100 * errs[-1]:+.1f}% |")
+        print(f"{role}: mean |error| {100 * statistics.mean(map(abs, errs)):.1f}%, "
+              f"max {100 * max(map(abs, errs)):.1f}% over {len(rows)} rows\n")
 
 
 if __name__ == "__main__":
