@@ -124,6 +124,9 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
         "min_time_min": 30}.items()},
     "cluster.scavenger_partition": ("low", sbatch, [*EXPLORATORY, "cluster.scavenger_qos=scav"]),
     "cluster.scavenger_qos": ("scav", sbatch, [*EXPLORATORY, "cluster.scavenger_partition=low"]),
+    "cluster.high_partition": ("urgent", sbatch, ["train.priority=high", "cluster.high_qos=top"]),
+    "cluster.high_qos": ("top", sbatch, ["train.priority=high", "cluster.high_partition=urgent"]),
+    "cluster.qos_names": (["normal"], REFUSED, ["cluster.qos=high"]),  # high is not one of the site's QOS
     "cluster.threads_per_rank": (3, threads, []),
     "cluster.backend": ("nccl", backend, []),
     "cluster.gpu": ("h100", hardware, []),

@@ -96,13 +96,79 @@ def test_sbatch_parameters_and_scheduling_classes():
     assert "time_min" not in sbatch_parameters(plain)["additional_parameters"]
     assert sbatch_parameters(plain, "exploratory")["additional_parameters"]["time_min"] == 30 // 4
     bare = load_config(compose_cfg(["cluster=slurm"]))
-    with pytest.raises(ConfigError, match="names no scavenger partition/QoS"):
+    with pytest.raises(ConfigError, match="names no scavenger partition/QOS"):
         sbatch_parameters(bare.cluster, "exploratory")
     late = load_config(compose_cfg(["cluster=testbed", "cluster.min_time_min=99"]))
     with pytest.raises(ConfigError, match="cluster.min_time_min=99"):
         sbatch_parameters(late.cluster)
     with pytest.raises(ConfigError, match="train.priority"):
         load_config(compose_cfg(["train.priority=urgent"]))
+
+
+@pytest.mark.parametrize("preset, classes", [
+    # normal, high, exploratory -> (partition, qos)
+    ("testbed", {"normal": ("high", None), "exploratory": ("low", None)}),
+    ("testbed-qos", {"normal": ("low", "normal"), "high": ("low", "high"), "exploratory": ("low", "scavenger")}),
+    ("site-qos", {"normal": ("gpu", "normal"), "high": ("gpu", "high"), "exploratory": ("gpu", "scavenger")}),
+    ("site-partitions", {"normal": ("gpu", None), "high": ("urgent", None), "exploratory": ("preempt", None)}),
+])
+def test_priority_maps_to_the_partition_or_qos_the_preset_names(preset, classes):
+    from xirang_hpc.launch.slurm import sbatch_parameters
+
+    for priority in ("normal", "high", "exploratory"):
+        over = [f"cluster={preset}", f"train.priority={priority}"]
+        cfg = load_config(compose_cfg(over))
+        if priority not in classes:  # the preset has no such class: refused, naming the fields to set
+            with pytest.raises(ConfigError, match=f"names no {priority} partition/QOS; set cluster.{priority}_"):
+                sbatch_parameters(cfg.cluster, cfg.train.priority)
+            continue
+        p = sbatch_parameters(cfg.cluster, cfg.train.priority)
+        assert (p.get("partition"), p.get("qos")) == classes[priority], (preset, priority, p)
+        # Only exploratory work gets a default --time-min: it is requeued anyway, so any gap will do.
+        assert ("time_min" in p["additional_parameters"]) == (priority == "exploratory")
+
+
+@pytest.mark.parametrize("field", ["qos", "high_qos", "scavenger_qos"])
+def test_a_qos_the_preset_does_not_define_is_refused_naming_the_valid_ones(field):
+    with pytest.raises(ConfigError) as err:
+        load_config(compose_cfg(["cluster=testbed-qos", f"cluster.{field}=hihg"]))
+    msg = str(err.value)
+    assert f"cluster.{field}" in msg and "hihg" in msg and "['normal', 'high', 'scavenger']" in msg, msg
+    # A site that adds the QOS lists it too; then it passes.
+    cfg = load_config(compose_cfg(["cluster=testbed-qos", f"cluster.{field}=urgent",
+                                   "cluster.qos_names=[normal,high,scavenger,urgent]"]))
+    assert getattr(cfg.cluster, field) == "urgent"
+
+
+def test_a_qos_slurm_does_not_know_is_refused_before_submission():
+    from xirang_hpc.launch.slurm import check_site_qos
+
+    c = load_config(compose_cfg(["cluster=testbed-qos"])).cluster
+    site = ["normal", "high"]  # what `sacctmgr show qos` lists on a site without a scavenger QOS
+    check_site_qos(c, "high", site)
+    check_site_qos(c, "exploratory", None)  # accounting does not answer: sbatch judges
+    with pytest.raises(ConfigError) as err:
+        check_site_qos(c, "exploratory", site)
+    msg = str(err.value)
+    assert "cluster.scavenger_qos" in msg and "scavenger" in msg and "['normal', 'high']" in msg, msg
+    assert "sacctmgr add qos scavenger" in msg
+
+
+def test_site_qos_names_reads_sacctmgr_or_says_unknown(tmp_path, monkeypatch):
+    """A real subprocess: a sacctmgr on PATH that answers, one that fails (no accounting), none at all."""
+    import os
+
+    from xirang_hpc.launch.slurm import site_qos_names
+
+    tool = tmp_path / "sacctmgr"
+    tool.write_text("#!/bin/sh\nprintf 'normal\\nhigh\\nscavenger\\n'\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}/usr/bin:/bin")
+    assert site_qos_names() == ["normal", "high", "scavenger"]
+    tool.write_text("#!/bin/sh\necho 'sacctmgr: error: Problem talking to the database' >&2; exit 1\n")
+    assert site_qos_names() is None
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert site_qos_names() is None
 
 
 def test_sweep_points_must_share_one_resource_set():

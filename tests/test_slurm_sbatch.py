@@ -26,6 +26,7 @@ CASES = {
         "cluster.setup=['module load cuda/12.4','source /opt/venv/bin/activate']",
         "cluster.srun_args=['--cpu-bind=none']",
         "train.name=pretrain", "model=gpt2-small", "train.global_batch=64"],
+    "sbatch_qos_high.sbatch": ["cluster=site-qos", "train.priority=high", "cluster.account=llm", "train.name=urgent"],
     "sbatch_exploratory.sbatch": ["cluster=testbed", "train.priority=exploratory", "cluster.time_min=120",
                                   "cluster.min_time_min=20", "train.name=explore"],
 }

@@ -117,6 +117,10 @@ class ModelConfig:
         return 4 * self.d_model
 
 
+# train.priority levels, lowest first: exploratory is preemptible (requeued), high is the site's urgent class.
+PRIORITIES = ("exploratory", "normal", "high")
+
+
 @dataclass
 class ClusterConfig:
     """Where the job runs. ``local`` runs submitit's local executor on this machine with a
@@ -141,11 +145,17 @@ class ClusterConfig:
     srun_args: list[str] = field(default_factory=list)
     # Torch intra-op threads per rank; 0 = cores / ranks on this node.
     threads_per_rank: int = 0
-    # Scheduling classes: train.priority=exploratory submits to the preemptible
-    # scavenger partition/QoS (requeued on preemption); min_time_min is sbatch --time-min (0: unset),
-    # which lets the backfill scheduler start the job in a gap shorter than time_min.
+    # Scheduling classes (train.priority): normal uses partition/qos above; exploratory the preemptible
+    # scavenger partition/QOS (requeued on preemption); high the site's urgent partition/QOS. Each
+    # class falls back to partition/qos for the half it leaves unset. min_time_min is sbatch
+    # --time-min (0: unset), which lets the backfill scheduler start the job in a gap shorter than time_min.
     scavenger_partition: str | None = None
     scavenger_qos: str | None = None
+    high_partition: str | None = None
+    high_qos: str | None = None
+    # The QOS the site defines (`sacctmgr show qos`); when set, every QOS above must be one of them,
+    # so a typo is refused before anything reaches sbatch. Empty: not checked here.
+    qos_names: list[str] = field(default_factory=list)
     min_time_min: int = 0
     backend: str = "auto"  # auto | gloo | nccl
     # Planner: accelerator preset (a100-40gb | a100-80gb | h100 | h200 | cpu; "" = cpu
@@ -161,6 +171,14 @@ class ClusterConfig:
             _positive("cluster", name, getattr(self, name))
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError("cluster.backend", self.backend, "choose auto, gloo or nccl")
+        if self.qos_names:
+            for key in ("qos", "scavenger_qos", "high_qos"):
+                value = getattr(self, key)
+                if value and value not in self.qos_names:
+                    raise ConfigError(f"cluster.{key}", value,
+                                      f"cluster {self.name!r} defines the QOS {list(self.qos_names)}; choose one "
+                                      "of them (a new QOS is added by the site's admin with `sacctmgr add qos`, "
+                                      "then listed in cluster.qos_names)")
 
     @property
     def world_size(self) -> int:
@@ -235,7 +253,8 @@ class TrainConfig:
     run_dir: str = ""
     # Block until the job ends; None: block for cluster.executor=local, return at once for slurm.
     wait: bool | None = None
-    # Scheduling class: normal | exploratory (scavenger partition/QoS of the cluster preset).
+    # Scheduling class: normal | high (the preset's high partition/QOS) | exploratory (its preemptible
+    # scavenger partition/QOS); see cluster.high_* and cluster.scavenger_*.
     priority: str = "normal"
     # A launch whose run directory already has a live Slurm job queues behind it (--dependency=afterany)
     # instead of being refused.
@@ -269,8 +288,8 @@ class TrainConfig:
             raise ConfigError("train.warmup_steps", self.warmup_steps, "use 0 or more")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("train.min_lr_ratio", self.min_lr_ratio, "use a ratio in [0, 1]")
-        if self.priority not in ("normal", "exploratory"):
-            raise ConfigError("train.priority", self.priority, "choose normal or exploratory")
+        if self.priority not in PRIORITIES:
+            raise ConfigError("train.priority", self.priority, f"choose one of {', '.join(PRIORITIES)}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError("train.precision", self.precision, "choose auto, fp32 or bf16")
         if self.extend_to and self.extend_to <= self.max_steps:

@@ -15,7 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.hf import apply_hf_model
-from xirang_hpc.config.schema import DataConfig, XirangConfig
+from xirang_hpc.config.schema import ClusterConfig, DataConfig, XirangConfig
 
 
 def _divisors(n: int) -> list[int]:
@@ -196,6 +196,28 @@ def _check_tokenizer(cfg: XirangConfig) -> DataConfig:
     return d
 
 
+def scheduling_class(c: ClusterConfig, priority: str) -> tuple[str | None, str | None]:
+    """(partition, qos) that ``train.priority`` maps to on cluster ``c``, as its preset says.
+
+    normal -> cluster.partition/qos; exploratory -> cluster.scavenger_partition/qos; high ->
+    cluster.high_partition/qos. A class falls back to the normal partition or QOS for the half it
+    leaves unset (a QOS-only site keeps one partition), and a class the preset names nothing for is
+    refused: silently running exploratory work unpreemptible, or urgent work at normal priority,
+    would defeat the point of asking for it.
+    """
+    if priority == "normal":
+        return c.partition, c.qos
+    prefix = {"exploratory": "scavenger", "high": "high"}.get(priority)
+    if prefix is None:
+        raise ConfigError("train.priority", priority, "choose one of exploratory, normal, high")
+    partition, qos = getattr(c, f"{prefix}_partition"), getattr(c, f"{prefix}_qos")
+    if not (partition or qos):
+        raise ConfigError("train.priority", priority,
+                          f"cluster {c.name!r} names no {prefix} partition/QOS; set cluster.{prefix}_partition "
+                          f"or cluster.{prefix}_qos (e.g. cluster=testbed-qos), or use train.priority=normal")
+    return partition or c.partition, qos or c.qos
+
+
 def check_runnable(cfg: XirangConfig) -> None:
     """Layout choices that are valid on their own but that the runtime cannot combine (after :func:`validate`)."""
     p = cfg.parallel
@@ -204,10 +226,7 @@ def check_runnable(cfg: XirangConfig) -> None:
     dp = p.dp
     _check_comm_applies(cfg)
     c = cfg.cluster
-    if cfg.train.priority == "exploratory" and not (c.scavenger_partition or c.scavenger_qos):
-        raise ConfigError("train.priority", cfg.train.priority,
-                          f"cluster {c.name!r} names no scavenger partition/QoS; set "
-                          "cluster.scavenger_partition or cluster.scavenger_qos, or use train.priority=normal")
+    scheduling_class(c, cfg.train.priority)
     if p.dp_replicate > 1 and p.data_parallel != "fsdp":
         raise ConfigError(
             "parallel.dp_replicate",

@@ -24,6 +24,7 @@ import submitit
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, XirangConfig
+from xirang_hpc.config.validate import scheduling_class
 from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.runtime import slurmctl
 
@@ -33,15 +34,33 @@ TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "
                    "DEADLINE"}
 
 
-def scheduling_class(c: ClusterConfig, priority: str) -> tuple[str | None, str | None]:
-    """(partition, qos) for ``train.priority``: exploratory -> the scavenger ones of the preset."""
-    if priority == "exploratory":
-        if not (c.scavenger_partition or c.scavenger_qos):
-            raise ConfigError("train.priority", priority,
-                              f"cluster {c.name!r} names no scavenger partition/QoS; set "
-                              "cluster.scavenger_partition or cluster.scavenger_qos, or use train.priority=normal")
-        return c.scavenger_partition or c.partition, c.scavenger_qos or c.qos
-    return c.partition, c.qos
+def site_qos_names(timeout_s: float = 10.0) -> list[str] | None:
+    """The QOS names the cluster's accounting defines (``sacctmgr show qos``); None when it does not answer
+    (no sacctmgr, accounting_storage/none, slurmdbd down): then sbatch itself is the judge."""
+    try:
+        out = subprocess.run(["sacctmgr", "-n", "-P", "show", "qos", "format=name"], capture_output=True,
+                             text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    names = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    return names if out.returncode == 0 and names else None
+
+
+def check_site_qos(c: ClusterConfig, priority: str, names: list[str] | None) -> None:
+    """Refuse a QOS the cluster does not define, before submission, naming the ones it has.
+
+    ``names`` is :func:`site_qos_names` (None: unknown, nothing checked). sbatch would refuse too,
+    but only with "Invalid qos specification" and after the run directory was claimed.
+    """
+    qos = scheduling_class(c, priority)[1]
+    if names is None or not qos or qos in names:
+        return
+    key = {"normal": "cluster.qos", "high": "cluster.high_qos", "exploratory": "cluster.scavenger_qos"}[priority]
+    if priority != "normal" and qos == c.qos:
+        key = "cluster.qos"
+    raise ConfigError(key, qos, f"Slurm's accounting on this cluster defines the QOS {names} (sacctmgr show qos); "
+                                f"choose one of them for train.priority={priority}, or ask the admin to "
+                                f"`sacctmgr add qos {qos}`")
 
 
 def sbatch_parameters(c: ClusterConfig, priority: str = "normal") -> dict[str, Any]:
@@ -98,6 +117,7 @@ def supervisor_lines(folder: Path) -> list[str]:
 
 def make_slurm_executor(c: ClusterConfig, folder: Path, priority: str = "normal") -> submitit.SlurmExecutor:
     """A submitit SlurmExecutor for ``c``; submitit's own timeout requeue is off (ours decides)."""
+    check_site_qos(c, priority, site_qos_names())
     ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
     ex.update_parameters(**sbatch_parameters(c, priority), teardown=supervisor_lines(Path(folder)))
     return ex
