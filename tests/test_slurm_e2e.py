@@ -49,6 +49,14 @@ def slurm() -> str:
         os.environ["SLURM_CONF"] = old
 
 
+def _nodes() -> list[str]:
+    """The testbed's node names in order (n1 n2 by default; XIRANG_SLURM_NODE_PREFIX changes them)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout
+    names = sorted(set(out.split()), key=lambda n: (len(n), n))
+    assert len(names) >= 2, out
+    return names
+
+
 def _base(data: Path, runs: Path) -> list[str]:
     return ["cluster=testbed", "requeue=testbed", f"data.out_dir={data}", f"train.runs_root={runs}",
             "train.warmup_steps=2", "train.log_every=10", "train.eval_batches=2", "monitor.enabled=true",
@@ -162,7 +170,7 @@ def test_time_limit_usr2_requeue_then_finish(slurm, stdlib_data, tmp_path):
 
 
 def test_array_sweep_only_the_preempted_task_reruns(slurm, stdlib_data, tmp_path):
-    """4 tasks of one array (4 CPUs each: 2 per node); a `high` job on n2 preempts exactly one."""
+    """4 tasks of one array (4 CPUs each: 2 per node); a `high` job on the second node preempts exactly one."""
     args = ["-m", "train.seed=1,2,3,4", *_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1",
             "cluster.tasks_per_node=1", "cluster.cpus_per_task=4", "train.priority=exploratory",
             "train.max_steps=120", "checkpoint.every_steps=50"]
@@ -172,7 +180,7 @@ def test_array_sweep_only_the_preempted_task_reruns(slurm, stdlib_data, tmp_path
     runs = [Path(p) for p in re.findall(r"-> (\S+)", out.stdout)]
     assert len(set(runs)) == 4
     _wait(lambda: all(_ev(r, "first_step", 0) for r in runs), 300, "all 4 tasks to train")
-    _preempt("-N1", "-w", "n2", "-n1", "-c4")
+    _preempt("-N1", "-w", _nodes()[1], "-n1", "-c4")
     finals = [_final(r, timeout=300) for r in runs]
     assert [f["status"] for f in finals] == ["completed"] * 4
     requeued = [r for r in runs if _ev(r, "requeue")]
@@ -184,7 +192,7 @@ def test_array_sweep_only_the_preempted_task_reruns(slurm, stdlib_data, tmp_path
 
 
 def test_kill9_rank_policy_requeue_resumes_from_periodic_checkpoint(slurm, stdlib_data, tmp_path):
-    """kill -9 of rank 3 (node n2): the supervisor requeues, the rerun resumes at a periodic checkpoint."""
+    """kill -9 of rank 3 (the second node): the supervisor requeues, the rerun resumes at a periodic checkpoint."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "train.max_steps=100", "checkpoint.every_steps=10"])
     latest = run / "checkpoints" / "latest"
     _wait(lambda: latest.exists() and int(latest.read_text().split("_")[-1]) >= 10, 240, "a periodic checkpoint")
@@ -193,7 +201,7 @@ def test_kill9_rank_policy_requeue_resumes_from_periodic_checkpoint(slurm, stdli
     final = _final(run, timeout=300)
     assert final["status"] == "completed", read_events(run)
     failure = _ev(run, "failure", 0)[0]
-    assert failure["reason"] == "node_failure" and failure["node"] == "n2", failure
+    assert failure["reason"] == "node_failure" and failure["node"] == _nodes()[1], failure
     assert _ev(run, "requeue", 0)[0]["reason"] == "node_failure"
     resumed = _ev(run, "start", 1)[0]["step"]
     assert resumed >= 10 and resumed % 10 == 0, resumed  # a periodic checkpoint, not a save-on-stop
@@ -205,7 +213,7 @@ def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path):
                         "train.max_steps=60", "checkpoint.every_steps=10"])
     first = _wait(lambda: _ev(run, "first_step", 0), 240, "training to start")[0]
     node = _ev(run, "start", 0)[0]["node"]
-    assert node in ("n1", "n2"), first
+    assert node in _nodes(), first
     os.kill(_wait(lambda: rank_pid(run, 0, 1), 30, "rank 1's pid"), 9)
     final = _final(run, timeout=300)
     assert final["status"] == "completed", read_events(run)
