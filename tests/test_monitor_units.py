@@ -307,8 +307,14 @@ def test_slurm_state_prefers_squeue_then_sacct_then_scontrol_and_degrades() -> N
     sc = "JobId=7 JobName=x JobState=PENDING Reason=BeginTime Restarts=2 BatchFlag=1"
     assert slurm_state("7", runner({"squeue": "RUNNING|None\n", "scontrol": sc})) == {
         "state": "RUNNING", "reason": "None", "source": "squeue", "restarts": "2"}
-    assert slurm_state("7", runner({"squeue": "", "sacct": "COMPLETED|0:0\n"})) == {
-        "state": "COMPLETED", "exit_code": "0:0", "source": "sacct"}
+    # sacct -D: one line per run of the job (here requeued once), fields as slurmdb.SACCT_FIELDS.
+    sacct = ("7|x|root|proja|normal|low|REQUEUED|0:0|00:00:03|2026-11-30T17:48:16|2026-11-30T17:48:16|"
+             "2026-11-30T17:48:19|2|q[1-2]|2|6|None\n"
+             "7|x|root|proja|normal|low|COMPLETED|0:0|00:00:06|2026-11-30T17:48:16|2026-11-30T17:48:22|"
+             "2026-11-30T17:48:28|2|q[1-2]|2|12|None\n")
+    done = slurm_state("7", runner({"squeue": "", "sacct": sacct}))
+    assert (done["state"], done["exit_code"], done["source"], done["restarts"]) == ("COMPLETED", "0:0", "sacct", "1")
+    assert (done["elapsed"], done["nodes"], done["cpu_seconds"]) == ("00:00:06", "q[1-2]", "18")
     assert slurm_state("7", runner({"squeue": None, "sacct": None, "scontrol": sc}))["state"] == "PENDING"
     assert slurm_state("7", runner({})) == {}
 

@@ -160,10 +160,14 @@ COMMANDS: dict[str, CommandHelp] = {
             "scontrol, sacct), requeues, step/total, loss, tokens/s, MFU, ETA, the last checkpoint and its age, "
             "CPU/RSS (and GPU) per node, and recent events. For a directory of runs or an array job: one line "
             "per run, pending tasks included. For two or more run directories: a comparison (config "
-            "differences, progress, final numbers)."
+            "differences, progress, final numbers). A pending Slurm job's reason is said in words with the quota "
+            "numbers behind it; a job that left squeue is shown from sacct (exit code, elapsed, restarts, nodes, "
+            "CPU time). --queue: the whole cluster (partitions, nodes, jobs, quotas, QOS, fair share, utilization "
+            "of the last hour)."
         ),
         examples=[
             ("xirang-status runs/default-tiny-0123456789ab", ""),
+            ("xirang-status --queue", "the cluster; --watch refreshes, --json, --plot queue.png"),
             ("xirang-status runs", "every run under the runs root"),
             ("xirang-status 4242 --runs-root runs", "an array sweep's tasks"),
             ("xirang-status RUN_DIR --watch", ""),

@@ -5,7 +5,9 @@
 - a directory of run directories (a runs root, an array sweep's runs): one fixed-width line per run,
   array tasks in task order, failed runs with their cause;
 - a job id: the runs under ``--runs-root`` launched by that job (array tasks ``ID_N`` included);
-- two or more run directories: a comparison (config differences, progress, final numbers).
+- two or more run directories: a comparison (config differences, progress, final numbers);
+- ``--queue``: the cluster (partitions, nodes, jobs with pending reasons in words, quotas, fair share,
+  utilization of the last hour from sacct).
 
 ``--watch`` refreshes (a progress bar on a terminal, plain lines in logs), ``--json`` prints
 machine-readable output, ``--plot [PNG]`` writes loss and throughput against step (overlaid when
@@ -84,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
                     help="write loss/throughput vs step (default RUN_DIR/status.png)")
+    ap.add_argument("--queue", action="store_true",
+                    help="the cluster: partitions, nodes, jobs with pending reasons in words, quotas, fair share, "
+                         "utilization of the last hour (with --plot: utilization over time, default queue.png)")
     a = ap.parse_args(argv)
+    if a.queue:
+        return _queue(a)
     if len(a.target) > 1:
         return _compare(a)
     try:
@@ -116,6 +123,42 @@ def main(argv: list[str] | None = None) -> int:
                 print("\033[2J\033[H", end="")
             print(render(snap, tty), flush=True)
         if not a.watch or _finished(snap):
+            return 0
+        try:
+            time.sleep(a.interval)
+        except KeyboardInterrupt:
+            return 0
+
+
+def _queue(a: argparse.Namespace) -> int:
+    """``xirang-status --queue``: the cluster-wide view (plain, --json, --watch, --plot)."""
+    from xirang_hpc.launch.quota_check import current_user
+    from xirang_hpc.monitor.queue import gather, plot_utilization, render_queue
+    from xirang_hpc.monitor.slurmdb import SlurmDB, SlurmQueryError
+
+    tty = sys.stdout.isatty()
+    while True:
+        snap = gather(SlurmDB(), current_user())
+        if not snap["nodes"] and not snap["jobs"] and snap["errors"]:
+            print("xirang-status: error: no Slurm answers here: " + "; ".join(snap["errors"]), file=sys.stderr)
+            return 2
+        if a.plot is not None:
+            try:
+                info = plot_utilization(snap, Path(a.plot or "queue.png"))
+            except SlurmQueryError as exc:
+                print(f"xirang-status: error: {exc}", file=sys.stderr)
+                return 2
+            print(json.dumps(info) if a.json else
+                  f"wrote {info['path']} ({info['points']} points, {100 * (info['fraction'] or 0):.1f}% over the "
+                  "last hour)")
+            return 0
+        if a.json:
+            print(json.dumps(snap, default=str), flush=True)
+        else:
+            if a.watch and tty:
+                print("\033[2J\033[H", end="")
+            print(render_queue(snap), flush=True)
+        if not a.watch:
             return 0
         try:
             time.sleep(a.interval)

@@ -118,6 +118,10 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     if status.complete:
         print(complete_message(cfg, status), flush=True)
         return None
+    if cfg.cluster.executor == "slurm":  # the account's quota and use, before anything is written
+        from xirang_hpc.launch.quota_check import check_quota
+
+        print("\n".join(check_quota(cfg)[0]), flush=True)
     data_dir = _ensure_data(cfg)  # first: data that cannot be used leaves no run directory behind
     run_dir = open_run_dir(cfg)
     if cfg.cluster.executor == "slurm":  # submit and return; train.wait=true blocks

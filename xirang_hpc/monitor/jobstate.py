@@ -9,6 +9,9 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable
 
+from xirang_hpc.monitor.quota import explain_reason
+from xirang_hpc.monitor.slurmdb import Result, SlurmDB, SlurmQueryError
+
 Runner = Callable[[list[str]], "str | None"]
 
 
@@ -31,20 +34,76 @@ def parse_scontrol(text: str) -> dict[str, str]:
     return out
 
 
+def _db(run: Runner) -> SlurmDB:
+    """The accounting views through this module's runner (stdout or None)."""
+    def caller(argv: list[str]) -> Result:
+        out = run(argv)
+        return Result(0, out, "") if out is not None else Result(1, "", f"{argv[0]} failed")
+    return SlurmDB(run=caller)
+
+
+def reason_in_words(job_id: str, run: Runner = run_cmd) -> str:
+    """A pending job's reason with the numbers behind it (quota use and limits), '' when unknown."""
+    db = _db(run)
+    try:
+        jobs = db.jobs()
+    except SlurmQueryError:
+        return ""
+    job = next((j for j in jobs if j.job_id == job_id), None)
+    if job is None or job.state != "PENDING":
+        return ""
+    assocs, qos, nodes = [], [], []
+    try:  # limits live in slurmdbd; without it the reason is still said, without numbers
+        assocs, qos = db.associations(), db.qos()
+    except SlurmQueryError:
+        pass
+    try:
+        nodes = db.nodes()
+    except SlurmQueryError:
+        pass
+    return explain_reason(job, jobs, assocs, qos, nodes)
+
+
+def history(job_id: str, run: Runner = run_cmd) -> dict[str, str]:
+    """What sacct remembers of a job that left squeue: state, exit code, elapsed, restarts, nodes, CPU time."""
+    try:
+        recs = _db(run).history([job_id])
+    except SlurmQueryError:
+        return {}
+    recs = [r for r in recs if r.job_id.split(".")[0] == job_id]
+    if not recs:
+        return {}
+    last = recs[-1]
+    restarts = sum(1 for r in recs[:-1] if r.state.startswith(("REQUEUED", "PREEMPTED", "NODE_FAIL")))
+    cpu_s = sum(r.cpu_seconds for r in recs)
+    words = (f"exit code {last.exit_code}, elapsed {last.elapsed}, {restarts} restart(s), "
+             f"{last.nnodes} node(s) {last.nodelist}, CPU time {cpu_s // 3600}:{cpu_s // 60 % 60:02d}:{cpu_s % 60:02d}")
+    return {"state": last.state.split()[0], "exit_code": last.exit_code, "elapsed": last.elapsed,
+            "restarts": str(restarts), "nodes": last.nodelist, "num_nodes": str(last.nnodes),
+            "cpu_seconds": str(cpu_s), "start": last.start, "end": last.end, "reason": words, "source": "sacct"}
+
+
 def slurm_state(job_id: str, run: Runner = run_cmd) -> dict[str, str]:
-    """``{"state", "reason"?, "restarts"?, "source"}`` for a Slurm job id, or ``{}`` if Slurm does not know it."""
+    """``{"state", "reason"?, "restarts"?, "source"}`` for a Slurm job id, or ``{}`` if Slurm does not know it.
+
+    squeue for a job it still lists (a pending reason said in words with its numbers), sacct for one
+    that has left it (exit code, elapsed, restarts, nodes, CPU time), scontrol as the last resort.
+    """
     out = run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"])
     if out and out.strip():
         state, _, reason = out.strip().splitlines()[0].partition("|")
         info = {"state": state, "reason": reason, "source": "squeue"}
+        if state == "PENDING":
+            words = reason_in_words(job_id, run)
+            if words:
+                info["reason"] = f"{reason}: {words}"
         sc = run(["scontrol", "show", "job", job_id])
         if sc:
             info["restarts"] = parse_scontrol(sc).get("Restarts", "0")
         return info
-    out = run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"])
-    if out and out.strip():
-        state, _, code = out.strip().splitlines()[-1].partition("|")
-        return {"state": state.split()[0], "exit_code": code, "source": "sacct"}
+    hist = history(job_id, run)
+    if hist:
+        return hist
     sc = run(["scontrol", "show", "job", job_id])
     if sc:
         kv = parse_scontrol(sc)
