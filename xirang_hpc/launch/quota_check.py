@@ -22,6 +22,7 @@ from typing import Any
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.config.validate import scheduling_class
 from xirang_hpc.monitor.quota import Fit, QuotaError, Request, check_fit, resolve_association
 from xirang_hpc.monitor.slurmdb import AccountingDown, SlurmDB, SlurmQueryError
 
@@ -41,8 +42,6 @@ def current_user() -> str:
 
 def job_request(cfg: XirangConfig) -> Request:
     """What the job asks Slurm for in total, and in which partition."""
-    from xirang_hpc.launch.slurm import scheduling_class
-
     c = cfg.cluster
     partition, _ = scheduling_class(c, cfg.train.priority)
     return Request(cpus=c.nodes * c.tasks_per_node * c.cpus_per_task, gpus=c.nodes * c.gpus_per_node,
@@ -51,8 +50,6 @@ def job_request(cfg: XirangConfig) -> Request:
 
 def check_quota(cfg: XirangConfig, db: SlurmDB | None = None, user: str | None = None) -> tuple[list[str], Fit | None]:
     """(lines to print, verdict) for a Slurm launch of ``cfg``; :class:`QuotaRefused` when Slurm would not run it."""
-    from xirang_hpc.launch.slurm import scheduling_class
-
     db = db or SlurmDB()
     user = user or current_user()
     try:

@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from xirang_hpc.monitor.quota import ACTIVE, node_unusable, account_use, explain_reason, user_use
+from xirang_hpc.monitor.quota import ACTIVE, account_use, explain_reason, node_unusable, user_use
 from xirang_hpc.monitor.slurmdb import Assoc, HistJob, Node, Qos, QueueJob, SlurmDB, SlurmQueryError
 
 
