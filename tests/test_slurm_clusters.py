@@ -46,7 +46,7 @@ def _cpus(env: dict[str, str], cluster: str) -> int:
 
 def test_sinfo_and_sacct_see_every_cluster(clusters):
     env, names = clusters
-    out = _run("sinfo", "-M", "all", "-h", "-o", "%P %D", env=env)
+    out = _run("sinfo", "-M", "all", "-o", "%P %D", env=env)
     for name in names:
         assert f"CLUSTER: {name}" in out, out
     _run("sacct", "-M", "all", "-X", "-n", env=env)

@@ -56,8 +56,8 @@ def test_default_is_accounting_cgroup_and_partition_preemption(tmp_path):
     dbd = d / "slurmdbd.conf"
     assert stat.S_IMODE(dbd.stat().st_mode) == 0o600  # it holds the database password
     dk = _keys(dbd)
-    assert int(dk["DbdPort"]) == int(k["AccountingStoragePort"]) == 17190
-    assert int(dk["StoragePort"]) == 17191 and dk["StoragePass"]
+    assert int(dk["DbdPort"]) == int(k["AccountingStoragePort"]) == 17108
+    assert int(dk["StoragePort"]) == 17109 and dk["StoragePass"]
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
     nodes = _lines(d / "slurm.conf", "NodeName=")
     assert [n.split()[0] for n in nodes] == ["NodeName=n1", "NodeName=n2"]
@@ -82,7 +82,7 @@ def test_two_clusters_share_one_slurmdbd_with_distinct_nodes_and_ports(tmp_path)
     d = _conf(tmp_path, "--clusters", "alpha,beta")
     a, b = _keys(d / "alpha.conf"), _keys(d / "beta.conf")
     assert (a["ClusterName"], b["ClusterName"]) == ("alpha", "beta")
-    assert a["AccountingStoragePort"] == b["AccountingStoragePort"] == "17190"
+    assert a["AccountingStoragePort"] == b["AccountingStoragePort"] == "17108"
     assert (a["SlurmctldPort"], b["SlurmctldPort"]) == ("17100", "17110")
     assert a["StateSaveLocation"] != b["StateSaveLocation"]
     assert (d / "slurm.conf").read_text() == (d / "alpha.conf").read_text()  # the default SLURM_CONF
