@@ -122,6 +122,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
         "partition": "gpu", "qos": "high", "account": "proj", "constraint": "a100", "exclude": "n3",
         "signal_delay_s": 120, "array_parallelism": 8, "setup": ["module load cuda"], "srun_args": ["--exclusive"],
         "min_time_min": 30}.items()},
+    "cluster.spare_nodes": (1, sbatch, ["cluster.executor=slurm", "requeue.max_restarts_in_job=1"]),
     "cluster.scavenger_partition": ("low", sbatch, [*EXPLORATORY, "cluster.scavenger_qos=scav"]),
     "cluster.scavenger_qos": ("scav", sbatch, [*EXPLORATORY, "cluster.scavenger_partition=low"]),
     "cluster.high_partition": ("urgent", sbatch, ["train.priority=high", "cluster.high_qos=top"]),
@@ -180,6 +181,8 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
         "enabled": False, "max_requeues": 1, "on_preemption": False, "on_timeout": False, "on_node_failure": False,
         "on_nonzero_exit": True, "backoff_s": 30, "start_now": True}.items()},
     "requeue.exclude_failed_nodes": (False, reads("xirang_hpc.launch.supervise"), []),
+    "requeue.max_restarts_in_job": (2, reads("xirang_hpc.launch.injob"), []),
+    "requeue.min_nodes": (1, reads("xirang_hpc.config.elastic"), []),
     # data: what is trained on -> identity; where and how it is stored
     "data.corpus": ("/some/corpus", identity, []),
     "data.tokenizer": ("bpe", identity, ["model.vocab_size=512"]),

@@ -162,6 +162,9 @@ class ClusterConfig:
     # without GPUs, else a100-80gb) and measured overrides of its fields (xirang_hpc/planner/hardware.py).
     gpu: str = ""
     hardware: dict[str, float] = field(default_factory=dict)
+    # Extra nodes allocated beside ``nodes`` and left idle: an in-job restart (requeue.max_restarts_in_job)
+    # replaces a failed node with one of them and keeps the layout (Slurm only).
+    spare_nodes: int = 0
 
     def __post_init__(self) -> None:
         _finite("cluster", self)
@@ -169,6 +172,8 @@ class ClusterConfig:
             raise ConfigError("cluster.executor", self.executor, "choose local or slurm")
         for name in ("nodes", "tasks_per_node", "time_min"):
             _positive("cluster", name, getattr(self, name))
+        if self.spare_nodes < 0:
+            raise ConfigError("cluster.spare_nodes", self.spare_nodes, "use 0 (no spare) or more")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError("cluster.backend", self.backend, "choose auto, gloo or nccl")
         if self.qos_names:
@@ -348,11 +353,22 @@ class RequeueConfig:
     backoff_s: int = 0
     exclude_failed_nodes: bool = True
     start_now: bool = False
+    # In-job restart (Slurm): after a dead or hung rank, restart the ranks inside the same allocation
+    # on the healthy nodes (a spare one, else fewer nodes) from the newest checkpoint, up to this many
+    # times per allocation; 0 = off (the requeue policy above handles every failure).
+    max_restarts_in_job: int = 0
+    # The fewest nodes a shrunk restart may run on (same global batch through more gradient
+    # accumulation); 0 = as few as the layout allows. Set it to cluster.nodes to forbid shrinking.
+    min_nodes: int = 0
 
     def __post_init__(self) -> None:
         _finite("requeue", self)
         if self.max_requeues < 0:
             raise ConfigError("requeue.max_requeues", self.max_requeues, "use 0 or more")
+        if self.max_restarts_in_job < 0:
+            raise ConfigError("requeue.max_restarts_in_job", self.max_restarts_in_job, "use 0 (off) or more")
+        if self.min_nodes < 0:
+            raise ConfigError("requeue.min_nodes", self.min_nodes, "use 0 (any the layout allows) or more")
 
 
 @dataclass

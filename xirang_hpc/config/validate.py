@@ -144,6 +144,13 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             "tied input/output embeddings need the embedding and the head on one pipeline stage; "
             "use parallel.pp=1 (tp/dp/fsdp are fine) or model.tie_embeddings=false",
         )
+    if c.spare_nodes and (c.executor != "slurm" or cfg.requeue.max_restarts_in_job == 0):
+        raise ConfigError(
+            "cluster.spare_nodes",
+            c.spare_nodes,
+            "spare nodes are used only by an in-job restart on Slurm; set requeue.max_restarts_in_job=1 or more "
+            "(with a Slurm cluster) or cluster.spare_nodes=0",
+        )
     data = _check_tokenizer(cfg)
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp), data=data)
 

@@ -8,6 +8,7 @@ every feature plugged into the loop: the runtime below it only knows the hook in
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from xirang_hpc.checkpoint.trainer_hook import CheckpointHook
+from xirang_hpc.config.elastic import for_environment
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
@@ -60,7 +62,8 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
 
 def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
     """Train on this rank; returns the summary on rank 0 and ``{}`` elsewhere."""
-    cfg = load_config(OmegaConf.create(cfg_dict))
+    # An in-job restart on fewer nodes ($XIRANG_NODES) trains the same global batch on a shrunk layout.
+    cfg = for_environment(load_config(OmegaConf.create(cfg_dict)), os.environ)
     check_runnable(cfg)
     # Every rank, before the rendezvous, so a mismatch fails all of them alike; the copy is atomic.
     tok = install_run_tokenizer(data_dir, run_dir)

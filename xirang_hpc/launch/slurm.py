@@ -23,7 +23,7 @@ from typing import Any
 import submitit
 
 from xirang_hpc.config.errors import ConfigError
-from xirang_hpc.config.schema import ClusterConfig, XirangConfig
+from xirang_hpc.config.schema import ClusterConfig, RequeueConfig, XirangConfig
 from xirang_hpc.config.validate import scheduling_class
 from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.runtime import slurmctl
@@ -74,7 +74,8 @@ def sbatch_parameters(c: ClusterConfig, priority: str = "normal") -> dict[str, A
                           "lower it or raise cluster.time_min")
     partition, qos = scheduling_class(c, priority)
     params: dict[str, Any] = {
-        "nodes": c.nodes,
+        # Spare nodes are allocated with the job and stay idle until an in-job restart needs one.
+        "nodes": c.nodes + c.spare_nodes,
         "ntasks_per_node": c.tasks_per_node,
         "cpus_per_task": c.cpus_per_task,
         "time": c.time_min,
@@ -115,18 +116,43 @@ def supervisor_lines(folder: Path) -> list[str]:
             "exit $XIRANG_SRUN_RC"]
 
 
-def make_slurm_executor(c: ClusterConfig, folder: Path, priority: str = "normal") -> submitit.SlurmExecutor:
-    """A submitit SlurmExecutor for ``c``; submitit's own timeout requeue is off (ours decides)."""
+def injob_lines(folder: Path) -> list[str]:
+    """Batch-script lines that hand the job to the in-job restart driver (its attempts, then the supervisor).
+
+    They run after ``cluster.setup`` and end the script, so submitit's single ``srun`` never runs.
+    """
+    cmd = [sys.executable, "-m", "xirang_hpc.launch.injob", "--map", str(folder / RUN_DIR_MAP),
+           "--folder", str(folder)]
+    return ["# in-job restart: the driver runs every srun step (requeue.max_restarts_in_job)",
+            " ".join(shlex.quote(a) for a in cmd), "exit $?"]
+
+
+def make_slurm_executor(c: ClusterConfig, folder: Path, priority: str = "normal",
+                        requeue: RequeueConfig | None = None) -> submitit.SlurmExecutor:
+    """A submitit SlurmExecutor for ``c``; submitit's own timeout requeue is off (ours decides).
+
+    With ``requeue.max_restarts_in_job`` the job is submitted ``--no-kill`` (a failed node leaves the
+    allocation instead of ending the job) and the in-job restart driver runs its steps.
+    """
     check_site_qos(c, priority, site_qos_names())
     ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
-    ex.update_parameters(**sbatch_parameters(c, priority), teardown=supervisor_lines(Path(folder)))
+    params = sbatch_parameters(c, priority)
+    if requeue is not None and requeue.max_restarts_in_job > 0:
+        params["setup"] = [*params.get("setup", []), *injob_lines(Path(folder))]
+        params["additional_parameters"] = {**params["additional_parameters"], "no_kill": True}
+    ex.update_parameters(**params, teardown=supervisor_lines(Path(folder)))
     return ex
 
 
 def write_job_file(cfg: XirangConfig, run_dir: Path) -> None:
     """What the supervisor needs inside the job: the requeue policy and the signal delay."""
+    from xirang_hpc.config.elastic import shrink_options
+
     payload = {"requeue": dataclasses.asdict(cfg.requeue), "signal_delay_s": cfg.cluster.signal_delay_s,
-               "nodes": cfg.cluster.nodes, "partition": scheduling_class(cfg.cluster, cfg.train.priority)[0]}
+               "nodes": cfg.cluster.nodes, "partition": scheduling_class(cfg.cluster, cfg.train.priority)[0],
+               # For the in-job restart driver: how each step is placed, and the node counts a shrunk layout allows.
+               "tasks_per_node": cfg.cluster.tasks_per_node, "spare_nodes": cfg.cluster.spare_nodes,
+               "srun_args": list(cfg.cluster.srun_args), "shrink_to": shrink_options(cfg)}
     (run_dir / JOB_FILE).write_text(json.dumps(payload, indent=1))
 
 
@@ -179,7 +205,7 @@ def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any
         after = claim(run_dir, "slurm", cfg.train.after_active)
         write_job_file(cfg, run_dir)
         write_run_dir_map(folder, [run_dir], array=False)
-        ex = make_slurm_executor(cfg.cluster, folder, cfg.train.priority)
+        ex = make_slurm_executor(cfg.cluster, folder, cfg.train.priority, cfg.requeue)
         ex.update_parameters(job_name=f"xirang-{cfg.train.name}")
         if after:
             extra = dict(ex.parameters.get("additional_parameters") or {})

@@ -95,7 +95,7 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]
         slurm.write_job_file(c, d)
     slurm.write_run_dir_map(folder / "submitit", run_dirs, array=True)
     c0 = cfgs[0]
-    ex = slurm.make_slurm_executor(c0.cluster, folder / "submitit", c0.train.priority)
+    ex = slurm.make_slurm_executor(c0.cluster, folder / "submitit", c0.train.priority, c0.requeue)
     ex.update_parameters(job_name=f"xirang-sweep-{c0.train.name}")
     jobs = ex.map_array(run_training, [dataclasses.asdict(c) for c in cfgs], [str(d) for d in run_dirs],
                         [str(d) for d in data_dirs])

@@ -90,12 +90,18 @@ def discover(env: Mapping[str, str] | None = None, local_nodes: int = 1) -> Topo
             master_addr="127.0.0.1", master_port=rendezvous_port(job), job_id=job, source="local",
         )
     if "SLURM_PROCID" in env and "SLURM_JOB_ID" in env:
-        world = int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")))
-        nodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+        # The step's counts and nodes first: an in-job restart runs a step on part of the allocation
+        # (a spare node, or fewer nodes), where the job-level variables still describe all of it.
+        world = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")))
+        nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
         job = env.get("SLURM_ARRAY_JOB_ID", env["SLURM_JOB_ID"])
         if "SLURM_ARRAY_TASK_ID" in env:
             job = f"{job}_{env['SLURM_ARRAY_TASK_ID']}"
-        host = first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost")))
+        host = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST",
+                                                                    env.get("SLURM_NODELIST", "localhost")))
+        # Each in-job restart attempt gets its own rendezvous port (the last one may linger).
+        attempt = env.get("XIRANG_INJOB_ATTEMPT", "")
+        port_key = f"{job}.{attempt}" if attempt not in ("", "0") else job
         # MASTER_ADDR/MASTER_PORT in a Slurm job are usually inherited from the submitting shell
         # (sbatch exports it) and would make array tasks on one node collide; only the explicit
         # XIRANG_MASTER_* variables override the job-derived values.
@@ -105,7 +111,7 @@ def discover(env: Mapping[str, str] | None = None, local_nodes: int = 1) -> Topo
             rank=int(env["SLURM_PROCID"]), world_size=world, local_rank=int(env.get("SLURM_LOCALID", "0")),
             local_world_size=world // nodes, node_id=int(env.get("SLURM_NODEID", "0")), num_nodes=nodes,
             node_name=env.get("SLURMD_NODENAME", host), master_addr=addr,
-            master_port=int(env.get("XIRANG_MASTER_PORT") or rendezvous_port(job)), job_id=job, source="slurm",
+            master_port=int(env.get("XIRANG_MASTER_PORT") or rendezvous_port(port_key)), job_id=job, source="slurm",
         )
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])

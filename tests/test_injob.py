@@ -1,0 +1,162 @@
+"""In-job restart: the shrunk layout, the node choice, the step command and the driver's decisions.
+
+The driver runs here with a stand-in for ``srun`` (a function that plays one attempt: it writes the
+rank markers and the watchdog's events a real attempt writes, into a real run directory) and a
+real event log; the real ``srun`` steps are in tests/test_injob_slurm.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import compose_cfg
+
+from xirang_hpc.config.elastic import for_environment, shrink, shrink_options
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.validate import load_config
+from xirang_hpc.launch.injob import choose_nodes, drive, srun_command
+from xirang_hpc.launch.slurm import make_slurm_executor, sbatch_parameters, write_job_file
+from xirang_hpc.monitor.events import append_event, read_events
+from xirang_hpc.runtime.markers import mark_exit, mark_start
+
+
+def _cfg(*overrides: str):
+    return load_config(compose_cfg(["parallel.pp=1", "parallel.tp=1", *overrides]))
+
+
+def test_shrink_keeps_the_global_batch_through_accumulation():
+    cfg = _cfg("cluster.nodes=2", "cluster.tasks_per_node=2", "train.global_batch=32")
+    small = shrink(cfg, 1)
+    assert (small.cluster.nodes, small.parallel.dp, small.train.grad_accum) == (1, 2, 2)
+    assert small.train.global_batch == 32 and cfg.parallel.dp == 4 and cfg.train.grad_accum == 1
+    assert shrink(cfg, 2) is cfg
+    assert for_environment(cfg, {"XIRANG_NODES": "1"}).parallel.dp == 2
+    assert for_environment(cfg, {}) is cfg
+
+
+def test_shrink_refuses_a_layout_that_cannot_fit_and_names_why():
+    cfg = _cfg("cluster.nodes=2", "cluster.tasks_per_node=2", "parallel.pp=2", "parallel.tp=2")
+    with pytest.raises(ConfigError, match="do not fit on 1 node"):
+        shrink(cfg, 1)
+    assert shrink_options(cfg) == []
+    three = _cfg("cluster.nodes=3", "cluster.tasks_per_node=2", "train.global_batch=48")
+    with pytest.raises(ConfigError, match="whole factor"):
+        shrink(three, 2)  # dp 6 -> 4: grad_accum would be 1.5
+    assert shrink_options(three) == [1]
+    assert shrink_options(_cfg("cluster.nodes=4", "cluster.tasks_per_node=1", "train.global_batch=32",
+                               "requeue.min_nodes=2")) == [2]
+    with pytest.raises(ConfigError, match="XIRANG_NODES"):
+        for_environment(cfg, {"XIRANG_NODES": "two"})
+
+
+def test_spare_nodes_need_in_job_restart_and_are_allocated():
+    with pytest.raises(ConfigError, match="cluster.spare_nodes"):
+        _cfg("cluster=testbed", "cluster.spare_nodes=1")
+    cfg = _cfg("cluster=testbed", "cluster.spare_nodes=1", "requeue.max_restarts_in_job=1")
+    assert sbatch_parameters(cfg.cluster)["nodes"] == 3
+
+
+def test_the_batch_script_hands_the_job_to_the_driver(tmp_path):
+    cfg = _cfg("cluster=testbed", "requeue.max_restarts_in_job=2")
+    script = make_slurm_executor(cfg.cluster, tmp_path, requeue=cfg.requeue)._make_submission_file_text("cmd", "7")
+    driver = script.index("-m xirang_hpc.launch.injob --map")
+    assert "#SBATCH --no-kill" in script and script.index("exit $?", driver) < script.index("srun --unbuffered")
+    plain = make_slurm_executor(cfg.cluster, tmp_path, requeue=_cfg("cluster=testbed").requeue)
+    text = plain._make_submission_file_text("cmd", "7")
+    assert "--no-kill" not in text and "xirang_hpc.launch.injob" not in text
+
+
+def test_choose_nodes_prefers_the_same_layout_then_the_largest_shrink():
+    assert choose_nodes(["n1", "n2", "n3"], 2, [1]).nodes == ["n1", "n2"]
+    plan = choose_nodes(["n3"], 2, [1])
+    assert plan.nodes == ["n3"] and plan.shrunk
+    assert choose_nodes(["n1", "n2", "n3"], 4, [1, 2]).nodes == ["n1", "n2"]
+    assert choose_nodes(["n1"], 2, []) is None
+
+
+def test_srun_command_places_the_step_and_appends_to_the_logs(tmp_path):
+    job = {"tasks_per_node": 2, "srun_args": ["--cpu-bind=none"]}
+    cmd = srun_command(job, tmp_path, ["n2", "n3"], 1, "/py", {})
+    assert cmd[:2] == ["srun", "--unbuffered"] and "--open-mode=append" in cmd and "--overlap" in cmd
+    assert {"--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--nodelist=n2,n3", "--cpu-bind=none"} <= set(cmd)
+    assert cmd[-5:] == ["/py", "-u", "-m", "submitit.core._submit", str(tmp_path)]
+    first = srun_command(job, tmp_path, ["n1"], 0, "/py", {"SLURM_ARRAY_TASK_ID": "3"})
+    assert "--overlap" not in first and str(tmp_path / "%A_%a_%t_log.out") in first
+
+
+class Attempts:
+    """Plays one ``srun`` attempt per call: ranks start; the scripted fault (if any) is logged."""
+
+    def __init__(self, run_dir: Path, faults: list[str | None]) -> None:
+        self.run_dir, self.faults, self.calls = run_dir, faults, []
+
+    def __call__(self, cmd: list[str], env: dict[str, str], run_dir: Path, since: float) -> int:
+        nodes = next(a for a in cmd if a.startswith("--nodelist=")).split("=", 1)[1].split(",")
+        self.calls.append((nodes, env["XIRANG_NODES"], env["XIRANG_INJOB_ATTEMPT"]))
+        for i, node in enumerate(nodes):
+            mark_start(run_dir, 0, i, node)
+        fault = self.faults[len(self.calls) - 1]
+        if fault is None:
+            for i in range(len(nodes)):
+                mark_exit(run_dir, 0, i)
+            return 0
+        if fault == "exception":
+            for i in range(len(nodes)):
+                mark_exit(run_dir, 0, i)
+            return 1
+        append_event(run_dir, "dead", f"rank 1 on {fault}", rank=1, node=fault)
+        append_event(run_dir, "abort", "job aborted", node=fault)
+        return 137
+
+
+def _run_dir(tmp_path: Path, *overrides: str) -> Path:
+    cfg = _cfg("cluster=testbed", *overrides)
+    run = tmp_path / "run"
+    run.mkdir()
+    write_job_file(cfg, run)
+    return run
+
+
+def test_driver_restarts_on_a_spare_then_shrinks_then_gives_up(tmp_path):
+    run = _run_dir(tmp_path, "requeue.max_restarts_in_job=3", "cluster.spare_nodes=1")
+    play = Attempts(run, ["n1", "n3", "n2"])
+    rc = drive(run, tmp_path / "sub", {"SLURM_JOB_ID": "5"}, step=play, allocation=lambda _: ["n1", "n2", "n3"])
+    assert rc == 137
+    assert play.calls == [(["n1", "n2"], "2", "0"), (["n2", "n3"], "2", "1"), (["n2"], "1", "2")]
+    restarts = [e for e in read_events(run) if e["kind"] == "restart"]
+    assert [(e["node"], e["nodes"], e["shrunk"], e["attempt"]) for e in restarts] == [
+        ("n1", ["n2", "n3"], False, 1), ("n3", ["n2"], True, 2)]
+    assert all(e["reason"].startswith("dead: rank 1 on") and e["fault_time"] for e in restarts)
+    refused = [e for e in read_events(run) if e["kind"] == "restart_refused"]
+    assert len(refused) == 1 and "too few healthy nodes" in refused[0]["reason"] and refused[0]["node"] == "n2"
+    # Earlier attempts' markers were moved aside; the last attempt's stay for the supervisor.
+    assert sorted(p.name for p in (run / "ranks").iterdir()) == ["r0", "r0-attempt0", "r0-attempt1"]
+
+
+def test_driver_respects_max_restarts_and_leaves_plain_errors_to_the_policy(tmp_path):
+    run = _run_dir(tmp_path, "requeue.max_restarts_in_job=1")
+    play = Attempts(run, ["n2", "n1"])
+    assert drive(run, tmp_path, {}, step=play, allocation=lambda _: ["n1", "n2"]) == 137
+    assert [c[0] for c in play.calls] == [["n1", "n2"], ["n1"]]
+    refused = [e for e in read_events(run) if e["kind"] == "restart_refused"]
+    assert "max_restarts_in_job=1 reached" in refused[0]["reason"]
+
+    (tmp_path / "b").mkdir()
+    run2 = _run_dir(tmp_path / "b", "requeue.max_restarts_in_job=3")
+    play2 = Attempts(run2, ["exception"])
+    assert drive(run2, tmp_path, {}, step=play2, allocation=lambda _: ["n1", "n2"]) == 1
+    assert len(play2.calls) == 1 and not [e for e in read_events(run2) if e["kind"].startswith("restart")]
+
+
+def test_driver_does_not_restart_a_job_that_stopped_itself(tmp_path):
+    run = _run_dir(tmp_path, "requeue.max_restarts_in_job=3")
+
+    def preempted(cmd, env, run_dir, since):
+        append_event(run_dir, "exit", "requeued", final=False, status="requeued", restart=0)
+        return 144
+
+    assert drive(run, tmp_path, {}, step=preempted, allocation=lambda _: ["n1", "n2"]) == 144
+    assert json.loads((run / "slurm_job.json").read_text())["shrink_to"] == [1]
+    assert not [e for e in read_events(run) if e["kind"].startswith("restart")]

@@ -1,0 +1,186 @@
+"""``python -m xirang_hpc.launch.injob``: in-job restart, a restart loop in the batch step.
+
+With ``requeue.max_restarts_in_job > 0`` the batch script runs this module instead of a single
+``srun`` (see :func:`xirang_hpc.launch.slurm.injob_lines`). Each attempt is one ``srun`` step on
+chosen nodes of the allocation. When a rank dies (``kill -9``, OOM, a lost node) or hangs, the
+monitor's watchdog names it and aborts the ranks; the step ends (or, when a lost node's part of the
+step never reports back, the driver ends it a few seconds after the abort). The driver then
+excludes the named node and starts a new step -- a new rendezvous, the newest checkpoint -- on
+``cluster.nodes`` healthy nodes when the allocation still has them (``cluster.spare_nodes``:
+same layout, bitwise the same training), else on fewer nodes with the layout shrunk
+(:mod:`xirang_hpc.config.elastic`: same global batch through more gradient accumulation), down
+to ``requeue.min_nodes``. The job is submitted ``--no-kill``, so Slurm keeps the allocation when a
+node of it fails. Every restart is an ``events.jsonl`` event with the cause and the node.
+
+Only when a restart is impossible (no culprit node named: a plain non-zero exit; too few healthy
+nodes; ``max_restarts_in_job`` reached) does the requeue supervisor
+(:func:`xirang_hpc.launch.supervise.supervise`) take over, as after a single ``srun``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xirang_hpc.launch.supervise import already_handled, hostnames, run_dir_for_task, supervise
+from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
+from xirang_hpc.runtime.markers import missing_ranks
+
+# After the watchdog aborted the ranks, how long the step may take to end by itself before the
+# driver ends it (a lost node's part never reports its exit to srun).
+ABORT_GRACE_S = 5.0
+NODES_ENV = "XIRANG_NODES"  # read by xirang_hpc.config.elastic inside the job
+ATTEMPT_ENV = "XIRANG_INJOB_ATTEMPT"  # read by xirang_hpc.runtime.topology (a fresh rendezvous port)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where the next attempt runs."""
+
+    nodes: list[str]
+    shrunk: bool
+
+
+def choose_nodes(healthy: list[str], wanted: int, shrink_to: list[int]) -> Plan | None:
+    """``wanted`` healthy nodes (same layout), else the most the shrunk layouts allow, else None."""
+    if len(healthy) >= wanted:
+        return Plan(healthy[:wanted], shrunk=False)
+    fits = [k for k in shrink_to if k <= len(healthy)]
+    return Plan(healthy[:max(fits)], shrunk=True) if fits else None
+
+
+def srun_command(job: Mapping[str, Any], folder: Path, nodes: list[str], attempt: int, python: str,
+                 env: Mapping[str, str]) -> list[str]:
+    """The ``srun`` of one attempt: submitit's own step command, placed on ``nodes``."""
+    out, err = str(folder / "%j_%t_log.out"), str(folder / "%j_%t_log.err")
+    if "SLURM_ARRAY_TASK_ID" in env:
+        out, err = out.replace("%j", "%A_%a"), err.replace("%j", "%A_%a")
+    tpn = int(job["tasks_per_node"])
+    cmd = ["srun", "--unbuffered", "--open-mode=append", "--output", out, "--error", err,
+           *job.get("srun_args", []), f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * tpn}",
+           f"--ntasks-per-node={tpn}", f"--nodelist={','.join(nodes)}"]
+    if attempt:
+        # The failed step may still hold its CPUs in the controller's books until the lost node is down.
+        cmd.append("--overlap")
+    return [*cmd, python, "-u", "-m", "submitit.core._submit", str(folder)]
+
+
+def _aborted_since(run_dir: Path, since: float) -> float | None:
+    """Time of the watchdog's ``abort`` event at or after ``since`` (None if there is none)."""
+    for ev in read_events(run_dir):
+        if ev.get("kind") == "abort" and ev.get("time", 0) >= since:
+            return float(ev["time"])
+    return None
+
+
+def run_step(cmd: list[str], env: Mapping[str, str], run_dir: Path, since: float,
+             grace_s: float = ABORT_GRACE_S, poll_s: float = 0.5,
+             clock: Callable[[], float] = time.time) -> int:
+    """Run one attempt's ``srun``; end it ``grace_s`` after an abort when it does not end by itself."""
+    proc = subprocess.Popen(cmd, env=dict(env))
+    while proc.poll() is None:
+        time.sleep(poll_s)
+        aborted = _aborted_since(run_dir, since)
+        if aborted is not None and clock() - aborted > grace_s and proc.poll() is None:
+            print(f"xirang: ending the step {grace_s:.0f}s after the abort (a lost node's tasks never reported)",
+                  file=sys.stderr, flush=True)
+            proc.terminate()
+            try:
+                return proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                return proc.wait()
+    return proc.returncode
+
+
+def culprits(run_dir: Path, restart: int, since: float) -> tuple[list[str], str, float | None]:
+    """The failed nodes of the attempt that started at ``since``, the cause in words, the fault's time.
+
+    The watchdog's fault events (dead rank, hang) name the culprit precisely; after its abort every
+    rank lacks an exit marker, so the markers are the fallback when it did not run.
+    """
+    faults = [e for e in read_events(run_dir) if e.get("kind") in ("dead", "hang") and e.get("time", 0) >= since]
+    nodes = failed_nodes(run_dir, since=since)
+    if nodes:
+        f = faults[0] if faults else {}
+        return nodes, f"{f.get('kind', 'fault')}: {f.get('reason', '')}".strip(), f.get("time")
+    lost = missing_ranks(run_dir, restart)
+    return sorted({n for _, n in lost}), f"ranks {[r for r, _ in lost]} ended without exiting (killed)", None
+
+
+def archive_markers(run_dir: Path, restart: int, attempt: int) -> None:
+    """Move this attempt's rank markers aside, so the next attempt's are not mixed with them."""
+    d = run_dir / "ranks" / f"r{restart}"
+    if d.is_dir():
+        d.rename(run_dir / "ranks" / f"r{restart}-attempt{attempt}")
+
+
+def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys.executable,
+          step: Callable[..., int] = run_step, allocation: Callable[[str], list[str]] = hostnames) -> int:
+    """Run attempts until one ends without a restartable failure; returns the last step's exit code."""
+    job = json.loads((run_dir / "slurm_job.json").read_text())
+    policy = job["requeue"]
+    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    job_id = env.get("SLURM_JOB_ID", "")
+    alloc = allocation(env.get("SLURM_JOB_NODELIST", ""))
+    wanted, shrink_to = int(job["nodes"]), [int(k) for k in job.get("shrink_to", [])]
+    excluded: list[str] = []
+    attempt = 0
+    plan = choose_nodes(alloc, wanted, shrink_to)
+    if plan is None:
+        append_event(run_dir, "restart_refused", f"allocation {alloc} holds fewer than {wanted} nodes and no "
+                     "shrunk layout fits", job=job_id, restart=restart)
+        return 1
+    while True:
+        since = time.time()
+        step_env = {**env, "SUBMITIT_EXECUTOR": "slurm", NODES_ENV: str(len(plan.nodes)), ATTEMPT_ENV: str(attempt)}
+        rc = step(srun_command(job, folder, plan.nodes, attempt, python, env), step_env, run_dir, since)
+        if rc == 0 or already_handled(run_dir, restart):
+            return rc  # finished, or the job itself stopped (preemption, time limit): not ours to restart
+        failed, cause, fault_time = culprits(run_dir, restart, since)
+        if not failed:
+            return rc  # a plain non-zero exit: restarting would repeat it; the policy decides
+        if attempt >= int(policy.get("max_restarts_in_job", 0)):
+            append_event(run_dir, "restart_refused", f"requeue.max_restarts_in_job={attempt} reached", cause=cause,
+                         node=failed[0], nodes=failed, job=job_id, restart=restart)
+            return rc
+        excluded = sorted(set(excluded) | set(failed))
+        floor = int(policy.get("min_nodes", 0))
+        nxt = choose_nodes([n for n in alloc if n not in excluded], wanted, [k for k in shrink_to if k >= floor])
+        if nxt is None:
+            append_event(run_dir, "restart_refused", f"too few healthy nodes: {len(alloc) - len(excluded)} of "
+                         f"{len(alloc)} (excluded {excluded}); the layout needs {wanted} or one of {shrink_to}",
+                         cause=cause, node=failed[0], nodes=failed, job=job_id, restart=restart)
+            return rc
+        archive_markers(run_dir, restart, attempt)
+        attempt += 1
+        append_event(run_dir, "restart", cause, node=failed[0], failed_nodes=failed, excluded=excluded,
+                     nodes=nxt.nodes, shrunk=nxt.shrunk, attempt=attempt, fault_time=fault_time, job=job_id,
+                     restart=restart)
+        print(f"xirang: in-job restart {attempt}: {cause}; excluded {excluded}; now on {nxt.nodes}"
+              f"{' (shrunk layout)' if nxt.shrunk else ''}", file=sys.stderr, flush=True)
+        plan = nxt
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point in the batch script: the attempts, then the requeue supervisor on the last exit code."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--map", type=Path, required=True, help="task id -> run dir JSON")
+    ap.add_argument("--folder", type=Path, required=True, help="the submitit folder of the job")
+    a = ap.parse_args(argv)
+    env = dict(os.environ)
+    run_dir = run_dir_for_task(a.map, env)
+    rc = drive(run_dir, a.folder, env)
+    sys.exit(supervise(rc, run_dir, env))
+
+
+if __name__ == "__main__":
+    main()
