@@ -1,7 +1,12 @@
-"""Shared fixtures: a tiny prepared corpus and Hydra composition helpers."""
+"""Shared fixtures: prepared corpora, one trained run for the whole session, Hydra composition helpers."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -10,7 +15,8 @@ from omegaconf import DictConfig
 
 from xirang_hpc.launch.hydra_setup import register_configs
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "xirang_hpc" / "conf")
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = str(ROOT / "xirang_hpc" / "conf")
 TIERS = ("unit", "slow", "slurm")
 
 
@@ -62,3 +68,64 @@ def email_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("email-bytes")
     prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), out, val_fraction=0.2)
     return out
+
+
+@pytest.fixture(scope="session")
+def source_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This package's own sources (~1 MB of Python), byte-tokenized, 5% held out: prepared once per session."""
+    from xirang_hpc.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("source-bytes") / "data"
+    prepare(str(ROOT / "xirang_hpc"), out, val_fraction=0.05)
+    return out
+
+
+# The session's trained run: the embedded default (`make demo`'s layout: 4 gloo ranks on 2 virtual
+# nodes, 2 pipeline stages x 2 data-parallel replicas) for TRAINED_STEPS steps.
+TRAINED_STEPS = 100
+TRAINED_LOG_EVERY = 20
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """A finished ``xirang-train`` run: its directory, its data, and what the command printed."""
+
+    run: Path
+    data: Path
+    stdout: str
+    stderr: str
+    steps: int = TRAINED_STEPS
+    log_every: int = TRAINED_LOG_EVERY
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` with its size and mtime: any write shows up."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory: pytest.TempPathFactory, source_data: Path) -> Iterator[TrainedRun]:
+    """One real ``xirang-train`` run, trained once per session and shared by the tests that only read it
+    (the end-to-end run's output, serving, export, eval). A test that writes into a run uses
+    ``trained_run_copy`` instead, so that the next reader sees the run exactly as training left it."""
+    tmp = tmp_path_factory.mktemp("trained")
+    r = subprocess.run([str(Path(sys.executable).parent / "xirang-train"), f"train.max_steps={TRAINED_STEPS}",
+                        "train.warmup_steps=10", f"train.log_every={TRAINED_LOG_EVERY}",
+                        f"train.runs_root={tmp}/runs", f"data.out_dir={source_data}"],
+                       cwd=tmp, capture_output=True, text=True, timeout=1800)  # a safety net against a hang
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (run,) = (tmp / "runs").iterdir()
+    before = _snapshot(run)
+    yield TrainedRun(run, source_data, r.stdout, r.stderr)
+    # A reader that wrote into the shared run would make the tests after it see another run.
+    assert _snapshot(run) == before, "a test wrote into the session's trained_run: use trained_run_copy"
+
+
+@pytest.fixture
+def trained_run_copy(trained_run: TrainedRun, tmp_path: Path) -> TrainedRun:
+    """A private copy of the session's trained run (same directory name) for a test that writes into it."""
+    dst = tmp_path / "runs" / trained_run.run.name
+    shutil.copytree(trained_run.run, dst, symlinks=True)
+    dst.chmod(trained_run.run.stat().st_mode)
+    return TrainedRun(dst, trained_run.data, trained_run.stdout, trained_run.stderr)

@@ -5,36 +5,27 @@ from __future__ import annotations
 import json
 import socket
 import stat
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import TrainedRun
 
 from xirang_hpc.runtime.dist import RendezvousError, init_distributed
 from xirang_hpc.runtime.topology import Topology
 
 
 @pytest.mark.slow
-def test_short_embedded_run(tmp_path: Path, stdlib_data: Path) -> None:
-    exe = Path(sys.executable).parent / "xirang-train"
-    r = subprocess.run(
-        [str(exe), "train.max_steps=80", "train.log_every=20", f"train.runs_root={tmp_path}/runs",
-         f"data.out_dir={stdlib_data}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = r.stdout
+def test_short_embedded_run(trained_run: TrainedRun) -> None:
+    """The session's trained run is the embedded default launched by ``xirang-train``: what it printed and left."""
+    out, n = trained_run.stdout, trained_run.steps
     assert "4 ranks on 2 node(s)" in out
-    for step in (20, 40, 60, 80):
-        assert f"step    {step}/80 | loss" in out
+    for step in range(trained_run.log_every, n + 1, trained_run.log_every):
+        assert f"step {step:>5}/{n} | loss" in out
     assert "tok/s" in out and "ETA" in out
-    summary = out[out.index("done: 80 steps this session (80 of 80 steps) on 4 ranks"):]
+    summary = out[out.index(f"done: {n} steps this session ({n} of {n} steps) on 4 ranks"):]
     assert "validation loss" in summary and "tokens/s" in summary and "run directory" in summary
 
-    run_dirs = list((tmp_path / "runs").iterdir())
-    assert len(run_dirs) == 1
-    run = run_dirs[0]
+    run = trained_run.run
+    assert [p.name for p in run.parent.iterdir()] == [run.name]  # one run, one directory
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     vals = [row["val_loss"] for row in rows if "val_loss" in row]

@@ -15,7 +15,6 @@ from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.gpt import GPT, lm_loss
 from xirang_hpc.serve.weights import WeightsError, init_model_from
 
-ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TINY = ModelConfig(name="tiny", n_layer=4, n_head=4, d_model=64, d_ff=256, seq_len=64)
 
@@ -54,12 +53,11 @@ def _train(tmp: Path, weights: Path, data: Path, *extra: str) -> subprocess.Comp
 
 
 @pytest.mark.slow
-def test_training_starts_from_exported_weights_and_a_checkpoint_wins_on_restart(tmp_path: Path) -> None:
+def test_training_starts_from_exported_weights_and_a_checkpoint_wins_on_restart(tmp_path: Path,
+                                                                                source_data: Path) -> None:
     from xirang_hpc.data.dataset import TokenWindows
-    from xirang_hpc.data.prepare import prepare
 
-    data = tmp_path / "data"
-    prepare(str(ROOT / "xirang_hpc"), data, val_fraction=0.05)
+    data = source_data
     torch.manual_seed(7)
     pre = GPT(TINY)
     with torch.no_grad():  # "pretrained": anything far from the preset's own init (seed 1234)
@@ -100,13 +98,11 @@ def test_init_from_must_name_a_safetensors_file_before_anything_starts(tmp_path:
 
 
 @pytest.mark.slow
-def test_init_from_fills_tensor_parallel_shards(tmp_path: Path) -> None:
+def test_init_from_fills_tensor_parallel_shards(tmp_path: Path, source_data: Path) -> None:
     """4 ranks, dp2 x tp2 (DTensor shards): each rank keeps its shard of the full exported tensors."""
     from xirang_hpc.data.dataset import TokenWindows
-    from xirang_hpc.data.prepare import prepare
 
-    data = tmp_path / "data"
-    prepare(str(ROOT / "xirang_hpc"), data, val_fraction=0.05)
+    data = source_data
     torch.manual_seed(9)
     pre = GPT(TINY)
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """Round trip: a checkpoint written by 4 ranks (2 virtual nodes, dp2 x pp2) is served by one process,
 and its greedy text equals what `xirang-ckpt export` + a plain safetensors load + a from-scratch
-reference forward (written here, not our model class) produce. Also: init_from and eval on it.
+reference forward (written here, not our model class) produce. Also: eval on it. The run is the session's
+``trained_run`` (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TrainedRun
 from safetensors.torch import load_file
+
+from xirang_hpc.launch.ckpt_cli import main as ckpt_main
 
 BIN = Path(sys.executable).parent
 PROMPT = "def "
 N_NEW = 70  # past seq_len=64: the sliding window is exercised too
-STEPS = 100
 
 
 def reference_greedy(weights: dict[str, torch.Tensor], cfg: dict, prompt: bytes, n: int) -> bytes:
@@ -58,23 +61,6 @@ def reference_greedy(weights: dict[str, torch.Tensor], cfg: dict, prompt: bytes,
     return bytes(toks[len(prompt):])
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(run dir, data dir) of a short embedded run: 4 ranks, 2 virtual nodes, dp2 x pp2 (the default layout)."""
-    from xirang_hpc.data.prepare import prepare
-
-    tmp = tmp_path_factory.mktemp("rt")
-    data = tmp / "data"
-    prepare(str(Path(__file__).resolve().parents[1] / "xirang_hpc"), data, val_fraction=0.05)
-    r = subprocess.run([str(BIN / "xirang-train"), f"train.max_steps={STEPS}", "train.warmup_steps=10",
-                        "train.log_every=50", f"train.runs_root={tmp}/runs", f"data.out_dir={data}", "parallel.pp=2"],
-                       cwd=tmp, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "4 ranks on 2 node(s)" in r.stdout
-    (run,) = (tmp / "runs").iterdir()
-    return run, data
-
-
 def _start_server(path: Path, info: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "XIRANG_SERVE_TOKEN": ""}
     proc = subprocess.Popen([str(BIN / "xirang-serve"), str(path), "--port", "0", "--info-file", str(info), *extra],
@@ -102,16 +88,17 @@ def _served_greedy(path: Path, info: Path) -> tuple[str, dict]:
         out = _post(meta["url"], {"prompt": PROMPT, "max_tokens": N_NEW, "temperature": 0})
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        proc.wait(timeout=300)
     return out["text"], meta
 
 
 @pytest.mark.slow
-def test_served_greedy_text_equals_export_plus_plain_reference_forward(trained_run, tmp_path) -> None:
-    run, _ = trained_run
-    r = subprocess.run([str(BIN / "xirang-ckpt"), "export", str(run), "--format", "safetensors",
-                        "--out", str(tmp_path / "export")], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+def test_served_greedy_text_equals_export_plus_plain_reference_forward(trained_run: TrainedRun, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    run, steps = trained_run.run, trained_run.steps
+    # `xirang-ckpt export` as a function call: the command line is the same code (tests/test_cli_help.py).
+    assert ckpt_main(["export", str(run), "--format", "safetensors", "--out", str(tmp_path / "export")]) == 0, \
+        capsys.readouterr()
     weights = load_file(str(tmp_path / "export" / "model.safetensors"))
     cfg = json.loads((tmp_path / "export" / "config.json").read_text())["model"]
     want = reference_greedy(weights, cfg, PROMPT.encode(), N_NEW).decode("utf-8", "replace")
@@ -121,19 +108,19 @@ def test_served_greedy_text_equals_export_plus_plain_reference_forward(trained_r
 
     served, meta = _served_greedy(run, tmp_path / "serve.json")  # from the 4-rank checkpoint, resharded
     assert served == want
-    assert meta["step"] == STEPS and meta["source"].endswith(f"step_{STEPS}")
+    assert meta["step"] == steps and meta["source"].endswith(f"step_{steps}")
     served_st, _ = _served_greedy(tmp_path / "export" / "model.safetensors", tmp_path / "serve2.json")
     assert served_st == want
 
 
 @pytest.mark.slow
-def test_eval_on_the_multi_rank_checkpoint_matches_the_reference_loss(trained_run) -> None:
+def test_eval_on_the_multi_rank_checkpoint_matches_the_reference_loss(trained_run_copy: TrainedRun) -> None:
     from xirang_hpc.config.schema import EvalConfig
     from xirang_hpc.data.dataset import TokenWindows
     from xirang_hpc.eval.evaluate import EVAL_FILE, run_eval
     from xirang_hpc.serve.weights import load_checkpoint
 
-    run, data = trained_run
+    run, data, steps = trained_run_copy.run, trained_run_copy.data, trained_run_copy.steps  # eval writes into the run
     ecfg = EvalConfig(batches=3, batch_size=4, sample_prompt=PROMPT, sample_tokens=N_NEW)
     res = run_eval(run, data, ecfg)
     assert json.loads((run / EVAL_FILE).read_text())["val_loss"] == res["val_loss"]
@@ -144,12 +131,12 @@ def test_eval_on_the_multi_rank_checkpoint_matches_the_reference_loss(trained_ru
               for x, y in (val.batch(0, i, 4) for i in range(3)))
     assert res["val_loss"] == pytest.approx(tot / (3 * 4 * 64), rel=1e-5)
     assert res["perplexity"] == pytest.approx(math.exp(res["val_loss"]))
-    assert res["step"] == STEPS and res["passed"] is True
+    assert res["step"] == steps and res["passed"] is True
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     first_val = next(m["val_loss"] for m in metrics if "val_loss" in m)
     assert res["val_loss"] < first_val - 0.5  # it learned something, and eval sees it
     # Same greedy sample as serving.
     served_like = reference_greedy({k: v.detach() for k, v in model.state_dict().items()},
-                                   json.loads((run / "checkpoints" / f"step_{STEPS}" / "state.json").read_text())
+                                   json.loads((run / "checkpoints" / f"step_{steps}" / "state.json").read_text())
                                    ["config"]["model"], PROMPT.encode(), N_NEW)
     assert res["sample"] == served_like.decode("utf-8", "replace")
