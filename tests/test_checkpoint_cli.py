@@ -124,14 +124,15 @@ def test_export_safetensors_is_usable_outside(run, tmp_path):
         main(["export", str(src), "--format", "gguf"])
 
 
-def test_interval_prints_inputs_and_waste(run):
-    # As a console script, end to end.
+def test_interval_prints_inputs_and_waste(run, capsys):
+    # As a console script, end to end (once); the JSON form through the same main().
     p = subprocess.run([sys.executable, "-m", "xirang_hpc.launch.ckpt_cli", "interval", str(run[0])],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     assert "MTBF 2.00h from config" in p.stdout and "Daly interval" in p.stdout and "expected waste" in p.stdout
-    rec = json.loads(subprocess.run([sys.executable, "-m", "xirang_hpc.launch.ckpt_cli", "interval", str(run[0]),
-                                     "--json"], capture_output=True, text=True, timeout=600).stdout)
+    capsys.readouterr()
+    assert main(["interval", str(run[0]), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
     assert rec["step_s"] == pytest.approx(64 / 1000)
     assert rec["interval_s"] >= rec["persist_s"]
 

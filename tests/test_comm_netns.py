@@ -38,8 +38,8 @@ def worker(rank: int, per_node: int, nodes: int, master: str, out: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = f"v{node}"
     torch.set_num_threads(1)
     world = nodes * per_node
-    store = dist.TCPStore(master, PORT, world, is_master=rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    store = dist.TCPStore(master, PORT, world, is_master=rank == 0, timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     tx0 = int(Path(f"/sys/class/net/v{node}/statistics/tx_bytes").read_text())
     res = scen_sizes(topology(rank, nodes, per_node, PORT))  # asserts equality inside
     res["veth_tx_bytes"] = int(Path(f"/sys/class/net/v{node}/statistics/tx_bytes").read_text()) - tx0
@@ -62,7 +62,7 @@ def test_hierarchical_equals_flat_across_namespaces(tmp_path: Path) -> None:
                 procs.append(subprocess.Popen(
                     [*nd.exec_prefix(), sys.executable, __file__, str(r), "2", "2", nodes[0].addr, str(tmp_path)],
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-            outs = [p.communicate(timeout=180)[0].decode()[-3000:] for p in procs]
+            outs = [p.communicate(timeout=600)[0].decode()[-3000:] for p in procs]
         finally:
             for p in procs:
                 if p.poll() is None:

@@ -42,19 +42,19 @@ def test_status_of_a_preempted_requeued_then_finished_job(slurm, stdlib_data, tm
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), *ONE_RANK, "train.priority=exploratory",
                         f"train.max_steps={steps}", "checkpoint.every_steps=20", "monitor.debug_slow_rank=0",
                         "monitor.debug_slow_s=0.4"])
-    _wait(lambda: _ev(run, "first_step", 0), 240, "training to start")
+    _wait(lambda: _ev(run, "first_step", 0), 600, "training to start")
     live = json.loads(_status(capsys, str(run), "--json"))
     assert (live["job_id"], live["executor"], live["state"], live["state_source"]) == (job, "slurm", "RUNNING",
                                                                                         "squeue")
     assert live["requeues"] == 0 and live["total_steps"] == steps
     _preempt("-N2", "--ntasks-per-node=8")  # every CPU of the testbed, in `high`: the `low` job is preempted
-    _wait(lambda: _ev(run, "requeue", 0), 120, "the requeue")
-    assert _final(run, timeout=240)["status"] == "completed", read_events(run)
+    _wait(lambda: _ev(run, "requeue", 0), 600, "the requeue")
+    assert _final(run, timeout=600)["status"] == "completed", read_events(run)
     stop_step = _ev(run, "requeue", 0)[0]["step"]
     assert 0 < stop_step < steps
 
     # The final event precedes the batch script's supervisor step: Slurm says RUNNING until that ends.
-    _wait(lambda: run_status(run)["state"] == "COMPLETED", 60, f"Slurm to end job {job}")
+    _wait(lambda: run_status(run)["state"] == "COMPLETED", 600, f"Slurm to end job {job}")
     s = json.loads(_status(capsys, str(run), "--json"))
     # Slurm still knows the job (MinJobAge): COMPLETED, from squeue or scontrol, which also count the restart.
     assert s["state"] == "COMPLETED" and s["state_source"] in ("squeue", "scontrol"), s
@@ -63,7 +63,9 @@ def test_status_of_a_preempted_requeued_then_finished_job(slurm, stdlib_data, tm
     assert "requeue" in kinds, kinds
     req = next(e for e in s["events"] if e["kind"] == "requeue")
     assert (req["reason"], req["target"], req["step"]) == ("preemption", job, stop_step)
-    assert s["checkpoint"]["step"] == steps and 0 <= s["checkpoint"]["age_s"] < 120, s["checkpoint"]
+    # The age is counted from the commit, not from some other clock (which would show up as hours or
+    # a negative age); 15 minutes leaves any busy machine's waits above room.
+    assert s["checkpoint"]["step"] == steps and 0 <= s["checkpoint"]["age_s"] < 900, s["checkpoint"]
 
     text = _status(capsys, str(run))
     assert re.search(rf"^job\s+{job} \[slurm\]\s+COMPLETED  \| requeues 1$", text, re.M), text
@@ -96,15 +98,15 @@ def test_status_of_a_real_array_sweep_one_line_per_task(slurm, stdlib_data, tmp_
     runs = [Path(p) for p in re.findall(r"-> (\S+)", out.stdout)]
     tasks = [f"{array}_0", f"{array}_1"]
     # array_parallelism=1: task 1 waits in the queue while task 0 trains; it has no metrics or heartbeats yet.
-    _wait(lambda: _ev(runs[0], "first_step", 0), 240, "task 0 to train")
+    _wait(lambda: _ev(runs[0], "first_step", 0), 600, "task 0 to train")
     rows = _lines(_status(capsys, array, "--runs-root", str(runs_root)))
     assert sorted(rows) == tasks, rows
     assert rows[tasks[0]][1] == "RUNNING" and rows[tasks[1]][1] == "PENDING", rows
     live = json.loads(_status(capsys, array, "--runs-root", str(runs_root), "--json"))["runs"]
     assert [(r["job_id"], r["state_source"]) for r in live] == [(tasks[0], "squeue"), (tasks[1], "squeue")]
-    assert [f["status"] for f in (_final(r, timeout=240) for r in runs)] == ["completed", "completed"]
+    assert [f["status"] for f in (_final(r, timeout=600) for r in runs)] == ["completed", "completed"]
     # the batch script's supervisor step runs after the final event
-    _wait(lambda: all(run_status(r)["state"] == "COMPLETED" for r in runs), 60, "Slurm to end both tasks")
+    _wait(lambda: all(run_status(r)["state"] == "COMPLETED" for r in runs), 600, "Slurm to end both tasks")
     rows = _lines(_status(capsys, array, "--runs-root", str(runs_root)))
     assert {t: r[1:3] for t, r in rows.items()} == {t: ["COMPLETED", "20/20"] for t in tasks}, rows
     # the runs root's own listing (no job id) shows the same tasks

@@ -143,7 +143,8 @@ def test_tensorboard_and_mlflow_across_preemption_and_crash(tmp_path: Path, stdl
 
 
 @pytest.mark.slow
-def test_compare_a_rollback_fork_with_its_parent(tmp_path: Path, stdlib_data: Path) -> None:
+def test_compare_a_rollback_fork_with_its_parent(tmp_path: Path, stdlib_data: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """Parent 20 steps; train.resume_from=10 with another LR forks and trains 11..20; xirang-ckpt rollback
     makes a third, untrained fork. ``xirang-status A B C --json`` lists the config differences and
     overlays the curves; the default loggers never import mlflow or tensorboard."""
@@ -157,14 +158,17 @@ def test_compare_a_rollback_fork_with_its_parent(tmp_path: Path, stdlib_data: Pa
     fork = Path(json.loads((parent / "forks.json").read_text())["10"])
     rolled = tmp_path / "rolled"
     exe = Path(sys.executable).parent
-    r = subprocess.run([str(exe / "xirang-ckpt"), "rollback", str(parent), "--step", "15", "--to", str(rolled)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    # xirang-ckpt and xirang-status --json through their main() (one interpreter, no torch import per
+    # command); the console script itself runs once, below.
+    from xirang_hpc.launch.ckpt_cli import main as ckpt_main
+    from xirang_hpc.launch.status_cli import main as status_main
+
+    capsys.readouterr()
+    assert ckpt_main(["rollback", str(parent), "--step", "15", "--to", str(rolled)]) == 0, capsys.readouterr()
+    capsys.readouterr()
     out = tmp_path / "cmp.png"
-    r = subprocess.run([str(exe / "xirang-status"), str(parent), str(fork), str(rolled), "--json", "--plot", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout)
+    assert status_main([str(parent), str(fork), str(rolled), "--json", "--plot", str(out)]) == 0, capsys.readouterr()
+    got = json.loads(capsys.readouterr().out)
     assert [Path(x["run_dir"]).name for x in got["runs"]] == [parent.name, fork.name, rolled.name]
     diff = got["config_diff"]
     assert diff["train.lr"] == [0.003, 0.001, 0.003] and diff["train.resume_from"] == [-1, 10, -1]

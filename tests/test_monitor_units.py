@@ -237,7 +237,7 @@ def test_status_requeued_run_counts_requeues_and_plot_marks_them(tmp_path: Path)
             f.write(json.dumps({"step": s, "val_loss": 4.0 - s / 30}) + "\n")
     s = run_status(run)
     assert (s["state"], s["requeues"], s["sessions"], s["step"], s["total_steps"]) == ("COMPLETED", 1, 2, 60, 100)
-    assert s["checkpoint"]["step"] == 50 and s["checkpoint"]["age_s"] < 60
+    assert s["checkpoint"]["step"] == 50 and 0 <= s["checkpoint"]["age_s"] < 600  # written by this test just now
     assert s["loss"] == pytest.approx(5.0 / 60) and s["tflops"] == pytest.approx(1000.0 * 1e6 / 1e12)
     info = plot_run(run, tmp_path / "p.png")
     assert info["requeue_steps"] == [30] and info["points"] == 12

@@ -24,7 +24,7 @@ def _testbed_env() -> dict[str, str] | None:
     if not env.get("SLURM_CONF"):
         try:
             r = subprocess.run([str(ROOT / "tools" / "slurm-testbed"), "env"], capture_output=True, text=True,
-                               timeout=30)
+                               timeout=300)
         except (OSError, subprocess.TimeoutExpired):
             return None
         line = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else ""
@@ -32,7 +32,7 @@ def _testbed_env() -> dict[str, str] | None:
             return None
         env["SLURM_CONF"] = line.split("=", 1)[1]
     try:
-        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30, env=env)
+        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=300, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return env if r.returncode == 0 and r.stdout.strip() else None
@@ -56,7 +56,7 @@ def _launch(tmp: Path, name: str, *extra: str) -> tuple[Path, list[dict]]:
                         "train.warmup_steps=2", "train.log_every=3", f"train.runs_root={tmp}/runs",
                         f"data.out_dir={tmp}/data", f"data.corpus={ROOT / 'xirang_hpc'}", "serve.port=0",
                         "serve.duration_s=3", "eval.batches=2", *extra],
-                       cwd=tmp, capture_output=True, text=True, timeout=120, env=ENV)
+                       cwd=tmp, capture_output=True, text=True, timeout=600, env=ENV)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "submitted pipeline: prepare (" in r.stdout
     (run,) = (tmp / "runs").glob(f"{name}-*")
@@ -67,19 +67,19 @@ def _launch(tmp: Path, name: str, *extra: str) -> tuple[Path, list[dict]]:
 
 def _squeue_deps(job_ids: list[str]) -> dict[str, str]:
     r = subprocess.run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i %E"], capture_output=True, text=True,
-                       env=ENV, timeout=30)
+                       env=ENV, timeout=300)
     return dict(line.split(maxsplit=1) for line in r.stdout.splitlines() if len(line.split()) == 2)
 
 
 def _status(run: Path) -> tuple[int, dict, str]:
     js = subprocess.run([str(BIN / "xirang-pipeline"), "--status", str(run), "--json"], capture_output=True,
-                        text=True, env=ENV, timeout=60)
+                        text=True, env=ENV, timeout=300)
     txt = subprocess.run([str(BIN / "xirang-pipeline"), "--status", str(run)], capture_output=True, text=True,
-                         env=ENV, timeout=60)
+                         env=ENV, timeout=300)
     return txt.returncode, json.loads(js.stdout), txt.stdout
 
 
-def _wait_done(run: Path, timeout_s: float = 400) -> tuple[int, dict, str]:
+def _wait_done(run: Path, timeout_s: float = 900) -> tuple[int, dict, str]:
     deadline = time.monotonic() + timeout_s
     while True:
         rc, chain, text = _status(run)

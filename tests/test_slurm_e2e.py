@@ -72,6 +72,8 @@ def _submit(args: list[str]) -> tuple[str, Path]:
 
 
 def _wait(pred, timeout: float, what: str, poll: float = 0.5):
+    """Poll ``pred`` until it returns something true; ``timeout`` is a safety net against a hang (minutes),
+    never a speed requirement: the wait ends as soon as the awaited progress shows."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = pred()
@@ -86,7 +88,7 @@ def _ev(run_dir: Path, kind: str, restart: int | None = None) -> list[dict]:
             if e.get("kind") == kind and (restart is None or e.get("restart") == restart)]
 
 
-def _final(run_dir: Path, timeout: float = 300) -> dict:
+def _final(run_dir: Path, timeout: float = 600) -> dict:
     def done():
         f = [e for e in _ev(run_dir, "exit") if e.get("final")]
         return f[-1] if f else None
@@ -126,10 +128,10 @@ def test_preempted_twice_finishes_bitwise_identical(slurm, stdlib_data, tmp_path
     ref_proc = subprocess.Popen(ref_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     job, run = _submit([*common, "train.priority=exploratory"])  # `low`: preemptible
     for restart in (0, 1):
-        _wait(lambda r=restart: _ev(run, "first_step", r), 240, f"restart {restart} to train")
+        _wait(lambda r=restart: _ev(run, "first_step", r), 600, f"restart {restart} to train")
         # All 8 CPUs of both nodes in `high`: they only fit once the `low` job is preempted.
         _preempt("-N2", "--ntasks-per-node=8")
-        _wait(lambda r=restart: _ev(run, "requeue", r), 120, f"requeue {restart + 1}")
+        _wait(lambda r=restart: _ev(run, "requeue", r), 600, f"requeue {restart + 1}")
     assert _final(run)["status"] == "completed"
     ref_out = ref_proc.communicate(timeout=300)[0]
     assert ref_proc.returncode == 0, ref_out
@@ -157,7 +159,7 @@ def test_time_limit_usr2_requeue_then_finish(slurm, stdlib_data, tmp_path):
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.time_min=1",
                         "cluster.signal_delay_s=10", "train.max_steps=4000", "train.log_every=100",
                         "checkpoint.every_steps=3000", "requeue.max_requeues=8"])
-    _wait(lambda: _ev(run, "requeue", 0), 240, "the time-limit requeue")
+    _wait(lambda: _ev(run, "requeue", 0), 600, "the time-limit requeue")
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True, capture_output=True)
     final = _final(run, timeout=900)
     assert final["status"] == "completed" and final["step"] == 4000, read_events(run)
@@ -179,9 +181,9 @@ def test_array_sweep_only_the_preempted_task_reruns(slurm, stdlib_data, tmp_path
     assert re.search(r"submitted Slurm array job (\d+): 4 task\(s\)", out.stdout), out.stdout
     runs = [Path(p) for p in re.findall(r"-> (\S+)", out.stdout)]
     assert len(set(runs)) == 4
-    _wait(lambda: all(_ev(r, "first_step", 0) for r in runs), 300, "all 4 tasks to train")
+    _wait(lambda: all(_ev(r, "first_step", 0) for r in runs), 600, "all 4 tasks to train")
     _preempt("-N1", "-w", _nodes()[1], "-n1", "-c4")
-    finals = [_final(r, timeout=300) for r in runs]
+    finals = [_final(r, timeout=600) for r in runs]
     assert [f["status"] for f in finals] == ["completed"] * 4
     requeued = [r for r in runs if _ev(r, "requeue")]
     assert len(requeued) == 1, [read_events(r) for r in runs]
@@ -195,10 +197,10 @@ def test_kill9_rank_policy_requeue_resumes_from_periodic_checkpoint(slurm, stdli
     """kill -9 of rank 3 (the second node): the supervisor requeues, the rerun resumes at a periodic checkpoint."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "train.max_steps=100", "checkpoint.every_steps=10"])
     latest = run / "checkpoints" / "latest"
-    _wait(lambda: latest.exists() and int(latest.read_text().split("_")[-1]) >= 10, 240, "a periodic checkpoint")
-    pid = _wait(lambda: rank_pid(run, 0, 3), 30, "rank 3's pid")
+    _wait(lambda: latest.exists() and int(latest.read_text().split("_")[-1]) >= 10, 600, "a periodic checkpoint")
+    pid = _wait(lambda: rank_pid(run, 0, 3), 600, "rank 3's pid")
     os.kill(pid, 9)
-    final = _final(run, timeout=300)
+    final = _final(run, timeout=600)
     assert final["status"] == "completed", read_events(run)
     failure = _ev(run, "failure", 0)[0]
     assert failure["reason"] == "node_failure" and failure["node"] == _nodes()[1], failure
@@ -211,11 +213,11 @@ def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path):
     """1 node x 2 ranks, kill -9 of rank 1: the requeued job excludes that node and reruns on the other."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
                         "train.max_steps=60", "checkpoint.every_steps=10"])
-    first = _wait(lambda: _ev(run, "first_step", 0), 240, "training to start")[0]
+    first = _wait(lambda: _ev(run, "first_step", 0), 600, "training to start")[0]
     node = _ev(run, "start", 0)[0]["node"]
     assert node in _nodes(), first
-    os.kill(_wait(lambda: rank_pid(run, 0, 1), 30, "rank 1's pid"), 9)
-    final = _final(run, timeout=300)
+    os.kill(_wait(lambda: rank_pid(run, 0, 1), 600, "rank 1's pid"), 9)
+    final = _final(run, timeout=600)
     assert final["status"] == "completed", read_events(run)
     requeue = _ev(run, "requeue", 0)[0]
     assert requeue["reason"] == "node_failure" and requeue["excluded"] == [node], requeue
@@ -229,10 +231,10 @@ def test_hang_is_aborted_and_the_requeue_excludes_the_hung_node(slurm, stdlib_da
     """SIGSTOP of rank 1 in a 1-node job: the watchdog names it, aborts, and the rerun avoids that node."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
                         "train.max_steps=60", "checkpoint.every_steps=10", "monitor.hang_s=8"])
-    _wait(lambda: _ev(run, "first_step", 0), 240, "training to start")
+    _wait(lambda: _ev(run, "first_step", 0), 600, "training to start")
     node = _ev(run, "start", 0)[0]["node"]
-    os.kill(_wait(lambda: rank_pid(run, 0, 1), 30, "rank 1's pid"), signal.SIGSTOP)
-    final = _final(run, timeout=300)
+    os.kill(_wait(lambda: rank_pid(run, 0, 1), 600, "rank 1's pid"), signal.SIGSTOP)
+    final = _final(run, timeout=600)
     assert final["status"] == "completed", read_events(run)
     hang = _ev(run, "hang")[0]
     assert (hang["rank"], hang["node"]) == (1, node) and "stopped" in hang["cause"], hang
@@ -244,12 +246,12 @@ def test_hang_is_aborted_and_the_requeue_excludes_the_hung_node(slurm, stdlib_da
 def test_max_requeues_exceeded_gives_final_status(slurm, stdlib_data, tmp_path):
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "requeue.max_requeues=0", "train.max_steps=400",
                         "train.priority=exploratory"])
-    _wait(lambda: _ev(run, "first_step"), 240, "training to start")
+    _wait(lambda: _ev(run, "first_step"), 600, "training to start")
     _preempt("-N2", "--ntasks-per-node=8")
-    final = _final(run, timeout=120)
+    final = _final(run, timeout=600)
     assert final["status"] == "max_requeues_exceeded" and final["why"] == "max_requeues=0 reached after 0 requeue(s)"
     state = _wait(lambda: (s := subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
-                                               text=True).stdout) and "JobState=FAILED" in s and s, 60, "FAILED")
+                                               text=True).stdout) and "JobState=FAILED" in s and s, 600, "FAILED")
     assert "Restarts=0" in state and not _ev(run, "requeue")
     # The requeue summary the user reads.
     summary = json.dumps(final)
