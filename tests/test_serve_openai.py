@@ -51,15 +51,15 @@ class Served:
         self.thread.start()
         starting = start_server(loaded or _loaded(), ServeConfig(**kw), token, tokenizer)
         fut = asyncio.run_coroutine_threadsafe(starting, self.loop)
-        self.running: Running = fut.result(timeout=120)
+        self.running: Running = fut.result(timeout=600)
         self.url = self.running.url
 
     def client(self, api_key: str = "unused") -> openai.OpenAI:
         # No retries: a retried request would hide (and double-count) what the server answered.
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=600)
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.running.stop(), self.loop).result(timeout=60)
+        asyncio.run_coroutine_threadsafe(self.running.stop(), self.loop).result(timeout=300)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
         self.loop.close()
@@ -85,14 +85,14 @@ def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[in
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=600) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
 
 
 def get_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=60) as r:
+    with urllib.request.urlopen(url, timeout=600) as r:
         return r.read().decode()
 
 
@@ -156,7 +156,7 @@ def test_stream_is_server_sent_events_ending_with_done(srv: Served) -> None:
     req = urllib.request.Request(f"{srv.url}/v1/completions", headers={"Content-Type": "application/json"},
                                  data=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 5,
                                                   "temperature": 0, "stream": True}).encode())
-    with urllib.request.urlopen(req, timeout=60) as r:
+    with urllib.request.urlopen(req, timeout=600) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
         raw = r.read().decode()
     events = [e for e in raw.split("\n\n") if e]
@@ -434,7 +434,7 @@ def test_a_client_leaving_mid_stream_is_one_log_line_and_the_server_stays_health
     caplog.set_level(logging.DEBUG)
     with served(max_new_tokens=4000) as s:
         body = json.dumps({"model": MODEL, "prompt": "def", "max_tokens": 4000, "temperature": 0, "stream": True})
-        with socket.create_connection((s.running.host, s.running.port), timeout=60) as sock:
+        with socket.create_connection((s.running.host, s.running.port), timeout=600) as sock:
             sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
             got = b""
@@ -463,7 +463,7 @@ def test_a_client_leaving_before_a_plain_reply_cancels_its_generation(caplog: py
     caplog.set_level(logging.WARNING)
     with served(max_new_tokens=4000) as s:
         body = json.dumps({"model": MODEL, "prompt": "def", "max_tokens": 4000, "temperature": 0})
-        with socket.create_connection((s.running.host, s.running.port), timeout=60) as sock:
+        with socket.create_connection((s.running.host, s.running.port), timeout=600) as sock:
             sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
             deadline = time.monotonic() + 120
@@ -495,7 +495,7 @@ def test_half_sent_requests_are_closed_after_the_read_timeout(caplog: pytest.Log
         addr = (s.running.host, s.running.port)
         before = s.running.engine.stats["requests"]
         # Headers complete, body promised (200 bytes) but only partly sent.
-        with socket.create_connection(addr, timeout=60) as sock:
+        with socket.create_connection(addr, timeout=600) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 200\r\n\r\n{\"model\": \"tiny-run\", ")
             got, waited = _read_until_closed(sock, 600)  # the server closes it; 600 s is our own safety net
@@ -504,7 +504,7 @@ def test_half_sent_requests_are_closed_after_the_read_timeout(caplog: pytest.Log
         assert json.loads(body)["error"]["code"] == "request_timeout"
         assert waited >= 0.9  # not before the read timeout; how soon after is the machine's speed
         # Headers never finished: the connection is closed, without a reply.
-        with socket.create_connection(addr, timeout=60) as sock:
+        with socket.create_connection(addr, timeout=600) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
             got, _ = _read_until_closed(sock, 600)
         assert got == b""  # closed by the server (our own 600 s limit would raise instead)
@@ -552,7 +552,7 @@ def test_new_requests_are_prefilled_together_in_one_forward() -> None:
     eng.start()  # all four are queued before the loop runs: admitted together
     try:
         for _ in prompts:
-            assert left.acquire(timeout=120)
+            assert left.acquire(timeout=600)
         assert eng.stats["forward_passes"] == 1 and eng.stats["batched_rows"] == 4  # one padded prefill
     finally:
         eng.stop()

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slurm
 
 
 def _run(*args: str, env: dict[str, str], check: bool = True) -> str:
-    out = subprocess.run(list(args), capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(list(args), capture_output=True, text=True, env=env, timeout=300)
     assert not check or out.returncode == 0, f"{' '.join(args)}: {out.stdout}{out.stderr}"
     return out.stdout
 
@@ -30,7 +30,7 @@ def clusters() -> tuple[dict[str, str], list[str]]:
         pytest.skip("no Slurm testbed (XIRANG_SLURM_CONF unset)")
     env = {**os.environ, "SLURM_CONF": conf}
     out = subprocess.run(["sacctmgr", "-n", "-P", "show", "cluster", "format=cluster,controlport"],
-                         capture_output=True, text=True, env=env, timeout=60)
+                         capture_output=True, text=True, env=env, timeout=300)
     # Registered clusters whose slurmctld has connected (a control port): the ones we can submit to.
     names = [ln.split("|")[0] for ln in out.stdout.split() if ln.split("|")[-1] not in ("", "0")]
     if out.returncode != 0 or len(names) < 2:

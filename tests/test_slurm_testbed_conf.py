@@ -21,7 +21,7 @@ def _conf(tmp_path: Path, *args: str, **env: str) -> Path:
     d = tmp_path / "tb"
     full = {**{k: v for k, v in os.environ.items() if not k.startswith("XIRANG_SLURM_")},
             "XIRANG_SLURM_DIR": str(d), "XIRANG_SLURM_PORT": "17100", **env}
-    out = subprocess.run(["bash", str(SCRIPT), "conf", *args], capture_output=True, text=True, env=full, timeout=60)
+    out = subprocess.run(["bash", str(SCRIPT), "conf", *args], capture_output=True, text=True, env=full, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith(f"SLURM_CONF={d / 'slurm.conf'}"), out.stdout
     return d
@@ -99,6 +99,6 @@ def test_two_clusters_share_one_slurmdbd_with_distinct_nodes_and_ports(tmp_path)
 def test_bad_settings_are_refused_naming_the_value(tmp_path, env, args, says):
     full = {**{k: v for k, v in os.environ.items() if not k.startswith("XIRANG_SLURM_")},
             "XIRANG_SLURM_DIR": str(tmp_path / "tb"), **env}
-    out = subprocess.run(["bash", str(SCRIPT), "conf", *args], capture_output=True, text=True, env=full, timeout=60)
+    out = subprocess.run(["bash", str(SCRIPT), "conf", *args], capture_output=True, text=True, env=full, timeout=300)
     assert out.returncode != 0 and says in out.stderr, out.stderr
     assert not (tmp_path / "tb").exists()
