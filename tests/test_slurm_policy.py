@@ -98,6 +98,12 @@ def test_sbatch_parameters_and_scheduling_classes():
     bare = load_config(compose_cfg(["cluster=slurm"]))
     with pytest.raises(ConfigError, match="names no scavenger partition/QOS"):
         sbatch_parameters(bare.cluster, "exploratory")
+    # --time-min shorter than the USR2 warning: the job could get the signal as it starts.
+    short = load_config(compose_cfg(["cluster=testbed", "cluster.min_time_min=1"])).cluster
+    with pytest.raises(ConfigError, match="cluster.min_time_min=1.*signal_delay_s=60 s.*min_time_min=2 or more"):
+        sbatch_parameters(short)
+    quick = load_config(compose_cfg(["cluster=testbed", "cluster.time_min=4", "cluster.signal_delay_s=90"])).cluster
+    assert sbatch_parameters(quick, "exploratory")["additional_parameters"]["time_min"] == 2  # not 4 // 4
     late = load_config(compose_cfg(["cluster=testbed", "cluster.min_time_min=99"]))
     with pytest.raises(ConfigError, match="cluster.min_time_min=99"):
         sbatch_parameters(late.cluster)

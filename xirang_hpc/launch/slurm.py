@@ -72,6 +72,12 @@ def sbatch_parameters(c: ClusterConfig, priority: str = "normal") -> dict[str, A
         raise ConfigError("cluster.signal_delay_s", c.signal_delay_s,
                           f"must be shorter than the time limit ({60 * c.time_min}s); "
                           "lower it or raise cluster.time_min")
+    if c.min_time_min and c.signal_delay_s >= 60 * c.min_time_min:
+        # Backfill may cut the limit to --time-min: the USR2 warning must still come after the start.
+        raise ConfigError("cluster.min_time_min", c.min_time_min,
+                          f"backfill may give the job only {c.min_time_min} min, no longer than the "
+                          f"cluster.signal_delay_s={c.signal_delay_s} s warning before the limit; use "
+                          f"cluster.min_time_min={c.signal_delay_s // 60 + 1} or more, or a shorter signal_delay_s")
     partition, qos = scheduling_class(c, priority)
     params: dict[str, Any] = {
         # Spare nodes are allocated with the job and stay idle until an in-job restart needs one.
@@ -87,8 +93,9 @@ def sbatch_parameters(c: ClusterConfig, priority: str = "normal") -> dict[str, A
     if c.min_time_min:
         extra["time_min"] = c.min_time_min
     elif priority == "exploratory":
-        # Requeue makes a short allocation safe: let backfill start it in any gap >= a quarter of the limit.
-        extra["time_min"] = max(1, c.time_min // 4)
+        # Requeue makes a short allocation safe: let backfill start it in any gap >= a quarter of the limit
+        # (and longer than the USR2 warning, which must come after the start).
+        extra["time_min"] = min(c.time_min, max(c.time_min // 4, c.signal_delay_s // 60 + 1))
     if c.gpus_per_node:
         params["gpus_per_node"] = c.gpus_per_node
     if c.mem_gb:
