@@ -210,3 +210,36 @@ def test_utilization_counts_only_the_window() -> None:
     assert u["cpu_seconds"] == 1800 * 4 + 600 * 8
     assert u["fraction"] == round((1800 * 4 + 600 * 8) / (8 * 3600), 4)
     assert u["series"][-1][1] == 1.0 and u["series"][0][1] == 0.5
+
+
+def test_status_queue_cli_plain_json_watch_and_no_slurm(monkeypatch, capsys, tmp_path: Path) -> None:
+    import xirang_hpc.monitor.slurmdb as slurmdb
+    from xirang_hpc.launch import status_cli
+
+    answers = {"name": "busy"}
+
+    class Recorded(SlurmDB):
+        def __init__(self) -> None:
+            super().__init__(run=recorded(answers["name"]) if answers["name"] else
+                             (lambda argv: Result(127, "", f"{argv[0]}: command not found")))
+
+    monkeypatch.setattr(slurmdb, "SlurmDB", Recorded)
+    assert status_cli.main(["--queue"]) == 0
+    out = capsys.readouterr().out
+    assert "JOBS: 2 running, 5 pending" in out and "QUOTAS (accounts, and user " in out
+    assert status_cli.main(["--queue", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == "xirang-testbed"
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:  # --watch refreshes until Ctrl-C
+        sleeps.append(s)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(status_cli.time, "sleep", sleep)
+    assert status_cli.main(["--queue", "--watch", "--interval", "3"]) == 0
+    assert capsys.readouterr().out.count("cluster xirang-testbed") == 2 and sleeps == [3.0, 3.0]
+    assert status_cli.main(["--queue", "--plot", str(tmp_path / "u.png")]) == 0
+    assert "60 points" in capsys.readouterr().out and (tmp_path / "u.png").exists()
+    answers["name"] = ""
+    assert status_cli.main(["--queue"]) == 2
+    assert "no Slurm answers here: scontrol show config failed" in capsys.readouterr().err
