@@ -238,6 +238,14 @@ def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path, re
     assert rerun["node"] != node, (node, rerun)  # Slurm placed the rerun on the healthy node
     info = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
     assert f"ExcNodeList={node}" in info and "Restarts=1" in info, info
+    # Applied from inside the job right after the requeue (no process outlives the job, so this holds
+    # under proctrack/cgroup); start_now: the rerun starts long before Slurm's ~2 min BeginTime hold.
+    update = _ev(run, "requeue_update", 0)[0]
+    assert any(a.startswith("update") and "StartTime=now+" in a for a in update["applied"]), update
+    # Slurm's hold would put the start >= 121 s after the requeue; with the begin time set ahead by a few
+    # seconds, the rerun starts at the next scheduler pass (sched_interval, 60 s on an idle cluster).
+    started = time.mktime(time.strptime(re.search(r"StartTime=(\S+)", info).group(1), "%Y-%m-%dT%H:%M:%S"))
+    assert started - requeue["time"] < 100, (requeue, info)
 
 
 def test_hang_is_aborted_and_the_requeue_excludes_the_hung_node(slurm, stdlib_data, tmp_path, request):

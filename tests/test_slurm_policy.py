@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from conftest import compose_cfg
 
@@ -201,11 +199,52 @@ def test_rank_markers_name_ranks_that_never_exited(tmp_path):
 
 
 def test_exclusion_refuses_a_node_name_that_is_not_a_hostname():
-    """Node names end up in a shell line for the detached helper: anything odd is refused."""
-    if shutil.which("scontrol") is None:
-        pytest.skip("needs scontrol on PATH (the check runs after the scontrol lookup)")
+    """Node names go into an ``scontrol update`` line: anything odd is refused before any call."""
+    calls: list[list[str]] = []
     with pytest.raises(slurmctl.SlurmCommandError, match="not a Slurm node name"):
-        slurmctl.after_requeue_detached("1", exclude=["n1; rm -rf /"], start=False)
+        slurmctl.after_requeue("1", exclude=["n1; rm -rf /"], start=False, run=calls.append)
+    assert calls == []
+
+
+def test_after_requeue_excludes_then_sets_a_future_start_and_retries_while_not_yet_pending():
+    """Both updates come from the job itself: ExcNodeList first, StartTime ahead by max(backoff, margin)."""
+    calls: list[list[str]] = []
+    refusals = iter([True, True, False, False])
+
+    def run(args: list[str]) -> str:
+        calls.append(args)
+        if next(refusals):
+            raise slurmctl.SlurmCommandError("scontrol update failed (exit 1): Job is no longer pending execution")
+        return ""
+    applied = slurmctl.after_requeue("7_2", 0, exclude=["n1", "n3"], margin_s=5, run=run, sleep=lambda s: None)
+    assert applied == ["update jobid=7_2 ExcNodeList=n1,n3", "update jobid=7_2 StartTime=now+5"]
+    assert len(calls) == 4  # two refusals of the first update, retried
+    assert slurmctl.after_requeue("7", 30, margin_s=5, run=lambda a: "") == ["update jobid=7 StartTime=now+30"]
+
+
+def test_after_requeue_gives_up_after_retry_s_and_raises_other_errors_at_once():
+    """A refusal that outlasts retry_s, or any other scontrol error, is raised (the caller logs it)."""
+    def refuse(args: list[str]) -> str:
+        raise slurmctl.SlurmCommandError("Job is no longer pending execution")
+    with pytest.raises(slurmctl.SlurmCommandError, match="pending"):
+        slurmctl.after_requeue("7", exclude=["n1"], run=refuse, retry_s=1.0, sleep=lambda s: None)
+    calls: list[list[str]] = []
+
+    def denied(args: list[str]) -> str:
+        calls.append(args)
+        raise slurmctl.SlurmCommandError("Access/permission denied")
+    with pytest.raises(slurmctl.SlurmCommandError, match="denied"):
+        slurmctl.after_requeue("7", run=denied, sleep=lambda s: None)
+    assert len(calls) == 1
+
+
+def test_start_margin_from_the_environment_is_checked():
+    """XIRANG_REQUEUE_START_MARGIN_S: whole seconds >= 1, else an error that names the variable."""
+    assert slurmctl.start_margin_s({}) == slurmctl.START_MARGIN_S
+    assert slurmctl.start_margin_s({"XIRANG_REQUEUE_START_MARGIN_S": "30"}) == 30
+    for bad in ("0", "-3", "2.5", "soon"):
+        with pytest.raises(slurmctl.SlurmCommandError, match="XIRANG_REQUEUE_START_MARGIN_S"):
+            slurmctl.start_margin_s({"XIRANG_REQUEUE_START_MARGIN_S": bad})
 
 
 def _fake_scontrol(states: dict[str, str], exc: str = "(null)"):

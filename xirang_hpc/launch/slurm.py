@@ -119,8 +119,10 @@ def supervisor_lines(folder: Path) -> list[str]:
     """Batch-script lines after ``srun``: hand its exit code to the requeue supervisor."""
     cmd = [sys.executable, "-m", "xirang_hpc.launch.supervise", "--rc", "$XIRANG_SRUN_RC",
            "--map", str(folder / RUN_DIR_MAP)]
-    return ["XIRANG_SRUN_RC=$?", " ".join(shlex.quote(a) if not a.startswith("$") else f'"{a}"' for a in cmd),
-            "exit $XIRANG_SRUN_RC"]
+    # `trap '' TERM`: the supervisor requeues the job, which SIGTERMs all of it; the script and the
+    # supervisor (which inherits the ignore) must outlive that for the post-requeue updates.
+    line = " ".join(shlex.quote(a) if not a.startswith("$") else f'"{a}"' for a in cmd)
+    return ["XIRANG_SRUN_RC=$?", "trap '' TERM", line, "exit $XIRANG_SRUN_RC"]
 
 
 def injob_lines(folder: Path) -> list[str]:

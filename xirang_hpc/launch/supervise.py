@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -108,13 +109,15 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
     append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, restart=restart, excluded=excluded,
                  nodes=nodes)
     append_event(run_dir, "exit", "requeued", final=False, status="requeued", job=job_id, restart=restart)
+    # `scontrol requeue` sends SIGTERM to every process of the job; this one must live on for the
+    # updates below (the batch script ignores SIGTERM around it for the same reason).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
+        slurmctl.requeue(job_id)
         start = bool(verdict.start_now or verdict.backoff_s)
         if start or excluded:
-            # Detached and polling for the requeued job's BeginTime hold, so it is started before
-            # the requeue that may end this script; Slurm refuses ExcNodeList on a running job.
-            slurmctl.after_requeue_detached(job_id, verdict.backoff_s, exclude=excluded, start=start)
-        slurmctl.requeue(job_id)
+            applied = slurmctl.after_requeue(job_id, verdict.backoff_s, exclude=excluded, start=start)
+            append_event(run_dir, "requeue_update", reason, job=job_id, restart=restart, applied=applied)
     except slurmctl.SlurmCommandError as exc:
         append_event(run_dir, "exit", "requeue_failed", final=True, status="requeue_failed", error=str(exc),
                      job=job_id, restart=restart)

@@ -70,7 +70,7 @@ class StopSignalHook(TrainerHook):
                  save_fn: Callable[[Trainer], int | None] | None = None,
                  job_info: Callable[[str], dict[str, str]] = slurmctl.job_info,
                  requeue_fn: Callable[[str], None] = slurmctl.requeue,
-                 start_now_fn: Callable[[str, int], None] = slurmctl.after_requeue_detached) -> None:
+                 start_now_fn: Callable[[str, int], None] = slurmctl.after_requeue) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         # The run's event log, handed in by the job (the runtime does not know where it lives).
         self.events: EventSink = NullEventSink() if events is None else events

@@ -13,7 +13,8 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -119,37 +120,63 @@ def classify_stop(info: Mapping[str, str], signal_name: str, signal_delay_s: flo
                                    f"TimeLimit={info.get('TimeLimit')})")
 
 
-def after_requeue_detached(job_id: str, delay_s: int = 0, wait_s: int = 120, exclude: Sequence[str] = (),
-                       start: bool = True) -> None:
-    """After a requeue: exclude failed nodes and make the job eligible again at once (or after ``delay_s``).
+# Seconds ahead that ``StartTime`` is set after a requeue: Slurm keeps a begin time that is still in the
+# future when the requeued job has left its nodes, and replaces one in the past by its own hold
+# (now + the credential lifetime, ~2 min). This job ends within a second of the update when no
+# epilog runs; a site with a long epilog raises it (``XIRANG_REQUEUE_START_MARGIN_S``).
+START_MARGIN_S = 5
 
-    Slurm holds a requeued job in ``BeginTime`` for about two minutes, and sets that begin time
-    only once the job has left the nodes (an earlier update is overwritten). ``ExcNodeList`` can
-    only be changed while the job is pending ("Job is no longer pending execution" while it runs).
-    So both updates must come from a process that outlives the job: a small detached shell polls
-    until the job is PENDING with ``Reason=BeginTime``, then sets ``ExcNodeList`` (when ``exclude``
-    names nodes) and ``StartTime`` (when ``start``). Where the site's process tracking (cgroups)
-    kills it with the job, Slurm's default delay stands and no node is excluded.
+
+def start_margin_s(env: Mapping[str, str] | None = None) -> int:
+    """The begin-time margin: ``XIRANG_REQUEUE_START_MARGIN_S`` (whole seconds >= 1) or :data:`START_MARGIN_S`."""
+    env = os.environ if env is None else env
+    raw = env.get("XIRANG_REQUEUE_START_MARGIN_S", "")
+    if not raw:
+        return START_MARGIN_S
+    if not raw.isdigit() or int(raw) < 1:
+        raise SlurmCommandError(f"XIRANG_REQUEUE_START_MARGIN_S={raw!r}: use whole seconds >= 1 (default "
+                                f"{START_MARGIN_S}), longer than the site's epilog")
+    return int(raw)
+
+
+def after_requeue(job_id: str, delay_s: int = 0, exclude: Sequence[str] = (), start: bool = True,
+                  margin_s: int | None = None, retry_s: float = 5.0,
+                  run: Callable[[list[str]], str] | None = None,
+                  sleep: Callable[[float], None] = time.sleep) -> list[str]:
+    """Right after ``scontrol requeue`` (from inside the job): exclude failed nodes and shorten the restart hold.
+
+    Works under ``proctrack/cgroup`` because nothing has to outlive the job: ``requeue`` makes the
+    job PENDING (shown as COMPLETING while its processes end), and Slurm accepts both ``ExcNodeList``
+    and ``StartTime`` on a pending job at once; they survive the requeue. ``StartTime`` is set
+    ``max(delay_s, margin)`` seconds ahead: Slurm keeps a future begin time when the job has left
+    its nodes and replaces a past one with its ~2 min hold (checked on Slurm 22.05 under cgroup
+    tracking: restarted 6 s after the requeue, on the other node). The caller must survive the
+    SIGTERM that the requeue sends to the whole job (the batch script ignores it around the
+    supervisor; a rank is inside its stop handler). Returns the ``scontrol update`` lines applied;
+    an update still refused after ``retry_s`` raises :class:`SlurmCommandError`.
     """
-    exe = shutil.which("scontrol")
-    if exe is None:
-        raise SlurmCommandError("scontrol not found: cannot apply requeue.start_now / exclude_failed_nodes")
-    for node in exclude:  # node names go into a shell line: refuse anything but a Slurm hostname
+    for node in exclude:  # node names come from our own events: refuse anything but a Slurm hostname
         if not _NODE_NAME.fullmatch(node):
             raise SlurmCommandError(f"refusing to exclude node {node!r}: not a Slurm node name")
-    if not start and not exclude:
-        return
-    when = "now" if delay_s <= 0 else f"now+{int(delay_s)}"
-    updates = []
+    run = run_scontrol if run is None else run
+    updates: list[list[str]] = []
     if exclude:
-        updates.append(f"{exe} update jobid={job_id} ExcNodeList={','.join(exclude)}")
+        updates.append(["update", f"jobid={job_id}", f"ExcNodeList={','.join(exclude)}"])
     if start:
-        updates.append(f"{exe} update jobid={job_id} StartTime={when}")
-    script = (
-        f"for i in $(seq 1 {int(wait_s)}); do sleep 1; "
-        f"if {exe} show job -o {job_id} | grep 'JobState=PENDING' | grep -q 'Reason=BeginTime'; then "
-        f"{'; '.join(updates)}; exit 0; fi; done"
-    )
-    # A double fork (the intermediate shell exits) so the helper is no child of the job's tasks.
-    subprocess.Popen(["sh", "-c", 'setsid sh -c "$1" </dev/null >/dev/null 2>&1 &', "sh", script],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait()
+        ahead = max(int(delay_s), start_margin_s() if margin_s is None else margin_s)
+        updates.append(["update", f"jobid={job_id}", f"StartTime=now+{ahead}"])
+    done: list[str] = []
+    for args in updates:
+        waited = 0.0
+        while True:
+            try:
+                run(args)
+                break
+            except SlurmCommandError as exc:
+                # "Job is no longer pending execution": the requeue has not reached slurmctld yet.
+                if "pending" not in str(exc).lower() or waited >= retry_s:
+                    raise
+                sleep(0.2)
+                waited += 0.2
+        done.append(" ".join(args))
+    return done
