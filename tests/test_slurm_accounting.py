@@ -168,3 +168,53 @@ def test_sacct_history_of_a_requeued_finished_job(slurm, tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     assert submitit.SlurmJob(tmp_path / "sub", job).state == "COMPLETED"
     assert not [r for r in caplog.records if "sacct" in r.getMessage()]
+
+
+def _cfg(*over: str):
+    from hydra import compose, initialize_config_module
+
+    from xirang_hpc.config.validate import load_config
+    from xirang_hpc.launch.hydra_setup import register_configs
+
+    register_configs()
+    with initialize_config_module(version_base="1.3", config_module="xirang_hpc.conf"):
+        over = ("cluster=testbed", "parallel.pp=1", "parallel.tp=1", *over)
+        return load_config(compose(config_name="config", overrides=list(over)))
+
+
+def test_user_without_association_gets_the_sacctmgr_line(slurm):
+    from xirang_hpc.launch.quota_check import QuotaRefused, check_quota
+
+    cluster = SlurmDB().config()["ClusterName"]
+    with pytest.raises(QuotaRefused) as e:
+        check_quota(_cfg(), SlurmDB(), user="alice")  # the real associations; no user alice among them
+    assert f"sacctmgr -i add user alice Account=<account> Cluster={cluster}" in str(e.value)
+
+
+def test_slurmdbd_down_status_says_so_and_train_goes_on(slurm, tmp_path):
+    """slurmdbd stopped for real (the testbed's pid file), then started again as the testbed does."""
+    from xirang_hpc.launch.quota_check import check_quota
+    from xirang_hpc.monitor.queue import gather, render_queue
+
+    pidfile = Path(slurm).parent / "run" / "slurmdbd.pid"
+    if not pidfile.exists():
+        pytest.skip(f"no slurmdbd pid file at {pidfile} (not a tools/slurm-testbed cluster)")
+    filler = _sh("sbatch", "--parsable", "-A", ACCOUNT, "-n", "1", "-J", "while-dbd-down", "-o", "/dev/null",
+                 "--wrap", "sleep 300").strip()
+    pid = int(pidfile.read_text().split()[0])
+    os.kill(pid, 15)
+    try:
+        _wait(lambda: subprocess.run(["sacctmgr", "-n", "-P", "show", "qos", "format=Name"], capture_output=True,
+                                     timeout=60).returncode != 0, 60, "slurmdbd to stop answering")
+        lines, fit = check_quota(_cfg(), SlurmDB(), user="root")
+        assert fit is None and "cannot check the quota: slurmdbd does not answer" in lines[0], lines
+        snap = gather(SlurmDB(), "root")
+        text = render_queue(snap)
+        print(text)
+        assert snap["accounting"] == "down" and "slurmdbd DOWN" in text
+        assert any(j["job_id"] == filler for j in snap["jobs"]) and snap["nodes"]  # squeue and sinfo still answer
+    finally:
+        subprocess.run(["scancel", filler], check=False)
+        subprocess.run(["slurmdbd"], env={**os.environ, "SLURM_CONF": slurm}, check=True, timeout=60)
+        _wait(lambda: subprocess.run(["sacctmgr", "-n", "-P", "show", "qos", "format=Name"], capture_output=True,
+                                     timeout=60).returncode == 0, 120, "slurmdbd to answer again")

@@ -117,6 +117,10 @@ def test_fit_now_wait_never(busy: SlurmDB) -> None:
     assert "account proja (GrpTRES) uses 2 of its 4 CPUs; this job waits for 3" in wait.lines[-1]
     never = check_fit(ch, Request(cpus=6, partition="low"), jobs, nodes)
     assert never.verdict == "never" and "allows 4 CPUs; this job asks for 6" in never.lines[-1]
+    # root has 3 jobs submitted in proja and may have 5 (MaxSubmitJobs): an array of 3 more is refused.
+    over = check_fit(ch, Request(cpus=1, partition="low", tasks=3), jobs, nodes)
+    assert over.verdict == "never" and "MaxSubmitJobs=5, this submission adds 3" in over.lines[-1]
+    assert check_fit(ch, Request(cpus=1, partition="low", tasks=2), jobs, nodes).verdict == "now"
     # The scavenger QOS allows one running job per user, and root runs one: a second waits.
     sc = resolve_association(assocs, qos, "root", "projb", "scavenger", "proja", "xirang-testbed")
     assert check_fit(sc, Request(cpus=1, partition="low"), jobs, nodes).reasons == ["QOSMaxJobsPerUserLimit"]

@@ -40,16 +40,18 @@ def current_user() -> str:
     return pwd.getpwuid(os.getuid()).pw_name
 
 
-def job_request(cfg: XirangConfig) -> Request:
-    """What the job asks Slurm for in total, and in which partition."""
+def job_request(cfg: XirangConfig, tasks: int = 1) -> Request:
+    """What the job asks Slurm for in total, and in which partition (``tasks``: array tasks submitted)."""
     c = cfg.cluster
     partition, _ = scheduling_class(c, cfg.train.priority)
     return Request(cpus=c.nodes * c.tasks_per_node * c.cpus_per_task, gpus=c.nodes * c.gpus_per_node,
-                   nodes=c.nodes, partition=partition or "")
+                   nodes=c.nodes, partition=partition or "", tasks=tasks)
 
 
-def check_quota(cfg: XirangConfig, db: SlurmDB | None = None, user: str | None = None) -> tuple[list[str], Fit | None]:
-    """(lines to print, verdict) for a Slurm launch of ``cfg``; :class:`QuotaRefused` when Slurm would not run it."""
+def check_quota(cfg: XirangConfig, db: SlurmDB | None = None, user: str | None = None,
+                tasks: int = 1) -> tuple[list[str], Fit | None]:
+    """(lines to print, verdict) for a Slurm launch of ``cfg`` (``tasks`` array tasks of it);
+    :class:`QuotaRefused` when Slurm would not run it."""
     db = db or SlurmDB()
     user = user or current_user()
     try:
@@ -59,7 +61,7 @@ def check_quota(cfg: XirangConfig, db: SlurmDB | None = None, user: str | None =
     except SlurmQueryError as exc:
         return [f"quota: cannot ask slurmctld ({exc}); submitting without a quota check"], None
     _, qos = scheduling_class(cfg.cluster, cfg.train.priority)
-    req = job_request(cfg)
+    req = job_request(cfg, tasks)
     try:
         assocs, qos_list = db.associations(), db.qos()
         defaults = db.default_accounts()

@@ -76,15 +76,6 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]
     from xirang_hpc.launch.train_cli import _ensure_data
 
     check_same_resources(cfgs, overrides)
-    # Every task asks the same resources: the account's quota is stated (or the sweep refused) once.
-    from xirang_hpc.launch.quota_check import check_quota
-
-    lines, fit = check_quota(cfgs[0])
-    if fit is not None:
-        at_once = min(len(cfgs), cfgs[0].cluster.array_parallelism)
-        lines.append(f"  (per task; the array runs at most {at_once} at once, "
-                     "the quota decides how many of them run together)")
-    print("\n".join(lines), flush=True)
     if len({run_dir_for(c) for c in cfgs}) != len(cfgs):
         raise ConfigError("train.run_dir", str(run_dir_for(cfgs[0])),
                           "two points of the sweep map to the same run directory; leave train.run_dir empty")
@@ -92,8 +83,18 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]
     for c, st in zip(cfgs, statuses):
         if st.complete:
             print(complete_message(c, st), flush=True)
-    run_dirs = [open_run_dir(c) for c in cfgs]
     todo = [i for i, st in enumerate(statuses) if not st.complete]
+    if todo:
+        # Every task asks the same resources: the account's quota is stated (or the sweep refused) once.
+        from xirang_hpc.launch.quota_check import check_quota
+
+        lines, fit = check_quota(cfgs[0], tasks=len(todo))
+        if fit is not None:
+            at_once = min(len(todo), cfgs[0].cluster.array_parallelism)
+            lines.append(f"  (per task; the array runs at most {at_once} at once, "
+                         "the quota decides how many of them run together)")
+        print("\n".join(lines), flush=True)
+    run_dirs = [open_run_dir(c) for c in cfgs]
     if not todo:
         return None, run_dirs, [None] * len(run_dirs)
     all_dirs, cfgs, run_dirs = run_dirs, [cfgs[i] for i in todo], [run_dirs[i] for i in todo]

@@ -36,6 +36,7 @@ class Request:
     gpus: int = 0
     nodes: int = 1
     partition: str = ""
+    tasks: int = 1  # jobs this submission adds (an array's tasks each count for MaxSubmitJobs)
 
     def tres(self) -> dict[str, int]:
         """The request as TRES counts."""
@@ -172,12 +173,13 @@ def check_fit(charge: Charge, req: Request, jobs: Sequence[QueueJob], nodes: Seq
                            (f"QOS {charge.qos} (MaxTRES per job)", q.max_tres.get(key) if q else None)):
             if lim is not None and need > lim:
                 never.append(f"{scope} allows {lim} {word}; this job asks for {need}")
-    if ua.max_submit is not None and mine["submitted"] >= ua.max_submit:
+    adds = f"this submission adds {req.tasks}"
+    if ua.max_submit is not None and mine["submitted"] + req.tasks > ua.max_submit:
         never.append(f"user {charge.user} has {mine['submitted']} jobs submitted in account {charge.account}, "
-                     f"MaxSubmitJobs={ua.max_submit}: Slurm refuses another until one ends (or scancel one)")
-    if q and q.max_submit_pu is not None and mine_q["submitted"] >= q.max_submit_pu:
+                     f"MaxSubmitJobs={ua.max_submit}, {adds}: Slurm refuses it until jobs end (or scancel some)")
+    if q and q.max_submit_pu is not None and mine_q["submitted"] + req.tasks > q.max_submit_pu:
         never.append(f"user {charge.user} has {mine_q['submitted']} jobs submitted under QOS {charge.qos}, "
-                     f"MaxSubmitJobsPerUser={q.max_submit_pu}: Slurm refuses another until one ends")
+                     f"MaxSubmitJobsPerUser={q.max_submit_pu}, {adds}: Slurm refuses it until jobs end")
     if ua.max_jobs is not None and mine["running"] >= ua.max_jobs:
         wait.append(("AssocMaxJobsLimit", f"user {charge.user} runs {mine['running']} of MaxJobs={ua.max_jobs} "
                                           f"jobs in account {charge.account}"))
@@ -258,7 +260,7 @@ PLAIN_REASONS = {
     "BadConstraints": "its constraints (--constraint, memory, GPUs) match no node: it can never start",
     "Nodes_required_for_job_are_DOWN,_DRAINED_or_reserved_for_jobs_in_higher_priority_partitions":
         "its nodes are down, drained or held for higher-priority partitions",
-    "None": "",
+    "None": "the scheduler has not examined it yet",
 }
 
 
@@ -296,8 +298,10 @@ def explain_reason(job: QueueJob, jobs: Sequence[QueueJob], assocs: Sequence[Ass
         return f"user {job.user} runs {run} of MaxJobs={ua.max_jobs} jobs in account {job.account}"
     if r == "QOSMaxJobsPerUserLimit":
         run = user_use(jobs, job.user, qos=job.qos)["running"]
-        lim = q.max_jobs_pu if q else "?"
-        return f"user {job.user} runs {run} jobs under QOS {job.qos}, which allows {lim} per user (MaxJobsPerUser)"
+        if q is None or q.max_jobs_pu is None:
+            return f"user {job.user} runs {run} jobs under QOS {job.qos}, its per-user job limit (MaxJobsPerUser)"
+        return (f"user {job.user} runs {run} jobs under QOS {job.qos}, which allows {q.max_jobs_pu} per user "
+                "(MaxJobsPerUser)")
     if r in ("QOSMaxCpuPerUserLimit", "QOSMaxGRESPerUser"):
         key = "cpu" if "Cpu" in r else "gres/gpu"
         used = user_use(jobs, job.user, qos=job.qos)[key]
