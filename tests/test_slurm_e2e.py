@@ -57,18 +57,6 @@ def _nodes() -> list[str]:
     return names
 
 
-def _xfail_on_cgroup_without_exclusion(request) -> None:
-    """Under proctrack/cgroup (the testbed's default, like production) the detached helper that applies
-    the node exclusion and StartTime=now after a requeue is killed with the job, so the rerun may land on
-    the failed node. Expected to fail there until node exclusion after a requeue stops depending on a
-    process that outlives the job; under proctrack/linuxproc the test must pass."""
-    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout
-    if re.search(r"^ProctrackType\s*=\s*proctrack/cgroup", out, re.M):
-        request.applymarker(pytest.mark.xfail(
-            reason="node exclusion after a requeue is applied by a detached helper that proctrack/cgroup kills "
-                   "with the job", strict=False))
-
-
 def _base(data: Path, runs: Path) -> list[str]:
     return ["cluster=testbed", "requeue=testbed", f"data.out_dir={data}", f"train.runs_root={runs}",
             "train.warmup_steps=2", "train.log_every=10", "train.eval_batches=2", "monitor.enabled=true",
@@ -221,9 +209,8 @@ def test_kill9_rank_policy_requeue_resumes_from_periodic_checkpoint(slurm, stdli
     assert resumed >= 10 and resumed % 10 == 0, resumed  # a periodic checkpoint, not a save-on-stop
 
 
-def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path, request):
+def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path):
     """1 node x 2 ranks, kill -9 of rank 1: the requeued job excludes that node and reruns on the other."""
-    _xfail_on_cgroup_without_exclusion(request)
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
                         "train.max_steps=60", "checkpoint.every_steps=10"])
     first = _wait(lambda: _ev(run, "first_step", 0), 600, "training to start")[0]
@@ -248,9 +235,8 @@ def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path, re
     assert started - requeue["time"] < 100, (requeue, info)
 
 
-def test_hang_is_aborted_and_the_requeue_excludes_the_hung_node(slurm, stdlib_data, tmp_path, request):
+def test_hang_is_aborted_and_the_requeue_excludes_the_hung_node(slurm, stdlib_data, tmp_path):
     """SIGSTOP of rank 1 in a 1-node job: the watchdog names it, aborts, and the rerun avoids that node."""
-    _xfail_on_cgroup_without_exclusion(request)
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
                         "train.max_steps=60", "checkpoint.every_steps=10", "monitor.hang_s=8"])
     _wait(lambda: _ev(run, "first_step", 0), 600, "training to start")
