@@ -1,0 +1,161 @@
+"""In-job restart on a real Slurm cluster (``tools/slurm-testbed``: 2 nodes n1, n2 on this machine).
+
+Each fault is real: ``kill -9`` of a rank, ``SIGSTOP`` of a rank, a node lost (its slurmd, its
+slurmstepd and its ranks killed with SIGKILL). The job must recover inside its allocation -- same
+job id, ``Restarts=0`` in Slurm, no requeue event -- and finish:
+
+- on a spare node (``cluster.spare_nodes=1``) with bitwise the weights of an uninterrupted run;
+- without a spare, on the remaining node with the layout shrunk (dp 4 -> 2, twice the gradient
+  accumulation), the loss within rtol 1e-5 of the uninterrupted run at every step.
+
+The uninterrupted reference runs meanwhile on the local executor with the same layout and threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from test_slurm_e2e import TRAIN, _ev, _final, _submit, _wait, _weights, slurm  # noqa: F401 - fixture
+
+from xirang_hpc.monitor.events import read_events
+from xirang_hpc.runtime.markers import rank_pid
+
+pytestmark = pytest.mark.slurm
+
+
+def _args(data: Path, runs: Path, *extra: str) -> list[str]:
+    return ["cluster=testbed", "requeue=testbed", f"data.out_dir={data}", f"train.runs_root={runs}",
+            "train.warmup_steps=2", "train.log_every=1", "train.eval_batches=2", "monitor.enabled=true",
+            "parallel.pp=1", "parallel.tp=1", "cluster.threads_per_rank=1", "requeue.max_restarts_in_job=2", *extra]
+
+
+def _reference(args: list[str], runs: Path) -> subprocess.Popen:
+    """The same training, uninterrupted, on the local executor (virtual nodes, same layout)."""
+    keep = [a for a in args if not a.startswith(("cluster=", "train.runs_root=", "requeue.max_restarts_in_job",
+                                                 "cluster.spare_nodes"))]
+    return subprocess.Popen([*TRAIN, *keep, "cluster=local", f"train.runs_root={runs}", "train.wait=true"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _reference_dir(proc: subprocess.Popen) -> Path:
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out
+    return Path(re.search(r"run dir (\S+)", out).group(1))
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {int(r["step"]): float(r["loss"]) for r in rows if "loss" in r and "step" in r}
+
+
+def _after_checkpoint(run: Path, step: int = 10) -> None:
+    latest = run / "checkpoints" / "latest"
+    _wait(lambda: latest.exists() and int(latest.read_text().split("_")[-1]) >= step, 300, f"checkpoint {step}")
+
+
+def _slurm_job(job: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+
+
+def _recovered_inside(job: str, run: Path) -> list[dict]:
+    """The job completed in its first allocation: no requeue, Slurm's restart count 0; the restarts."""
+    final = _final(run, timeout=600)
+    assert final["status"] == "completed", read_events(run)
+    assert not _ev(run, "requeue") and not _ev(run, "failure"), read_events(run)
+    assert all(e["job"] == job for e in _ev(run, "start"))
+    assert "Restarts=0" in _slurm_job(job)
+    return _ev(run, "restart")
+
+
+def test_kill9_recovered_on_the_spare_node_bitwise(slurm, stdlib_data, tmp_path):
+    """1 node x 2 ranks + 1 spare; kill -9 of rank 1: the ranks restart on the spare, same weights."""
+    steps = 80
+    args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "cluster.spare_nodes=1",
+                 f"train.max_steps={steps}", "checkpoint.every_steps=10")
+    ref = _reference(args, tmp_path / "ref")
+    job, run = _submit(args)
+    _after_checkpoint(run)
+    first = _ev(run, "start")[0]["node"]
+    os.kill(_wait(lambda: rank_pid(run, 0, 1), 30, "rank 1's pid"), signal.SIGKILL)
+    (restart,) = _recovered_inside(job, run)
+    assert restart["node"] == first and restart["reason"].startswith("dead: rank 1") and not restart["shrunk"]
+    second = _ev(run, "start")[-1]
+    assert second["node"] != first and second["node"] in ("n1", "n2") and second["step"] % 10 == 0 < second["step"]
+    a, b = _weights(run, steps), _weights(_reference_dir(ref), steps)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), f"{k} differs"
+
+
+def test_hung_rank_recovered_after_the_watchdog_names_it(slurm, stdlib_data, tmp_path):
+    """SIGSTOP of rank 1 (1 node + 1 spare): the watchdog names the hang, the ranks restart on the spare."""
+    args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "cluster.spare_nodes=1", "train.max_steps=80",
+                 "checkpoint.every_steps=10", "monitor.hang_s=8")
+    job, run = _submit(args)
+    _after_checkpoint(run)
+    first = _ev(run, "start")[0]["node"]
+    os.kill(_wait(lambda: rank_pid(run, 0, 1), 30, "rank 1's pid"), signal.SIGSTOP)
+    (restart,) = _recovered_inside(job, run)
+    hang = _ev(run, "hang")[0]
+    assert (hang["rank"], hang["node"]) == (1, first) and "stopped" in hang["cause"], hang
+    assert restart["node"] == first and restart["reason"].startswith("hang")
+    assert _ev(run, "start")[-1]["node"] != first
+
+
+def _lose_node(run: Path, node: str, conf: str) -> None:
+    """The node is gone: its slurmd, the job's slurmstepd on it and its ranks, all SIGKILLed at once."""
+    ranks = [int(p.read_text().split()[1]) for p in (run / "ranks" / "r0").glob("*.start")
+             if p.read_text().split()[0] == node]
+    assert ranks, f"no rank on {node}"
+    stepds = {psutil.Process(pid).ppid() for pid in ranks}
+    assert all("slurmstepd" in psutil.Process(p).name() for p in stepds), stepds
+    slurmd = int((Path(conf).parent / "run" / f"slurmd-{node}.pid").read_text())
+    for pid in (slurmd, *stepds, *ranks):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _revive_node(node: str, conf: str) -> None:
+    subprocess.run(["slurmd", "-N", node, "-f", conf], check=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+        state = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True).stdout
+        if state.strip() in ("idle", "mix", "alloc"):
+            return
+        time.sleep(2)
+
+
+def test_node_loss_continues_shrunk_with_the_same_loss_curve(slurm, stdlib_data, tmp_path):
+    """2 nodes x 2 ranks, node n2 lost: the job goes on on n1 alone (dp 2, grad_accum 2), same losses."""
+    steps = 80
+    args = _args(stdlib_data, tmp_path / "runs", f"train.max_steps={steps}", "checkpoint.every_steps=10")
+    ref = _reference(args, tmp_path / "ref")
+    job, run = _submit(args)
+    _after_checkpoint(run)
+    try:
+        _lose_node(run, "n2", slurm)
+        (restart,) = _recovered_inside(job, run)
+    finally:
+        _revive_node("n2", slurm)
+    assert restart["node"] == "n2" and restart["nodes"] == ["n1"] and restart["shrunk"], restart
+    start = _ev(run, "start")[-1]
+    assert (start["node"], start["nodes"], start["world_size"]) == ("n1", 1, 2), start
+    ours, theirs = _losses(run), _losses(_reference_dir(ref))
+    resumed = start["step"]
+    after = [s for s in ours if s > resumed]
+    assert after and after[-1] == steps, sorted(ours)
+    np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-5)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
