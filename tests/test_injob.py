@@ -52,8 +52,9 @@ def test_shrink_refuses_a_layout_that_cannot_fit_and_names_why():
 
 
 def test_spare_nodes_need_in_job_restart_and_are_allocated():
+    assert _cfg().requeue.max_restarts_in_job == 2  # on in the default policy
     with pytest.raises(ConfigError, match="cluster.spare_nodes"):
-        _cfg("cluster=testbed", "cluster.spare_nodes=1")
+        _cfg("cluster=testbed", "cluster.spare_nodes=1", "requeue.max_restarts_in_job=0")
     cfg = _cfg("cluster=testbed", "cluster.spare_nodes=1", "requeue.max_restarts_in_job=1")
     assert sbatch_parameters(cfg.cluster)["nodes"] == 3
 
@@ -63,7 +64,7 @@ def test_the_batch_script_hands_the_job_to_the_driver(tmp_path):
     script = make_slurm_executor(cfg.cluster, tmp_path, requeue=cfg.requeue)._make_submission_file_text("cmd", "7")
     driver = script.index("-m xirang_hpc.launch.injob --map")
     assert "#SBATCH --no-kill" in script and script.index("exit $?", driver) < script.index("srun --unbuffered")
-    plain = make_slurm_executor(cfg.cluster, tmp_path, requeue=_cfg("cluster=testbed").requeue)
+    plain = make_slurm_executor(cfg.cluster, tmp_path, requeue=_cfg("cluster=testbed", "requeue=testbed").requeue)
     text = plain._make_submission_file_text("cmd", "7")
     assert "--no-kill" not in text and "xirang_hpc.launch.injob" not in text
 
