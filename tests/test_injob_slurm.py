@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from test_slurm_e2e import TRAIN, _ev, _final, _submit, _wait, _weights, slurm  # noqa: F401 - fixture
+from test_slurm_e2e import TRAIN, _ev, _final, _submit, _wait, _weights
+from test_slurm_e2e import slurm as _slurm_fixture  # noqa: F401 - registers the `slurm` fixture here
 
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.runtime.markers import rank_pid
