@@ -25,13 +25,21 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from test_slurm_e2e import TRAIN, _ev, _final, _submit, _wait, _weights
-from test_slurm_e2e import slurm as _slurm_fixture  # noqa: F401 - registers the `slurm` fixture here
+from test_slurm_e2e import (
+    TRAIN,
+    _ev,
+    _final,
+    _submit,
+    _wait,
+    _weights,
+    slurm,  # noqa: F401 - the testbed fixture, used through pytestmark
+)
 
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.runtime.markers import rank_pid
 
-pytestmark = pytest.mark.slurm
+# The fixture exports SLURM_CONF of the running testbed (it starts one for root when CI did not).
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm")]
 
 
 def _args(data: Path, runs: Path, *extra: str) -> list[str]:
@@ -78,7 +86,7 @@ def _recovered_inside(job: str, run: Path) -> list[dict]:
     return _ev(run, "restart")
 
 
-def test_kill9_recovered_on_the_spare_node_bitwise(slurm, stdlib_data, tmp_path):
+def test_kill9_recovered_on_the_spare_node_bitwise(stdlib_data, tmp_path):
     """1 node x 2 ranks + 1 spare; kill -9 of rank 1: the ranks restart on the spare, same weights."""
     steps = 80
     args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "cluster.spare_nodes=1",
@@ -98,7 +106,7 @@ def test_kill9_recovered_on_the_spare_node_bitwise(slurm, stdlib_data, tmp_path)
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), f"{k} differs"
 
 
-def test_hung_rank_recovered_after_the_watchdog_names_it(slurm, stdlib_data, tmp_path):
+def test_hung_rank_recovered_after_the_watchdog_names_it(stdlib_data, tmp_path):
     """SIGSTOP of rank 1 (1 node + 1 spare): the watchdog names the hang, the ranks restart on the spare."""
     args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "cluster.spare_nodes=1", "train.max_steps=80",
                  "checkpoint.every_steps=10", "monitor.hang_s=8")
@@ -113,20 +121,20 @@ def test_hung_rank_recovered_after_the_watchdog_names_it(slurm, stdlib_data, tmp
     assert _ev(run, "start")[-1]["node"] != first
 
 
-def _lose_node(run: Path, node: str, conf: str) -> None:
+def _lose_node(run: Path, node: str) -> None:
     """The node is gone: its slurmd, the job's slurmstepd on it and its ranks, all SIGKILLed at once."""
     ranks = [int(p.read_text().split()[1]) for p in (run / "ranks" / "r0").glob("*.start")
              if p.read_text().split()[0] == node]
     assert ranks, f"no rank on {node}"
     stepds = {psutil.Process(pid).ppid() for pid in ranks}
     assert all("slurmstepd" in psutil.Process(p).name() for p in stepds), stepds
-    slurmd = int((Path(conf).parent / "run" / f"slurmd-{node}.pid").read_text())
+    slurmd = int((Path(os.environ["SLURM_CONF"]).parent / "run" / f"slurmd-{node}.pid").read_text())
     for pid in (slurmd, *stepds, *ranks):
         os.kill(pid, signal.SIGKILL)
 
 
-def _revive_node(node: str, conf: str) -> None:
-    subprocess.run(["slurmd", "-N", node, "-f", conf], check=True)
+def _revive_node(node: str) -> None:
+    subprocess.run(["slurmd", "-N", node, "-f", os.environ["SLURM_CONF"]], check=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
@@ -136,7 +144,7 @@ def _revive_node(node: str, conf: str) -> None:
         time.sleep(2)
 
 
-def test_node_loss_continues_shrunk_with_the_same_loss_curve(slurm, stdlib_data, tmp_path):
+def test_node_loss_continues_shrunk_with_the_same_loss_curve(stdlib_data, tmp_path):
     """2 nodes x 2 ranks, node n2 lost: the job goes on on n1 alone (dp 2, grad_accum 2), same losses."""
     steps = 80
     args = _args(stdlib_data, tmp_path / "runs", f"train.max_steps={steps}", "checkpoint.every_steps=10")
@@ -144,10 +152,10 @@ def test_node_loss_continues_shrunk_with_the_same_loss_curve(slurm, stdlib_data,
     job, run = _submit(args)
     _after_checkpoint(run)
     try:
-        _lose_node(run, "n2", slurm)
+        _lose_node(run, "n2")
         (restart,) = _recovered_inside(job, run)
     finally:
-        _revive_node("n2", slurm)
+        _revive_node("n2")
     assert restart["node"] == "n2" and restart["nodes"] == ["n1"] and restart["shrunk"], restart
     start = _ev(run, "start")[-1]
     assert (start["node"], start["nodes"], start["world_size"]) == ("n1", 1, 2), start

@@ -1,0 +1,164 @@
+"""Recovery from a fault on the Slurm testbed: time from the fault to the first step after it, steps lost.
+
+One 2-node x 2-rank tiny-GPT job per (policy, fault), one after another, in one run:
+
+- policies: ``requeue`` (the default requeue policy: Slurm holds the requeued job in BeginTime),
+  ``requeue+now`` (the requeue with an immediate restart, ``requeue.start_now``), ``in-job``
+  (in-job restart from the filesystem checkpoint; no spare node on a 2-node testbed, so the job
+  goes on shrunk on the healthy node);
+- faults: ``kill9`` (SIGKILL of rank 3, on n2), ``sigstop`` (SIGSTOP of rank 3; ``monitor.hang_s``
+  below), ``node`` (node n2 lost: its slurmd, the job's slurmstepd there and its ranks SIGKILLed;
+  only the in-job restart can go on: a requeued 2-node job has no second node to run on).
+
+Each fault hits 5 steps after the first periodic checkpoint (``checkpoint.every_steps``). Measured
+from the job's event log and metrics: detection (fault -> the watchdog's dead/hang event), recovery
+(fault -> the first completed step after it) and steps lost (the step reached before the fault ->
+the step the job resumed from). The job is cancelled once it has trained again.
+
+    XIRANG_SLURM_DIR=... tools/slurm-testbed start   # then
+    SLURM_CONF=/tmp/xirang-slurm/slurm.conf python benchmarks/bench_recovery.py --data data/stdlib-bytes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from xirang_hpc.monitor.events import read_events
+from xirang_hpc.runtime.markers import rank_pid
+
+POLICIES = {
+    "requeue": ["requeue=default", "requeue.max_restarts_in_job=0"],
+    "requeue+now": ["requeue=testbed", "requeue.max_restarts_in_job=0"],
+    "in-job": ["requeue=testbed", "requeue.max_restarts_in_job=2"],
+}
+FAULTS = ("kill9", "sigstop", "node")
+
+
+def _ev(run: Path, kind: str, since: float = 0.0) -> list[dict]:
+    return [e for e in read_events(run) if e.get("kind") == kind and e.get("time", 0) >= since]
+
+
+def _wait(pred, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise TimeoutError(f"benchmark run did not progress: {what}")
+
+
+def _metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _progress(run: Path) -> int:
+    return max((r.get("step", 0) for r in _metrics(run) if "loss" in r), default=0)
+
+
+def _lose_node(run: Path, node: str) -> None:
+    ranks = [int(p.read_text().split()[1]) for p in (run / "ranks" / "r0").glob("*.start")
+             if p.read_text().split()[0] == node]
+    stepds = {psutil.Process(pid).ppid() for pid in ranks}
+    slurmd = int((Path(os.environ["SLURM_CONF"]).parent / "run" / f"slurmd-{node}.pid").read_text())
+    for pid in (slurmd, *stepds, *ranks):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _revive(node: str) -> None:
+    subprocess.run(["slurmd", "-N", node, "-f", os.environ["SLURM_CONF"]], check=True)
+    for _ in range(60):
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+        state = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True).stdout
+        if state.strip() in ("idle", "mix", "alloc"):
+            return
+        time.sleep(2)
+
+
+def one(policy: str, fault: str, a: argparse.Namespace) -> dict:
+    """Submit, wait past the first checkpoint, inject ``fault``, measure until a step runs again."""
+    runs = Path(tempfile.mkdtemp(prefix=f"bench-recovery-{policy}-{fault}-"))
+    cmd = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()", "cluster=testbed",
+           *POLICIES[policy], f"train.max_steps={a.steps}", "train.warmup_steps=2", "train.log_every=1",
+           "train.eval_batches=2", "parallel.pp=1", "parallel.tp=1", "monitor.enabled=true",
+           f"monitor.hang_s={a.hang_s}", "cluster.threads_per_rank=1", f"checkpoint.every_steps={a.every}",
+           f"data.out_dir={Path(a.data).absolute()}", f"train.runs_root={runs}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    job = re.search(r"submitted Slurm job (\d+)", out).group(1)
+    run = Path(re.search(r"run dir (\S+)", out).group(1))
+    try:
+        _wait(lambda: _progress(run) >= a.every + 5, 600, "training past the first checkpoint")
+        pid = rank_pid(run, 0, 3)
+        t_fault = time.time()
+        reached = _progress(run)
+        if fault == "kill9":
+            os.kill(pid, signal.SIGKILL)
+        elif fault == "sigstop":
+            os.kill(pid, signal.SIGSTOP)
+        else:
+            _lose_node(run, "n2")
+        first = _wait(lambda: _ev(run, "first_step", t_fault), a.timeout, "the first step after the fault")[0]
+        start = _ev(run, "start", t_fault)[0]
+        detect = [e["time"] for e in _ev(run, "dead", t_fault) + _ev(run, "hang", t_fault)]
+        how = "in-job restart" if _ev(run, "restart", t_fault) else "requeue" if _ev(run, "requeue", t_fault) else "?"
+        return {"policy": policy, "fault": fault, "job": job, "how": how,
+                "detect_s": min(detect) - t_fault if detect else float("nan"),
+                "recovery_s": first["time"] - t_fault, "reached": reached, "resumed": start["step"],
+                "lost": reached - start["step"], "nodes_after": start.get("nodes")}
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        if fault == "node":
+            _revive("n2")
+        _wait(lambda: job not in subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True,
+                                                text=True).stdout.split(), 120, "the job to leave the queue")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="data/stdlib-bytes")
+    ap.add_argument("--every", type=int, default=10, help="checkpoint.every_steps")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--hang-s", type=float, default=8.0, help="monitor.hang_s for the SIGSTOP fault")
+    ap.add_argument("--timeout", type=float, default=420.0, help="seconds to wait for recovery")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--faults", default=",".join(FAULTS))
+    a = ap.parse_args()
+    rows = []
+    for fault in a.faults.split(","):
+        for policy in a.policies.split(","):
+            if fault == "node" and policy != "in-job":
+                continue  # a requeued 2-node job has no second node left on a 2-node testbed
+            try:
+                rows.append(one(policy, fault, a))
+            except TimeoutError as exc:
+                rows.append({"policy": policy, "fault": fault, "how": f"not recovered ({exc})"})
+            print(json.dumps(rows[-1]), flush=True)
+    base = {r["fault"]: r["recovery_s"] for r in rows if r["policy"] == "requeue" and "recovery_s" in r}
+    print("\n| fault | policy | recovered by | detection (s) | fault -> first step (s) | vs requeue | "
+          "steps lost | step reached -> resumed | nodes after |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "recovery_s" not in r:
+            print(f"| {r['fault']} | {r['policy']} | {r['how']} | | | | | | |")
+            continue
+        ratio = f"{r['recovery_s'] / base[r['fault']]:.2f}x" if r["fault"] in base else "n/a"
+        print(f"| {r['fault']} | {r['policy']} | {r['how']} | {r['detect_s']:.1f} | {r['recovery_s']:.1f} | "
+              f"{ratio} | {r['lost']} | {r['reached']} -> {r['resumed']} | {r['nodes_after']} |")
+
+
+if __name__ == "__main__":
+    main()
