@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 import uuid
@@ -27,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
+from xirang_hpc.checkpoint.errors import CheckpointWriteError, write_error
 from xirang_hpc.checkpoint.retention import RetentionPolicy, prune
 from xirang_hpc.checkpoint.snapshot import HostSnapshot
 from xirang_hpc.checkpoint.storage import METADATA_FILE, HDF5StorageReader, HDF5StorageWriter
@@ -151,6 +153,8 @@ class CheckpointManager:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
+            if isinstance(err, CheckpointWriteError):
+                raise err
             raise RuntimeError(f"background checkpoint save failed: {err}") from err
 
     def _persist_guarded(self, *args: Any) -> None:
@@ -174,12 +178,38 @@ class CheckpointManager:
 
     def _persist(self, rec: SaveRecord, snap: dict[str, Any], state: dict[str, Any],
                  rank_state: dict[str, Any], info: dict[str, Any]) -> None:
+        """Write, commit and prune one step; a storage failure becomes a :class:`CheckpointWriteError`.
+
+        On any failure the step's temporary directory is removed (every rank, best effort), so no
+        partial ``step_N.tmp-*`` is left behind for the next start to trip over.
+        """
+        tmp_box: list[Path] = []
+        try:
+            self._persist_steps(rec, snap, state, rank_state, info, tmp_box)
+        except BaseException as exc:
+            found = write_error(exc, rec.step, tmp_box[0] if tmp_box else self.root)  # free bytes before cleanup
+            if tmp_box:
+                shutil.rmtree(tmp_box[0], ignore_errors=True)
+            if found is None:
+                raise
+            log.error("%s", found)
+            raise found from exc
+
+    def _persist_steps(self, rec: SaveRecord, snap: dict[str, Any], state: dict[str, Any],
+                       rank_state: dict[str, Any], info: dict[str, Any], tmp_box: list[Path]) -> None:
         t0 = now()
-        name = None
+        name: str | tuple[int, str, str] | None = None
         if self.rank == 0:
             name = f"{ckpt_layout.step_dir_name(rec.step)}.tmp-{uuid.uuid4().hex[:10]}"
-            ckpt_layout.make_dir(self.root / name, self.dir_mode)
-        tmp = self.root / self._bcast(name)
+            try:
+                ckpt_layout.make_dir(self.root / name, self.dir_mode)
+            except OSError as exc:  # every rank fails alike (read-only, full), instead of waiting in the bcast
+                name = (exc.errno or 0, str(exc.filename or self.root / name), exc.strerror or str(exc))
+        got = self._bcast(name)
+        if isinstance(got, (tuple, list)):
+            raise OSError(got[0], got[2], got[1])
+        tmp = self.root / got
+        tmp_box.append(tmp)
         rank_json = f"rank_{self.rank}.json"
         ckpt_layout.write_json_durable(tmp / rank_json, rank_state)
         writer = HDF5StorageWriter(tmp, self.compression, self._index() if self.dedup else None)

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from xirang_hpc.checkpoint.errors import CheckpointWriteError
 from xirang_hpc.checkpoint.trainer_hook import CheckpointHook
 from xirang_hpc.config.elastic import for_environment
 from xirang_hpc.config.errors import ConfigError
@@ -60,6 +61,22 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
     return hooks
 
 
+def report_save_failure(exc: CheckpointWriteError, topo: Topology, run_dir: Path, hooks: list[TrainerHook]) -> None:
+    """Name a failed save everywhere it is looked for: stderr (one line, before the peers' noise),
+    this rank's heartbeat (the watchdog's ``dead`` event quotes it) and, from rank 0, ``events.jsonl``."""
+    print(f"xirang: error: {exc.strerror}", file=sys.stderr, flush=True)
+    for h in hooks:
+        hb = getattr(h, "hb", None)
+        if isinstance(h, MonitorHook) and hb is not None:
+            hb.ident["error"] = exc.strerror
+    if topo.rank == 0:
+        try:
+            EventLog(run_dir).append("save_failed", exc.cause, host=topo.node_name, **exc.fields())
+        except OSError as log_exc:  # the event log may sit on the same full/read-only filesystem
+            print(f"xirang: could not record the save failure in events.jsonl: {log_exc}", file=sys.stderr,
+                  flush=True)
+
+
 def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
     """Train on this rank; returns the summary on rank 0 and ``{}`` elsewhere."""
     # An in-job restart on fewer nodes ($XIRANG_NODES) trains the same global batch on a shrunk layout.
@@ -79,9 +96,13 @@ def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[
         )
 
     topo = xdist.start_job(cfg.cluster, rendezvous_dir=Path(run_dir), before_join=_logging)
+    hooks: list[TrainerHook] = []
     try:
         hooks = build_hooks(cfg, topo, Path(run_dir))
         summary = Trainer(cfg, topo, Path(run_dir), Path(data_dir), log=_say, hooks=hooks).fit()
+    except CheckpointWriteError as exc:
+        report_save_failure(exc, topo, Path(run_dir), hooks)
+        raise
     finally:
         xdist.shutdown()
     return summary if topo.rank == 0 else {}

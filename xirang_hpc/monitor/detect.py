@@ -90,7 +90,8 @@ def _dead(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], st: W
         st.dead_primary = primary
         cause = ("process gone without an exit record: killed by a signal (kill -9, OOM killer) or crashed in "
                  "native code" if not beats[primary].get("exited") else
-                 "process exited with an error before finishing (see its log)")
+                 (f"process exited with an error: {beats[primary]['error']}" if beats[primary].get("error") else
+                  "process exited with an error before finishing (see its log)"))
         out.append(_finding("dead", beats[primary], cause, pid=beats[primary].get("pid")))
     for r in sorted(new):
         if r != st.dead_primary:

@@ -198,6 +198,12 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
     job = _with_cause(_job_state(who, beats, events, now, run), run_dir, bool(session))
     if job["state"] == "UNKNOWN":
         job = _from_files(job, run_dir, val, total)
+    # A failed save is the cause, not the ranks' exit that followed it (gloo errors, "killed by a signal").
+    started = float(who.get("started", 0) or 0)
+    save_failed = [e for e in events if e.get("kind") == "save_failed" and e.get("time", 0) >= started]
+    if save_failed and job["state"] not in ("RUNNING", "COMPLETED"):
+        job = {**job, "reason": save_failed[-1].get("error") or save_failed[-1].get("reason"),
+               "source": "events"}
     # Requeues are what Slurm counts (Restarts, SLURM_RESTART_COUNT) and what the event log records; a
     # plain rerun or resume of the same run (a new session) is not one.
     requeue_events = [e for e in events if e.get("kind") == "requeue"]

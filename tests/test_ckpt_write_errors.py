@@ -1,0 +1,100 @@
+"""A save that fails on the storage names the cause: a real full tmpfs and a real read-only bind mount.
+
+Needs root (mount); each test unmounts in its teardown.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from xirang_hpc.checkpoint.errors import CheckpointWriteError
+from xirang_hpc.checkpoint.manager import CheckpointManager
+from xirang_hpc.job.training import report_save_failure
+from xirang_hpc.monitor.events import read_events
+from xirang_hpc.monitor.status import run_status
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs / read-only bind mount: needs root")
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(list(args), check=True, capture_output=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 2 MiB tmpfs."""
+    d = tmp_path / "small"
+    d.mkdir()
+    _sh("mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d))
+    yield d
+    _sh("umount", str(d))
+
+
+@pytest.fixture
+def ro_bind(tmp_path):
+    """A bind mount of a writable directory; call the returned function to make it read-only."""
+    src, d = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    d.mkdir()
+    _sh("mount", "--bind", str(src), str(d))
+    yield d, lambda: _sh("mount", "-o", "remount,bind,ro", str(d))
+    _sh("umount", str(d))
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if ".tmp-" in p.name)
+
+
+def test_full_disk_names_file_errno_and_free_bytes_and_leaves_no_temporary(small_fs):
+    root = small_fs / "ckpt"
+    mgr = CheckpointManager(root, async_save=False)
+    with pytest.raises(CheckpointWriteError) as info:
+        mgr.save(5, {"w": torch.zeros(1024, 1024)}, state={"step": 5})  # 4 MiB into 2 MiB
+    e = info.value
+    assert e.errno == errno.ENOSPC and e.errno_name == "ENOSPC" and e.step == 5
+    assert e.file.startswith(str(root / "step_5.tmp-")) and e.file.endswith("rank_0.h5"), e.file
+    assert e.free_bytes is not None and e.free_bytes < 1024 * 1024 * 4
+    assert "no space left" in str(e) and "bytes free" in str(e) and "killed" not in str(e)
+    assert _leftovers(root) == []
+    # Nothing lost: a save that fits still commits afterwards.
+    mgr.save(6, {"w": torch.zeros(16, 16)}, state={"step": 6})
+    assert (root / "step_6").is_dir() and _leftovers(root) == []
+
+
+def test_async_save_failure_surfaces_as_the_storage_error(small_fs):
+    mgr = CheckpointManager(small_fs / "ckpt", async_save=True)
+    mgr.save(1, {"w": torch.zeros(1024, 1024)})
+    with pytest.raises(CheckpointWriteError, match="ENOSPC"):
+        mgr.wait()
+    assert _leftovers(small_fs / "ckpt") == []
+
+
+def test_read_only_path_is_named(ro_bind):
+    d, make_ro = ro_bind
+    mgr = CheckpointManager(d / "ckpt", async_save=False)
+    make_ro()
+    with pytest.raises(CheckpointWriteError) as info:
+        mgr.save(3, {"w": torch.ones(4)})
+    e = info.value
+    assert e.errno == errno.EROFS and "read-only" in str(e) and str(d / "ckpt" / "step_3.tmp-") in e.file
+
+
+def test_failure_reaches_events_and_status_not_as_a_signal(small_fs, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with pytest.raises(CheckpointWriteError) as info:
+        CheckpointManager(small_fs / "ckpt", async_save=False).save(7, {"w": torch.zeros(1024, 1024)})
+    report_save_failure(info.value, SimpleNamespace(rank=0, node_name="n1"), run_dir, hooks=[])
+    assert "xirang: error: checkpoint save of step 7 failed" in capsys.readouterr().err
+    ev = [e for e in read_events(run_dir) if e["kind"] == "save_failed"][-1]
+    assert (ev["errno"], ev["errno_name"], ev["step"]) == (errno.ENOSPC, "ENOSPC", 7)
+    assert ev["file"].endswith("rank_0.h5") and isinstance(ev["free_bytes"], int)
+    status = run_status(run_dir)
+    assert "no space left" in status["state_reason"] and "ENOSPC" in status["state_reason"], status
