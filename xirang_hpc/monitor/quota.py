@@ -77,7 +77,8 @@ def resolve_association(assocs: Sequence[Assoc], qos_list: Sequence[Qos], user: 
     QOS, else ``normal``).
     """
     accounts = sorted({a.account for a in assocs})
-    mine = [a for a in assocs if a.user == user and not a.partition]
+    # A user's associations; partition-specific ones only where the user has no general one.
+    mine = [a for a in assocs if a.user == user and not a.partition] or [a for a in assocs if a.user == user]
     if not mine:
         acct = account or "<account>"
         raise QuotaError(
