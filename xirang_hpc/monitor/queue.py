@@ -235,7 +235,7 @@ def plot_utilization(s: dict[str, Any], out: Path) -> dict[str, Any]:
     xs = [(t - s["time"]) / 60 for t, _ in u["series"]]
     ys = [100 * f for _, f in u["series"]]
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.step(xs, ys, where="post")
+    ax.step(xs, ys, where="pre")  # each point is the mean over the minute that ends at it
     ax.set_ylim(0, 105)
     ax.set_xlabel("minutes ago")
     ax.set_ylabel(f"CPU utilization (%) of {u['capacity_cpus']} CPUs")
