@@ -248,6 +248,7 @@ PLAIN_REASONS = {
     "ReqNodeNotAvail": "a node it needs is down, drained or reserved",
     "PartitionNodeLimit": "asks more nodes than the partition allows: it can never start",
     "PartitionTimeLimit": "asks more time than the partition allows: it can never start",
+    "PartitionConfig": "asks more than the partition's nodes have (CPUs, memory, nodes): it can never start there",
     "PartitionDown": "its partition is down",
     "PartitionInactive": "its partition is inactive",
     "JobHeldUser": "held by its user (scontrol release JOBID)",
