@@ -110,6 +110,7 @@ def test_waiting_job_said_in_words_by_train_status_and_queue(quota, stdlib_data,
     out = _train(_base(stdlib_data, tmp_path / "runs"))  # 4 CPUs; the account uses 2 of its 4
     assert out.returncode == 0, out.stdout + out.stderr
     assert "quota (cluster " in out.stdout and f"account {ACCOUNT}: 4 CPUs" in out.stdout
+    # projb is otherwise idle here (the other tests charge root's default account proja): 2 of 4 in use.
     assert (f"will wait (AssocGrpCpuLimit): account {ACCOUNT} (GrpTRES) uses 2 of its 4 CPUs; "
             "this job waits for 4") in out.stdout, out.stdout
     m = re.search(r"submitted Slurm job (\d+) .*\| run dir (\S+)", out.stdout)
@@ -145,8 +146,7 @@ def test_sacct_history_of_a_requeued_finished_job(slurm, tmp_path, caplog):
     _wait(lambda: _sh("squeue", "-h", "-j", job, "-o", "%T").strip() == "RUNNING", 120, "the job to run")
     _sh("scontrol", "requeue", job)
     # A requeued job sits in BeginTime for ~2 minutes: make it eligible at once.
-    _wait(lambda: "BeginTime" in _sh("squeue", "-h", "-j", job, "-o", "%r") or not
-          _sh("squeue", "-h", "-j", job, "-o", "%r").strip() == "", 120, "the requeued job to pend")
+    _wait(lambda: _sh("squeue", "-h", "-j", job, "-o", "%T").strip() == "PENDING", 120, "the requeued job to pend")
     subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
     _wait(lambda: not _sh("squeue", "-h", "-j", job, "-o", "%T").strip(), 240, "the job to leave squeue")
     run = tmp_path / "run"
