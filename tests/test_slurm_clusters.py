@@ -60,7 +60,7 @@ def test_sbatch_to_several_clusters_goes_to_the_idle_one(clusters):
     filler = _run("sbatch", "--parsable", "-M", busy, "-p", "low", "-N2", f"-n{_cpus(env, busy)}", "-o", "/dev/null",
                   "--wrap", "sleep 300", env=env).strip().split(";")[0]
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a safety net: the wait ends when the job runs
         while "R" not in _run("squeue", "-M", busy, "-h", "-j", filler, "-o", "%t", env=env).split():
             assert time.monotonic() < deadline, "the filler job never started"
             time.sleep(1)
@@ -69,7 +69,7 @@ def test_sbatch_to_several_clusters_goes_to_the_idle_one(clusters):
         m = re.fullmatch(r"(\d+);(\S+)", out)
         assert m, out
         assert m.group(2) == idle, f"job {m.group(1)} went to {m.group(2)} although {busy} is full and {idle} idle"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600
         while True:
             acct = _run("sacct", "-M", idle, "-X", "-n", "-P", "-j", m.group(1), "-o", "cluster,state", env=env)
             if "COMPLETED" in acct:

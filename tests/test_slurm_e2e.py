@@ -238,7 +238,7 @@ def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path):
 def test_hang_is_aborted_and_the_requeue_excludes_the_hung_node(slurm, stdlib_data, tmp_path):
     """SIGSTOP of rank 1 in a 1-node job: the watchdog names it, aborts, and the rerun avoids that node."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
-                        "train.max_steps=60", "checkpoint.every_steps=10", "monitor.hang_s=8"])
+                        "train.max_steps=60", "checkpoint.every_steps=10", "monitor.hang_s=20"])
     _wait(lambda: _ev(run, "first_step", 0), 600, "training to start")
     node = _ev(run, "start", 0)[0]["node"]
     os.kill(_wait(lambda: rank_pid(run, 0, 1), 600, "rank 1's pid"), signal.SIGSTOP)
