@@ -57,8 +57,16 @@ def _nodes() -> list[str]:
     return names
 
 
+def _qos_preemption() -> bool:
+    """The testbed runs with XIRANG_SLURM_PREEMPT=qos: a job's QOS, not its partition, decides preemption."""
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=True).stdout
+    return re.search(r"^PreemptType\s*=\s*preempt/qos", out, re.M) is not None
+
+
 def _base(data: Path, runs: Path) -> list[str]:
-    return ["cluster=testbed", "requeue=testbed", f"data.out_dir={data}", f"train.runs_root={runs}",
+    # The preset for the testbed's preemption mode: exploratory is the `low` partition, or the scavenger QOS.
+    cluster = "testbed-qos" if _qos_preemption() else "testbed"
+    return [f"cluster={cluster}", "requeue=testbed", f"data.out_dir={data}", f"train.runs_root={runs}",
             "train.warmup_steps=2", "train.log_every=10", "train.eval_batches=2", "monitor.enabled=true",
             "parallel.pp=1", "parallel.tp=1"]
 
@@ -96,8 +104,10 @@ def _final(run_dir: Path, timeout: float = 600) -> dict:
 
 
 def _preempt(*args: str) -> None:
-    """A `high` job that needs CPUs held by `low` jobs: Slurm preempts them."""
-    out = subprocess.run(["sbatch", "--parsable", "-p", "high", "-o", "/dev/null", *args, "--wrap", "sleep 2"],
+    """A `high` job (partition, or QOS under QOS preemption) that needs CPUs held by exploratory jobs: Slurm
+    preempts them."""
+    how = ["--qos=high"] if _qos_preemption() else ["-p", "high"]
+    out = subprocess.run(["sbatch", "--parsable", *how, "-o", "/dev/null", *args, "--wrap", "sleep 2"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip().isdigit(), out
 

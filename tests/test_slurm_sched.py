@@ -80,14 +80,15 @@ def _idle_cluster() -> None:
 # --- QOS preemption -----------------------------------------------------------------------------
 
 def test_qos_preemption_requeues_the_scavenger_run_which_resumes_where_it_stopped(stdlib_data, tmp_path, jobs):
-    """cluster=testbed-qos, train.priority=exploratory -> QOS scavenger; a QOS `high` job that needs
-    every CPU preempts it (USR2, GraceTime, requeue) and the rerun resumes at the step it saved."""
+    """cluster=testbed-qos (_base picks it on this testbed), train.priority=exploratory -> QOS scavenger; a
+    QOS `high` job that needs every CPU preempts it (USR2, GraceTime, requeue) and the rerun resumes at the
+    step it saved."""
     if _config("PreemptType") != "preempt/qos":
         pytest.skip("QOS preemption needs the testbed started with XIRANG_SLURM_PREEMPT=qos (Slurm takes one "
                     "PreemptType; .ci/run runs this test on such a testbed)")
     _idle_cluster()
     steps = 60
-    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster=testbed-qos", f"train.max_steps={steps}",
+    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), f"train.max_steps={steps}",
                         "checkpoint.every_steps=25", "train.priority=exploratory"])
     jobs.append(job)
     assert _field(job, "QOS") == "scavenger" and _field(job, "Partition") == "low"
