@@ -76,6 +76,15 @@ def exclusion(job_id: str, failed: list[str], nodes_needed: int, partition: str 
     return wanted if len(left) >= nodes_needed else []
 
 
+def preempt_time(job_id: str) -> str | None:
+    """Slurm's ``PreemptTime`` of the job when it was preempted, else None (also when scontrol fails)."""
+    try:
+        value = slurmctl.job_info(job_id).get("PreemptTime", "None")
+    except slurmctl.SlurmCommandError:
+        return None
+    return None if value in ("None", "N/A", "Unknown", "") else value
+
+
 def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
     """Apply the policy after a step that exited with ``rc``; returns the batch script's exit code."""
     restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
@@ -88,13 +97,23 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
         append_event(run_dir, "exit", "completed", final=True, status="completed", job=job_id, restart=restart)
         return 0
     lost = missing_ranks(run_dir, restart)
-    # The monitor's watchdog names the culprit (dead/hung rank) precisely; ranks killed in the
-    # aftermath also lack exit markers, so the markers are the fallback when it did not run.
-    starts = [e["time"] for e in read_events(run_dir) if e.get("kind") == "start" and e.get("restart") == restart]
-    nodes = failed_nodes(run_dir, since=starts[-1] if starts else 0.0) or sorted({n for _, n in lost})
-    reason = "node_failure" if lost else "nonzero_exit"
-    append_event(run_dir, "failure", reason, job=job_id, restart=restart, srun_rc=rc,
-                 ranks=[r for r, _ in lost], nodes=nodes, node=nodes[0] if nodes else None)
+    preempted = preempt_time(job_id)
+    if preempted:
+        # Preempted where the job's own stop handler could not act (ranks still starting, in the
+        # rendezvous or a checkpoint load: Slurm's signal ended them): Slurm's record says so, and
+        # a preemption is requeued by its policy, not treated as a crash (no node is blamed).
+        nodes: list[str] = []
+        reason = "preemption"
+        append_event(run_dir, "stop", reason, detail=f"PreemptTime={preempted}", handled_by="supervisor",
+                     job=job_id, restart=restart, srun_rc=rc, ranks_without_exit=[r for r, _ in lost])
+    else:
+        # The monitor's watchdog names the culprit (dead/hung rank) precisely; ranks killed in the
+        # aftermath also lack exit markers, so the markers are the fallback when it did not run.
+        starts = [e["time"] for e in read_events(run_dir) if e.get("kind") == "start" and e.get("restart") == restart]
+        nodes = failed_nodes(run_dir, since=starts[-1] if starts else 0.0) or sorted({n for _, n in lost})
+        reason = "node_failure" if lost else "nonzero_exit"
+        append_event(run_dir, "failure", reason, job=job_id, restart=restart, srun_rc=rc,
+                     ranks=[r for r, _ in lost], nodes=nodes, node=nodes[0] if nodes else None)
     verdict = decide(reason, restart, policy)
     if not verdict.requeue:
         append_event(run_dir, "exit", reason, final=True, status=verdict.final_status, why=verdict.why,
