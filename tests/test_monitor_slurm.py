@@ -69,7 +69,9 @@ def test_status_of_a_preempted_requeued_then_finished_job(slurm, stdlib_data, tm
     assert s["checkpoint"]["step"] == steps and 0 <= s["checkpoint"]["age_s"] < 900, s["checkpoint"]
 
     text = _status(capsys, str(run))
-    assert re.search(rf"^job\s+{job} \[slurm\]\s+COMPLETED  \| requeues 1$", text, re.M), text
+    # With accounting, sacct's record follows the state: (exit code 0:0, elapsed ..., 1 restart(s), ...).
+    assert re.search(rf"^job\s+{job} \[slurm\]\s+COMPLETED( \(exit code 0:0, .*1 restart\(s\).*\))?  \| requeues 1$",
+                     text, re.M), text
     assert re.search(rf"^progress\s+step {steps}/{steps} \(100\.0%\)$", text, re.M), text
     assert re.search(rf"^ckpt\s+step {steps}, 0:0[0-1]:\d\d ago", text, re.M), text
     assert re.search(r"^\s+\d\d:\d\d:\d\d\s+requeue\s+preemption$", text, re.M), text
