@@ -121,6 +121,33 @@ class ModelConfig:
 PRIORITIES = ("exploratory", "normal", "high")
 
 
+# cluster.site_policy values: where a job goes when the preset lists several sites.
+SITE_POLICIES = ("earliest", "quota", "stay")
+
+
+@dataclass
+class SiteConfig:
+    """One Slurm cluster of a multi-cluster preset (``cluster.sites``), registered in the shared slurmdbd
+    under ``name`` (``sbatch -M <name>``). Unset partition/account/qos fall back to the cluster's own."""
+
+    name: str = MISSING
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    # Where this site's runs live ("" = train.runs_root). With shared_fs false the sites do not see each
+    # other's files: a run moving here gets its newest good checkpoint copied into this root first.
+    run_root: str = ""
+    shared_fs: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.name or not str(self.name).replace("-", "").replace("_", "").isalnum():
+            raise ConfigError("cluster.sites[].name", self.name,
+                              "give each site the Slurm cluster name registered in slurmdbd (sacctmgr show cluster)")
+        if not self.shared_fs and not self.run_root:
+            raise ConfigError(f"cluster.sites[{self.name}].run_root", self.run_root,
+                              "a site without a shared filesystem needs its own run_root (where runs are copied to)")
+
+
 @dataclass
 class ClusterConfig:
     """Where the job runs. ``local`` runs submitit's local executor on this machine with a
@@ -165,9 +192,28 @@ class ClusterConfig:
     # Extra nodes allocated beside ``nodes`` and left idle: an in-job restart (requeue.max_restarts_in_job)
     # replaces a failed node with one of them and keeps the layout (Slurm only).
     spare_nodes: int = 0
+    # Several Slurm clusters as one (launch/sites.py): a job goes to the site whose `sbatch --test-only`
+    # promises the earliest start (site_policy=earliest), the most free quota for the account (quota), or
+    # stays on its current site unless another starts it more than site_stay_s sooner (stay). A run
+    # preempted on its site moves when its requeue there would wait more than site_migrate_wait_s.
+    sites: list[SiteConfig] = field(default_factory=list)
+    site_policy: str = "earliest"
+    site_stay_s: float = 600.0
+    site_migrate_wait_s: float = 120.0
 
     def __post_init__(self) -> None:
         _finite("cluster", self)
+        if self.site_policy not in SITE_POLICIES:
+            raise ConfigError("cluster.site_policy", self.site_policy, f"choose one of {list(SITE_POLICIES)}")
+        for name in ("site_stay_s", "site_migrate_wait_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"cluster.{name}", getattr(self, name), "use seconds >= 0")
+        names = [s.name for s in self.sites]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError("cluster.sites", dup, "each site (Slurm cluster) may be listed once")
+        if self.sites and self.executor != "slurm":
+            raise ConfigError("cluster.sites", names, "sites are Slurm clusters: set cluster.executor=slurm")
         if self.executor not in ("local", "slurm"):
             raise ConfigError("cluster.executor", self.executor, "choose local or slurm")
         for name in ("nodes", "tasks_per_node", "time_min"):

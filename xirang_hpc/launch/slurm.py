@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -201,8 +202,11 @@ def wait_for(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None) -
         time.sleep(poll_s)
 
 
-def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any) -> submitit.Job:
+def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any, site: str | None = None
+           ) -> submitit.Job:
     """Submit ``fn(*args)`` as one Slurm job for ``cfg``; log the submission in the run's event log.
+
+    ``site``: the Slurm cluster to submit to (``sbatch -M``, chosen by launch/sites.py); None: this one.
 
     The run directory must be free (one job per run directory, launch/runlock.py): a live job of it
     refuses the submission, or with ``train.after_active`` the new job waits for it (afterany).
@@ -216,15 +220,17 @@ def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any
         write_run_dir_map(folder, [run_dir], array=False)
         ex = make_slurm_executor(cfg.cluster, folder, cfg.train.priority, cfg.requeue)
         ex.update_parameters(job_name=f"xirang-{cfg.train.name}")
+        extra = dict(ex.parameters.get("additional_parameters") or {})
         if after:
-            extra = dict(ex.parameters.get("additional_parameters") or {})
             extra["dependency"] = f"afterany:{after}"
-            ex.update_parameters(additional_parameters=extra)
+        if site:
+            extra["clusters"] = site
+        ex.update_parameters(additional_parameters=extra)
         job = ex.submit(fn, *args)
         record_owner(run_dir, "slurm", str(job.job_id), after=after)
     append_event(run_dir, "submit", "submitted", job=str(job.job_id), cluster=cfg.cluster.name,
                  nodes=cfg.cluster.nodes, tasks_per_node=cfg.cluster.tasks_per_node,
-                 **({"after": after} if after else {}))
+                 **({"after": after} if after else {}), **({"site": site} if site else {}))
     return job
 
 
@@ -239,14 +245,23 @@ def cancel(job_id: str) -> None:
     subprocess.run(["scancel", job_id], check=False)
 
 
-def launch_slurm(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any) -> dict[str, Any] | None:
-    """``xirang-train`` on Slurm: submit, print job id / run dir / how to follow; block if ``train.wait``."""
-    job = submit(cfg, run_dir, data_dir, fn, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
-    print(f"submitted Slurm job {job.job_id} ({cfg.cluster.name}: {cfg.cluster.nodes} node(s) x "
+def launch_slurm(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, site: str | None = None,
+                 on_submit: Any = None) -> dict[str, Any] | None:
+    """``xirang-train`` on Slurm: submit, print job id / run dir / how to follow; block if ``train.wait``.
+
+    ``site``: the Slurm cluster (``-M``) chosen by launch/sites.py; ``on_submit(job)`` runs right after.
+    """
+    job = submit(cfg, run_dir, data_dir, fn, dataclasses.asdict(cfg), str(run_dir), str(data_dir), site=site)
+    if on_submit is not None:
+        on_submit(job)
+    where = f"{cfg.cluster.name}, site {site}" if site else cfg.cluster.name
+    print(f"submitted Slurm job {job.job_id} ({where}: {cfg.cluster.nodes} node(s) x "
           f"{cfg.cluster.tasks_per_node} ranks) | run dir {run_dir}", flush=True)
     print(follow_hint(job, run_dir), flush=True)
     if not cfg.train.wait:
         return None
+    if site:  # scontrol (job_state) reads SLURM_CLUSTERS like -M: follow the job on its site
+        os.environ["SLURM_CLUSTERS"] = site
     try:
         state = wait_for(str(job.job_id))
     except KeyboardInterrupt:

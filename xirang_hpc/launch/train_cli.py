@@ -118,6 +118,11 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     if status.complete:
         print(complete_message(cfg, status), flush=True)
         return None
+    placement = None
+    if cfg.cluster.sites:  # several clusters: the one that starts the job soonest (launch/sites.py)
+        from xirang_hpc.launch.sites import place_for_launch
+
+        cfg, placement = place_for_launch(cfg, warn=lambda w: print(w, file=sys.stderr, flush=True))
     if cfg.cluster.executor == "slurm":  # the account's quota and use, before anything is written
         from xirang_hpc.launch.quota_check import check_quota
 
@@ -127,7 +132,15 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     if cfg.cluster.executor == "slurm":  # submit and return; train.wait=true blocks
         from xirang_hpc.launch.slurm import launch_slurm
 
-        return launch_slurm(cfg, run_dir, data_dir, run_training)
+        if placement is None:
+            return launch_slurm(cfg, run_dir, data_dir, run_training)
+        from xirang_hpc.launch.sites import record_placement, write_site_state
+
+        record_placement(run_dir, placement)
+        site = placement.site.name
+        res = launch_slurm(cfg, run_dir, data_dir, run_training, site=site,
+                           on_submit=lambda job: write_site_state(run_dir, cfg, data_dir, site, str(job.job_id)))
+        return res
     executor = make_executor(cfg.cluster, run_dir / "submitit")
     executor.update_parameters(name=f"xirang-{cfg.train.name}")
     with submission_lock(run_dir):  # one job per run directory (launch/runlock.py)

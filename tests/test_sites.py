@@ -1,0 +1,351 @@
+"""Several clusters as one (launch/sites.py): placement from `sbatch --test-only` answers, policies, dead and
+unknown sites, and the verified copy of a run to another site's run root (real checkpoint files, kill -9).
+
+The Slurm answers below were recorded on the two-cluster testbed (``tools/slurm-testbed start --clusters
+alpha,beta``, Slurm 22.05): alpha full (one job on both nodes), beta idle; beta's slurmctld stopped
+(SIGSTOP: the socket times out) and killed (slurmdbd then reports it unreachable); a name slurmdbd does not know.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose_cfg
+
+from xirang_hpc.checkpoint import layout
+from xirang_hpc.checkpoint.manager import CheckpointManager
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import SiteConfig
+from xirang_hpc.config.validate import load_config
+from xirang_hpc.launch import sites
+from xirang_hpc.monitor.events import read_events
+from xirang_hpc.monitor.slurmdb import Result
+
+NOW = time.mktime((2026, 11, 30, 18, 10, 9, 0, 0, -1))
+# Recorded: alpha full until its filler's 20-minute limit, beta idle.
+ALPHA_FULL = Result(0, "", "sbatch: Job 3 to start at 2026-11-30T18:30:06 using 1 processors on nodes sa1 in "
+                           "partition low\n")
+BETA_IDLE = Result(0, "", "sbatch: Job 2 to start at 2026-11-30T18:10:09 using 1 processors on nodes sb1 in "
+                          "partition low\n")
+ALPHA_IDLE = Result(0, "", "sbatch: Job 1 to start at 2026-11-30T18:10:09 using 2 processors on nodes sa1 in "
+                           "partition low\n")
+# Recorded: slurmctld stopped (SIGSTOP) -> 20 s socket timeout; killed -> unreachable; unknown name.
+STOPPED = Result(1, "", "allocation failure: Socket timed out on send/recv operation\n")
+KILLED = Result(1, "", "sbatch: error: 'beta' can't be reached now, or it is an invalid entry for --cluster.  Use "
+                       "'sacctmgr list clusters' to see available clusters.\n")
+UNKNOWN = Result(1, "", "sbatch: error: No cluster 'gamma' known by database.\nsbatch: error: 'gamma' can't be "
+                        "reached now, or it is an invalid entry for --cluster.  Use 'sacctmgr list clusters' to "
+                        "see available clusters.\n")
+CLUSTERS = Result(0, "alpha\nbeta\n", "")
+
+
+def _cfg(*over: str):
+    return load_config(compose_cfg(["cluster=testbed-sites", *over]))
+
+
+class FakeSlurm:
+    """Answers by command: `sbatch --test-only` per cluster, `sacctmgr show cluster`, quota queries."""
+
+    def __init__(self, test_only: dict[str, Result], assoc: dict[str, str] | None = None,
+                 squeue: dict[str, str] | None = None, clusters: Result = CLUSTERS) -> None:
+        self.answers, self.assoc, self.squeue, self.clusters = test_only, assoc or {}, squeue or {}, clusters
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv: list[str]) -> Result:
+        self.calls.append(argv)
+        if argv[0] == "sbatch":
+            assert "--test-only" in argv, argv  # placement never submits
+            site = next(a.split("=", 1)[1] for a in argv if a.startswith("--clusters="))
+            return self.answers[site]
+        if argv[:4] == ["sacctmgr", "-n", "-P", "show"] and argv[4] == "cluster":
+            return self.clusters
+        if argv[0] == "sacctmgr":
+            site = next(a.split("=", 1)[1] for a in argv if a.startswith("cluster="))
+            return Result(0, self.assoc.get(site, ""), "")
+        if argv[0] == "scancel":
+            return Result(0, "", "")
+        if argv[0] == "squeue":
+            return Result(0, self.squeue.get(argv[argv.index("-M") + 1], ""), "")
+        raise AssertionError(f"unexpected command {argv}")
+
+
+def test_preset_lists_both_testbed_sites_with_separate_run_roots():
+    c = _cfg().cluster
+    assert [s.name for s in c.sites] == ["alpha", "beta"]
+    assert [s.shared_fs for s in c.sites] == [False, False]
+    assert len({s.run_root for s in c.sites}) == 2
+
+
+def test_parse_recorded_test_only_answer():
+    e = sites.parse_test_only("alpha", ALPHA_FULL, NOW)
+    assert e.alive and e.nodes == "sa1" and e.partition == "low"
+    assert e.wait_s == pytest.approx(20 * 60 - 3, abs=1)
+    dead = sites.parse_test_only("beta", STOPPED, NOW)
+    assert not dead.alive and "Socket timed out" in dead.error
+
+
+def test_test_only_argv_carries_the_site_and_the_jobs_shape():
+    cfg = _cfg("cluster.nodes=2", "cluster.sites.1.account=projb")
+    argv = sites.test_only_argv(cfg.cluster, cfg.cluster.sites[1])
+    assert argv[:3] == ["sbatch", "--test-only", "--clusters=beta"]
+    assert "--nodes=2" in argv and "--account=projb" in argv and "--partition=low" in argv and "--time=30" in argv
+
+
+def test_full_site_sends_the_job_to_the_idle_one_and_records_the_evidence(tmp_path):
+    cfg = _cfg()
+    fake = FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE})
+    p = sites.place(cfg, run=fake, now=lambda: NOW)
+    assert p.site.name == "beta" and not p.warnings
+    text = p.describe()
+    assert "site beta" in text and "alpha: starts in 1197s" in text and "beta: starts in 0s" in text
+    sites.record_placement(tmp_path, p)
+    ev = [e for e in read_events(tmp_path) if e["kind"] == "placement"][-1]
+    assert ev["site"] == "beta" and {e["site"] for e in ev["estimates"]} == {"alpha", "beta"}
+    # Nothing but --test-only reached sbatch.
+    assert all("--test-only" in a for a in fake.calls if a[0] == "sbatch")
+
+
+def test_idle_first_site_wins_when_both_are_free():
+    p = sites.place(_cfg(), run=FakeSlurm({"alpha": ALPHA_IDLE, "beta": BETA_IDLE}), now=lambda: NOW)
+    assert p.site.name == "alpha"  # equal starts: the first in name order, deterministic
+
+
+@pytest.mark.parametrize("dead", [STOPPED, KILLED])
+def test_dead_site_gets_a_warning_naming_it_and_the_job_goes_elsewhere(dead):
+    p = sites.place(_cfg(), run=FakeSlurm({"alpha": ALPHA_FULL, "beta": dead}), now=lambda: NOW)
+    assert p.site.name == "alpha"
+    assert len(p.warnings) == 1 and "site beta does not answer" in p.warnings[0]
+
+
+def test_all_sites_dead_is_a_clear_error_and_nothing_is_submitted():
+    fake = FakeSlurm({"alpha": STOPPED, "beta": KILLED})
+    with pytest.raises(sites.NoSiteAvailable) as exc:
+        sites.place(_cfg(), run=fake, now=lambda: NOW)
+    msg = str(exc.value)
+    assert "alpha" in msg and "beta" in msg and "nothing was submitted" in msg
+    assert not [a for a in fake.calls if a[0] == "sbatch" and "--test-only" not in a]
+
+
+def test_site_unknown_to_slurmdbd_is_refused_with_the_registered_names():
+    cfg = _cfg("cluster.sites.1.name=gamma")
+    with pytest.raises(ConfigError) as exc:
+        sites.place(cfg, run=FakeSlurm({"alpha": ALPHA_IDLE, "gamma": UNKNOWN}), now=lambda: NOW)
+    assert "gamma" in str(exc.value) and "['alpha', 'beta']" in str(exc.value)
+    # slurmdbd not answering sacctmgr: sbatch's own "No cluster ... known" still refuses it.
+    with pytest.raises(ConfigError, match="not a cluster registered in slurmdbd"):
+        sites.place(cfg, run=FakeSlurm({"alpha": ALPHA_IDLE, "gamma": UNKNOWN}, clusters=Result(1, "", "down")),
+                    now=lambda: NOW)
+
+
+def test_quota_policy_prefers_the_site_with_most_free_quota():
+    assoc = {"alpha": "|cpu=16\nroot|\n", "beta": "|cpu=4\nroot|\n"}  # account row first, as sacctmgr prints
+    squeue = {"alpha": "2\n", "beta": "3\n"}
+    fake = FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE}, assoc, squeue)
+    p = sites.place(_cfg("cluster.site_policy=quota"), run=fake, now=lambda: NOW)
+    assert p.site.name == "alpha" and "14 CPUs" in p.reason
+    assert [e.free_cpus for e in p.estimates] == [14, 1]
+    # The same answers under the default policy: the earliest start.
+    assert sites.place(_cfg(), run=fake, now=lambda: NOW).site.name == "beta"
+
+
+def test_stay_policy_keeps_the_site_unless_another_saves_more_than_the_margin():
+    cfg = _cfg("cluster.site_policy=stay", "cluster.site_stay_s=1800")
+    fake = FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE})
+    p = sites.place(cfg, current="alpha", run=fake, now=lambda: NOW)
+    assert p.site.name == "alpha" and "stays" in p.reason
+    cfg = _cfg("cluster.site_policy=stay", "cluster.site_stay_s=600")
+    p = sites.place(cfg, current="alpha", run=fake, now=lambda: NOW)
+    assert p.site.name == "beta" and "moves" in p.reason
+    assert sites.should_migrate("alpha", p, wait_limit_s=120)
+    assert not sites.should_migrate("alpha", p, wait_limit_s=3600)  # its requeue there waits only 20 min
+
+
+@pytest.mark.parametrize("over,field", [
+    (["cluster.site_policy=cheapest"], "cluster.site_policy"),
+    (["cluster.site_stay_s=-1"], "cluster.site_stay_s"),
+    (["cluster.sites.1.name=alpha"], "cluster.sites"),
+    (["cluster.sites.0.run_root="], "cluster.sites[alpha].run_root"),
+    (["cluster.executor=local"], "cluster.sites"),
+])
+def test_bad_site_config_is_refused_naming_the_field(over, field):
+    with pytest.raises(ConfigError) as exc:
+        _cfg(*over)
+    assert field in str(exc.value)
+
+
+def test_apply_site_sets_account_and_run_root(tmp_path):
+    cfg = _cfg("cluster.sites.1.account=projb", f"cluster.sites.1.run_root={tmp_path}/beta")
+    out = sites.apply_site(cfg, cfg.cluster.sites[1])
+    assert out.cluster.account == "projb" and out.train.runs_root == f"{tmp_path}/beta"
+    lines: list[str] = []
+    cfg2, p = sites.place_for_launch(cfg, run=FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE}), out=lines.append)
+    assert p is not None and p.site.name == "beta" and cfg2.cluster.account == "projb"
+    assert lines and lines[0].startswith("placement: site beta")
+
+
+# ---- verified copy -------------------------------------------------------------------------------------------
+
+
+def _tensors(step: int) -> dict:
+    return {"model": {"w": torch.full((64, 128), float(step)), "b": torch.arange(2048) + step}}
+
+
+def _template() -> dict:
+    return {"model": {"w": torch.zeros(64, 128), "b": torch.zeros(2048, dtype=torch.int64)}}
+
+
+def _run_with_steps(run: Path, steps: list[int], dedup: bool = False) -> None:
+    mgr = CheckpointManager(run / "checkpoints", async_save=False, dedup=dedup)
+    for s in steps:
+        t = _tensors(s)
+        if dedup:
+            t["model"]["b"] = torch.arange(2048)  # unchanged across steps: deduplicated by reference
+        mgr.save(s, t, state={"step": s}, rank_state={"rank": 0})
+    (run / "events.jsonl").write_text(json.dumps({"time": 1.0, "kind": "start", "reason": "x"}) + "\n")
+    (run / "job.json").write_text("{}")  # the site's job ownership: never copied
+
+
+def test_copy_moves_the_newest_good_checkpoint_verified_and_records_it(tmp_path):
+    src, dst = tmp_path / "alpha" / "run", tmp_path / "beta" / "run"
+    _run_with_steps(src, [2, 4])
+    res = sites.copy_run(src, dst)
+    assert res.step == 4 and res.bytes > 64 * 128 * 4 and res.files >= 4
+    assert layout.read_latest(dst / "checkpoints") == 4
+    assert not (dst / "checkpoints" / "step_2").exists()  # only what a resume needs
+    assert not (dst / "job.json").exists() and (dst / "events.jsonl").exists()
+    assert oct((dst / "checkpoints" / "step_4").stat().st_mode & 0o777) == "0o700"
+    t = _template()
+    r = CheckpointManager(dst / "checkpoints", async_save=False).load(t)
+    assert r is not None and r.step == 4 and torch.equal(t["model"]["w"], _tensors(4)["model"]["w"])
+    for run in (src, dst):
+        ev = [e for e in read_events(run) if e["kind"] == "migrate_copy"]
+        assert ev and ev[-1]["bytes"] == res.bytes and ev[-1]["step"] == 4 and "seconds" in ev[-1]
+
+
+def test_copy_skips_a_corrupt_newest_step_and_follows_dedup_references(tmp_path):
+    src, dst = tmp_path / "a", tmp_path / "b"
+    _run_with_steps(src, [1, 2, 3], dedup=True)
+    h5 = next((src / "checkpoints" / "step_3").glob("*.h5"))
+    with h5.open("r+b") as f:  # garbage in the newest step
+        f.seek(h5.stat().st_size // 2)
+        f.write(b"\xff" * 64)
+    res = sites.copy_run(src, dst)
+    assert res.step == 2
+    refs = layout.read_manifest(dst / "checkpoints" / "step_2").get("refs", [])
+    assert refs, "the dedup checkpoint must reference an earlier step"
+    layout.verify(dst / "checkpoints" / "step_2")  # the referenced step came along and verifies
+
+
+def test_a_copy_that_goes_wrong_is_never_used(tmp_path):
+    src, dst = tmp_path / "a", tmp_path / "b"
+    _run_with_steps(src, [5])
+
+    def truncating(a: Path, b: Path) -> None:
+        shutil.copyfile(a, b)
+        if b.suffix == ".h5":
+            with b.open("r+b") as f:
+                f.truncate(b.stat().st_size // 2)
+
+    with pytest.raises(sites.CopyError, match="the run stays where it was"):
+        sites.copy_run(src, dst, copier=truncating)
+    ck = dst / "checkpoints"
+    assert layout.read_latest(ck) is None and not list(ck.iterdir())
+    assert layout.read_latest(src / "checkpoints") == 5  # the source is untouched
+
+
+_SLOW_COPY = """
+import shutil, sys, time
+from pathlib import Path
+from xirang_hpc.launch.sites import copy_run
+
+def slow(a, b):
+    shutil.copyfile(a, b)
+    print("copied", b.name, flush=True)
+    time.sleep(30)
+
+copy_run(Path(sys.argv[1]), Path(sys.argv[2]), copier=slow)
+"""
+
+
+@pytest.mark.slow
+def test_kill_minus_9_during_the_copy_leaves_nothing_usable_and_a_retry_succeeds(tmp_path):
+    src, dst = tmp_path / "a", tmp_path / "b"
+    _run_with_steps(src, [7])
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_COPY, str(src), str(dst)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().startswith("copied")  # mid-copy: one file is there
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    ck = dst / "checkpoints"
+    assert layout.read_latest(ck) is None and not (ck / "step_7").exists()
+    assert [d.name for d in ck.iterdir()][0].startswith("step_7.tmp-copy-")
+    res = sites.copy_run(src, dst)
+    assert res.step == 7 and [d.name for d in ck.iterdir() if d.is_dir()] == ["step_7"]
+    layout.verify(ck / "step_7")
+
+
+def test_site_run_dir_maps_the_run_under_the_sites_root(tmp_path):
+    site = SiteConfig(name="beta", run_root=str(tmp_path / "beta"), shared_fs=False)
+    assert sites.site_run_dir(tmp_path / "runs" / "r-1", tmp_path / "runs", site) == tmp_path / "beta" / "r-1"
+    shared = SiteConfig(name="alpha")
+    assert sites.site_run_dir(tmp_path / "runs" / "r-1", tmp_path / "runs", shared) == tmp_path / "runs" / "r-1"
+
+
+def _placed_run(tmp_path: Path) -> tuple[Path, object]:
+    over = [f"cluster.sites.0.run_root={tmp_path}/alpha", f"cluster.sites.1.run_root={tmp_path}/beta",
+            f"train.runs_root={tmp_path}/alpha"]
+    cfg = sites.apply_site(_cfg(*over), _cfg(*over).cluster.sites[0])
+    run = tmp_path / "alpha" / "r-1"
+    _run_with_steps(run, [3, 6])
+    sites.write_site_state(run, cfg, tmp_path / "data", "alpha", "41")
+    return run, cfg
+
+
+def test_preempted_run_whose_requeue_waits_too_long_migrates_with_a_verified_copy(tmp_path):
+    run, _ = _placed_run(tmp_path)
+    fake = FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE})
+    submitted: list[tuple] = []
+
+    def submit(cfg, run_dir, data_dir, site):
+        submitted.append((cfg, run_dir, site))
+        assert layout.read_latest(run_dir / "checkpoints") == 6  # the copy is in place before the job exists
+        return "7"
+
+    facts = sites.migrate(run, run=fake, submit=submit, out=lambda s: None)
+    assert facts is not None and facts["from"] == "alpha" and facts["to"] == "beta" and facts["step"] == 6
+    assert facts["copy_bytes"] > 0
+    assert ["scancel", "-M", "alpha", "41"] in fake.calls  # the pending requeue on alpha is cancelled
+    cfg, dst, site = submitted[0]
+    assert site == "beta" and dst == tmp_path / "beta" / "r-1" and cfg.train.runs_root == f"{tmp_path}/beta"
+    state = sites.read_site_state(dst)
+    assert state["site"] == "beta" and [h["site"] for h in state["history"]] == ["alpha", "beta"]
+    assert [e["to"] for e in read_events(dst) if e["kind"] == "migrate"] == ["beta"]
+
+
+def test_run_stays_when_its_requeue_starts_soon_enough(tmp_path):
+    run, _ = _placed_run(tmp_path)
+    fake = FakeSlurm({"alpha": ALPHA_IDLE, "beta": BETA_IDLE})
+    assert sites.migrate(run, run=fake, submit=lambda *a: pytest.fail("submitted"), out=lambda s: None) is None
+    assert not any(a[0] == "scancel" for a in fake.calls)
+
+
+def test_a_failed_copy_submits_nothing_on_the_other_site(tmp_path, monkeypatch):
+    run, _ = _placed_run(tmp_path)
+
+    def broken(src, dst, **kw):
+        raise sites.CopyError("checksum mismatch; the run stays where it was")
+
+    monkeypatch.setattr(sites, "copy_run", broken)
+    fake = FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE})
+    with pytest.raises(sites.CopyError):
+        sites.migrate(run, run=fake, submit=lambda *a: pytest.fail("submitted"), out=lambda s: None)
+    assert not any(a[0] == "scancel" for a in fake.calls)  # its job on alpha keeps waiting there
+    assert sites.read_site_state(run)["site"] == "alpha"
