@@ -319,7 +319,7 @@ def test_preempted_run_whose_requeue_waits_too_long_migrates_with_a_verified_cop
         assert layout.read_latest(run_dir / "checkpoints") == 6  # the copy is in place before the job exists
         return "7"
 
-    facts = sites.migrate(run, run=fake, submit=submit, out=lambda s: None)
+    facts = sites.migrate(run, run=fake, submit=submit, out=lambda s: None, now=lambda: NOW)
     assert facts is not None and facts["from"] == "alpha" and facts["to"] == "beta" and facts["step"] == 6
     assert facts["copy_bytes"] > 0
     assert ["scancel", "-M", "alpha", "41"] in fake.calls  # the pending requeue on alpha is cancelled
@@ -333,7 +333,8 @@ def test_preempted_run_whose_requeue_waits_too_long_migrates_with_a_verified_cop
 def test_run_stays_when_its_requeue_starts_soon_enough(tmp_path):
     run, _ = _placed_run(tmp_path)
     fake = FakeSlurm({"alpha": ALPHA_IDLE, "beta": BETA_IDLE})
-    assert sites.migrate(run, run=fake, submit=lambda *a: pytest.fail("submitted"), out=lambda s: None) is None
+    assert sites.migrate(run, run=fake, submit=lambda *a: pytest.fail("submitted"), out=lambda s: None,
+                         now=lambda: NOW) is None
     assert not any(a[0] == "scancel" for a in fake.calls)
 
 
@@ -346,6 +347,6 @@ def test_a_failed_copy_submits_nothing_on_the_other_site(tmp_path, monkeypatch):
     monkeypatch.setattr(sites, "copy_run", broken)
     fake = FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE})
     with pytest.raises(sites.CopyError):
-        sites.migrate(run, run=fake, submit=lambda *a: pytest.fail("submitted"), out=lambda s: None)
+        sites.migrate(run, run=fake, submit=lambda *a: pytest.fail("submitted"), out=lambda s: None, now=lambda: NOW)
     assert not any(a[0] == "scancel" for a in fake.calls)  # its job on alpha keeps waiting there
     assert sites.read_site_state(run)["site"] == "alpha"

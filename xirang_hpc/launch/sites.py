@@ -454,7 +454,8 @@ def cancel_on(site: str, job_id: str, run: Caller = call) -> Result:
 
 
 def migrate(run_dir: Path, run: Caller | None = None, submit: Callable[..., Any] | None = None,
-            force_site: str | None = None, out: Callable[[str], None] = print) -> dict[str, Any] | None:
+            force_site: str | None = None, out: Callable[[str], None] = print,
+            now: Callable[[], float] = time.time) -> dict[str, Any] | None:
     """Move a preempted (requeued, pending) run to the site where it starts soonest.
 
     Placement runs with the run's current site as ``current``; the run moves when
@@ -474,7 +475,7 @@ def migrate(run_dir: Path, run: Caller | None = None, submit: Callable[..., Any]
                                                 "(list them in cluster.sites)")
     cfg = load_config(OmegaConf.create(state["config"]))
     current = state["site"]
-    p = place(cfg, current=current, run=run)
+    p = place(cfg, current=current, run=run, now=now)
     if force_site:
         p = dataclasses.replace(p, site=site_of(cfg.cluster, force_site), reason=f"forced to {force_site}")
     elif not should_migrate(current, p, cfg.cluster.site_migrate_wait_s):

@@ -1,0 +1,113 @@
+"""Several clusters as one, end to end on the two-cluster testbed (``tools/slurm-testbed start --clusters
+alpha,beta``): placement with real ``sbatch --test-only -M``, a real preemption on alpha, the verified copy to
+beta's run root and the finish there, bitwise identical to an uninterrupted run.
+
+Runs when ``XIRANG_SLURM_CONF`` points at a testbed whose slurmdbd knows the clusters alpha and beta; skips
+otherwise (the single-cluster CI testbed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_slurm_e2e import TRAIN, _ev, _final, _wait, _weights
+
+from xirang_hpc.launch.sites import read_site_state
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module")
+def two_sites() -> str:
+    conf = os.environ.get("XIRANG_SLURM_CONF")
+    if not conf:
+        pytest.skip("no Slurm testbed (XIRANG_SLURM_CONF unset)")
+    env = {**os.environ, "SLURM_CONF": conf}
+    out = subprocess.run(["sacctmgr", "-n", "-P", "show", "cluster", "format=cluster,controlport"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    names = [ln.split("|")[0] for ln in out.stdout.split() if ln.split("|")[-1] not in ("", "0")]
+    if not {"alpha", "beta"} <= set(names):
+        pytest.skip(f"needs the clusters alpha and beta (have {names}); "
+                    "start them with `tools/slurm-testbed start --clusters alpha,beta`")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf
+    yield conf
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+
+
+def _fill(site: str) -> str:
+    """A `high` job on every node of ``site`` for 30 minutes: `low` jobs there wait (or are preempted)."""
+    out = subprocess.run(["sbatch", "--parsable", "-M", site, "-p", "high", "-N2", "--exclusive", "-t", "30",
+                          "-o", "/dev/null", "--wrap", "sleep 1800"], capture_output=True, text=True, check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def _args(data: Path, root: Path, steps: int) -> list[str]:
+    return ["cluster=testbed-sites", "requeue=testbed", f"data.out_dir={data}", f"train.runs_root={root / 'alpha'}",
+            f"cluster.sites.0.run_root={root / 'alpha'}", f"cluster.sites.1.run_root={root / 'beta'}",
+            "train.warmup_steps=2", "train.log_every=10", "train.eval_batches=2", "parallel.pp=1", "parallel.tp=1",
+            f"train.max_steps={steps}", "checkpoint.every_steps=25"]
+
+
+def _submit(args: list[str]) -> tuple[str, str, Path]:
+    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    m = re.search(r"submitted Slurm job (\d+) \(testbed-sites, site (\w+):.*\| run dir (\S+)", out.stdout)
+    assert m and "placement: site" in out.stdout, out.stdout
+    return m.group(1), m.group(2), Path(m.group(3))
+
+
+def test_site_a_full_the_job_runs_on_b(two_sites, stdlib_data, tmp_path):
+    filler = _fill("alpha")
+    try:
+        job, site, run = _submit(_args(stdlib_data, tmp_path, 20))
+        assert site == "beta" and run.is_relative_to(tmp_path / "beta")
+        placed = _ev(run, "placement")[0]
+        est = {e["site"]: e for e in placed["estimates"]}
+        assert est["alpha"]["wait_s"] > 600 and est["beta"]["wait_s"] < 60, est
+        assert _final(run)["status"] == "completed"
+        assert read_site_state(run)["site"] == "beta"
+    finally:
+        subprocess.run(["scancel", "-M", "alpha", filler], check=False)
+
+
+def test_run_preempted_on_a_migrates_to_b_and_finishes_bitwise_identical(two_sites, stdlib_data, tmp_path):
+    steps = 60
+    args = _args(stdlib_data, tmp_path, steps)
+    # The uninterrupted reference: the same 1 x 2 layout and threads on the local executor, meanwhile.
+    ref_cmd = [*TRAIN, *[a for a in args if not a.startswith(("cluster", "train.runs_root="))], "cluster=local",
+               "cluster.nodes=1", "cluster.tasks_per_node=2", "cluster.threads_per_rank=1",
+               f"train.runs_root={tmp_path / 'ref'}",
+               "train.wait=true"]
+    ref_proc = subprocess.Popen(ref_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job, site, run = _submit(args)
+    assert site == "alpha"  # both idle: the first site
+    _wait(lambda: _ev(run, "first_step", 0), 600, "the run to train on alpha")
+    filler = _fill("alpha")  # preempts the run; its requeue waits 30 minutes behind the filler
+    try:
+        _wait(lambda: _ev(run, "requeue", 0), 600, "the preemption's requeue on alpha")
+        out = subprocess.run([*TRAIN[:2], "from xirang_hpc.launch.sites import main; raise SystemExit(main())",
+                              "migrate", str(run)], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "moved run from alpha to beta" in out.stdout, out.stdout + out.stderr
+        moved = tmp_path / "beta" / run.name
+        mig = _ev(moved, "migrate")[0]
+        assert mig["copy_bytes"] > 0 and mig["copy_s"] >= 0 and mig["step"] == _ev(run, "stop")[0]["saved_step"]
+        assert _final(moved)["status"] == "completed"
+        assert [h["site"] for h in read_site_state(moved)["history"]] == ["alpha", "beta"]
+    finally:
+        subprocess.run(["scancel", "-M", "alpha", filler], check=False)
+    ref_out = ref_proc.communicate(timeout=600)[0]
+    assert ref_proc.returncode == 0, ref_out
+    ref = Path(re.search(r"run dir (\S+)", ref_out).group(1))
+    a, b = _weights(moved, steps), _weights(ref, steps)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), f"{k} differs"
