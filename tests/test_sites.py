@@ -350,3 +350,21 @@ def test_a_failed_copy_submits_nothing_on_the_other_site(tmp_path, monkeypatch):
         sites.migrate(run, run=fake, submit=lambda *a: pytest.fail("submitted"), out=lambda s: None, now=lambda: NOW)
     assert not any(a[0] == "scancel" for a in fake.calls)  # its job on alpha keeps waiting there
     assert sites.read_site_state(run)["site"] == "alpha"
+
+
+def test_status_shows_the_site_and_the_history_across_sites(tmp_path, capsys):
+    from xirang_hpc.launch import status_cli
+
+    run, _ = _placed_run(tmp_path)
+    fake = FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE})
+    sites.migrate(run, run=fake, submit=lambda *a: "7", out=lambda s: None, now=lambda: NOW)
+    moved = tmp_path / "beta" / "r-1"
+    status_cli.main([str(moved)])
+    out = capsys.readouterr().out
+    assert "site: beta; history: alpha (job 41) -> beta (job 7)" in out, out
+    status_cli.main([str(run)])  # the run dir it left says where it went
+    out = capsys.readouterr().out
+    assert f"the run moved to beta: {moved}" in out, out
+    status_cli.main([str(moved), "--json"])
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["site"] == "beta" and [h["site"] for h in snap["site_history"]] == ["alpha", "beta"]

@@ -426,12 +426,15 @@ def place_for_launch(cfg: XirangConfig, run: Caller | None = None, out: Callable
 SITE_FILE = "site.json"
 
 
-def write_site_state(run_dir: Path, cfg: XirangConfig, data_dir: Path, site: str, job_id: str) -> dict[str, Any]:
-    """``<run>/site.json``: the site the run is on, its job there, the config and data to resubmit it
-    elsewhere, and the run's history across sites (appended, oldest first)."""
+def write_site_state(run_dir: Path, cfg: XirangConfig, data_dir: Path, site: str, job_id: str,
+                     run_at: Path | None = None) -> dict[str, Any]:
+    """``<run>/site.json``: the site the run is on, its job there, where its run directory is now
+    (``run_at``, default ``run_dir``), the config and data to resubmit it elsewhere, and the run's
+    history across sites (appended, oldest first)."""
     old = read_site_state(run_dir) or {}
-    history = [*old.get("history", []), {"site": site, "job": job_id, "run_dir": str(run_dir), "time": time.time()}]
-    state = {"site": site, "job": job_id, "run_dir": str(run_dir), "data_dir": str(data_dir),
+    at = str(run_at or run_dir)
+    history = [*old.get("history", []), {"site": site, "job": job_id, "run_dir": at, "time": time.time()}]
+    state = {"site": site, "job": job_id, "run_dir": at, "data_dir": str(data_dir),
              "config": dataclasses.asdict(cfg), "history": history}
     tmp = run_dir / f".{SITE_FILE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(state, indent=1, default=str))
@@ -503,7 +506,7 @@ def migrate(run_dir: Path, run: Caller | None = None, submit: Callable[..., Any]
     # The new site's state carries the history; the old run dir points at where the run went.
     write_site_state(dst, new_cfg, Path(state["data_dir"]), target.name, job_id)
     if dst != run_dir:
-        write_site_state(run_dir, cfg, Path(state["data_dir"]), target.name, job_id)
+        write_site_state(run_dir, cfg, Path(state["data_dir"]), target.name, job_id, run_at=dst)
     facts = {"from": current, "to": target.name, "job": job_id, "dst": str(dst),
              "copy_s": copied.seconds if copied else 0.0, "copy_bytes": copied.bytes if copied else 0,
              "step": copied.step if copied else None, "seconds": round(time.monotonic() - t0, 3)}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -57,15 +58,45 @@ def resolve(target: str, runs_root: Path) -> tuple[list[Path], bool]:
     return runs, len(runs) > 1
 
 
+def _site_status(run: Path) -> dict[str, Any]:
+    """A run placed on several sites (launch/sites.py): its site, its history across sites, where it moved;
+    Slurm is asked on that site (SLURM_CLUSTERS is what ``-M`` sets)."""
+    from xirang_hpc.launch.sites import read_site_state
+
+    st = read_site_state(run)
+    if st is None:
+        return run_status(run)
+    old = os.environ.get("SLURM_CLUSTERS")
+    os.environ["SLURM_CLUSTERS"] = st["site"]
+    try:
+        row = run_status(run)
+    finally:
+        if old is None:
+            os.environ.pop("SLURM_CLUSTERS", None)
+        else:
+            os.environ["SLURM_CLUSTERS"] = old
+    row["site"] = st["site"]
+    row["site_history"] = [{"site": h["site"], "job": h["job"], "time": h["time"]} for h in st.get("history", [])]
+    if st.get("run_dir") and Path(st["run_dir"]) != run.absolute():
+        row["moved_to"] = st["run_dir"]
+    return row
+
+
 def snapshot(runs: list[Path], many: bool) -> dict[str, Any]:
     """Status of every run (``{"runs": [...]}`` for many, else the one run's dict)."""
-    rows = [run_status(r) for r in runs]
+    rows = [_site_status(r) for r in runs]
     return {"runs": sorted(rows, key=task_key)} if many else rows[0]
 
 
 def render(snap: dict[str, Any], tty: bool) -> str:
-    """Text for a snapshot."""
-    return render_array(snap["runs"]) if "runs" in snap else render_run(snap, tty)
+    """Text for a snapshot (a run on several sites ends with its site line)."""
+    text = render_array(snap["runs"]) if "runs" in snap else render_run(snap, tty)
+    if "site" in snap:
+        hist = " -> ".join(f"{h['site']} (job {h['job']})" for h in snap.get("site_history", []))
+        text += f"\nsite: {snap['site']}; history: {hist}"
+        if snap.get("moved_to"):
+            text += f"\nthe run moved to {snap['site']}: {snap['moved_to']}"
+    return text
 
 
 def _finished(snap: dict[str, Any]) -> bool:
