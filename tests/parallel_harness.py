@@ -50,6 +50,16 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     # Interleaved 1F1B: 2 ranks x 2 virtual stages = 4 stages of one block each.
     "pp2v2": {"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2},
     "dp2xpp2v2": {"dp": 2, "pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2},
+    # ZeRO stages composed with TP and PP (parallel.zero; 3 is data_parallel=fsdp above).
+    "zero2dp2": {"dp": 2, "zero": 2, "microbatches": 2},  # reduce-scatter in each of 2 accumulation steps
+    "zero3dp2": {"dp": 2, "zero": 3, "microbatches": 2},
+    "zero1dp2xtp2": {"dp": 2, "tp": 2, "zero": 1},
+    "zero1dp2xpp2": {"dp": 2, "pp": 2, "microbatches": 2, "zero": 1},
+    "zero2dp2xtp2": {"dp": 2, "tp": 2, "zero": 2},
+    "zero2dp2xpp2": {"dp": 2, "pp": 2, "microbatches": 2, "zero": 2},
+    "zero3dp2xpp2": {"dp": 2, "pp": 2, "microbatches": 2, "zero": 3},
+    "zero1dp2xtp2xpp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2, "zero": 1},
+    "zero3dp2xtp2xpp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2, "zero": 3},
 }
 
 
@@ -108,9 +118,12 @@ def run_layout(cfg: XirangConfig, topo: Topology, data_dir: Path, steps: int, wa
             norms.append(gnorm)
         val = tr.evaluate()  # through the same forward path (pipeline schedule's eval, autocast)
         params = full_params(tr) if want_params else {}
+        inner = getattr(tr.opt, "optim", tr.opt)  # ZeRO-1 optimizers keep this rank's AdamW as .optim
+        opt_state = sum((v.to_local() if isinstance(v, DTensor) else v).numel()
+                        for st in inner.state.values() for k, v in st.items() if k == "exp_avg")
         keep = tr.pm.coords["dp"] == 0 and tr.pm.coords["tp"] == 0
         out = {"losses": losses, "norms": norms, "times": times, "params": params if keep else {}, "val": val,
-               "n_local_params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+               "n_opt_state": opt_state, "n_local_params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                                      for p in tr.model.parameters())}
         del tr
         if dist.is_initialized():

@@ -26,20 +26,23 @@ from xirang_hpc.checkpoint.storage import HDF5StorageReader, read_metadata
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.launch.rundir import make_private_dir
 
-# The layout the reference and the interrupted run use (hybrid: dp2 x tp2 on 2 virtual nodes x 2 ranks).
-SAVE_LAYOUT = ["parallel.tp=2", "parallel.pp=1", "parallel.microbatches=1"]
+# The layout the reference and the interrupted run use (hybrid: dp2 x tp2 on 2 virtual nodes x 2 ranks,
+# ZeRO-1: each dp rank saves the optimizer state of the tensor-parallel shards it owns).
+SAVE_LAYOUT = ["parallel.tp=2", "parallel.pp=1", "parallel.microbatches=1", "parallel.zero=1"]
 # A 2-rank save layout (pure dp2 on one virtual node), the source of the 2 -> 8 change.
 TWO_RANKS = ["cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.tp=1", "parallel.pp=1",
              "parallel.microbatches=1"]
 # Resume a step-10 checkpoint under another layout: (source run, ranks, overrides). "split" was saved
 # under SAVE_LAYOUT on 4 ranks, "split2" under TWO_RANKS. Adding a change is one line.
 RESHARD = {
-    "dp2xtp2->dp2 (4->2 ranks)": ("split", 2, TWO_RANKS),
-    "dp2xtp2->pp2xdp2": ("split", 4, ["parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2"]),
-    "dp2xtp2->dp4+zero1": ("split", 4, ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1",
-                                        "parallel.optimizer_sharding=true"]),
-    "dp2xtp2->fsdp4": ("split", 4, ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1",
-                                    "parallel.data_parallel=fsdp"]),
+    "zero1:dp2xtp2->dp2 (4->2 ranks)": ("split", 2, TWO_RANKS),
+    "zero1:dp2xtp2->pp2xdp2": ("split", 4, ["parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2"]),
+    "zero1:dp2xtp2->zero2:pp2xdp2": ("split", 4, ["parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2",
+                                                  "parallel.zero=2"]),
+    "zero1:dp2xtp2->dp4+zero1": ("split", 4, ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1",
+                                              "parallel.zero=1"]),
+    "zero1:dp2xtp2->fsdp4": ("split", 4, ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1",
+                                          "parallel.data_parallel=fsdp"]),
     # 8 gloo ranks on a 2-core box: 1 intra-op thread each, every dimension used.
     "dp2->dp2xtp2xpp2 (2->8 ranks)": ("split2", 8, ["cluster.nodes=2", "cluster.tasks_per_node=4",
                                                    "cluster.threads_per_rank=1", "parallel.tp=2", "parallel.pp=2",

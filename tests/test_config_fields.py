@@ -41,7 +41,7 @@ from xirang_hpc.monitor.watchdog import thresholds_for
 from xirang_hpc.planner.hardware import hardware_for
 from xirang_hpc.runtime.comm.install import parse_bucket
 from xirang_hpc.runtime.dist import pick_backend, threads_per_rank
-from xirang_hpc.runtime.parallel_dims import ParallelDims
+from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims
 from xirang_hpc.runtime.policy import REASONS, decide
 from xirang_hpc.runtime.schedule import lr_at
 from xirang_hpc.serve.run import limits_for
@@ -59,6 +59,10 @@ def sbatch(cfg: XirangConfig) -> dict[str, Any]:
 
 def dims(cfg: XirangConfig) -> tuple[int, ...]:
     return ParallelDims.from_config(cfg.parallel, cfg.cluster.world_size).shape
+
+
+def zero_stage(cfg: XirangConfig) -> int:
+    return Layout(ParallelDims.from_config(cfg.parallel, cfg.cluster.world_size), (), cfg.parallel).zero
 
 
 def lr_schedule(cfg: XirangConfig) -> list[float]:
@@ -147,7 +151,8 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "parallel.virtual_stages": (3, REFUSED, ["parallel.schedule=interleaved"]),  # 2 x 3 stages > 4 layers
     "parallel.recompute": ("full", reads("xirang_hpc.runtime.parallelize"), []),
     "parallel.sequence_parallel": (True, REFUSED, []),  # needs tp > 1
-    "parallel.optimizer_sharding": (True, REFUSED, []),  # dp2 x pp2 replicates through FSDP, not DDP
+    "parallel.optimizer_sharding": (True, zero_stage, []),  # ZeRO-1 (also under dp2 x pp2)
+    "parallel.zero": (2, dims, []),  # ZeRO-2 runs on FSDP2: dp becomes the shard dimension
     "parallel.auto": (True, reads("xirang_hpc.launch.autoplan"), []),
     # train: what is trained -> identity; the schedule; how the loop runs
     **{f"train.{k}": (v, identity, []) for k, v in {

@@ -9,6 +9,13 @@ the same model, data and seed:
   misses other pipeline stages' gradients (the classic Megatron bug) changes the update and
   fails both this check and the parameter check;
 - the final parameters (gathered from DTensor shards and pipeline stages) within atol 1e-5.
+
+ZeRO stages (``parallel.zero``) x TP x PP, chosen to prove each composition once within CI time:
+ZeRO-1 x DDP (dp2zero), x TP (zero1dp2xtp2), x PP (zero1dp2xpp2), x TP x PP (zero1dp2xtp2xpp2);
+ZeRO-2 with accumulation (zero2dp2: a reduce-scatter per microbatch), x TP (zero2dp2xtp2), x PP
+(zero2dp2xpp2); ZeRO-3 (fsdp4, hsdp2x2, zero3dp2 with accumulation), x TP (fsdp2xtp2), x PP
+(zero3dp2xpp2), x TP x PP (zero3dp2xtp2xpp2). Each also shows its sharding: ZeRO-1 keeps AdamW state for part of the
+rank's (replicated) parameters only, ZeRO-2/3 hold parameter shards.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import pytest
 GROUPS = {
     2: [("dp2", "none"), ("dp2", "full"), ("tp2", "none"), ("tp2", "full"), ("tp2", "selective"),
         ("pp2", "none"), ("pp2", "full"), ("tp2sp", "none"), ("dp2zero", "none"), ("pp2v2", "none"),
-        ("pp2v2", "full")],
+        ("pp2v2", "full"), ("zero2dp2", "none"), ("zero3dp2", "none")],
     4: [(n, r) for n in ("dp2xtp2", "dp2xpp2", "tp2xpp2", "fsdp4", "fsdp2xtp2", "hsdp2x2") for r in ("none", "full")]
-    + [("dp2xpp2v2", "none")],
-    8: [("dp2xtp2xpp2", "none"), ("dp2xtp2xpp2", "full")],
+    + [("dp2xpp2v2", "none")]
+    + [(n, "none") for n in ("zero1dp2xtp2", "zero1dp2xpp2", "zero2dp2xtp2", "zero2dp2xpp2", "zero3dp2xpp2")],
+    8: [("dp2xtp2xpp2", "none"), ("dp2xtp2xpp2", "full"), ("zero1dp2xtp2xpp2", "none"),
+        ("zero3dp2xtp2xpp2", "none")],
 }
 CASES = [(w, n, r) for w, jobs in GROUPS.items() for n, r in jobs]
 # Not exact-vs-fp32 cases, run in the same process groups: name -> (world, layout, train overrides).
@@ -79,8 +88,18 @@ def test_layout_matches_single_process(world: int, layout: str, recompute: str, 
     assert sorted(params) == sorted(ref["params"]), "stages together hold every parameter, under full names"
     for name, want in ref["params"].items():
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
+    total = sum(v.size for v in ref["params"].values())
     if "tp" in layout or "fsdp" in layout or "pp" in layout:
-        assert per_rank[0]["n_local_params"] < sum(v.size for v in ref["params"].values()), "rank 0 holds a share"
+        assert per_rank[0]["n_local_params"] < total, "rank 0 holds a share"
+    lay = H.LAYOUTS[layout]
+    zero, dp, rep = H.make_cfg(world, lay).parallel.zero, lay.get("dp", 1), lay.get("dp_replicate", 1)
+    held, state = sum(r["n_local_params"] for r in per_rank), sum(r["n_opt_state"] for r in per_rank)
+    if zero == 1:  # weights replicated over dp; each dp rank keeps AdamW state for its part of them only
+        assert all(0 < r["n_opt_state"] < r["n_local_params"] for r in per_rank)
+        assert state * dp == held, "each parameter's state is kept exactly once per dp group"
+    elif zero >= 2:  # weights, and so their state, are dp shards (also after evaluation); replicated: >= dp*total
+        assert all(r["n_opt_state"] == r["n_local_params"] for r in per_rank)
+        assert held < 1.5 * total * rep < dp * total, (held, total)  # HSDP: one full copy per replicate group
 
 
 @pytest.mark.slow

@@ -13,10 +13,12 @@ import pytest
 from conftest import compose_cfg
 from omegaconf import OmegaConf
 
+from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig
 from xirang_hpc.config.validate import check_runnable, load_config, validate
+from xirang_hpc.launch import plan_cli
 from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
-from xirang_hpc.planner.auto import PLAN_FILE, apply_plan, runtime_allows
+from xirang_hpc.planner.auto import PLAN_FILE, apply_plan, plan_for, runtime_allows
 from xirang_hpc.planner.cost import Plan
 from xirang_hpc.planner.hardware import hardware_for
 
@@ -64,8 +66,32 @@ def test_runtime_allows_only_expressible_runnable_plans() -> None:
     assert ok(Plan(dp=2, tp=1, pp=2, micro=4, v=2))  # interleaved 1F1B, 2 chunks per rank (tiny: 4 layers)
     assert not ok(Plan(dp=1, tp=1, pp=4, micro=4, v=2))  # 8 chunks > 4 layers: validate refuses
     assert not ok(Plan(dp=4, tp=1, pp=1, micro=8, v=2))  # interleaving without a pipeline
-    assert not ok(Plan(dp=4, tp=1, pp=1, micro=8, zero=2))  # no ZeRO-2 in ParallelConfig
+    assert ok(Plan(dp=4, tp=1, pp=1, micro=8, zero=2))  # parallel.zero=2
+    assert ok(Plan(dp=2, tp=1, pp=2, micro=4, zero=1)) and ok(Plan(dp=2, tp=1, pp=2, micro=4, zero=3))
     assert not ok(Plan(dp=1, tp=4, pp=1, micro=8))  # tp across the 2 virtual nodes: validate refuses
+
+
+def test_every_ranked_plan_runs_and_zero_stages_compose_with_tp_and_pp() -> None:
+    """What xirang-plan ranks passes the runtime's own checks, and the ranking is not narrowed to
+    ZeRO-0/3: ZeRO-1 and ZeRO-2 appear with tensor and pipeline parallelism too."""
+    cfg = compose_cfg(["model.n_head=4", "model.n_kv_head=2", "cluster.nodes=2", "cluster.tasks_per_node=4",
+                       "train.global_batch=32"])
+    typed = plan_cli.typed_config(cfg)
+    res = plan_for(typed)
+    assert len(res.ranked) > 20
+    for e in res.ranked:
+        new = validate(apply_plan(typed, e.plan))
+        check_runnable(new)
+        assert new.parallel.zero == e.plan.zero
+        assert new.parallel.data_parallel == ("fsdp" if e.plan.zero >= 2 else "ddp")
+    kinds = {(e.plan.zero, e.plan.tp > 1, e.plan.pp > 1) for e in res.ranked}
+    assert {(1, True, False), (1, False, True), (2, True, False), (2, False, True), (3, False, True)} <= kinds
+
+
+def test_a_config_error_no_layout_cures_names_its_field() -> None:
+    typed = plan_cli.typed_config(compose_cfg(["train.warmup_steps=500", "train.max_steps=100"]))
+    with pytest.raises(ConfigError, match="train.warmup_steps"):
+        plan_for(typed)
 
 
 def test_apply_plan_maps_interleaving_to_the_schedule() -> None:

@@ -144,7 +144,8 @@ def test_runtime_allows_follows_what_the_runtime_runs() -> None:
 
     ok = runtime_allows(load_config(compose_cfg()))  # tiny, 2 x 2 ranks, global batch 32
     assert ok(Plan(dp=4, tp=1, pp=1, micro=8, zero=1))  # ZeRO-1 under DDP
-    assert not ok(Plan(dp=2, tp=1, pp=2, micro=4, zero=1))  # pp > 1 replicates with FSDP2: no ZeRO-1
+    assert ok(Plan(dp=2, tp=1, pp=2, micro=4, zero=1))  # ZeRO-1 over FSDP2 replication under a pipeline
+    assert ok(Plan(dp=2, tp=1, pp=2, micro=4, zero=2))  # ZeRO-2 (FSDP2 keeping weights for the backward)
     assert ok(Plan(dp=2, tp=1, pp=2, micro=8))  # m = 2 microbatches for 2 stages
     assert not ok(Plan(dp=2, tp=1, pp=2, micro=16))  # m = 1 < pp: torch's 1F1B refuses it
 

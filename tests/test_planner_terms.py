@@ -116,6 +116,50 @@ def test_zero3_gathers_every_microbatch_and_zero2_reduces_every_microbatch() -> 
     assert eight1 == pytest.approx(one1)  # ZeRO-1 accumulates full gradients: one reduce-scatter per step
 
 
+def test_dp_communication_per_zero_stage_is_what_the_runtime_runs() -> None:
+    """Hand-computed from the runtime's collectives (h100 preset: no overlap, no fitted per-MB terms).
+
+    R = one gradient all-reduce of the stage, G = an all-gather = a reduce-scatter = R/2, L = the
+    per-layer collective latency. Without a pipeline: ZeRO-0 R; ZeRO-1 R + G (owners broadcast the
+    updated weights); ZeRO-2 m*(G + G) + m*layers*L (forward gather, backward reduce-scatter per
+    microbatch); ZeRO-3 m*(G + 2G) + 1.5*m*layers*L. Under a pipeline (torch defers FSDP2's reduction
+    and keeps weights gathered): ZeRO-2 G + G + layers*L whatever m; ZeRO-3 (1 + m) gathers + G.
+    """
+    sh = dataclasses.replace(LLAMA3_8B, layers=8, seq=2048)
+    hw = PRESETS["h100"]
+
+    def dp(zero: int, batch: int, pp: int = 1) -> float:
+        plan = Plan(dp=32 // pp, tp=1, pp=pp, micro=1, zero=zero)
+        return estimate(Problem(sh, hw, 4, 8, batch), plan).time["dp_comm"]
+
+    r = dp(0, 32)
+    assert dp(1, 32) == pytest.approx(1.5 * r) and dp(1, 256) == pytest.approx(1.5 * r)  # accumulation: once
+    two, three = dp(2, 32), dp(3, 32)
+    latency = three - 1.5 * two  # 1.5*m*layers*L - 1.5*m*layers*L cancels the volumes: only G's remain
+    assert two > r and three == pytest.approx(1.5 * two, rel=1e-9) and abs(latency) < 1e-12
+    assert dp(2, 256) == pytest.approx(8 * two) and dp(3, 256) == pytest.approx(8 * three)  # per microbatch
+    # A pipeline of 2 stages: ZeRO-2 communicates the same whatever the microbatch count, ZeRO-3 grows with it.
+    assert dp(2, 64, pp=2) == pytest.approx(dp(2, 256, pp=2))
+    assert dp(3, 256, pp=2) > 3 * dp(3, 64, pp=2) / 2
+
+
+def test_pipelined_zero2_and_zero3_hold_full_weights_and_gradients() -> None:
+    """torch's pipeline schedule keeps FSDP2's weights gathered and gradients unreduced until the end of
+    the step, so under pp > 1 only the optimizer state stays sharded; without a pipeline ZeRO-2 shards
+    gradients and ZeRO-3 also weights (Rajbhandari et al.)."""
+    sh = dataclasses.replace(LLAMA3_8B, layers=8, seq=2048)
+    pb = Problem(sh, PRESETS["h100"], 4, 8, 64)
+
+    def mem(zero: int, pp: int) -> dict[str, float]:
+        return estimate(pb, Plan(dp=32 // pp, tp=1, pp=pp, micro=1, zero=zero)).memory
+
+    for zero in (2, 3):
+        assert mem(zero, 2)["params"] == mem(1, 2)["params"] and mem(zero, 2)["grads"] == mem(1, 2)["grads"]
+        assert mem(zero, 2)["optimizer"] == mem(1, 2)["optimizer"]
+    assert mem(2, 1)["grads"] == pytest.approx(mem(1, 1)["grads"] / 32)
+    assert mem(3, 1)["params"] == pytest.approx(mem(1, 1)["params"] / 32)
+
+
 def test_evaluate_a_given_layout_and_refuse_bad_ones() -> None:
     pb = Problem(LLAMA3_8B, PRESETS["h100"], 8, 8, 256)
     ev = evaluate(pb, parse_layout("tp=8,pp=1,dp=8,mbs=1,zero=1,recompute=selective,sp=true", pb))

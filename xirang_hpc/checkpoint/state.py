@@ -37,7 +37,8 @@ def _jsonable(v: Any) -> Any:
 
 
 def _is_zero(opt: torch.optim.Optimizer) -> bool:
-    return type(opt).__name__ == "ZeroRedundancyOptimizer"
+    # By name: checkpoint sits beside runtime in the layers and does not import it.
+    return type(opt).__name__ in ("ZeroRedundancyOptimizer", "DpShardedOptimizer")
 
 
 def _zero_local_state(model: torch.nn.Module, opt: Any) -> dict[str, Any]:

@@ -244,7 +244,7 @@ class ParallelConfig:
     dp: int = -1
     tp: int = 1
     pp: int = 1
-    data_parallel: str = "ddp"  # ddp | fsdp
+    data_parallel: str = "ddp"  # ddp | fsdp (data_parallel=fsdp is ZeRO-3 unless parallel.zero says 2)
     microbatches: int = 1
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (interleaved 1F1B, virtual_stages per rank)
     # Interleaved only: pipeline stages (model chunks) per rank; the model is split into pp*virtual_stages.
@@ -253,8 +253,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # FSDP only: replicate groups of HSDP (shard inside a group of dp/dp_replicate ranks).
     dp_replicate: int = 1
-    # DDP only: shard the optimizer state over dp (ZeRO-1, ZeroRedundancyOptimizer).
+    # Shard the optimizer state over dp (ZeRO-1); the same as parallel.zero=1.
     optimizer_sharding: bool = False
+    # ZeRO stage over the data-parallel ranks: 0 = replicated (DDP), 1 = optimizer state sharded,
+    # 2 = + gradients sharded (FSDP2 keeping weights gathered from forward to backward),
+    # 3 = + weights sharded (FSDP2). -1 = derived: 3 for data_parallel=fsdp, 1 for optimizer_sharding, else 0.
+    zero: int = -1
     # parallel=auto: xirang-train runs the planner at launch and fills in the fields above.
     auto: bool = False
 
@@ -274,6 +278,9 @@ class ParallelConfig:
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigError("parallel.recompute", self.recompute, "choose none, selective or full")
         _positive("parallel", "dp_replicate", self.dp_replicate)
+        if self.zero not in (-1, 0, 1, 2, 3):
+            raise ConfigError("parallel.zero", self.zero, "choose a ZeRO stage 0, 1, 2 or 3 (or -1 to derive it "
+                              "from parallel.data_parallel / parallel.optimizer_sharding)")
 
 
 # Experiment-tracking back ends for train.loggers (jsonl is always written).

@@ -15,7 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.hf import apply_hf_model
-from xirang_hpc.config.schema import ClusterConfig, DataConfig, XirangConfig
+from xirang_hpc.config.schema import ClusterConfig, DataConfig, ParallelConfig, XirangConfig
 
 
 def _divisors(n: int) -> list[int]:
@@ -52,8 +52,30 @@ def load_config(cfg: DictConfig) -> XirangConfig:
     return validate(obj)
 
 
+def resolve_zero(p: ParallelConfig) -> ParallelConfig:
+    """``p`` with its ZeRO stage and the older fields that also name it made to agree.
+
+    ``parallel.zero=-1`` derives the stage from ``data_parallel`` (fsdp = 3) and ``optimizer_sharding``
+    (1); an explicit stage sets them (2 and 3 run on FSDP2, 0 and 1 on DDP or FSDP2 replication), so
+    configs written before the field existed mean what they meant. Contradictions are refused.
+    """
+    zero = p.zero
+    if zero == -1:
+        zero = 3 if p.data_parallel == "fsdp" else (1 if p.optimizer_sharding else 0)
+    elif zero < 2 and p.data_parallel == "fsdp":
+        raise ConfigError("parallel.zero", zero,
+                          f"data_parallel=fsdp shards the weights (ZeRO-3); use parallel.zero=2 or 3 with fsdp, "
+                          f"or parallel.data_parallel=ddp for ZeRO-{zero}")
+    elif zero == 0 and p.optimizer_sharding:
+        raise ConfigError("parallel.zero", zero, "parallel.optimizer_sharding=true is ZeRO-1; use parallel.zero=1 "
+                          "(or 2/3), or optimizer_sharding=false")
+    return dataclasses.replace(p, zero=zero, data_parallel="fsdp" if zero >= 2 else "ddp",
+                               optimizer_sharding=zero >= 1)
+
+
 def validate(cfg: XirangConfig) -> XirangConfig:
-    """Check relations between groups and resolve derived values (``parallel.dp=-1``)."""
+    """Check relations between groups and resolve derived values (``parallel.dp=-1``, ``parallel.zero=-1``)."""
+    cfg = dataclasses.replace(cfg, parallel=resolve_zero(cfg.parallel))
     m, p, c, t = cfg.model, cfg.parallel, cfg.cluster, cfg.train
     world = c.world_size
 
@@ -238,17 +260,10 @@ def check_runnable(cfg: XirangConfig) -> None:
         raise ConfigError(
             "parallel.dp_replicate",
             p.dp_replicate,
-            "replicate groups (HSDP) need parallel.data_parallel=fsdp; with ddp leave it at 1",
+            "replicate groups (HSDP) need parallel.data_parallel=fsdp (parallel.zero=2 or 3); with ddp leave it at 1",
         )
     if dp % p.dp_replicate:
         raise ConfigError("parallel.dp_replicate", p.dp_replicate, f"must divide the data parallel degree {dp}")
-    if p.optimizer_sharding and (p.data_parallel != "ddp" or p.tp > 1 or p.pp > 1):
-        raise ConfigError(  # under tp or pp the runtime replicates through FSDP2, where ZeRO-1 does not apply
-            "parallel.optimizer_sharding",
-            p.optimizer_sharding,
-            "ZeroRedundancyOptimizer works with data_parallel=ddp, tp=1 and pp=1; "
-            "use data_parallel=fsdp to shard optimizer state otherwise",
-        )
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel", True, "sequence parallelism needs parallel.tp > 1")
     if p.sequence_parallel and cfg.model.seq_len % p.tp:

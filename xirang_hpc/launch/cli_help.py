@@ -82,11 +82,12 @@ COMMANDS: dict[str, CommandHelp] = {
         notes="Exit status: 0 prepared, 2 a bad config or an empty, binary-only or unreadable corpus.",
     ),
     "xirang-plan": CommandHelp(
-        usage="xirang-plan [--json] [--top N] [--runnable] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
+        usage="xirang-plan [--json] [--top N] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
               "       xirang-plan --layout SPEC|config [--json] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
               "       xirang-plan --calibrate [--out FILE] cluster=OPTION",
         about=(
-            "Rank parallel layouts (dp x tp x pp, FSDP/HSDP, ZeRO-1, recomputation, microbatches) for a model on "
+            "Rank parallel layouts (dp x tp x pp, ZeRO-1/2/3 with any tp and pp, recomputation, microbatches) for a "
+            "model on "
             "a cluster: memory per GPU, step time (compute, tensor-parallel communication, pipeline bubble, "
             "exposed data-parallel communication), MFU and tokens/s, and why each runner-up lost. The parallel "
             "group is ignored (the planner chooses it) unless --layout config asks for exactly that layout. "
@@ -96,7 +97,8 @@ COMMANDS: dict[str, CommandHelp] = {
         flags=[
             ("--json", "machine-readable plans"),
             ("--top N", "how many plans to show (default 5)"),
-            ("--runnable", "only layouts this build's runtime can run (what parallel=auto uses)"),
+            ("--runnable", "accepted for old scripts and changes nothing: every ranked layout is one this build "
+                           "runs"),
             ("--layout SPEC", "evaluate one given layout instead of searching: tp=8,pp=16,dp=64,mbs=1,v=4,zero=1,"
                               "recompute=selective,sp=true, or 'config' for the parallel group as xirang-train "
                               "runs it"),

@@ -2,12 +2,13 @@
 
     xirang-plan model=gpt-175b cluster=a100-80gb-ib cluster.nodes=192 train.global_batch=1536
     xirang-plan --json --top 3 model=gpt-7b cluster=h100-ib
-    xirang-plan --runnable ...        # only layouts this build's runtime can run (what parallel=auto uses)
     xirang-plan --calibrate cluster=local [--out conf/cluster/local-calibrated.yaml]
     xirang-plan --layout tp=8,pp=16,dp=64,mbs=1,v=4,zero=1,recompute=selective,sp=true model=llama3-405b ...
     xirang-plan --layout config parallel=dp2xtp2    # the layout of the parallel group, as xirang-train runs it
 
 The same Hydra config groups as xirang-train; the parallel group is ignored (the planner chooses it).
+Every ranked plan is one this build's runtime runs (the search is vetoed by config validation, as
+``parallel=auto``'s); ``--runnable``, which used to ask for that, is accepted and changes nothing.
 """
 
 from __future__ import annotations
@@ -48,24 +49,24 @@ def typed_config(dcfg: DictConfig) -> XirangConfig:
     return obj
 
 
-def plan(cfg: XirangConfig, as_json: bool, top: int, runnable: bool) -> str:
-    """The ranked plans for ``cfg`` as text or JSON."""
+def plan(cfg: XirangConfig, as_json: bool, top: int) -> str:
+    """The ranked plans for ``cfg`` (all runnable) as text or JSON."""
     from xirang_hpc.planner.auto import plan_for
     from xirang_hpc.planner.report import render, to_json
 
-    res = plan_for(cfg, runnable_only=runnable)
+    res = plan_for(cfg)
     return json.dumps(to_json(res, top), indent=2) if as_json else render(res, top)
 
 
 def evaluate_layout(cfg: XirangConfig, spec: str, as_json: bool) -> str:
     """One given layout's breakdown, fit and rank among the searched plans."""
-    from xirang_hpc.planner.auto import problem_of
+    from xirang_hpc.planner.auto import problem_of, runnable_space
     from xirang_hpc.planner.evaluate import evaluate, parse_layout, plan_from_config
     from xirang_hpc.planner.report import render_evaluation
 
     pb = problem_of(cfg)
     plan = plan_from_config(cfg) if spec == "config" else parse_layout(spec, pb)
-    ev = evaluate(pb, plan)
+    ev = evaluate(pb, plan, runnable_space(cfg))
     if as_json:
         return json.dumps(dict(ev.estimate.to_dict(), rank=ev.rank, fitting=len(ev.searched.ranked),
                                slower_than_best=ev.slower_than_best), indent=2)
@@ -110,7 +111,7 @@ def _app(dcfg: DictConfig) -> None:
         elif _OPTS.layout:
             print(evaluate_layout(cfg, _OPTS.layout, _OPTS.json), flush=True)
         else:
-            print(plan(cfg, _OPTS.json, _OPTS.top, _OPTS.runnable), flush=True)
+            print(plan(cfg, _OPTS.json, _OPTS.top), flush=True)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
 
@@ -120,7 +121,7 @@ def parse_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(prog="xirang-plan", add_help=False)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--top", type=int, default=5)
-    ap.add_argument("--runnable", action="store_true")
+    ap.add_argument("--runnable", action="store_true")  # no-op: every ranked plan is runnable
     ap.add_argument("--calibrate", action="store_true")
     ap.add_argument("--out", default="")
     ap.add_argument("--layout", default="")

@@ -1,10 +1,10 @@
 """``parallel=auto``: plan at launch, restricted to what this build's runtime can run.
 
 The capability set is not a hand-kept list: a plan is allowed when it can be written into
-``ParallelConfig`` (interleaving v > 1 = ``schedule=interleaved, virtual_stages=v``; ZeRO 0 = ddp,
-1 = ddp + optimizer_sharding, 3 = fsdp) and
-the resulting config passes :func:`validate` and :func:`check_runnable`. When the runtime learns a
-layout, the planner follows.
+``ParallelConfig`` (interleaving v > 1 = ``schedule=interleaved, virtual_stages=v``; ZeRO stage =
+``parallel.zero``, every stage with any tp and pp) and the resulting config passes :func:`validate`
+and :func:`check_runnable`. When the runtime learns a layout, the planner follows. ``xirang-plan``
+ranks through the same filter, so every plan it shows runs.
 
 Micro-batches: with pp > 1 the plan's m microbatches go to ``parallel.microbatches``; with pp = 1
 they become ``train.grad_accum`` (the data-parallel trainer accumulates over them).
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -39,24 +40,18 @@ def problem_of(cfg: XirangConfig) -> Problem:
 
 
 def expressible(plan: Plan) -> bool:
-    """ParallelConfig has no ZeRO-2 (ZeRO-1 = optimizer_sharding, ZeRO-3 = fsdp); interleaving needs pp > 1.
-
-    ZeRO-1 only exists under DDP: with tp > 1 or pp > 1 the runtime replicates with FSDP2 and
-    ignores ``optimizer_sharding`` (runtime/parallelize.py), so such a plan would not run as costed.
-    """
-    return ((plan.v == 1 or plan.pp > 1) and plan.zero != 2
-            and not (plan.zero == 1 and (plan.tp > 1 or plan.pp > 1)))
+    """Every ZeRO stage composes with tp and pp (``parallel.zero``); interleaving needs a pipeline."""
+    return plan.v == 1 or plan.pp > 1
 
 
 def apply_plan(cfg: XirangConfig, plan: Plan) -> XirangConfig:
     """``cfg`` with the plan's degrees written in (not validated)."""
     if not expressible(plan):
-        raise ValueError(f"plan {plan.label()} cannot be expressed in ParallelConfig (ZeRO-2, or ZeRO-1 "
-                         "with tp/pp, or interleaving without pp)")
+        raise ValueError(f"plan {plan.label()} cannot be expressed in ParallelConfig (interleaving without pp)")
     m = cfg.train.global_batch // (plan.dp * plan.micro)
     par = dataclasses.replace(
-        cfg.parallel, dp=plan.dp, tp=plan.tp, pp=plan.pp, data_parallel="fsdp" if plan.zero == 3 else "ddp",
-        optimizer_sharding=plan.zero == 1, dp_replicate=1,
+        cfg.parallel, dp=plan.dp, tp=plan.tp, pp=plan.pp, zero=plan.zero,
+        data_parallel="fsdp" if plan.zero >= 2 else "ddp", optimizer_sharding=plan.zero >= 1, dp_replicate=1,
         microbatches=m if plan.pp > 1 else 1,
         schedule="interleaved" if plan.v > 1 else ("gpipe" if plan.schedule == "gpipe" else "1f1b"),
         virtual_stages=plan.v if plan.v > 1 else cfg.parallel.virtual_stages, recompute=plan.recompute,
@@ -88,10 +83,25 @@ def runtime_allows(cfg: XirangConfig) -> Callable[[Plan], bool]:
     return ok
 
 
-def plan_for(cfg: XirangConfig, runnable_only: bool = True) -> Result:
-    """Search the plans for ``cfg`` (only runnable ones unless ``runnable_only`` is False)."""
-    space = Space(allow=runtime_allows(cfg) if runnable_only else None)
-    return search(problem_of(cfg), space)
+def runnable_space(cfg: XirangConfig) -> Space:
+    """The search space of ``cfg``: every knob, vetoed by :func:`runtime_allows`.
+
+    A config error that no layout can cure (a bad ``train.*`` or ``data.*`` value) is raised here,
+    naming its field, instead of surfacing as "no plan fits".
+    """
+    world, batch = cfg.cluster.world_size, cfg.train.global_batch
+    dp = math.gcd(world, batch)  # a layout that tiles the batch (best effort: the checks stop at the first error)
+    try:
+        check_runnable(validate(apply_plan(cfg, Plan(dp=dp, tp=1, pp=world // dp, micro=batch // dp))))
+    except ConfigError as exc:
+        if not (exc.field.startswith("parallel.") or exc.field in ("train.global_batch", "train.grad_accum")):
+            raise
+    return Space(allow=runtime_allows(cfg))
+
+
+def plan_for(cfg: XirangConfig) -> Result:
+    """Search the plans for ``cfg``: only layouts this runtime runs are ranked."""
+    return search(problem_of(cfg), runnable_space(cfg))
 
 
 def choose(cfg: XirangConfig) -> tuple[XirangConfig, dict[str, Any]]:

@@ -17,10 +17,16 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   ``attn_efficiency`` of peak (0 = the GEMM efficiency);
 - bubble: (p-1)/v microbatch slots (Narayanan et al.: (p-1)/m of ideal time, (p-1)/(v*m) interleaved);
 - p2p: two sends of b*s*h/t (scatter-gather) per pipeline slot, 2*(v*m + p - 1) on the critical path;
-- DP: gradient all-reduce (hierarchical when the group spans nodes with >1 rank per node), minus what
-  ``dp_overlap`` of the last backward can hide; ZeRO-1/2 split it into a reduce-scatter (hideable)
-  and an all-gather after the step (exposed); ZeRO-3 all-gathers the weights in every microbatch's
-  forward and backward (FSDP2 reshards after each) and reduce-scatters once per step.
+- DP, as this runtime runs each ZeRO stage (runtime/data_parallel.py, runtime/trainer.py):
+  ZeRO-0: one gradient all-reduce per step (hierarchical when the group spans nodes with >1 rank per
+  node; accumulation steps do not sync), minus what ``dp_overlap`` of the last backward can hide;
+  ZeRO-1: the same all-reduce, then the owners' broadcast of the updated weights (an all-gather's
+  volume, exposed after the step); ZeRO-2 (FSDP2, weights kept from forward to backward): per
+  microbatch one all-gather in the forward and one gradient reduce-scatter in the backward, so the
+  gradients stay sharded; ZeRO-3: the same plus a second all-gather in the backward (FSDP2 reshards
+  after the forward). Under a pipeline, torch's schedule defers FSDP2's reduction to the end of the
+  step and keeps the weights gathered across microbatches: ZeRO-2/3 then gather once (ZeRO-3: also
+  once per microbatch's backward), reduce-scatter once, and hold full weights and gradients.
 """
 
 from __future__ import annotations
@@ -145,6 +151,8 @@ def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str,
     lp = layer_params(sh)
     flash = hw.flash_attention > 0
     w, g, o = state_bytes_per_param(pl.zero, pl.dp, hw.weight_bytes, hw.grad_bytes, hw.optim_bytes)
+    if p > 1 and pl.zero >= 2:  # the pipeline schedule keeps FSDP2's weights gathered, gradients unreduced
+        w, g = float(hw.weight_bytes), float(hw.grad_bytes)
     act = layer_activation_bytes(sh, b, t, pl.sp, pl.recompute, hw.act_bytes, flash)
     working = 0.0
     if pl.recompute == "full":  # one layer's full activations while it is recomputed
@@ -172,11 +180,12 @@ def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str,
         stages.append((params, acts))
     params, acts = max(stages, key=lambda x: x[0] * (w + g + o) + x[1])
     buffers = hw.reserved_gb * GiB
-    if pl.dp > 1 and pl.zero == 0:
+    if pl.dp > 1 and pl.zero <= 1:
         buffers += 2 * min(DDP_BUCKET_BYTES, params * hw.grad_comm_bytes)
     if pl.zero == 3:  # gathered weights of the layer being computed and the one prefetched
         buffers += 2 * lp / t * hw.weight_bytes
-        # ... and what a backend keeps beyond them, per unsharded parameter byte (calibrated on CPU: gloo
+    if pl.zero >= 2:
+        # What a backend keeps beyond them, per unsharded parameter byte (calibrated on CPU: gloo
         # reduce-scatters as a full all-reduce, FSDP2 copy-in/out buffers).
         buffers += hw.fsdp_buffer_factor * params * hw.weight_bytes
     mem = {"params": params * w, "grads": params * g, "optimizer": params * o, "activations": acts,
@@ -261,23 +270,26 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     backward = compute_mb * (passes - 1) / passes  # backward (+ recompute) of the last microbatch
     forward = compute_mb - backward
     hide = hw.dp_overlap
+    gather = scatter = dp_full / 2  # an all-gather or a reduce-scatter moves half an all-reduce's volume
     if d == 1:
         dp_exposed = 0.0
     elif pl.zero == 0:  # all-reduce in buckets as the backward runs
         dp_exposed = max(0.0, dp_full - hide * backward)
-    elif pl.zero == 1:  # reduce-scatter during backward; all-gather of updated weights after the step
-        dp_exposed = max(0.0, dp_full / 2 - hide * backward) + dp_full / 2
-    elif pl.zero == 2:  # sharded gradients cannot accumulate unreduced: one reduce-scatter per microbatch
-        dp_exposed = m * max(0.0, dp_full / 2 - hide * backward) + dp_full / 2
-    else:  # ZeRO-3: all-gather in forward and again in backward, reduce-scatter in backward (1.5x volume)
-        # What FSDP2 does here: parameters are resharded after every forward and backward, so each of
-        # the m microbatches (pipeline microbatches or accumulation steps) gathers them twice; the
-        # gradient reduce-scatter runs once per step (requires_gradient_sync only on the last).
+    elif pl.zero == 1:  # the same all-reduce; the owners broadcast the updated weights after the step
+        dp_exposed = max(0.0, dp_full - hide * backward) + gather
+    else:
         # FSDP units are layers: each gather/scatter pays the collective's latency once per layer.
         per_layer = comm.group_allreduce(1.0, k_dp, d // k_dp, links, flows=k)[0]
-        gather = dp_full / 2  # an all-gather moves half an all-reduce's volume
-        dp_exposed = (m * (max(0.0, gather - hide * forward) + max(0.0, gather - hide * backward))
-                      + max(0.0, dp_full / 2 - hide * backward) + (2 * m + 1) / 2 * layers * per_layer)
+        if p == 1:  # every microbatch: forward gather, backward reduce-scatter (+ a backward gather for ZeRO-3)
+            back = scatter + (gather if pl.zero == 3 else 0.0)
+            n_coll = m * (3 if pl.zero == 3 else 2)
+            dp_exposed = m * (max(0.0, gather - hide * forward) + max(0.0, back - hide * backward))
+        else:  # the schedule: gathered once (ZeRO-3: again in each backward), one reduce-scatter at the end
+            gathers = 1 + (m if pl.zero == 3 else 0)
+            n_coll = gathers + 1
+            dp_exposed = (max(0.0, gather - hide * forward) + (gathers - 1) * max(0.0, gather - hide * backward)
+                          + max(0.0, scatter - hide * backward))
+        dp_exposed += n_coll / 2 * layers * per_layer
 
     # FSDP units (one per layer + the root) each add hook and collective-launch costs per step. This
     # runtime also uses FSDP2 (replicate) instead of DDP for dp > 1 with tp > 1 or pp > 1.
@@ -285,14 +297,14 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     # of an idle link (on CPU ranks: copies and gloo threads competing with compute for the cores).
     tensors = stage_tensors(sh, layers, p == 1, True)
     grad_mb = grad_bytes / 1e6
-    if d > 1 and pl.zero == 3:
+    if d > 1 and pl.zero >= 2:
         dp_exposed += (layers + 1) * hw.fsdp_unit_overhead_us * 1e-6 + grad_mb * hw.fsdp_overhead_us_per_mb * 1e-6
     elif d > 1:
         dp_exposed += grad_mb * hw.dp_overhead_us_per_mb * 1e-6
-        if pl.zero == 0 and (t > 1 or p > 1):
+        if t > 1 or p > 1:  # replicated through FSDP2 units
             dp_exposed += (layers + 1) * hw.replicate_unit_overhead_us * 1e-6
-        elif pl.zero in (1, 2):  # ZeroRedundancyOptimizer broadcasts each parameter tensor after the step
-            dp_exposed += tensors * hw.zero1_overhead_us * 1e-6
+        if pl.zero == 1:  # broadcasts after the step: one per tensor under DDP, one per owner rank otherwise
+            dp_exposed += (d if (t > 1 or p > 1) else tensors) * hw.zero1_overhead_us * 1e-6
 
     # Adam reads and writes weights, grads and states of the parameters this rank updates.
     updated = stage_params / (d if pl.zero else 1)

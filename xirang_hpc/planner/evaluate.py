@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.config.validate import resolve_zero
 from xirang_hpc.planner.cost import Estimate, Plan, Problem, estimate
-from xirang_hpc.planner.search import Result, search
+from xirang_hpc.planner.search import Result, Space, search
 
 _KEYS = {"tp", "pp", "dp", "mbs", "v", "zero", "recompute", "sp", "schedule"}
 
@@ -43,7 +44,7 @@ def plan_from_config(cfg: XirangConfig) -> Plan:
     p, t = cfg.parallel, cfg.train
     dp = p.dp if p.dp > 0 else cfg.cluster.world_size // (p.tp * p.pp)
     accum = p.microbatches * t.grad_accum
-    zero = 3 if p.data_parallel == "fsdp" else (1 if p.optimizer_sharding else 0)
+    zero = resolve_zero(p).zero
     v = p.virtual_stages if p.schedule == "interleaved" else 1
     return Plan(dp=dp, tp=p.tp, pp=p.pp, micro=t.global_batch // (dp * accum), v=v, zero=zero,
                 recompute=p.recompute, sp=p.sequence_parallel, schedule="gpipe" if p.schedule == "gpipe" else "1f1b")
@@ -84,10 +85,10 @@ class Evaluation:
         return self.estimate.step_time / self.searched.ranked[0].step_time - 1
 
 
-def evaluate(pb: Problem, plan: Plan) -> Evaluation:
-    """Estimate ``plan`` and rank it among every fitting plan the search finds."""
+def evaluate(pb: Problem, plan: Plan, space: Space | None = None) -> Evaluation:
+    """Estimate ``plan`` and rank it among every fitting plan the search (over ``space``) finds."""
     est = estimate(pb, plan)
-    res = search(pb)
+    res = search(pb, space)
     rank = None
     if est.fits:
         rank = 1 + sum(1 for e in res.ranked if e.step_time < est.step_time * (1 - 1e-9))

@@ -57,7 +57,9 @@ class Hardware:
     fsdp_unit_overhead_us: float = 0.0  # per FSDP unit (layer) and step: gather/reduce hooks (ZeRO-3)
     replicate_unit_overhead_us: float = 0.0  # per FSDP2 unit and step when it only replicates (tp/pp > 1)
     optimizer_ns_per_param: float = 0.0  # grad clip + Adam per parameter updated, when above the bandwidth bound
-    zero1_overhead_us: float = 0.0  # per parameter tensor and step: ZeroRedundancyOptimizer's broadcasts
+    # Per broadcast of updated weights after a ZeRO-1 step: one per parameter tensor under DDP
+    # (ZeroRedundancyOptimizer), one per owner rank under FSDP2 replication (tp > 1 or pp > 1).
+    zero1_overhead_us: float = 0.0
     dp_overhead_us_per_mb: float = 0.0  # per MB of gradients synchronised by DDP / ZeRO-1 / replicate
     fsdp_buffer_factor: float = 0.0  # FSDP (ZeRO-3) buffers beyond 2 gathered layers, x unsharded parameter bytes
     fsdp_overhead_us_per_mb: float = 0.0  # per MB of gradients under FSDP (ZeRO-3): gathers, scatters, copies

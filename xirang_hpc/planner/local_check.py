@@ -44,7 +44,7 @@ def candidates(cfg: XirangConfig) -> list[tuple[str, Estimate, XirangConfig]]:
         if key in seen:
             continue
         seen.add(key)
-        zero = {0: "", 1: "zero1", 3: "fsdp"}[p.zero]
+        zero = {0: "", 1: "zero1", 2: "zero2", 3: "fsdp"}[p.zero]
         name = "x".join(f"{k}{v}" for k, v in (("dp", p.dp), ("tp", p.tp), ("pp", p.pp)) if v > 1) or "single"
         out.append((f"{zero}:{name}" if zero else name, e, validate(apply_plan(cfg, p))))
     return out

@@ -2,17 +2,24 @@
 
 - ``ddp``: ``DistributedDataParallel`` over the flattened ``dp`` sub-mesh. On a sliced mesh
   DDP first converts tensor-parallel DTensor parameters to their local shards, so dp x tp works.
-  Optional ZeRO-1 (``ZeroRedundancyOptimizer``) shards the optimizer state over dp.
 - ``fsdp``: FSDP2 per block, then the root. Parameters, gradients and optimizer state are
   sharded over ``dp_shard`` (ZeRO-3); with ``dp_replicate > 1`` the mesh is 2-D and FSDP2 runs
   HSDP: shard inside a group, all-reduce between groups. Parameter names do not change
   (``fully_shard`` swaps the module class in place; it does not wrap).
+
+ZeRO stages (``parallel.zero``): 0 replicates everything; 1 shards the optimizer state over dp
+(``ZeroRedundancyOptimizer`` under DDP; :class:`DpShardedOptimizer` where FSDP2 replicates for
+tp > 1 or pp > 1, whose parameters are DTensors); 2 is FSDP2 with ``reshard_after_forward=False``
+(weights gathered once per forward and kept for the backward, gradients reduce-scattered to shards
+in every microbatch); 3 is FSDP2 resharding after the forward too.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -69,10 +76,87 @@ def param_groups(model: nn.Module, t: TrainConfig) -> list[dict[str, object]]:
     return [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig, zero_mesh: DeviceMesh | None = None) -> torch.optim.Optimizer:
-    """AdamW; with ``zero_mesh`` its state is sharded over that (dp) mesh by ZeroRedundancyOptimizer."""
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores for ``p`` (its DTensor shard), aliasing the parameter's storage."""
+    with torch.no_grad():
+        return p.to_local() if isinstance(p, DTensor) else p.data
+
+
+def partition(sizes: list[int], ranks: int) -> list[int]:
+    """Owner rank of each tensor: largest first, each to the least-loaded rank (ties: lower index).
+
+    Deterministic from the sizes alone, so every rank of a dp group computes the same partition.
+    """
+    load, owner = [0] * ranks, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i], load[r] = r, load[r] + sizes[i]
+    return owner
+
+
+class DpShardedOptimizer:
+    """ZeRO-1 over a data-parallel group whose ranks hold replicated (possibly DTensor) parameters.
+
+    Each parameter tensor is owned by one dp rank (:func:`partition`); only the owner keeps AdamW
+    state for it and updates it, then every owner broadcasts its updated tensors to the group,
+    coalesced into one message per owner. The gradients are the replicated, already clipped ones,
+    and Adam is elementwise, so the update is bitwise the one a replicated optimizer would make.
+    Works on the local shards of tensor-parallel DTensors (each tp rank's dp group shares a shard),
+    which ``ZeroRedundancyOptimizer`` cannot. Interface as the checkpoint expects of ZeRO-1:
+    ``param_groups`` (every parameter; the trainer sets ``lr`` there) and ``optim`` (the local AdamW).
+    """
+
+    def __init__(self, groups: list[dict[str, object]], group: dist.ProcessGroup, **adamw: object) -> None:
+        self.group, self.ranks, self.me = group, dist.get_world_size(group), dist.get_rank(group)
+        self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]  # type: ignore[attr-defined]
+        self.owner = partition([_local(p).numel() for p in self.params], self.ranks)
+        mine = {id(p) for p, r in zip(self.params, self.owner) if r == self.me}
+        self.param_groups = [dict(g) for g in groups]
+        # Every group is kept (possibly empty) so hyperparameters line up with param_groups.
+        local = [{**g, "params": [p for p in g["params"] if id(p) in mine]} for g in groups]  # type: ignore[attr-defined]
+        self.optim = torch.optim.AdamW(local, **adamw)  # type: ignore[arg-type]
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """AdamW state of the parameters this rank owns."""
+        return self.optim.state  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update the owned parameters, then share every owner's updated tensors with the group."""
+        for g, lg in zip(self.param_groups, self.optim.param_groups):
+            lg.update({k: v for k, v in g.items() if k != "params"})
+        self.optim.step()
+        for r in range(self.ranks):
+            tensors = [_local(p) for p, o in zip(self.params, self.owner) if o == r]
+            if not tensors:
+                continue
+            flat = _flatten_dense_tensors(tensors)  # one message per owner, not one per tensor
+            dist.broadcast(flat, group=self.group, group_src=r)
+            if r != self.me:
+                for t, v in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+                    t.copy_(v)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) every parameter's gradient, owned or not."""
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig, zero_mesh: DeviceMesh | None = None,
+                    replicated_dtensors: bool = False) -> torch.optim.Optimizer:
+    """AdamW; with ``zero_mesh`` its state is sharded over that (dp) mesh (ZeRO-1).
+
+    ``replicated_dtensors``: the parameters are FSDP2-replicated DTensors (tp > 1 or pp > 1), sharded
+    by :class:`DpShardedOptimizer`; otherwise (DDP) by ``ZeroRedundancyOptimizer``.
+    """
     kw = {"lr": t.lr, "betas": (t.beta1, t.beta2)}
     groups = param_groups(model, t)
+    if zero_mesh is not None and replicated_dtensors:
+        return DpShardedOptimizer(groups, zero_mesh.get_group(), **kw)  # type: ignore[return-value]
     if zero_mesh is not None:
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                       process_group=zero_mesh.get_group(), weight_decay=t.weight_decay, **kw)

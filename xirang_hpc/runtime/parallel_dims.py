@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from xirang_hpc.config.schema import ParallelConfig
+from xirang_hpc.config.validate import resolve_zero
 from xirang_hpc.runtime.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class ParallelDims:
             raise LayoutError(f"parallel.dp={p.dp} is unresolved; load the config through "
                               "xirang_hpc.config.validate (load_config or validate), which derives it once")
         dp = p.dp
-        if p.data_parallel == "fsdp":
+        if resolve_zero(p).data_parallel == "fsdp":  # ZeRO-2/3
             rep = max(1, p.dp_replicate)
             if dp % rep:
                 raise LayoutError(f"parallel.dp_replicate={rep} must divide dp={dp}")
@@ -159,6 +160,11 @@ class Layout:
         """Collective: the layout of the running job (one all-gather of the placement)."""
         dims = ParallelDims.from_config(p, topo.world_size)
         return cls(dims=dims, placement=tuple(gather_nodes(topo)), parallel=p)
+
+    @property
+    def zero(self) -> int:
+        """ZeRO stage over dp: ``parallel.zero``, derived from the older fields when left at -1."""
+        return resolve_zero(self.parallel).zero
 
     @property
     def virtual_stages(self) -> int:

@@ -43,6 +43,7 @@ class ParallelModel:
     model: nn.Module  # the GPT (or this stage of it), full-model parameter names
     module: nn.Module  # what forward is called on (DDP wrapper or ``model``)
     data_parallel: str  # none | ddp | fsdp
+    zero: int = 0  # ZeRO stage over dp (parallel.zero, resolved)
     coords: dict[str, int] = field(default_factory=dict)
     stage_layers: range = range(0)
     schedule: object | None = None
@@ -117,7 +118,8 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
         # their names), and its reducer rejects the several forwards before a backward that a
         # 1F1B pipeline runs. FSDP2 with a shard degree of 1 is exactly replication (gradient
         # all-reduce over dp), DTensor- and pipeline-aware, so it stands in for DDP there.
-        apply_fsdp(model, mesh, dims, roots=chunks)
+        # ZeRO-2 keeps the gathered weights from forward to backward; ZeRO-3 (and replication) reshards.
+        apply_fsdp(model, mesh, dims, reshard_after_forward=layout.zero != 2, roots=chunks)
     if not _full_build:
         model.materialize(device, seed=t.seed)  # this rank's stage/shards only
         for c in chunks:  # stage views hold their own references to the (recomputed) rope tables
@@ -130,7 +132,8 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
     elif dims.dp > 1:
         module = apply_ddp(model, mesh, ddp_bucket_cap_mb(cfg.comm))
         kind = "ddp"
-    pm = ParallelModel(dims=dims, mesh=mesh, model=model, module=module, data_parallel=kind, coords=coords,
+    pm = ParallelModel(dims=dims, mesh=mesh, model=model, module=module, data_parallel=kind, zero=layout.zero,
+                       coords=coords,
                        stage_layers=ranges[stages[0]], precision=precision)
     if dims.pp > 1:
         pm.n_microbatches = p.microbatches * t.grad_accum
@@ -142,9 +145,13 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
 
 
 def make_optimizer(pm: ParallelModel, cfg: XirangConfig, layout: Layout) -> torch.optim.Optimizer:
-    """AdamW over this rank's parameters; ZeRO-1 over dp when the layout asks for it (DDP only)."""
-    zero = layout.parallel.optimizer_sharding and pm.data_parallel == "ddp"
-    return build_optimizer(pm.model, cfg.train, dp_mesh(pm.mesh) if zero else None)
+    """AdamW over this rank's parameters; ZeRO-1 shards its state over dp (under DDP or FSDP2 replication).
+
+    ZeRO-2/3 need nothing here: FSDP2's parameters are dp shards, so AdamW's state already is.
+    """
+    zero1 = pm.zero == 1 and pm.dims.dp > 1 and pm.dims.dp_shard == 1
+    return build_optimizer(pm.model, cfg.train, dp_mesh(pm.mesh) if zero1 else None,
+                           replicated_dtensors=pm.data_parallel == "fsdp")
 
 
 def _grad_sq_weighted(params: Iterable[nn.Parameter], replicas: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xirang_hpc.config.schema import XirangConfig
@@ -130,6 +131,10 @@ class Trainer:
             else:
                 total += lm_loss(self.ddp(x) if self.pm.data_parallel == "fsdp" else self.model(x), y).item()
         self.model.train()
+        if self.pm.zero == 2:  # no backward follows to reshard the weights gathered for evaluation: free them now
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
         return global_mean(self.pm, total / t.eval_batches)
 
     def _grads_replicated(self) -> bool:
@@ -162,7 +167,10 @@ class Trainer:
                 # Skip the gradient all-reduce on all but the last micro-step of an accumulation.
                 ctx = self.ddp.no_sync() if (not last and isinstance(self.ddp, DDP)) else contextlib.nullcontext()
                 if fsdp:
-                    self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+                    # ZeRO-2/3 reduce-scatter every microbatch so gradients stay sharded (their memory saving;
+                    # accumulating would hold full unsharded gradients); replication (ZeRO-0/1 under tp or pp)
+                    # accumulates locally and all-reduces once, on the last. planner/cost.py costs the same.
+                    self.model.set_requires_gradient_sync(last or self.pm.zero >= 2)  # type: ignore[operator]
                 with ctx:
                     self._phase("forward")
                     loss = lm_loss(self.ddp(xs), ys) / self.accum
