@@ -190,7 +190,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
         "enabled": False, "max_requeues": 1, "on_preemption": False, "on_timeout": False, "on_node_failure": False,
         "on_nonzero_exit": True, "backoff_s": 30, "start_now": True}.items()},
     "requeue.exclude_failed_nodes": (False, reads("xirang_hpc.launch.supervise"), []),
-    "requeue.max_restarts_in_job": (2, reads("xirang_hpc.launch.injob"), []),
+    "requeue.max_restarts_in_job": (3, reads("xirang_hpc.launch.injob"), []),  # the default preset says 2
     "requeue.min_nodes": (1, reads("xirang_hpc.config.elastic"), []),
     # data: what is trained on -> identity; where and how it is stored
     "data.corpus": ("/some/corpus", identity, []),
