@@ -137,7 +137,7 @@ def test_sigstop_hang_is_localized_stacks_dumped_job_aborted(launch, capsys) -> 
     # hang_s is what a healthy rank must never exceed between two phases, so on a loaded machine it is
     # what a false alarm would need: 20 s keeps that out of reach without a long wait for the real one.
     hang_s = 20.0
-    run, hb = launch.running(f"monitor.hang_s={hang_s}")
+    run, hb = launch.running(f"monitor.hang_s={hang_s}", "monitor.hang_k=0")  # the fixed bound everywhere
 
     # Status of a running run.
     s = run_status(run.run_dir)

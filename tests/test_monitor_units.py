@@ -15,7 +15,7 @@ import pytest
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import MonitorConfig
 from xirang_hpc.launch.status_cli import main as status_main
-from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess
+from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess, hang_bound
 from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
 from xirang_hpc.monitor.flops import flops_per_token, mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import (
@@ -51,6 +51,30 @@ def test_dead_rank_without_exit_record_is_primary_peers_are_not_faults() -> None
     # Reported once; a later death is a peer exit; no hang is assessed after a death.
     fs = assess(beats, {0: GONE, 1: GONE, 2: ALIVE, 3: GONE}, NOW + 100, TH, st)
     assert [(f.kind, f.rank) for f in fs] == [("peer_exit", 1)]
+
+
+def test_hang_inside_a_timed_step_is_named_within_k_times_the_step_time() -> None:
+    """hang_k: a rank stopped mid-step is hung after max(hang_min_s, k x step time), not after hang_s."""
+    th = Thresholds(hang_s=300, stale_s=5, hang_k=20, hang_min_s=10)
+    timed = {"step_s": 0.2, "timed_steps": 5, "local_s": 0.01}
+    assert hang_bound(beat(0, **timed), th) == 10  # 20 x 0.2 s = 4 s < hang_min_s
+    assert hang_bound(beat(0, **{**timed, "step_s": 2.0}), th) == 40
+    assert hang_bound(beat(0, **{**timed, "step_s": 60.0}), th) == 300  # never beyond hang_s
+    # No measured steps yet (the first step), or a phase outside the step: hang_s.
+    assert hang_bound(beat(0, step=0), th) == 300
+    for phase in ("start", "eval", "checkpoint", "comm"):
+        assert hang_bound(beat(0, phase=phase, **timed), th) == 300, phase
+    assert hang_bound(beat(0, **timed), Thresholds(hang_s=300, hang_k=0)) == 300  # off
+
+    beats = {r: beat(r, progress=NOW - 12, last=NOW - 0.5, **timed) for r in range(4)}
+    beats[2]["beat"] = NOW - 12
+    fs = assess(beats, {r: (STOPPED if r == 2 else ALIVE) for r in range(4)}, NOW, th, WatchState())
+    assert [(f.kind, f.rank) for f in fs] == [("hang", 2)] and "stopped" in fs[0].cause
+    assert fs[0].extra["bound_s"] == 10
+    # The same stall during a checkpoint save or evaluation is no alarm.
+    for phase in ("checkpoint", "eval"):
+        calm = {r: dict(hb, phase=phase) for r, hb in beats.items()}
+        assert assess(calm, {r: ALIVE for r in range(4)}, NOW, th, WatchState()) == [], phase
 
 
 def test_finished_rank_that_exits_is_not_dead() -> None:

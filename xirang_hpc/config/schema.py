@@ -473,7 +473,14 @@ class MonitorConfig:
     # Seconds between heartbeat writes (a background thread on every rank).
     heartbeat_s: float = 1.0
     # A rank that has not entered a new phase for this long is hung: stacks are dumped, the job aborted.
+    # The bound for phases without a measured duration: start-up, data preparation, the first step,
+    # evaluation, a checkpoint save.
     hang_s: float = 300.0
+    # Inside a training step (data/forward/backward/optimizer) once step times are measured, a rank is
+    # hung after max(hang_min_s, hang_k x its median step time) without a new phase (capped by hang_s):
+    # a hang is named in seconds. hang_k=0 turns this off (hang_s everywhere).
+    hang_k: float = 20.0
+    hang_min_s: float = 10.0
     # Heartbeat silence after which a rank's process counts as frozen or lost (its thread stopped too).
     stale_s: float = 10.0
     # Straggler: median local work time (data phase) over the window exceeds k x the ranks' median.
@@ -492,8 +499,10 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         _finite("monitor", self)
-        for name in ("heartbeat_s", "hang_s", "stale_s", "straggler_k", "straggler_window"):
+        for name in ("heartbeat_s", "hang_s", "stale_s", "straggler_k", "straggler_window", "hang_min_s"):
             _positive("monitor", name, getattr(self, name))
+        if self.hang_k < 0:
+            raise ConfigError("monitor.hang_k", self.hang_k, "must be >= 0 (0 = use monitor.hang_s in every phase)")
         if self.stale_s < 2 * self.heartbeat_s:
             raise ConfigError("monitor.stale_s", self.stale_s,
                               f"must be at least 2 x monitor.heartbeat_s={self.heartbeat_s}")

@@ -8,7 +8,8 @@ about the ranks on this host, into findings:
   (killed by a signal, OOM, segfault); if all left one, the earliest to exit. The others get an
   ``peer_exit`` finding (not a fault of their node).
 - ``unresponsive``: a rank on another host whose heartbeat thread went silent for ``stale_s``.
-- ``hang``: some rank has not entered a new phase for ``hang_s``. In a synchronous job every rank
+- ``hang``: some rank has not entered a new phase for its bound (:func:`hang_bound`: inside a timed
+  training step max(``hang_min_s``, ``hang_k`` x its step time), else ``hang_s``). In a synchronous job every rank
   stalls, so the culprit is chosen as (1) a rank whose process is stopped or whose heartbeat
   thread is silent (frozen process, lost node), else (2) the rank behind the others (lower step,
   or outside the ``comm`` phase others announced, or a phase the majority is not in: stuck before
@@ -42,6 +43,21 @@ class Thresholds:
     straggler_k: float = 2.0
     straggler_min_s: float = 0.05
     straggler_window: int = 5
+    hang_k: float = 0.0
+    hang_min_s: float = 10.0
+
+
+# A training step's phases: once a rank has timed steps, a stall in one of them is measured against
+# its step time (hang_k); every other phase (start, eval, checkpoint, comm) against hang_s.
+STEP_PHASES = ("data", "forward", "backward", "optimizer")
+
+
+def hang_bound(hb: dict[str, Any], th: Thresholds) -> float:
+    """Seconds without a new phase after which this rank counts as hung (see :class:`Thresholds`)."""
+    step_s = hb.get("step_s")
+    if th.hang_k > 0 and step_s and int(hb.get("timed_steps", 0)) >= 2 and hb.get("phase") in STEP_PHASES:
+        return min(th.hang_s, max(th.hang_min_s, th.hang_k * float(step_s)))
+    return th.hang_s
 
 
 @dataclass
@@ -166,12 +182,13 @@ def assess(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], now:
             st.unresponsive.add(r)
             out.append(_finding("unresponsive", hb, f"heartbeat silent for {now - hb['beat']:.0f}s on another host: "
                                 "process frozen, node lost or filesystem stalled"))
-    stalled = sorted(r for r, hb in live.items() if now - hb["progress"] > th.hang_s)
+    stalled = sorted(r for r, hb in live.items() if now - hb["progress"] > hang_bound(hb, th))
     if stalled:
         st.hang = True
         states = {str(r): f"step {hb.get('step')} {hb.get('phase')}" for r, hb in live.items()}
         for r, cause in _culprits(live, probes, now, th):
             out.append(_finding("hang", live[r], cause, stalled_ranks=stalled, states=states,
-                                stalled_s=round(now - live[r]["progress"], 1)))
+                                stalled_s=round(now - live[r]["progress"], 1),
+                                bound_s=round(hang_bound(live[stalled[0]], th), 1)))
         return out
     return out + _stragglers(live, th, st)

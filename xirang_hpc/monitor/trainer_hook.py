@@ -132,6 +132,6 @@ class MonitorHook(TrainerHook):
 
 
 def _watchdog_cfg(m: MonitorConfig) -> dict[str, Any]:
-    keys = ("hang_s", "stale_s", "straggler_k", "straggler_min_s", "straggler_window", "abort_on_hang",
-            "abort_on_dead", "stack_signal")
+    keys = ("hang_s", "hang_k", "hang_min_s", "stale_s", "straggler_k", "straggler_min_s", "straggler_window",
+            "abort_on_hang", "abort_on_dead", "stack_signal")
     return {k: getattr(m, k) for k in keys}
