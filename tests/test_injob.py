@@ -161,3 +161,20 @@ def test_driver_does_not_restart_a_job_that_stopped_itself(tmp_path):
     assert drive(run, tmp_path, {}, step=preempted, allocation=lambda _: ["n1", "n2"]) == 144
     assert json.loads((run / "slurm_job.json").read_text())["shrink_to"] == [1]
     assert not [e for e in read_events(run) if e["kind"].startswith("restart")]
+
+
+def test_min_nodes_lets_a_drained_job_start_shrunk_and_a_floor_the_layout_misses_is_refused(tmp_path):
+    cfg = _cfg("cluster=testbed", "requeue.max_restarts_in_job=1", "requeue.min_nodes=1")
+    text = make_slurm_executor(cfg.cluster, tmp_path, requeue=cfg.requeue)._make_submission_file_text("cmd", "7")
+    assert "#SBATCH --nodes=1-2" in text
+    run = _run_dir(tmp_path, "requeue.max_restarts_in_job=1", "requeue.min_nodes=1")
+    assert json.loads((run / "slurm_job.json").read_text())["min_alloc_nodes"] == 1
+    # Allocated one node only (the other drained): the first attempt already runs the shrunk layout.
+    play = Attempts(run, [None])
+    assert drive(run, tmp_path, {}, step=play, allocation=lambda _: ["n2"]) == 0
+    assert play.calls == [(["n2"], "1", "0")]
+    four = _cfg("cluster=testbed", "cluster.nodes=4", "cluster.tasks_per_node=1", "requeue.max_restarts_in_job=1",
+                "requeue.min_nodes=3")
+    (tmp_path / "c").mkdir()
+    with pytest.raises(ConfigError, match=r"requeue.min_nodes=3.*shrinks only to \[1, 2\]"):
+        write_job_file(four, tmp_path / "c")

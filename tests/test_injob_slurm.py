@@ -166,5 +166,28 @@ def test_node_loss_continues_shrunk_with_the_same_loss_curve(stdlib_data, tmp_pa
     np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-5)
 
 
+
+def test_requeued_job_with_a_drained_node_continues_shrunk(stdlib_data, tmp_path):
+    """2 x 2 with requeue.min_nodes=1, preempted; n2 drained meanwhile: the rerun starts on n1 alone, shrunk."""
+    args = _args(stdlib_data, tmp_path / "runs", "requeue.min_nodes=1", "train.priority=exploratory",
+                 "train.max_steps=80", "checkpoint.every_steps=10")
+    job, run = _submit(args)
+    assert "NumNodes=2-2" in _slurm_job(job) or "NumNodes=2" in _slurm_job(job)
+    _after_checkpoint(run)
+    # A `high` job needing both nodes preempts ours; n2 is drained while it runs.
+    subprocess.run(["sbatch", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null", "--wrap", "sleep 20"],
+                   check=True, capture_output=True)
+    try:
+        _wait(lambda: _ev(run, "requeue", 0), 120, "the preemption's requeue")
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=drain", "reason=in-job-restart-test"], check=True)
+        final = _final(run, timeout=600)
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], capture_output=True)
+    assert final["status"] == "completed", read_events(run)
+    rerun = _ev(run, "start", 1)[0]
+    assert (rerun["node"], rerun["nodes"], rerun["world_size"]) == ("n1", 1, 2), rerun
+    assert rerun["step"] >= 10
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -149,9 +149,33 @@ def make_slurm_executor(c: ClusterConfig, folder: Path, priority: str = "normal"
     params = sbatch_parameters(c, priority)
     if requeue is not None and requeue.max_restarts_in_job > 0:
         params["setup"] = [*params.get("setup", []), *injob_lines(Path(folder))]
-        params["additional_parameters"] = {**params["additional_parameters"], "no_kill": True}
+        extra = {**params["additional_parameters"], "no_kill": True}
+        if 0 < requeue.min_nodes < c.nodes:
+            # A node range: a (re)queued job whose nodes are drained or down starts on what is left,
+            # and the driver shrinks the layout to it. (submitit's own "nodes" stays the int it counts tasks with.)
+            extra["nodes"] = f"{requeue.min_nodes}-{c.nodes + c.spare_nodes}"
+        params["additional_parameters"] = extra
     ex.update_parameters(**params, teardown=supervisor_lines(Path(folder)))
     return ex
+
+
+def min_alloc_nodes(cfg: XirangConfig) -> int:
+    """The fewest nodes the job may be allocated: ``requeue.min_nodes`` when in-job restart may shrink to it.
+
+    A floor the layout cannot shrink to is refused here, before submission, naming the counts it can.
+    """
+    r, c = cfg.requeue, cfg.cluster
+    if not (r.max_restarts_in_job > 0 and 0 < r.min_nodes < c.nodes):
+        return c.nodes
+    from xirang_hpc.config.elastic import shrink_options
+
+    options = shrink_options(dataclasses.replace(cfg, requeue=dataclasses.replace(r, min_nodes=0)))
+    if r.min_nodes not in options:
+        raise ConfigError("requeue.min_nodes", r.min_nodes,
+                          f"the layout shrinks only to {options or 'no smaller'} node count(s) of cluster.nodes="
+                          f"{c.nodes} (dp must shrink by a whole factor, tp*pp must fit); choose one of them, "
+                          f"or 0 (no floor)")
+    return r.min_nodes
 
 
 def write_job_file(cfg: XirangConfig, run_dir: Path) -> None:
@@ -162,7 +186,8 @@ def write_job_file(cfg: XirangConfig, run_dir: Path) -> None:
                "nodes": cfg.cluster.nodes, "partition": scheduling_class(cfg.cluster, cfg.train.priority)[0],
                # For the in-job restart driver: how each step is placed, and the node counts a shrunk layout allows.
                "tasks_per_node": cfg.cluster.tasks_per_node, "spare_nodes": cfg.cluster.spare_nodes,
-               "srun_args": list(cfg.cluster.srun_args), "shrink_to": shrink_options(cfg)}
+               "srun_args": list(cfg.cluster.srun_args), "shrink_to": shrink_options(cfg),
+               "min_alloc_nodes": min_alloc_nodes(cfg)}
     (run_dir / JOB_FILE).write_text(json.dumps(payload, indent=1))
 
 

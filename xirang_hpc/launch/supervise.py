@@ -122,7 +122,8 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
         return rc
     excluded: list[str] = []
     if policy.exclude_failed_nodes and nodes:
-        excluded = exclusion(job_id, nodes, int(job["nodes"]), job.get("partition"))
+        # A job that may start shrunk (sbatch --nodes=min-max) still runs on its fewest nodes.
+        excluded = exclusion(job_id, nodes, int(job.get("min_alloc_nodes") or job["nodes"]), job.get("partition"))
     # Record the decision before acting: `scontrol requeue` makes Slurm end this batch script, and
     # anything after it may never run (the events would then miss the requeue).
     append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, restart=restart, excluded=excluded,
