@@ -172,7 +172,7 @@ def test_requeued_job_with_a_drained_node_continues_shrunk(stdlib_data, tmp_path
     args = _args(stdlib_data, tmp_path / "runs", "requeue.min_nodes=1", "train.priority=exploratory",
                  "train.max_steps=80", "checkpoint.every_steps=10")
     job, run = _submit(args)
-    assert "NumNodes=2-2" in _slurm_job(job) or "NumNodes=2" in _slurm_job(job)
+    assert "#SBATCH --nodes=1-2" in (run / "submitit" / f"{job}_submission.sh").read_text()
     _after_checkpoint(run)
     # A `high` job needing both nodes preempts ours; n2 is drained while it runs.
     subprocess.run(["sbatch", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null", "--wrap", "sleep 20"],
