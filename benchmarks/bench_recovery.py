@@ -6,9 +6,10 @@ One 2-node x 2-rank tiny-GPT job per (policy, fault), one after another, in one 
   ``requeue+now`` (the requeue with an immediate restart, ``requeue.start_now``), ``in-job``
   (in-job restart from the filesystem checkpoint; no spare node on a 2-node testbed, so the job
   goes on shrunk on the healthy node);
-- faults: ``kill9`` (SIGKILL of rank 3, on n2), ``sigstop`` (SIGSTOP of rank 3; ``monitor.hang_s``
-  below), ``node`` (node n2 lost: its slurmd, the job's slurmstepd there and its ranks SIGKILLed;
-  only the in-job restart can go on: a requeued 2-node job has no second node to run on).
+- faults: ``kill9`` (SIGKILL of rank 3, on the second node), ``sigstop`` (SIGSTOP of rank 3;
+  ``monitor.hang_s`` below), ``node`` (the second node lost: its slurmd, the job's slurmstepd
+  there and its ranks SIGKILLed; only the in-job restart can go on: a requeued 2-node job has no
+  second node to run on).
 
 Each fault hits 5 steps after the first periodic checkpoint (``checkpoint.every_steps``). Measured
 from the job's event log and metrics: detection (fault -> the watchdog's dead/hang event), recovery
@@ -70,6 +71,12 @@ def _progress(run: Path) -> int:
     return max((r.get("step", 0) for r in _metrics(run) if "loss" in r), default=0)
 
 
+def _second_node() -> str:
+    """The testbed's second node (n2 unless XIRANG_SLURM_NODE_PREFIX renamed them)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout
+    return sorted(set(out.split()), key=lambda n: (len(n), n))[1]
+
+
 def _lose_node(run: Path, node: str) -> None:
     ranks = [int(p.read_text().split()[1]) for p in (run / "ranks" / "r0").glob("*.start")
              if p.read_text().split()[0] == node]
@@ -110,7 +117,7 @@ def one(policy: str, fault: str, a: argparse.Namespace) -> dict:
         elif fault == "sigstop":
             os.kill(pid, signal.SIGSTOP)
         else:
-            _lose_node(run, "n2")
+            _lose_node(run, _second_node())
         first = _wait(lambda: _ev(run, "first_step", t_fault), a.timeout, "the first step after the fault")[0]
         start = _ev(run, "start", t_fault)[0]
         detect = [e["time"] for e in _ev(run, "dead", t_fault) + _ev(run, "hang", t_fault)]
@@ -122,7 +129,7 @@ def one(policy: str, fault: str, a: argparse.Namespace) -> dict:
     finally:
         subprocess.run(["scancel", job], capture_output=True)
         if fault == "node":
-            _revive("n2")
+            _revive(_second_node())
         _wait(lambda: job not in subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True,
                                                 text=True).stdout.split(), 120, "the job to leave the queue")
 

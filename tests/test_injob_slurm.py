@@ -1,4 +1,4 @@
-"""In-job restart on a real Slurm cluster (``tools/slurm-testbed``: 2 nodes n1, n2 on this machine).
+"""In-job restart on a real Slurm cluster (``tools/slurm-testbed``: 2 nodes on this machine).
 
 Each fault is real: ``kill -9`` of a rank, ``SIGSTOP`` of a rank, a node lost (its slurmd, its
 slurmstepd and its ranks killed with SIGKILL). The job must recover inside its allocation -- same
@@ -29,6 +29,7 @@ from test_slurm_e2e import (
     TRAIN,
     _ev,
     _final,
+    _nodes,
     _submit,
     _wait,
     _weights,
@@ -99,7 +100,7 @@ def test_kill9_recovered_on_the_spare_node_bitwise(stdlib_data, tmp_path):
     (restart,) = _recovered_inside(job, run)
     assert restart["node"] == first and restart["reason"].startswith("dead: rank 1") and not restart["shrunk"]
     second = _ev(run, "start")[-1]
-    assert second["node"] != first and second["node"] in ("n1", "n2") and second["step"] % 10 == 0 < second["step"]
+    assert second["node"] != first and second["node"] in _nodes() and second["step"] % 10 == 0 < second["step"]
     a, b = _weights(run, steps), _weights(_reference_dir(ref), steps)
     assert a.keys() == b.keys()
     for k in a:
@@ -145,20 +146,21 @@ def _revive_node(node: str) -> None:
 
 
 def test_node_loss_continues_shrunk_with_the_same_loss_curve(stdlib_data, tmp_path):
-    """2 nodes x 2 ranks, node n2 lost: the job goes on on n1 alone (dp 2, grad_accum 2), same losses."""
+    """2 nodes x 2 ranks, the second node lost: the job goes on on the first alone (dp 2, grad_accum 2), same losses."""
+    first, second = _nodes()[:2]
     steps = 80
     args = _args(stdlib_data, tmp_path / "runs", f"train.max_steps={steps}", "checkpoint.every_steps=10")
     ref = _reference(args, tmp_path / "ref")
     job, run = _submit(args)
     _after_checkpoint(run)
     try:
-        _lose_node(run, "n2")
+        _lose_node(run, second)
         (restart,) = _recovered_inside(job, run)
     finally:
-        _revive_node("n2")
-    assert restart["node"] == "n2" and restart["nodes"] == ["n1"] and restart["shrunk"], restart
+        _revive_node(second)
+    assert restart["node"] == second and restart["nodes"] == [first] and restart["shrunk"], restart
     start = _ev(run, "start")[-1]
-    assert (start["node"], start["nodes"], start["world_size"]) == ("n1", 1, 2), start
+    assert (start["node"], start["nodes"], start["world_size"]) == (first, 1, 2), start
     ours, theirs = _losses(run), _losses(_reference_dir(ref))
     resumed = start["step"]
     after = [s for s in ours if s > resumed]
@@ -168,24 +170,26 @@ def test_node_loss_continues_shrunk_with_the_same_loss_curve(stdlib_data, tmp_pa
 
 
 def test_requeued_job_with_a_drained_node_continues_shrunk(stdlib_data, tmp_path):
-    """2 x 2 with requeue.min_nodes=1, preempted; n2 drained meanwhile: the rerun starts on n1 alone, shrunk."""
+    """2 x 2 with requeue.min_nodes=1, preempted; node 2 drained meanwhile: the rerun starts on node 1 alone, shrunk."""
+    first, second = _nodes()[:2]
     args = _args(stdlib_data, tmp_path / "runs", "requeue.min_nodes=1", "train.priority=exploratory",
                  "train.max_steps=80", "checkpoint.every_steps=10")
     job, run = _submit(args)
     assert "#SBATCH --nodes=1-2" in (run / "submitit" / f"{job}_submission.sh").read_text()
     _after_checkpoint(run)
-    # A `high` job needing both nodes preempts ours; n2 is drained while it runs.
+    # A `high` job needing both nodes preempts ours; the second node is drained while it runs.
     subprocess.run(["sbatch", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null", "--wrap", "sleep 20"],
                    check=True, capture_output=True)
     try:
         _wait(lambda: _ev(run, "requeue", 0), 120, "the preemption's requeue")
-        subprocess.run(["scontrol", "update", "nodename=n2", "state=drain", "reason=in-job-restart-test"], check=True)
+        subprocess.run(["scontrol", "update", f"nodename={second}", "state=drain", "reason=in-job-restart-test"],
+                       check=True)
         final = _final(run, timeout=600)
     finally:
-        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], capture_output=True)
+        subprocess.run(["scontrol", "update", f"nodename={second}", "state=resume"], capture_output=True)
     assert final["status"] == "completed", read_events(run)
     rerun = _ev(run, "start", 1)[0]
-    assert (rerun["node"], rerun["nodes"], rerun["world_size"]) == ("n1", 1, 2), rerun
+    assert (rerun["node"], rerun["nodes"], rerun["world_size"]) == (first, 1, 2), rerun
     assert rerun["step"] >= 10
 
 
