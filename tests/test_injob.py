@@ -123,7 +123,8 @@ def _run_dir(tmp_path: Path, *overrides: str) -> Path:
 def test_driver_restarts_on_a_spare_then_shrinks_then_gives_up(tmp_path):
     run = _run_dir(tmp_path, "requeue.max_restarts_in_job=3", "cluster.spare_nodes=1")
     play = Attempts(run, ["n1", "n3", "n2"])
-    rc = drive(run, tmp_path / "sub", {"SLURM_JOB_ID": "5"}, step=play, allocation=lambda _: ["n1", "n2", "n3"])
+    rc = drive(run, tmp_path / "sub", {"SLURM_JOB_ID": "5"}, step=play, allocation=lambda _: ["n1", "n2", "n3"],
+               preempted=lambda _: None)
     assert rc == 137
     assert play.calls == [(["n1", "n2"], "2", "0"), (["n2", "n3"], "2", "1"), (["n2"], "1", "2")]
     restarts = [e for e in read_events(run) if e["kind"] == "restart"]
@@ -159,6 +160,13 @@ def test_driver_does_not_restart_a_job_that_stopped_itself(tmp_path):
         return 144
 
     assert drive(run, tmp_path, {}, step=preempted, allocation=lambda _: ["n1", "n2"]) == 144
+    # Preempted while the ranks were starting (no handler yet): ranks died without exiting, Slurm has
+    # a PreemptTime; that is the supervisor's preemption, not a node to exclude.
+    play = Attempts(run, ["n2"])
+    env = {"SLURM_JOB_ID": "9", "SLURM_RESTART_COUNT": "1"}
+    assert drive(run, tmp_path, env, step=play, allocation=lambda _: ["n1", "n2"],
+                 preempted=lambda job: "2026-11-30T18:00:00" if job == "9" else None) == 137
+    assert len(play.calls) == 1
     assert json.loads((run / "slurm_job.json").read_text())["shrink_to"] == [1]
     assert not [e for e in read_events(run) if e["kind"].startswith("restart")]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xirang_hpc.launch.supervise import already_handled, hostnames, run_dir_for_task, supervise
+from xirang_hpc.launch.supervise import already_handled, hostnames, preempt_time, run_dir_for_task, supervise
 from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
 from xirang_hpc.runtime.markers import missing_ranks
 
@@ -124,7 +124,8 @@ def archive_markers(run_dir: Path, restart: int, attempt: int) -> None:
 
 
 def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys.executable,
-          step: Callable[..., int] = run_step, allocation: Callable[[str], list[str]] = hostnames) -> int:
+          step: Callable[..., int] = run_step, allocation: Callable[[str], list[str]] = hostnames,
+          preempted: Callable[[str], str | None] = preempt_time) -> int:
     """Run attempts until one ends without a restartable failure; returns the last step's exit code."""
     job = json.loads((run_dir / "slurm_job.json").read_text())
     policy = job["requeue"]
@@ -145,6 +146,8 @@ def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys
         rc = step(srun_command(job, folder, plan.nodes, attempt, python, env), step_env, run_dir, since)
         if rc == 0 or already_handled(run_dir, restart):
             return rc  # finished, or the job itself stopped (preemption, time limit): not ours to restart
+        if job_id and preempted(job_id):
+            return rc  # preempted before the ranks' own handler could act: Slurm takes the job; the supervisor says so
         failed, cause, fault_time = culprits(run_dir, restart, since)
         if not failed:
             return rc  # a plain non-zero exit: restarting would repeat it; the policy decides
