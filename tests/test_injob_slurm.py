@@ -178,10 +178,12 @@ def test_requeued_job_with_a_drained_node_continues_shrunk(stdlib_data, tmp_path
     assert "#SBATCH --nodes=1-2" in (run / "submitit" / f"{job}_submission.sh").read_text()
     _after_checkpoint(run)
     # A `high` job needing both nodes preempts ours; the second node is drained while it runs.
-    subprocess.run(["sbatch", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null", "--wrap", "sleep 20"],
-                   check=True, capture_output=True)
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null",
+                           "--wrap", "sleep 20"], check=True, capture_output=True, text=True).stdout.strip()
     try:
         _wait(lambda: _ev(run, "requeue", 0), 120, "the preemption's requeue")
+        # Drain only once the preemptor holds both nodes (draining earlier would keep it pending forever).
+        _wait(lambda: "JobState=RUNNING" in _slurm_job(high), 120, "the preempting job to run")
         subprocess.run(["scontrol", "update", f"nodename={second}", "state=drain", "reason=in-job-restart-test"],
                        check=True)
         final = _final(run, timeout=600)
