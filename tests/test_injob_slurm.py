@@ -168,32 +168,5 @@ def test_node_loss_continues_shrunk_with_the_same_loss_curve(stdlib_data, tmp_pa
     np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-5)
 
 
-
-def test_requeued_job_with_a_drained_node_continues_shrunk(stdlib_data, tmp_path):
-    """2 x 2 with requeue.min_nodes=1, preempted; node 2 drained meanwhile: the rerun starts on node 1 alone, shrunk."""
-    first, second = _nodes()[:2]
-    args = _args(stdlib_data, tmp_path / "runs", "requeue.min_nodes=1", "train.priority=exploratory",
-                 "train.max_steps=80", "checkpoint.every_steps=10")
-    job, run = _submit(args)
-    assert "#SBATCH --nodes=1-2" in (run / "submitit" / f"{job}_submission.sh").read_text()
-    _after_checkpoint(run)
-    # A `high` job needing both nodes preempts ours; the second node is drained while it runs.
-    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null",
-                           "--wrap", "sleep 20"], check=True, capture_output=True, text=True).stdout.strip()
-    try:
-        _wait(lambda: _ev(run, "requeue", 0), 120, "the preemption's requeue")
-        # Drain only once the preemptor holds both nodes (draining earlier would keep it pending forever).
-        _wait(lambda: "JobState=RUNNING" in _slurm_job(high), 120, "the preempting job to run")
-        subprocess.run(["scontrol", "update", f"nodename={second}", "state=drain", "reason=in-job-restart-test"],
-                       check=True)
-        final = _final(run, timeout=600)
-    finally:
-        subprocess.run(["scontrol", "update", f"nodename={second}", "state=resume"], capture_output=True)
-    assert final["status"] == "completed", read_events(run)
-    rerun = _ev(run, "start", 1)[0]
-    assert (rerun["node"], rerun["nodes"], rerun["world_size"]) == (first, 1, 2), rerun
-    assert rerun["step"] >= 10
-
-
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
