@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,29 @@ from xirang_hpc.launch.hydra_setup import register_configs
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "xirang_hpc" / "conf")
 TIERS = ("unit", "slow", "slurm")
+
+
+@contextlib.contextmanager
+def slurm_conf_env(conf: str) -> Iterator[str]:
+    """``SLURM_CONF=conf`` for the block, the previous value restored after (also when the block skips):
+    Slurm's clients and submitit read it from the environment."""
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf
+    try:
+        yield conf
+    finally:
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+def registered_clusters(conf: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Clusters registered in the testbed's slurmdbd whose slurmctld has connected (a control port): the ones a
+    job can be submitted to. Returns sacctmgr's result too, for skip messages."""
+    out = subprocess.run(["sacctmgr", "-n", "-P", "show", "cluster", "format=cluster,controlport"],
+                         capture_output=True, text=True, env={**os.environ, "SLURM_CONF": conf}, timeout=timeout)
+    return out, [ln.split("|")[0] for ln in out.stdout.split() if ln.split("|")[-1] not in ("", "0")]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import slurm_conf_env
 
 from xirang_hpc.monitor.events import append_event
 from xirang_hpc.monitor.slurmdb import SlurmDB
@@ -33,15 +34,10 @@ def slurm() -> str:
     conf = os.environ.get("XIRANG_SLURM_CONF")
     if not conf:
         pytest.skip("no Slurm testbed: run `tools/slurm-testbed start` as root and export XIRANG_SLURM_CONF")
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = conf
-    if not SlurmDB().accounting_enabled():
-        pytest.skip("the testbed runs without accounting (XIRANG_SLURM_ACCOUNTING=0)")
-    yield conf
-    if old is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = old
+    with slurm_conf_env(conf):
+        if not SlurmDB().accounting_enabled():
+            pytest.skip("the testbed runs without accounting (XIRANG_SLURM_ACCOUNTING=0)")
+        yield conf
 
 
 def _sh(*argv: str) -> str:

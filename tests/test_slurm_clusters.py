@@ -13,6 +13,7 @@ import subprocess
 import time
 
 import pytest
+from conftest import registered_clusters
 
 pytestmark = pytest.mark.slurm
 
@@ -29,10 +30,7 @@ def clusters() -> tuple[dict[str, str], list[str]]:
     if not conf:
         pytest.skip("no Slurm testbed (XIRANG_SLURM_CONF unset)")
     env = {**os.environ, "SLURM_CONF": conf}
-    out = subprocess.run(["sacctmgr", "-n", "-P", "show", "cluster", "format=cluster,controlport"],
-                         capture_output=True, text=True, env=env, timeout=300)
-    # Registered clusters whose slurmctld has connected (a control port): the ones we can submit to.
-    names = [ln.split("|")[0] for ln in out.stdout.split() if ln.split("|")[-1] not in ("", "0")]
+    out, names = registered_clusters(conf)
     if out.returncode != 0 or len(names) < 2:
         pytest.skip(f"XIRANG_SLURM_CONF is not a multi-cluster testbed (clusters: {names or out.stderr.strip()}); "
                     "start one with `tools/slurm-testbed start --clusters alpha,beta`")

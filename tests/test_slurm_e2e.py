@@ -21,6 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from conftest import slurm_conf_env
 
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.runtime.markers import rank_pid
@@ -40,13 +41,8 @@ def slurm() -> str:
         out = subprocess.run([str(ROOT / "tools" / "slurm-testbed"), "start"], capture_output=True, text=True)
         assert out.returncode == 0, f"tools/slurm-testbed start failed:\n{out.stderr}"
         conf = out.stdout.strip().splitlines()[-1].split("=", 1)[1]
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = conf
-    yield conf
-    if old is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = old
+    with slurm_conf_env(conf):
+        yield conf
 
 
 def _nodes() -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import registered_clusters, slurm_conf_env
 from test_slurm_e2e import TRAIN, _ev, _final, _wait, _weights
 
 from xirang_hpc.launch.sites import read_site_state
@@ -27,20 +28,12 @@ def two_sites() -> str:
     conf = os.environ.get("XIRANG_SLURM_CONF")
     if not conf:
         pytest.skip("no Slurm testbed (XIRANG_SLURM_CONF unset)")
-    env = {**os.environ, "SLURM_CONF": conf}
-    out = subprocess.run(["sacctmgr", "-n", "-P", "show", "cluster", "format=cluster,controlport"],
-                         capture_output=True, text=True, env=env, timeout=60)
-    names = [ln.split("|")[0] for ln in out.stdout.split() if ln.split("|")[-1] not in ("", "0")]
+    _, names = registered_clusters(conf)
     if not {"alpha", "beta"} <= set(names):
         pytest.skip(f"needs the clusters alpha and beta (have {names}); "
                     "start them with `tools/slurm-testbed start --clusters alpha,beta`")
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = conf
-    yield conf
-    if old is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = old
+    with slurm_conf_env(conf):
+        yield conf
 
 
 def _fill(site: str) -> str:
