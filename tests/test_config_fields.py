@@ -185,6 +185,10 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "checkpoint.auto_interval": (True, reads("xirang_hpc.checkpoint.trainer_hook"), []),
     "checkpoint.mtbf_hours": (2.0, reads("xirang_hpc.checkpoint.trainer_hook"), ["checkpoint.auto_interval=true"]),
     "checkpoint.dir_mode": (0o750, reads("xirang_hpc.launch.preflight"), []),
+    "checkpoint.in_memory": (True, reads("xirang_hpc.checkpoint.trainer_hook"), []),
+    "checkpoint.memory_every_steps": (3, reads("xirang_hpc.checkpoint.trainer_hook"), ["checkpoint.in_memory=true"]),
+    "checkpoint.memory_dir": ("/dev/shm/other", reads("xirang_hpc.checkpoint.trainer_hook"),
+                              ["checkpoint.in_memory=true"]),
     # requeue: the decisions for every stop reason and restart count
     **{f"requeue.{k}": (v, requeue_decisions, []) for k, v in {
         "enabled": False, "max_requeues": 1, "on_preemption": False, "on_timeout": False, "on_node_failure": False,

@@ -29,9 +29,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.errors import CheckpointWriteError, write_error
+from xirang_hpc.checkpoint.memory import MemoryRecord, MemoryStore, Prepared
 from xirang_hpc.checkpoint.retention import RetentionPolicy, prune
 from xirang_hpc.checkpoint.snapshot import HostSnapshot
-from xirang_hpc.checkpoint.storage import METADATA_FILE, HDF5StorageReader, HDF5StorageWriter
+from xirang_hpc.checkpoint.storage import METADATA_FILE, HDF5StorageReader, HDF5StorageWriter, verify_file
 
 log = logging.getLogger(__name__)
 now: Callable[[], float] = time.perf_counter
@@ -51,6 +52,7 @@ class SaveRecord:
     prune_s: float = 0.0
     new_bytes: int = 0
     ref_bytes: int = 0
+    memory: MemoryRecord | None = None  # the in-memory copy, when this save kept one
 
 
 @dataclass
@@ -62,6 +64,9 @@ class LoadResult:
     state: dict[str, Any]
     rank_state: dict[str, Any] | None
     skipped: list[tuple[int, str]] = field(default_factory=list)
+    source: str = "filesystem"  # or "memory" (node-local memory + replicas, see checkpoint/memory.py)
+    local_bytes: int = 0  # memory restores: bytes this node held, and bytes moved to it over the group
+    received_bytes: int = 0
 
 
 def _explain(exc: BaseException) -> str:
@@ -77,8 +82,12 @@ class CheckpointManager:
     def __init__(self, root: Path, *, rank: int = 0, world_size: int = 1, group: Any = None,
                  compression: str = "none", dedup: bool = False, dir_mode: int = 0o700,
                  retention: RetentionPolicy | None = None, async_save: bool = True,
-                 verify_checksums: bool = True, on_commit: Callable[[SaveRecord, Path], None] | None = None) -> None:
+                 verify_checksums: bool = True, on_commit: Callable[[SaveRecord, Path], None] | None = None,
+                 memory: MemoryStore | None = None,
+                 on_memory: Callable[[MemoryRecord], None] | None = None) -> None:
         self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
+        # The in-memory copy (None = off); ``on_memory`` is called on every rank after each memory save.
+        self.memory, self.on_memory = memory, on_memory
         # Called on rank 0 once a step is committed on every rank (the run's events.jsonl records it).
         self.on_commit = on_commit
         self.compression, self.dedup, self.dir_mode = compression, dedup, dir_mode
@@ -127,23 +136,25 @@ class CheckpointManager:
 
     def save(self, step: int, tensors: dict[str, Any], state: dict[str, Any] | None = None,
              rank_state: dict[str, Any] | None = None, info: dict[str, Any] | None = None,
-             block: bool | None = None) -> SaveRecord:
+             block: bool | None = None, to_disk: bool = True, to_memory: bool = False) -> SaveRecord:
         """Checkpoint ``tensors`` (a DCP state dict) at ``step``; returns once the snapshot is taken.
 
         ``state``: JSON for ``state.json`` (rank 0's copy is written); ``rank_state``: this rank's
         JSON (RNG); ``info``: layout facts for the manifest. Waits for the previous save first.
+        ``to_memory`` also keeps it in node-local memory with a replica on another node (needs
+        ``memory``); ``to_disk=False`` keeps it only there.
         """
         self.wait()
         t0 = now()
         snap = self._snap.snapshot(tensors)
         rec = SaveRecord(step=step, stall_s=now() - t0)
         self.history.append(rec)
-        args = (rec, snap, state or {}, rank_state or {}, info or {})
+        args = (rec, snap, state or {}, rank_state or {}, info or {}, to_disk, to_memory and self.memory is not None)
         if (self.async_save if block is None else not block):
             self._thread = threading.Thread(target=self._persist_guarded, args=args, name=f"ckpt-{step}", daemon=True)
             self._thread.start()
         else:
-            self._persist(*args)
+            self._persist_both(*args)
         return rec
 
     def wait(self) -> None:
@@ -157,9 +168,24 @@ class CheckpointManager:
                 raise err
             raise RuntimeError(f"background checkpoint save failed: {err}") from err
 
+    def _persist_both(self, rec: SaveRecord, snap: dict[str, Any], state: dict[str, Any],
+                      rank_state: dict[str, Any], info: dict[str, Any], to_disk: bool, to_memory: bool) -> None:
+        """Memory first (seconds-fast, the newest recovery point), then the durable filesystem checkpoint."""
+        if to_memory:
+            assert self.memory is not None
+            try:
+                rec.memory = self.memory.save(rec.step, snap, state, rank_state)
+            except OSError as exc:  # e.g. tmpfs full: the filesystem checkpoint still protects the run
+                log.warning("in-memory checkpoint of step %d failed: %s", rec.step, exc)
+            else:
+                if self.on_memory is not None:
+                    self.on_memory(rec.memory)
+        if to_disk:
+            self._persist(rec, snap, state, rank_state, info)
+
     def _persist_guarded(self, *args: Any) -> None:
         try:
-            self._persist(*args)
+            self._persist_both(*args)
         except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
             log.exception("background checkpoint save failed")
             self._error = exc
@@ -250,6 +276,48 @@ class CheckpointManager:
     def candidates(self) -> list[int]:
         """Committed steps, newest first (rank 0's view, shared with every rank)."""
         return self._bcast(sorted(ckpt_layout.committed_steps(self.root), reverse=True) if self.rank == 0 else None)
+
+    def load_memory(self, tensors: dict[str, Any], fs_step: int | None) -> LoadResult | str:
+        """Load the newest in-memory step into ``tensors`` (collective); the reason when the filesystem must be used.
+
+        Used when it is complete across the surviving nodes, not older than ``fs_step`` and every file
+        it reads passes its checksum (see :mod:`xirang_hpc.checkpoint.memory`).
+        """
+        if self.memory is None:
+            return "checkpoint.in_memory is off"
+        self.wait()
+        got = self.memory.prepare(fs_step)
+        if isinstance(got, str):
+            self.memory.prune(None)
+            return got
+        problem = self._load_prepared(tensors, got)
+        if problem is not None:
+            self.memory.prune(None)
+            return f"memory copy of step {got.step} not loadable: {problem}"
+        rank_file = got.path / f"rank_{self.rank}.json"
+        rank_state = json.loads(rank_file.read_text()) if self.rank < got.world_size else None
+        res = LoadResult(got.step, got.path, ckpt_layout.read_state(got.path), rank_state, source="memory",
+                         local_bytes=got.local_bytes, received_bytes=got.received_bytes)
+        self.memory.prune(got.step)
+        return res
+
+    def _load_prepared(self, tensors: dict[str, Any], got: Prepared) -> str | None:
+        """DCP load from a complete memory step; the problem in words (same on every rank) or None."""
+        problem = None
+        try:  # the small JSON files here; the reader checksums the tensor files it reads
+            for name in (METADATA_FILE, ckpt_layout.STATE, f"rank_{self.rank}.json"):
+                if name in got.checksums:
+                    verify_file(got.path / name, got.checksums[name])
+        except ckpt_layout.CheckpointCorruptError as exc:
+            problem = str(exc)
+        problems = [p for p in self._gather(problem) if p]
+        if problems:
+            return "; ".join(problems)
+        try:
+            dcp.load(tensors, storage_reader=HDF5StorageReader(got.path, got.checksums), process_group=self.group)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every rank's failure
+            return _explain(exc)
+        return None
 
     def load(self, tensors: dict[str, Any], step: int | None = None, fallback: bool = True) -> LoadResult | None:
         """Load the newest good checkpoint (or ``step``) into ``tensors`` in place.

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from xirang_hpc.checkpoint import extra as ckpt_extra
 from xirang_hpc.checkpoint import state as ckpt_state
 from xirang_hpc.checkpoint.identity import read_identity, write_identity
-from xirang_hpc.checkpoint.manager import CheckpointManager, SaveRecord
+from xirang_hpc.checkpoint.manager import CheckpointManager, LoadResult, SaveRecord
+from xirang_hpc.checkpoint.memory import MemoryRecord, MemoryStore, memory_root
 from xirang_hpc.checkpoint.retention import RetentionPolicy
 from xirang_hpc.checkpoint.rollback import fork_for_resume
 from xirang_hpc.checkpoint.snapshot import restore_rng
@@ -42,7 +43,12 @@ class CheckpointHook(TrainerHook):
         self.mgr: CheckpointManager | None = None
         self.group: Any = None
         self.every = cfg.checkpoint.every_steps
+        # Recovery from memory (checkpoint/memory.py): how often the node-local copy is refreshed.
+        c = cfg.checkpoint
+        self.mem_every = (c.memory_every_steps or c.every_steps) if c.in_memory else 0
+        self.memory: MemoryStore | None = None
         self.last_saved = -1
+        self.last_mem = -1
         self.tuner: IntervalTuner | None = None
         self._last_step_t: float | None = None
         self._step_times: list[float] = []
@@ -86,11 +92,16 @@ class CheckpointHook(TrainerHook):
             # Background saves must never share a communicator with training.
             self.group = dist.new_group(backend="gloo")
         self.run_dir = self._resolve_run_dir(trainer)
+        if c.in_memory:
+            self.memory = MemoryStore(memory_root(self.topo.job_id, self.run_dir, c.memory_dir),
+                                      node=self.topo.node_name, rank=self.topo.rank, world_size=self.topo.world_size,
+                                      group=self.group)
         self.mgr = CheckpointManager(
             self.run_dir / "checkpoints", rank=self.topo.rank, world_size=self.topo.world_size, group=self.group,
             compression=c.compression, dedup=c.dedup, dir_mode=c.dir_mode, async_save=c.async_save,
             retention=RetentionPolicy(c.keep_last, c.keep_every, tuple(c.pinned)), verify_checksums=c.verify_checksums,
-            on_commit=self._committed if self.topo.rank == 0 else None)
+            on_commit=self._committed if self.topo.rank == 0 else None, memory=self.memory,
+            on_memory=self._kept_in_memory if self.topo.rank == 0 else None)
         self.mgr.cleanup_leftovers()
         restored = self.restore(trainer)
         if self.topo.rank == 0:
@@ -98,21 +109,50 @@ class CheckpointHook(TrainerHook):
                 f.write(json.dumps({"time": time.time(), "step": restored}) + "\n")
         if c.auto_interval:
             self.tuner = IntervalTuner(mtbf_s=c.mtbf_hours * 3600, history=read_history(self.mgr.root))
-        self.last_saved = restored
+        self.last_saved = self.last_mem = restored
 
     def _committed(self, rec: SaveRecord, path: Path) -> None:
         """Rank 0, after a commit: record it in events.jsonl (the history survives retention pruning)."""
         self.events.append("checkpoint", f"step {rec.step} committed", step=rec.step, path=str(path),
                            stall_s=round(rec.stall_s, 4), persist_s=round(rec.persist_s, 4), new_bytes=rec.new_bytes)
 
-    def restore(self, trainer: Any) -> int:
-        """Load the newest good checkpoint into the trainer; returns its step (0 when none)."""
+    def _kept_in_memory(self, rec: MemoryRecord) -> None:
+        """Rank 0, after each in-memory save (every rank holds its bundle and a replica)."""
+        self.events.append("memory_checkpoint", f"step {rec.step} kept in memory", step=rec.step,
+                           bytes=rec.bytes, replica_bytes=rec.replica_bytes, seconds=round(rec.seconds, 4))
+
+    def _event(self, kind: str, reason: str, **fields: Any) -> None:
+        if self.topo.rank == 0:
+            self.events.append(kind, reason, **fields)
+
+    def _load(self, trainer: Any) -> tuple[LoadResult | None, dict[str, Any], list[dict[str, Any]]]:
+        """The newest checkpoint: from memory when it is usable (see checkpoint/memory.py), else from disk."""
         assert self.mgr is not None
-        if not self.mgr.candidates():
-            return 0
+        fs_steps = self.mgr.candidates()
+        if self.memory is None and not fs_steps:
+            return None, {}, []
         # Building the template initialises optimizer state; only do it when there is something to load.
         tensors, groups = ckpt_state.tensor_state(trainer.model, trainer.opt)
+        reason = ""
+        if self.memory is not None:
+            got = self.mgr.load_memory(tensors, fs_steps[0] if fs_steps else None)
+            if isinstance(got, LoadResult):
+                self._event("restore", f"step {got.step} from memory ({got.received_bytes} bytes moved from "
+                            "other nodes)", source="memory", step=got.step, local_bytes=got.local_bytes,
+                            received_bytes=got.received_bytes)
+                return got, tensors, groups
+            reason = got
+        if not fs_steps:
+            return None, tensors, groups
         res = self.mgr.load(tensors)
+        if res is not None:
+            self._event("restore", f"step {res.step} from the filesystem" + (f" ({reason})" if reason else ""),
+                        source="filesystem", step=res.step, **({"memory": reason} if reason else {}))
+        return res, tensors, groups
+
+    def restore(self, trainer: Any) -> int:
+        """Load the newest good checkpoint into the trainer; returns its step (0 when none)."""
+        res, tensors, groups = self._load(trainer)
         if res is None:
             return 0
         ckpt_state.apply_tensor_state(trainer.model, trainer.opt, tensors, res.state["param_groups"], groups)
@@ -127,10 +167,10 @@ class CheckpointHook(TrainerHook):
             trainer.log(f"checkpoint: no saved state for {sorted(missing)} in {res.path}; starting it fresh")
         if self.topo.rank == 0:
             ckpt_state.rewrite_metrics(Path(trainer.metrics_path), res.state.get("metrics", []))
-            trainer.log(f"checkpoint: resumed from {res.path} (step {res.step})")
+            trainer.log(f"checkpoint: resumed from {res.path} (step {res.step}, {res.source})")
         return res.step
 
-    def _save(self, trainer: Any, block: bool) -> int:
+    def _save(self, trainer: Any, block: bool, to_disk: bool = True, to_memory: bool = False) -> int:
         assert self.mgr is not None
         step = trainer.state.step
         tensors, groups = ckpt_state.tensor_state(trainer.model, trainer.opt)
@@ -140,8 +180,12 @@ class CheckpointHook(TrainerHook):
         tensors.update(extra_tensors)
         rank_state = {**ckpt_state.rank_state_json(trainer), **({"extra": extra_json} if extra_json else {})}
         self.mgr.save(step, tensors, state=state, rank_state=rank_state,
-                      info={"layout": ckpt_state.layout_json(trainer)}, block=block)
-        self.last_saved = step
+                      info={"layout": ckpt_state.layout_json(trainer)}, block=block, to_disk=to_disk,
+                      to_memory=to_memory)
+        if to_disk:
+            self.last_saved = step
+        if to_memory:
+            self.last_mem = step
         return step
 
     def save_now(self, trainer: Any) -> int | None:
@@ -160,10 +204,13 @@ class CheckpointHook(TrainerHook):
             self._step_times.append(now - self._last_step_t)
         self._last_step_t = now
         step = trainer.state.step
-        if step % self.every == 0 and step != self.last_saved:
+        disk = step % self.every == 0 and step != self.last_saved
+        memory = self.mem_every > 0 and (disk or step % self.mem_every == 0) and step != self.last_mem
+        if disk or memory:
             trainer._phase("checkpoint")
-            self._save(trainer, block=False)
-            self._retune()
+            self._save(trainer, block=False, to_disk=disk, to_memory=memory)
+            if disk:
+                self._retune()
             self._last_step_t = time.perf_counter()  # the stall is not step time
 
     def _retune(self) -> None:
@@ -183,6 +230,10 @@ class CheckpointHook(TrainerHook):
         if trainer.state.step > 0 and trainer.state.step != self.last_saved:
             self._save(trainer, block=True)
         self.mgr.wait()
+        if self.memory is not None:  # the run is on disk and finished: the node-local copy has done its job
+            if self.group is not None:
+                dist.barrier(group=self.group)
+            self.memory.remove_node_dir()
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None

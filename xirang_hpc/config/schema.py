@@ -380,6 +380,11 @@ class CheckpointConfig:
     auto_interval: bool = False  # adapt every_steps with Daly's formula from measured costs
     mtbf_hours: float = 24.0  # MTBF for the interval tuner until the run has its own history
     dir_mode: int = 0o700
+    # Recovery from memory: each rank's newest shard in node-local tmpfs plus a replica on another
+    # node; an in-job restart loads it instead of the filesystem checkpoint when it is newer or equal.
+    in_memory: bool = False
+    memory_every_steps: int = 0  # 0 = with every filesystem checkpoint; may be smaller (more often)
+    memory_dir: str = ""  # the tmpfs holding it; "" = /dev/shm (a per-job directory under it)
 
     def __post_init__(self) -> None:
         _finite("checkpoint", self)
@@ -391,6 +396,12 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.dir_mode", oct(self.dir_mode), "use a mode like 0o700 or 0o750 (owner rwx)")
         if self.compression not in COMPRESSIONS:
             raise ConfigError("checkpoint.compression", self.compression, f"choose one of {', '.join(COMPRESSIONS)}")
+        if self.memory_every_steps < 0:
+            raise ConfigError("checkpoint.memory_every_steps", self.memory_every_steps,
+                              "use 0 (with every filesystem checkpoint) or a positive step count")
+        if self.memory_dir and not self.memory_dir.startswith("/"):
+            raise ConfigError("checkpoint.memory_dir", self.memory_dir,
+                              "use an absolute path on a node-local tmpfs (e.g. /dev/shm), or '' for /dev/shm")
 
 
 @dataclass
