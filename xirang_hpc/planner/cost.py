@@ -6,6 +6,8 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
 - compute per microbatch: this stage's FLOPs (``formulas.iteration_flops``, recompute included)
   / (peak * efficiency(h/t)); efficiency = gemm_efficiency * w/(w + gemm_half_width), w = h/t,
   plus a fixed kernel overhead per layer;
+- full recomputation re-runs each block's forward except its last GEMM where the checkpoint stops
+  early (``checkpoint_early_stop``: PyTorch's non-reentrant checkpoint, ``formulas.recompute_extra``);
 - TP: 4 all-reduces of b*s*h activations per layer (2 forward, 2 backward; +2 under full recompute),
   a ring inside the node (Narayanan et al. SC21 Sec. 3.2); sequence parallelism swaps each for a
   reduce-scatter + all-gather of the same volume;
@@ -13,11 +15,16 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   last one also running the output head (``formulas.pipeline_split``); the slowest rank sets the
   slot, the rank with the most bytes sets the memory;
 - attention: with a fused kernel (``flash_attention``, FlashAttention / SDPA on GPUs) no scores in
-  memory and half a forward pass of score products recomputed in the backward; its FLOPs run at
-  ``attn_efficiency`` of peak (0 = the GEMM efficiency);
+  memory and half a forward pass of score products recomputed in the backward; it runs only the
+  tiles on and below the causal diagonal (``formulas.causal_fraction``, FlashAttention-2 Sec. 3.1.1)
+  at ``attn_efficiency`` of peak (0 = the GEMM efficiency);
+- loss: the last stage streams the b*s*V/t logits through device memory, ``logit_bytes`` per
+  element and step (fp32 cross-entropy: 36; a fused loss kernel: 6; see hardware.py);
 - bubble: (p-1)/v microbatch slots (Narayanan et al.: (p-1)/m of ideal time, (p-1)/(v*m) interleaved);
 - p2p: two sends of b*s*h/t (scatter-gather) per pipeline slot, 2*(v*m + p - 1) on the critical path;
 - DP, as this runtime runs each ZeRO stage (runtime/data_parallel.py, runtime/trainer.py):
+  a collective hidden behind compute still costs ``comm_interference`` of its time (SM and HBM
+  contention; sources in hardware.py).
   ZeRO-0: one gradient all-reduce per step (hierarchical when the group spans nodes with >1 rank per
   node; accumulation steps do not sync), minus what ``dp_overlap`` of the last backward can hide;
   ZeRO-1: the same all-reduce, then the owners' broadcast of the updated weights (an all-gather's
@@ -37,12 +44,14 @@ from functools import lru_cache
 from xirang_hpc.planner import comm
 from xirang_hpc.planner.formulas import (
     Shape,
+    causal_fraction,
     embedding_params,
     iteration_flops,
     layer_activation_bytes,
     layer_forward_flops,
     layer_params,
     logits_flops,
+    mlp_down_flops,
     model_flops,
     pipeline_split,
     recompute_extra,
@@ -210,29 +219,36 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
 
     # Compute per microbatch on each pipeline rank; the last one also runs the output layer.
     dense, attn = layer_forward_flops(sh, tokens)
-    extra = recompute_extra(dense, attn, pl.recompute, flash)
+    early_stop = hw.checkpoint_early_stop > 0 and pl.recompute == "full"
+    skipped = mlp_down_flops(sh, tokens) if early_stop else 0.0
+    extra = recompute_extra(dense, attn, pl.recompute, flash, skipped)
     width = sh.hidden / t
     eff = hw.gemm_efficiency * width / (width + hw.gemm_half_width)
-    attn_eff = hw.attn_efficiency or eff
+    # A fused kernel runs at its own measured rate (attn_efficiency) and skips the masked tiles
+    # (causal_fraction); materialized scores are batched GEMMs at the GEMM rate, computed in full.
+    attn_eff = (hw.attn_efficiency or eff) if flash else eff
+    causal = causal_fraction(sh.seq, flash)
     passes = 4.0 if pl.recompute == "full" else 3.0
     # Softmax, dropout, norms, GeLU are memory-bound: they stream the layer's activations
     # (Korthikanti et al.'s per-layer bytes, no recompute) through device memory on every pass.
     act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes, flash)
     # Training = 3 forward passes + recomputation; the attention products run at the attention
     # kernel's rate, the rest at the GEMM rate.
-    dense_extra = dense if pl.recompute == "full" else 0.0
+    dense_extra = dense - skipped if pl.recompute == "full" else 0.0
     dense_share = 3.0 * dense + dense_extra
     attn_share = 3.0 * attn + extra - dense_extra
 
     def compute_of(n: int, last: bool) -> float:
         flops_time = (n * dense_share + (3 * logits_flops(sh, tokens) if last else 0.0)) / t / (
-            hw.peak_tflops * 1e12 * eff) + n * attn_share / t / (hw.peak_tflops * 1e12 * attn_eff)
+            hw.peak_tflops * 1e12 * eff) + n * attn_share * causal / t / (hw.peak_tflops * 1e12 * attn_eff)
         overhead = n * hw.kernel_overhead_us * 1e-6 * passes
         elementwise = n * passes * hw.elementwise_traffic * act_stream / (hw.mem_bw_gbs * 1e9)
         # Softmax over the b * a/t * s^2 attention scores (exp per element; calibrated on CPU, 0 on GPUs
         # where fused attention hides it in the FLOP rate).
         scores = 0.0 if flash else n * passes * b * (sh.heads / t) * sh.seq**2 * hw.attn_score_ns * 1e-9
-        return flops_time + overhead + elementwise + scores + hw.microbatch_overhead_us * 1e-6
+        # The loss streams the b*s*V/t logits through device memory (hardware.logit_bytes per element).
+        loss = (hw.logit_bytes * tokens * sh.vocab / t / (hw.mem_bw_gbs * 1e9)) if last else 0.0
+        return flops_time + overhead + elementwise + scores + loss + hw.microbatch_overhead_us * 1e-6
 
     def tp_of(n: int) -> float:
         # Tensor parallel all-reduces of b*s*h activations, inside the node.
@@ -271,24 +287,29 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     forward = compute_mb - backward
     hide = hw.dp_overlap
     gather = scatter = dp_full / 2  # an all-gather or a reduce-scatter moves half an all-reduce's volume
+    # A collective overlapped with compute still slows it by hw.comm_interference of its hidden time.
+    def exposed(comm_s: float, compute_s: float) -> float:
+        hidden = min(comm_s, hide * compute_s)
+        return comm_s - hidden + hw.comm_interference * hidden
+
     if d == 1:
         dp_exposed = 0.0
     elif pl.zero == 0:  # all-reduce in buckets as the backward runs
-        dp_exposed = max(0.0, dp_full - hide * backward)
+        dp_exposed = exposed(dp_full, backward)
     elif pl.zero == 1:  # the same all-reduce; the owners broadcast the updated weights after the step
-        dp_exposed = max(0.0, dp_full - hide * backward) + gather
+        dp_exposed = exposed(dp_full, backward) + gather
     else:
         # FSDP units are layers: each gather/scatter pays the collective's latency once per layer.
         per_layer = comm.group_allreduce(1.0, k_dp, d // k_dp, links, flows=k)[0]
         if p == 1:  # every microbatch: forward gather, backward reduce-scatter (+ a backward gather for ZeRO-3)
             back = scatter + (gather if pl.zero == 3 else 0.0)
             n_coll = m * (3 if pl.zero == 3 else 2)
-            dp_exposed = m * (max(0.0, gather - hide * forward) + max(0.0, back - hide * backward))
+            dp_exposed = m * (exposed(gather, forward) + exposed(back, backward))
         else:  # the schedule: gathered once (ZeRO-3: again in each backward), one reduce-scatter at the end
             gathers = 1 + (m if pl.zero == 3 else 0)
             n_coll = gathers + 1
-            dp_exposed = (max(0.0, gather - hide * forward) + (gathers - 1) * max(0.0, gather - hide * backward)
-                          + max(0.0, scatter - hide * backward))
+            dp_exposed = (exposed(gather, forward) + (gathers - 1) * exposed(gather, backward)
+                          + exposed(scatter, backward))
         dp_exposed += n_coll / 2 * layers * per_layer
 
     # FSDP units (one per layer + the root) each add hook and collective-launch costs per step. This
@@ -321,7 +342,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     est.memory = _memory(pb, pl, m, counts)
     est.fits = est.memory["total"] <= hw.mem_gb * GiB
     n_dev = pb.world
-    est.tflops_per_gpu = iteration_flops(sh, pb.global_batch, pl.recompute, flash) / (total * n_dev) / 1e12
+    est.tflops_per_gpu = iteration_flops(sh, pb.global_batch, pl.recompute, flash, early_stop) / (total * n_dev) / 1e12
     est.mfu = model_flops(sh, pb.global_batch) / (total * n_dev * hw.peak_tflops * 1e12)
     est.tokens_per_s = pb.global_batch * sh.seq / total
     return est

@@ -119,32 +119,60 @@ def layer_forward_flops(sh: Shape, tokens: int) -> tuple[float, float]:
     return dense, attn
 
 
+FLASH_BLOCK = 128  # FlashAttention-2's tile of keys/queries along the sequence (Dao 2023, Sec. 3.1.1)
+
+
+def causal_fraction(seq: int, flash: bool) -> float:
+    """Share of the s x s score products a causal attention kernel actually runs.
+
+    A fused kernel skips the tiles above the diagonal (Dao, FlashAttention-2, 2023, Sec. 3.1.1,
+    "Causal masking"): with n = ceil(s / 128) tiles per row it runs n(n+1)/2 of n^2, i.e. 1/2 + 1/(2n)
+    (0.53 at 2,048 tokens, 0.5 in the limit). Materialized scores (``flash`` false) are computed in
+    full and then masked: 1. FLOP counts (MFU, Narayanan's formula) keep the full 4*b*s^2*h either way.
+    """
+    if not flash:
+        return 1.0
+    n = max(1, -(-seq // FLASH_BLOCK))
+    return (n + 1) / (2 * n)
+
+
 def logits_flops(sh: Shape, tokens: int) -> float:
     """Forward FLOPs of the output projection: 2*b*s*h*V."""
     return 2.0 * tokens * sh.hidden * sh.vocab
 
 
-def recompute_extra(dense: float, attn: float, recompute: str, flash: bool = False) -> float:
+def mlp_down_flops(sh: Shape, tokens: int) -> float:
+    """Forward FLOPs of a block's last GEMM, the MLP down-projection: 2*b*s*ffn*h."""
+    return 2.0 * tokens * sh.ffn * sh.hidden
+
+
+def recompute_extra(dense: float, attn: float, recompute: str, flash: bool = False, skipped: float = 0.0) -> float:
     """Forward FLOPs re-run in the backward, per layer.
 
-    Full recomputation re-runs the whole layer (Narayanan et al.'s factor 96 instead of 72);
-    selective recomputation (Korthikanti et al.) re-runs the attention-score part. A fused attention
-    kernel always recomputes its scores in the backward (FlashAttention-2: 5 products instead of 4,
-    i.e. half a forward pass more), which is then what selective recomputation amounts to.
+    Full recomputation re-runs the whole layer (Narayanan et al.'s factor 96 instead of 72), less
+    ``skipped``: PyTorch's non-reentrant checkpoint stops recomputing once every tensor the backward
+    saved is back (``torch.utils.checkpoint``, "early stop", on by default since PyTorch 2.1), so the
+    block's last GEMM, whose output no backward needs, is not re-run (:func:`mlp_down_flops`);
+    Megatron-LM's own (reentrant) recomputation re-runs it. Selective recomputation (Korthikanti et
+    al.) re-runs the attention-score part. A fused attention kernel always recomputes its scores in
+    the backward (FlashAttention-2: 5 products instead of 4, i.e. half a forward pass more), which is
+    then what selective recomputation amounts to.
     """
     scores = 0.5 * attn if flash else 0.0
-    return {"none": scores, "selective": attn if not flash else scores, "full": dense + attn + scores}[recompute]
+    full = dense - skipped + attn + scores
+    return {"none": scores, "selective": attn if not flash else scores, "full": full}[recompute]
 
 
-def iteration_flops(sh: Shape, batch: int, recompute: str, flash: bool = False) -> float:
+def iteration_flops(sh: Shape, batch: int, recompute: str, flash: bool = False, early_stop: bool = False) -> float:
     """FLOPs per iteration over ``batch`` sequences, counting recomputation.
 
-    Training is forward + backward (2x forward) = 3x forward, plus :func:`recompute_extra`. The
-    output layer is not recomputed.
+    Training is forward + backward (2x forward) = 3x forward, plus :func:`recompute_extra` (with
+    ``early_stop``, full recomputation skips the MLP down-projection). The output layer is not recomputed.
     """
     tokens = batch * sh.seq
     dense, attn = layer_forward_flops(sh, tokens)
-    extra = recompute_extra(dense, attn, recompute, flash)
+    skipped = mlp_down_flops(sh, tokens) if early_stop else 0.0
+    extra = recompute_extra(dense, attn, recompute, flash, skipped)
     return sh.layers * (3.0 * (dense + attn) + extra) + 3.0 * logits_flops(sh, tokens)
 
 

@@ -5,10 +5,17 @@ A cluster preset names an accelerator with ``cluster.gpu`` and may override any 
 collectives *achieve* (NCCL bus bandwidth), not link line rates; where a preset derives them from
 line rates the factor is stated.
 
-Public specs used: A100 (NVIDIA A100 datasheet: 312 TFLOP/s dense bf16, 1.56/2.04 TB/s HBM,
-NVLink3 300 GB/s per direction), H100 SXM (989 TFLOP/s dense bf16, 3.35 TB/s, NVLink4
-450 GB/s per direction), H200 (H100 compute, 141 GB, 4.8 TB/s). Network: a DGX A100 node has
-8x200 Gb/s InfiniBand HDR (Narayanan et al. SC21's cluster), a DGX H100 node 8x400 Gb/s NDR.
+Public specs used (dense bf16 Tensor Core rates; the datasheets print twice these "with sparsity"):
+
+- A100 SXM (NVIDIA A100 Tensor Core GPU datasheet, 2021): 312 TFLOP/s, 40 GB HBM2 at 1,555 GB/s or
+  80 GB HBM2e at 2,039 GB/s, NVLink3 600 GB/s bidirectional = 300 GB/s per direction.
+- H100 SXM5 (NVIDIA H100 Tensor Core GPU datasheet, 2023): 989 TFLOP/s bf16, 80 GB HBM3 at
+  3.35 TB/s, NVLink4 900 GB/s bidirectional = 450 GB/s per direction through NVSwitch.
+- H200 SXM (NVIDIA H200 Tensor Core GPU datasheet, 2024): the H100's compute (989 TFLOP/s bf16) and
+  NVLink (900 GB/s), 141 GB HBM3e at 4.8 TB/s.
+- Network: a DGX A100 node has 8x ConnectX-6 200 Gb/s HDR InfiniBand (Narayanan et al. SC21's
+  cluster); DGX H100 / DGX H200 nodes have 8x ConnectX-7 400 Gb/s NDR, one per GPU (DGX H100/H200
+  user guide, "Hardware overview"): 50 GB/s per GPU, 400 GB/s per node line rate.
 """
 
 from __future__ import annotations
@@ -72,6 +79,26 @@ class Hardware:
     # Fraction of peak the attention products reach (FlashAttention-2 reports 50-73% of peak on A100
     # forward, Dao 2023); 0 = the GEMM efficiency. Calibrated per hardware.
     attn_efficiency: float = 0.0
+    # Bytes the loss moves through device memory per logit element (b*s*V/t) and training step, beyond
+    # the output GEMM: PyTorch's cross_entropy on fp32-upcast logits (this runtime's models/gpt.py,
+    # torchtitan, Megatron's vocab-parallel loss) reads the 16-bit logits and writes fp32 (2+4),
+    # log_softmax reads and writes them (4+4); the backward writes the one-hot gradient (4), the
+    # softmax backward reads two and writes one (12), the cast back reads 4 and writes 2: 36 bytes.
+    # A fused loss kernel (flash-attn's cross_entropy, as llm-foundry uses) reads the 16-bit logits in
+    # the forward and reads them again and writes their gradient in the backward: 6 bytes.
+    # Cf. Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (ICLR 2025), Sec. 1-3:
+    # the logit matrix, not the head GEMM, dominates the loss's memory and traffic at large vocabularies.
+    logit_bytes: float = 0.0
+    # Fraction of a data-parallel collective's time hidden behind compute that the compute still pays:
+    # NCCL kernels occupy SMs and contend for HBM bandwidth with the GEMMs they overlap (Rashidi et al.,
+    # "Enabling Compute-Communication Overlap in Distributed Deep Learning Training Platforms", ISCA
+    # 2021; Jangda et al., "Breaking the Computation and Communication Abstraction Barrier", ASPLOS
+    # 2022). 0 = overlap is free.
+    comm_interference: float = 0.0
+    # Full recomputation through PyTorch's non-reentrant checkpoint (this runtime, FSDP stacks) stops
+    # once the backward's saved tensors are back, skipping each block's last GEMM (1); Megatron-LM's
+    # reentrant recomputation re-runs the whole block (0). See formulas.recompute_extra.
+    checkpoint_early_stop: float = 1.0
 
     def scaled(self, **overrides: float) -> Hardware:
         """A copy with some fields replaced."""
@@ -80,20 +107,28 @@ class Hardware:
 
 # NCCL reaches ~80% of NVLink/IB line rates as bus bandwidth; the presets use that factor.
 _BUS = 0.8
-# Megatron-LM 2021 (the published rows) all-reduced gradients after the backward pass: no overlap,
-# and materialized the attention scores; this runtime runs attention through SDPA's fused kernels
-# on GPUs (flash_attention=1), so the anchor test turns that off to reproduce the published setup.
 # gemm_efficiency, gemm_half_width and elementwise_traffic of the A100 were fitted to the four
-# Narayanan et al. SC21 Table 1 rows (anchors.md; tests/test_planner_anchors.py); H100 values are
-# scaled guesses (no public row checked here): calibrate on the cluster.
+# Narayanan et al. SC21 Table 1 rows (Megatron-LM 2021, which reduced gradients after the backward:
+# dp_overlap 0); ``planner/published.py`` reproduces that setup (materialized scores, reentrant
+# recomputation) for those rows and keeps its FSDP-stack fits apart. This runtime runs attention
+# through SDPA's fused kernels on GPUs (flash_attention=1), its loss on fp32 logits (logit_bytes 36)
+# and full recomputation through non-reentrant checkpoint (checkpoint_early_stop 1).
 _A100 = dict(peak_tflops=312.0, gemm_efficiency=0.70, gemm_half_width=25.0, kernel_overhead_us=20.0,
              elementwise_traffic=2.25, intra_bw_gbs=300.0 * _BUS, intra_latency_us=3.0,
              inter_bw_gbs=8 * 25.0 * _BUS, inter_latency_us=8.0, inter_nics=8, dp_overlap=0.0, reserved_gb=3.0,
-             flash_attention=1.0)
-_H100 = dict(peak_tflops=989.0, gemm_efficiency=0.60, gemm_half_width=40.0, kernel_overhead_us=15.0,
-             elementwise_traffic=2.25, intra_bw_gbs=450.0 * _BUS, intra_latency_us=3.0,
-             inter_bw_gbs=8 * 50.0 * _BUS, inter_latency_us=8.0, inter_nics=8, dp_overlap=0.0, reserved_gb=3.0,
-             flash_attention=1.0)
+             flash_attention=1.0, logit_bytes=36.0)
+# H100/H200 SXM: datasheet peak, NVLink4 and 8x NDR 400 Gb/s per node (module docstring). The compute
+# constants (gemm_efficiency, elementwise_traffic, attn_efficiency) were fitted on llm-foundry's H100
+# BF16 rows of 512, 1,024 and 65,536 tokens (Composer FSDP; planner/published.py, 12 rows) and checked
+# on its 40 other H100 rows (benchmarks/RESULTS.md); dp_overlap and comm_interference come from the
+# A100 FSDP fit (torchtitan + llm-foundry A100 rows). attn_efficiency 0.18 is the fused attention
+# kernel's rate on the tiles it runs (formulas.causal_fraction): FlashAttention-3 (Shah et al. 2024)
+# reports FlashAttention-2 at 35% of H100 peak in its own benchmark, and these end-to-end runs reach
+# about half that. No published TP/PP (Megatron) H100 rows were checked: calibrate on the cluster.
+_H100 = dict(peak_tflops=989.0, gemm_efficiency=0.717, gemm_half_width=40.0, kernel_overhead_us=15.0,
+             elementwise_traffic=4.0, intra_bw_gbs=450.0 * _BUS, intra_latency_us=3.0,
+             inter_bw_gbs=8 * 50.0 * _BUS, inter_latency_us=8.0, inter_nics=8, dp_overlap=0.107, reserved_gb=3.0,
+             flash_attention=1.0, attn_efficiency=0.184, logit_bytes=36.0, comm_interference=0.386)
 
 PRESETS: dict[str, Hardware] = {
     "a100-40gb": Hardware(name="a100-40gb", mem_gb=40.0, mem_bw_gbs=1555.0, **_A100),
@@ -114,8 +149,10 @@ _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", 
                 "fsdp_unit_overhead_us", "replicate_unit_overhead_us", "zero1_overhead_us",
                 "sp_overhead_us", "tp_overhead_us_per_mb", "bubble_exposed", "dp_overhead_us_per_mb",
                 "fsdp_overhead_us_per_mb", "optimizer_ns_per_param", "fsdp_buffer_factor", "attn_score_ns",
-                "flash_attention", "attn_efficiency"}
-_FRACTIONS = {"bubble_exposed", "dp_overlap", "flash_attention", "attn_efficiency"}
+                "flash_attention", "attn_efficiency", "logit_bytes", "comm_interference",
+                "checkpoint_early_stop"}
+_FRACTIONS = {"bubble_exposed", "dp_overlap", "flash_attention", "attn_efficiency", "comm_interference",
+              "checkpoint_early_stop"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
 
 

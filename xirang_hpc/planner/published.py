@@ -2,14 +2,17 @@
 
 Two roles, kept apart so that accuracy is never reported on the rows that set the constants:
 
-- *fit* rows set constants of a hardware preset: Narayanan et al. SC21 Table 1 (Megatron-LM on
-  A100-80GB; TFLOP/s per GPU counting recomputation) set the A100 compute constants
-  (``gemm_efficiency``, ``gemm_half_width``, ``elementwise_traffic``), and torchtitan's FSDP2
-  Llama rows on A100-80GB set ``dp_overlap`` for FSDP runs (FSDP2 prefetches the next layer's
-  all-gather while the current one computes; Megatron-LM 2021 reduced after the backward, hence
-  0 in the preset);
-- *held-out* rows are predicted with those constants and nothing refitted: MosaicML's MPT
-  benchmark table (Composer + FSDP FULL_SHARD on A100-80GB, amp_bf16, flash attention).
+- *fit* rows set constants of a software stack on a GPU (:data:`STACKS`): Narayanan et al. SC21
+  Table 1 (Megatron-LM on A100-80GB; TFLOP/s per GPU counting recomputation) set the A100 compute
+  constants of the presets (``gemm_efficiency``, ``gemm_half_width``, ``elementwise_traffic``);
+  for FSDP stacks, torchtitan's three FSDP2 Llama rows on A100-80GB and llm-foundry's MPT rows at
+  short sequences (512 and 1,024 tokens) set ``gemm_efficiency``, ``elementwise_traffic``,
+  ``dp_overlap`` and ``comm_interference`` (:func:`fit`, rerun by ``bench_planner.py --fit``);
+  on H100 the MPT rows at 512 and 1,024 tokens set ``gemm_efficiency`` and ``elementwise_traffic``;
+- *held-out* rows are predicted with those constants and nothing refitted: every other MPT row of
+  llm-foundry's tables (sequences of 2,048 to 65,536 tokens, 8 to 64 GPUs, 125M to 70B parameters),
+  on A100-80GB and on H100-80GB. The rule (fit on the short-sequence rows, predict the long ones) was
+  fixed before looking at the errors; it makes the held-out rows an extrapolation in sequence length.
 
 Sources (read 2026-11):
 - Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -18,11 +21,16 @@ Sources (read 2026-11):
   performance numbers": FSDP2 on 64 A100 (80GB), tokens/s per GPU ("WPS"). Rows with torchtitan's
   op-level selective checkpointing ("selective op"/"selective layer") are left out: this runtime and
   its cost model have no such policy (it recomputes every other matmul), so they are not expressible.
-- mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``, table "A100 80GB with 1600 Gbps
-  node-node interconnect (RoCE)": Throughput (T/s/GPU). MPT shapes from llm-foundry's ``yamls``
-  (expansion ratio 4, vocab 50368, no biases; the table's parameter counts include a learned
-  position table, so we count one). torchtitan's H100 rows (2024-12) ran on 500 W HBM2e H100s
-  whose peak the authors do not know, so they are not used.
+  torchtitan's H100 rows (2024-12) ran on 500 W HBM2e H100s whose peak the authors do not know, so
+  they are not used.
+- mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``, tables "H100 80GB BF16" and
+  "A100 80GB with 1600 Gbps node-node interconnect (RoCE)": Throughput (T/s/GPU). Composer FSDP
+  FULL_SHARD, flash-attn 2 (``submit_benchmarks.py`` installs ``.[gpu-flash2]``), llm-foundry's fused
+  cross-entropy (flash-attn's kernel, ``loss_fn`` default ``fused_crossentropy``), full activation
+  checkpointing of every MPT block where the table says so. MPT shapes from llm-foundry's ``yamls``
+  (expansion ratio 4, vocab 50368, no biases; the table's parameter counts include a learned position
+  table of the sequence length, so we count one). The H100 table does not state its network; the
+  h100 preset's (8x 400 Gb/s per node) is used for its 16-64 GPU rows.
 """
 
 from __future__ import annotations
@@ -51,17 +59,13 @@ class PublishedRun:
     metric: str = "tokens_per_gpu"  # or "tflops" (hardware FLOP/s per GPU, recomputation counted)
     value: float = 0.0
     role: str = "held-out"  # fit | held-out
+    gpu: str = "a100-80gb"  # hardware preset
+    stack: str = "megatron2021"  # software stack: megatron2021 | torchtitan | composer (see STACKS)
 
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step."""
         return self.gpus // (self.tp * self.pp) * self.micro * self.accum
-
-
-# Megatron-LM 2021 materialized the attention scores (no fused attention kernel); FSDP overlap per module doc.
-A100_MEGATRON_2021 = PRESETS["a100-80gb"].scaled(flash_attention=0.0)
-FSDP_DP_OVERLAP = 0.8
-A100_FSDP = PRESETS["a100-80gb"].scaled(dp_overlap=FSDP_DP_OVERLAP)
 
 
 def _gpt(layers: int, hidden: int, heads: int) -> Shape:
@@ -73,8 +77,8 @@ def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, 
                  learned_pos=False, kv_heads=kv, tied=False)
 
 
-_MPT = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
-        "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56)}
+_MPT = {"70b": (80, 8192, 64), "125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12),
+        "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56)}
 
 
 def _mpt(size: str, seq: int) -> Shape:
@@ -85,6 +89,7 @@ def _mpt(size: str, seq: int) -> Shape:
 _NARAYANAN = "Narayanan et al. SC21 Table 1"
 _TITAN = "torchtitan docs/performance.md (FSDP2, 64 A100-80GB)"
 _MPT_SRC = "llm-foundry benchmarking README (Composer FSDP, A100-80GB)"
+_MPT_H100_SRC = "llm-foundry benchmarking README (Composer FSDP, H100-80GB)"
 
 NARAYANAN = [
     PublishedRun(_NARAYANAN, "GPT 1.7B", _gpt(24, 2304, 24), 32, 1, 512 // 32, "full", 0, 1, 1, "tflops", 137, "fit"),
@@ -98,30 +103,125 @@ NARAYANAN = [
 
 TORCHTITAN_A100 = [
     PublishedRun(_TITAN, "Llama 3 70B, full AC", _llama(80, 8192, 64, 8, 28672, 128256, 8192), 64, 1, 1, "full", 3,
-                 value=331, role="fit"),
+                 value=331, role="fit", stack="torchtitan"),
     PublishedRun(_TITAN, "Llama 2 13B, no AC", _llama(40, 5120, 40, 40, 13824, 32000, 4096), 64, 2, 1, "none", 3,
-                 value=2162, role="fit"),
+                 value=2162, role="fit", stack="torchtitan"),
     PublishedRun(_TITAN, "Llama 2 70B, full AC", _llama(80, 8192, 64, 8, 28672, 32000, 4096), 64, 2, 1, "full", 3,
-                 value=353, role="fit"),
+                 value=353, role="fit", stack="torchtitan"),
 ]
 
-# (size, seq, micro, accum, activation checkpointing, tokens/s per GPU); 8 GPUs each.
-_MPT_ROWS = [("30b", 8192, 1, 21, True, 574), ("30b", 2048, 3, 21, True, 916), ("13b", 32768, 1, 3, True, 1016),
-             ("13b", 8192, 5, 3, True, 1795), ("13b", 2048, 2, 3, False, 2262), ("7b", 65536, 1, 2, True, 1013),
-             ("7b", 8192, 8, 2, True, 3206), ("7b", 2048, 6, 2, False, 4641), ("3b", 16384, 1, 6, False, 5529),
-             ("3b", 2048, 10, 2, False, 10811), ("1b", 8192, 3, 4, False, 13814), ("1b", 2048, 14, 4, False, 20513),
-             ("760m", 4096, 12, 2, False, 27351), ("350m", 2048, 32, 2, False, 58782),
-             ("125m", 2048, 40, 2, False, 142830), ("125m", 65536, 1, 2, False, 20368)]
-MPT_A100 = [PublishedRun(_MPT_SRC, f"MPT-{size} seq {seq}{', full AC' if ac else ''}", _mpt(size, seq), 8, micro,
-                         accum, "full" if ac else "none", 3, value=v)
-            for size, seq, micro, accum, ac, v in _MPT_ROWS]
+# llm-foundry's tables, row by row: (size, seq, GPUs, micro, accum, full activation checkpointing, T/s/GPU).
+_MPT_A100_ROWS = [
+    ("70b", 2048, 64, 8, 4, True, 410), ("70b", 2048, 32, 2, 16, True, 373),
+    ("30b", 8192, 8, 1, 21, True, 574), ("30b", 4096, 8, 1, 21, True, 814), ("30b", 2048, 8, 3, 21, True, 916),
+    ("30b", 1024, 8, 6, 21, True, 946), ("30b", 512, 8, 12, 21, True, 967),
+    ("13b", 32768, 8, 1, 3, True, 1016), ("13b", 16384, 8, 3, 3, True, 1431), ("13b", 8192, 8, 5, 3, True, 1795),
+    ("13b", 4096, 8, 10, 3, True, 2060), ("13b", 2048, 8, 2, 3, False, 2262), ("13b", 1024, 8, 40, 3, True, 2330),
+    ("7b", 65536, 8, 1, 2, True, 1013), ("7b", 32768, 8, 2, 2, True, 1672), ("7b", 16384, 8, 4, 2, True, 2453),
+    ("7b", 8192, 8, 8, 2, True, 3206), ("7b", 4096, 8, 16, 2, True, 3684), ("7b", 2048, 8, 6, 2, False, 4641),
+    ("7b", 1024, 8, 64, 2, True, 4357),
+    ("3b", 65536, 8, 1, 2, True, 1767), ("3b", 32768, 8, 3, 6, True, 3029), ("3b", 16384, 8, 1, 6, False, 5529),
+    ("3b", 8192, 8, 3, 6, False, 7695), ("3b", 4096, 8, 5, 6, False, 9457), ("3b", 2048, 8, 10, 2, False, 10811),
+    ("3b", 1024, 8, 20, 6, False, 11580), ("3b", 512, 8, 40, 6, False, 12127),
+    ("1b", 65536, 8, 1, 2, True, 3044), ("1b", 32768, 8, 1, 4, False, 6275), ("1b", 16384, 8, 2, 4, False, 9956),
+    ("1b", 8192, 8, 3, 4, False, 13814), ("1b", 4096, 8, 7, 4, False, 17807), ("1b", 2048, 8, 14, 4, False, 20513),
+    ("1b", 1024, 8, 18, 4, False, 22112), ("1b", 512, 8, 56, 4, False, 23148),
+    ("760m", 65536, 8, 1, 2, True, 4143), ("760m", 32768, 8, 1, 2, False, 8802),
+    ("760m", 16384, 8, 3, 2, False, 14274), ("760m", 8192, 8, 6, 2, False, 20933),
+    ("760m", 4096, 8, 12, 2, False, 27351), ("760m", 2048, 8, 24, 2, False, 32434),
+    ("760m", 1024, 8, 48, 2, False, 29765), ("760m", 512, 8, 96, 2, False, 29446),
+    ("350m", 65536, 8, 1, 2, False, 7524), ("350m", 32768, 8, 2, 2, False, 13652),
+    ("350m", 16384, 8, 4, 2, False, 23559), ("350m", 8192, 8, 8, 2, False, 36569),
+    ("350m", 4096, 8, 16, 2, False, 49555), ("350m", 2048, 8, 32, 2, False, 58782),
+    ("350m", 1024, 8, 64, 2, False, 64813), ("350m", 512, 8, 128, 2, False, 69330),
+    ("125m", 65536, 8, 1, 2, False, 20368), ("125m", 32768, 8, 2, 2, False, 36407),
+    ("125m", 16384, 8, 4, 2, False, 60040), ("125m", 8192, 8, 8, 2, False, 90392),
+    ("125m", 4096, 8, 16, 2, False, 118396), ("125m", 2048, 8, 40, 2, False, 142830),
+    ("125m", 2048, 8, 32, 2, False, 141737), ("125m", 1024, 8, 64, 2, False, 156468),
+    ("125m", 512, 8, 128, 2, False, 165681),
+]
+_MPT_H100_ROWS = [
+    ("70b", 2048, 64, 8, 4, True, 1039), ("70b", 2048, 32, 2, 16, True, 882),
+    ("30b", 8192, 8, 1, 21, True, 1384), ("30b", 4096, 8, 1, 21, True, 1802), ("30b", 2048, 32, 14, 3, True, 2308),
+    ("30b", 2048, 16, 10, 3, True, 2263), ("30b", 2048, 8, 3, 21, True, 2002), ("30b", 1024, 8, 6, 21, True, 2084),
+    ("13b", 32768, 8, 1, 3, True, 1976), ("13b", 16384, 8, 3, 3, True, 2985), ("13b", 4096, 8, 10, 3, True, 4717),
+    ("13b", 2048, 64, 2, 1, False, 4800), ("13b", 2048, 32, 2, 1, False, 4811), ("13b", 2048, 16, 2, 1, False, 4767),
+    ("13b", 2048, 8, 2, 1, False, 4792), ("13b", 1024, 8, 40, 3, True, 5502),
+    ("7b", 65536, 8, 1, 2, True, 1956), ("7b", 32768, 8, 2, 2, True, 3318), ("7b", 8192, 8, 8, 2, True, 6935),
+    ("7b", 4096, 8, 16, 2, True, 8611), ("7b", 2048, 8, 6, 1, False, 10643), ("7b", 1024, 8, 64, 2, True, 10203),
+    ("3b", 65536, 8, 1, 2, True, 3262), ("3b", 32768, 8, 3, 6, True, 5873), ("3b", 16384, 8, 1, 6, False, 11152),
+    ("3b", 8192, 8, 3, 6, False, 16578), ("3b", 4096, 8, 5, 6, False, 20964), ("3b", 2048, 64, 6, 3, False, 22525),
+    ("3b", 2048, 32, 6, 3, False, 23021), ("3b", 2048, 16, 10, 3, False, 24142), ("3b", 1024, 8, 20, 6, False, 27046),
+    ("3b", 512, 8, 40, 6, False, 27965),
+    ("1b", 65536, 8, 1, 2, True, 5506), ("1b", 32768, 8, 1, 4, False, 12025), ("1b", 16384, 8, 2, 4, False, 19649),
+    ("1b", 8192, 8, 3, 4, False, 29157), ("1b", 4096, 8, 7, 4, False, 38535), ("1b", 2048, 64, 20, 1, False, 44402),
+    ("1b", 2048, 32, 20, 1, False, 45130), ("1b", 2048, 16, 20, 1, False, 46037), ("1b", 2048, 8, 14, 1, False, 45455),
+    ("1b", 1024, 8, 18, 4, False, 48910), ("1b", 512, 8, 56, 4, False, 52275),
+    ("760m", 32768, 8, 1, 2, False, 16291), ("760m", 16384, 8, 3, 2, False, 27815),
+    ("760m", 8192, 8, 6, 2, False, 41825), ("760m", 4096, 8, 12, 2, False, 55459),
+    ("760m", 2048, 32, 24, 1, False, 67971), ("760m", 2048, 16, 24, 1, False, 68551),
+    ("760m", 2048, 8, 24, 2, False, 63147), ("760m", 1024, 8, 48, 2, False, 78581),
+    ("760m", 512, 8, 96, 2, False, 83749),
+]
+# The 16 A100 rows that were the held-out set before the tables were taken in whole (kept as a subset).
+_MPT_A100_ORIGINAL = {("30b", 8192), ("30b", 2048), ("13b", 32768), ("13b", 8192), ("13b", 2048), ("7b", 65536),
+                      ("7b", 8192), ("7b", 2048), ("3b", 16384), ("3b", 2048), ("1b", 8192), ("1b", 2048),
+                      ("760m", 4096), ("350m", 2048), ("125m", 65536)}
+# MPT rows at or below FIT_MAX_SEQ tokens set constants, and those at FIT_LONG_SEQ, where attention is most
+# of the FLOPs (the short rows alone cannot tell the attention kernel's rate); the rows between are held out.
+FIT_MAX_SEQ, FIT_LONG_SEQ = 1024, 65536
 
-ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100
+
+def _role(seq: int) -> str:
+    return "fit" if seq <= FIT_MAX_SEQ or seq == FIT_LONG_SEQ else "held-out"
+
+
+def _mpt_runs(rows: list[tuple], gpu: str, src: str) -> list[PublishedRun]:
+    out = []
+    for size, seq, gpus, micro, accum, ac, v in rows:
+        name = f"MPT-{size} seq {seq}{f' {gpus} GPUs' if gpus != 8 else ''}{', full AC' if ac else ''}"
+        out.append(PublishedRun(src, name, _mpt(size, seq), gpus, micro, accum, "full" if ac else "none", 3,
+                                value=v, role=_role(seq), gpu=gpu,
+                                stack="composer"))
+    return out
+
+
+MPT_A100 = _mpt_runs(_MPT_A100_ROWS, "a100-80gb", _MPT_SRC)
+MPT_H100 = _mpt_runs(_MPT_H100_ROWS, "h100", _MPT_H100_SRC)
+
+
+def is_original_held_out(run: PublishedRun) -> bool:
+    """One of the 16 A100 MPT rows first held out (125m seq 2048: the micro-batch 40 row)."""
+    if run.gpu != "a100-80gb" or run.stack != "composer" or run.gpus != 8:
+        return False
+    size, seq = run.name.split()[0][len("MPT-"):], run.shape.seq
+    return (size, seq) in _MPT_A100_ORIGINAL or (size == "125m" and seq == 2048 and run.micro == 40)
+
+
+ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100
+
+# Constants of the FSDP stacks, as fitted by :func:`fit` on the fit rows (``bench_planner.py --fit``
+# prints them again); the loss's traffic is each stack's own (hardware.logit_bytes).
+_A100_FSDP_FIT = dict(gemm_efficiency=0.80, elementwise_traffic=3.686, dp_overlap=0.107, comm_interference=0.386,
+                      attn_efficiency=0.327)
+_H100_FSDP_FIT = dict(gemm_efficiency=0.717, elementwise_traffic=4.0, attn_efficiency=0.184)
+_FUSED_LOSS, _FP32_LOSS = 6.0, 36.0
+
+STACKS: dict[tuple[str, str], Hardware] = {
+    # Megatron-LM 2021 materialized the attention scores (no fused attention kernel), reduced after the backward.
+    ("a100-80gb", "megatron2021"): PRESETS["a100-80gb"].scaled(flash_attention=0.0, logit_bytes=_FP32_LOSS,
+                                                                checkpoint_early_stop=0.0),
+    ("a100-80gb", "torchtitan"): PRESETS["a100-80gb"].scaled(logit_bytes=_FP32_LOSS, **_A100_FSDP_FIT),
+    ("a100-80gb", "composer"): PRESETS["a100-80gb"].scaled(logit_bytes=_FUSED_LOSS, **_A100_FSDP_FIT),
+    ("h100", "composer"): PRESETS["h100"].scaled(
+        logit_bytes=_FUSED_LOSS, dp_overlap=_A100_FSDP_FIT["dp_overlap"],
+        comm_interference=_A100_FSDP_FIT["comm_interference"], **_H100_FSDP_FIT),
+}
 
 
 def hardware_for(run: PublishedRun) -> Hardware:
-    """The preset a row is predicted with: Megatron-2021 settings for Megatron rows, FSDP overlap for FSDP rows."""
-    return A100_MEGATRON_2021 if run.zero == 0 else A100_FSDP
+    """The hardware preset with the row's software stack's constants."""
+    return STACKS[(run.gpu, run.stack)]
 
 
 def predict(run: PublishedRun, hw: Hardware | None = None) -> float:
@@ -137,3 +237,43 @@ def predict(run: PublishedRun, hw: Hardware | None = None) -> float:
 def relative_errors(runs: list[PublishedRun]) -> list[float]:
     """predicted / published - 1 per row."""
     return [predict(r) / r.value - 1 for r in runs]
+
+
+def fit(runs: list[PublishedRun], base: dict[tuple[str, str], Hardware], fields: dict[str, tuple[float, float]],
+        rounds: int = 4, steps: int = 24) -> dict[str, float]:
+    """Constants minimising the mean |relative error| over ``runs`` (each predicted with its stack in ``base``
+    plus the fitted fields): coordinate search over each field's (low, high) range, ``steps`` points per
+    round, the range narrowing around the best point each round. Deterministic; no row outside ``runs``."""
+    values = {k: (lo + hi) / 2 for k, (lo, hi) in fields.items()}
+    spans = {k: hi - lo for k, (lo, hi) in fields.items()}
+
+    def loss(vals: dict[str, float]) -> float:
+        errs = [predict(r, base[(r.gpu, r.stack)].scaled(**vals)) / r.value - 1 for r in runs]
+        return sum(map(abs, errs)) / len(errs)
+
+    for _ in range(rounds):
+        for k, (lo, hi) in fields.items():
+            grid = [max(lo, min(hi, values[k] + spans[k] * (i / (steps - 1) - 0.5))) for i in range(steps)]
+            values[k] = min(grid, key=lambda x: loss({**values, k: x}))
+            spans[k] /= 3
+    return values
+
+
+# What the fits vary, and over which ranges (fractions of peak, passes over the activations).
+FSDP_FIT_FIELDS = {"gemm_efficiency": (0.5, 0.95), "elementwise_traffic": (0.0, 6.0), "dp_overlap": (0.0, 1.0),
+                   "comm_interference": (0.0, 1.0), "attn_efficiency": (0.2, 0.95)}
+H100_FIT_FIELDS = {"gemm_efficiency": (0.3, 0.9), "elementwise_traffic": (0.0, 8.0), "attn_efficiency": (0.1, 0.9)}
+
+
+def fit_a100() -> dict[str, float]:
+    """The A100 FSDP constants from the A100 fit rows of the FSDP stacks (torchtitan + llm-foundry)."""
+    rows = [r for r in ALL if r.role == "fit" and r.gpu == "a100-80gb" and r.stack != "megatron2021"]
+    return fit(rows, STACKS, FSDP_FIT_FIELDS)
+
+
+def fit_h100(a100: dict[str, float]) -> dict[str, float]:
+    """The H100 compute constants from the H100 fit rows, overlap constants taken from the A100 fit."""
+    rows = [r for r in MPT_H100 if r.role == "fit"]
+    base = {k: v.scaled(dp_overlap=a100["dp_overlap"], comm_interference=a100["comm_interference"])
+            for k, v in STACKS.items()}
+    return fit(rows, base, H100_FIT_FIELDS)

@@ -1,0 +1,138 @@
+"""Cost terms added for published FSDP runs, each against a hand computation from its cited source:
+causal tile skipping of fused attention (FlashAttention-2 Sec. 3.1.1), the loss's logit traffic,
+early-stopping recomputation (torch.utils.checkpoint), and the compute slowdown of overlapped
+collectives; plus the H100/H200 presets and the published-row fits they come from."""
+
+from __future__ import annotations
+
+import pytest
+
+from xirang_hpc.planner import comm
+from xirang_hpc.planner.cost import Plan, Problem, estimate
+from xirang_hpc.planner.formulas import (
+    Shape,
+    causal_fraction,
+    iteration_flops,
+    layer_forward_flops,
+    logits_flops,
+    mlp_down_flops,
+)
+from xirang_hpc.planner.hardware import PRESETS
+
+# A small GPT (MPT-like: no biases, learned positions) and a device with every fixed cost at 0, so that
+# compute time is FLOPs / rate + the one term under test.
+SH = Shape(layers=2, hidden=1024, heads=8, seq=4096, vocab=50000, ffn=4096, bias=False)
+CLEAN = PRESETS["a100-80gb"].scaled(kernel_overhead_us=0.0, elementwise_traffic=0.0, logit_bytes=0.0,
+                                    gemm_half_width=0.0, gemm_efficiency=0.5, attn_efficiency=0.25,
+                                    dp_overlap=0.0, comm_interference=0.0)
+
+
+def _compute(hw, recompute: str = "none", micro: int = 1, sh: Shape = SH) -> float:
+    pb = Problem(sh, hw, 1, 1, micro)
+    return estimate(pb, Plan(dp=1, tp=1, pp=1, micro=micro, recompute=recompute)).time["compute"]
+
+
+def test_causal_fraction_counts_the_tiles_on_and_below_the_diagonal() -> None:
+    # n = s/128 tiles per row; n(n+1)/2 of n^2 run.
+    assert causal_fraction(2048, True) == pytest.approx(17 / 32)
+    assert causal_fraction(65536, True) == pytest.approx(513 / 1024)
+    assert causal_fraction(100, True) == 1.0  # one tile: nothing to skip
+    assert causal_fraction(2048, False) == 1.0  # materialized scores are computed in full
+
+
+def test_fused_attention_time_by_hand() -> None:
+    """3 forward passes of the dense GEMMs and the head at the GEMM rate; 3.5 of the score products
+    (FlashAttention-2's backward recomputes them) over the causal tiles at the attention kernel's rate."""
+    tokens = SH.seq
+    dense, attn = layer_forward_flops(SH, tokens)
+    peak = CLEAN.peak_tflops * 1e12
+    want = (2 * 3 * dense + 3 * logits_flops(SH, tokens)) / (peak * 0.5) + 2 * 3.5 * attn * (33 / 64) / (peak * 0.25)
+    assert _compute(CLEAN) == pytest.approx(want, rel=1e-12)
+    # Materialized scores: the score products are plain GEMMs, computed in full, at the GEMM rate.
+    plain = CLEAN.scaled(flash_attention=0.0)
+    want_plain = (2 * 3 * (dense + attn) + 3 * logits_flops(SH, tokens)) / (peak * 0.5)
+    assert _compute(plain) == pytest.approx(want_plain, rel=1e-12)
+
+
+def test_loss_streams_the_logits_through_device_memory() -> None:
+    """logit_bytes per element of the b*s*V logits, once per microbatch on the last stage."""
+    for micro in (1, 3):
+        extra = _compute(CLEAN.scaled(logit_bytes=36.0), micro=micro) - _compute(CLEAN, micro=micro)
+        assert extra == pytest.approx(36.0 * micro * SH.seq * SH.vocab / (CLEAN.mem_bw_gbs * 1e9), rel=1e-9)
+    # Fused loss kernel (6 bytes) vs fp32 cross-entropy (36 bytes): a sixth of the traffic.
+    fused = _compute(CLEAN.scaled(logit_bytes=6.0)) - _compute(CLEAN)
+    assert fused == pytest.approx((_compute(CLEAN.scaled(logit_bytes=36.0)) - _compute(CLEAN)) / 6, rel=1e-9)
+
+
+def test_early_stopping_recomputation_skips_the_mlp_down_projection() -> None:
+    """torch.utils.checkpoint (non-reentrant) stops once the saved tensors are back: the block's last GEMM,
+    2*b*s*ffn*h FLOPs per layer, is not re-run; Megatron's reentrant recomputation re-runs it."""
+    tokens = SH.seq
+    assert mlp_down_flops(SH, tokens) == 2 * tokens * 4096 * 1024
+    full = iteration_flops(SH, 1, "full", flash=True)
+    assert full - iteration_flops(SH, 1, "full", flash=True, early_stop=True) == pytest.approx(
+        SH.layers * 2 * tokens * SH.ffn * SH.hidden)
+    peak = CLEAN.peak_tflops * 1e12
+    saved = _compute(CLEAN.scaled(checkpoint_early_stop=0.0), "full") - _compute(CLEAN, "full")
+    assert saved == pytest.approx(SH.layers * mlp_down_flops(SH, tokens) / (peak * 0.5), rel=1e-9)
+    # No recomputation: nothing to skip.
+    assert _compute(CLEAN.scaled(checkpoint_early_stop=0.0)) == _compute(CLEAN)
+
+
+def test_overlapped_collectives_still_cost_their_interference_share() -> None:
+    """ZeRO-3 without a pipeline, all communication hidden (dp_overlap 1, long compute): each
+    microbatch's gather G (forward) and gather + reduce-scatter 2G (backward) cost c * 3G."""
+    sh = Shape(layers=4, hidden=4096, heads=32, seq=4096, vocab=50000, ffn=16384, bias=False, learned_pos=False)
+    hw = PRESETS["h100"].scaled(dp_overlap=1.0, comm_interference=0.0)
+    pb = Problem(sh, hw, 1, 8, 16)
+    plan = Plan(dp=8, tp=1, pp=1, micro=1, zero=3)
+    base = estimate(pb, plan).time["dp_comm"]
+    est = estimate(Problem(sh, hw.scaled(comm_interference=0.25), 1, 8, 16), plan)
+    links = comm.Links.of(hw)
+    params = 4 * (2 * 4096 * 4096 * 2 + 2 * 4096 * 16384 + 2 * 4096) + 50000 * 4096  # layers + embedding/head
+    gather = comm.ring_allreduce(params * hw.grad_comm_bytes, 8, links.a_intra, links.b_intra) / 2
+    assert est.microbatches == 2
+    assert est.time["dp_comm"] - base == pytest.approx(0.25 * 2 * 3 * gather, rel=1e-6)
+    # Nothing hidden (dp_overlap 0): interference has nothing to act on.
+    none = PRESETS["h100"].scaled(dp_overlap=0.0, comm_interference=0.0)
+    assert estimate(Problem(sh, none.scaled(comm_interference=0.5), 1, 8, 16), plan).time["dp_comm"] == \
+        pytest.approx(estimate(Problem(sh, none, 1, 8, 16), plan).time["dp_comm"])
+
+
+def test_h100_and_h200_presets_carry_the_datasheet_figures_and_the_fit() -> None:
+    from xirang_hpc.planner.published import _A100_FSDP_FIT, _H100_FSDP_FIT
+
+    h100, h200 = PRESETS["h100"], PRESETS["h200"]
+    # Datasheets: 989 TFLOP/s dense bf16 on both; 80 GB at 3.35 TB/s vs 141 GB at 4.8 TB/s; NVLink 900 GB/s
+    # both directions; 8x NDR 400 Gb/s per node. Collectives reach 80% of line rate.
+    assert h100.peak_tflops == h200.peak_tflops == 989.0
+    assert (h100.mem_gb, h100.mem_bw_gbs, h200.mem_gb, h200.mem_bw_gbs) == (80.0, 3350.0, 141.0, 4800.0)
+    assert h100.intra_bw_gbs == h200.intra_bw_gbs == pytest.approx(900 / 2 * 0.8)
+    assert h100.inter_bw_gbs == pytest.approx(8 * 400 / 8 * 0.8) and h100.inter_nics == 8
+    # Compute constants are the H100 fit; overlap constants the A100 FSDP fit.
+    for k, v in _H100_FSDP_FIT.items():
+        assert getattr(h100, k) == getattr(h200, k) == v, k
+    assert h100.dp_overlap == _A100_FSDP_FIT["dp_overlap"]
+    assert h100.comm_interference == _A100_FSDP_FIT["comm_interference"]
+    # Same model and plan: the H200's memory fits what the H100's does not, and its HBM is faster.
+    sh = Shape(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336, swiglu=True, bias=False,
+               learned_pos=False, kv_heads=8, tied=False)
+    plan = Plan(dp=8, tp=1, pp=1, micro=2, zero=3)
+    e100, e200 = (estimate(Problem(sh, hw, 1, 8, 64), plan) for hw in (h100, h200))
+    assert e100.peak_memory == pytest.approx(e200.peak_memory)
+    assert not e100.fits and e200.fits
+    assert e200.step_time < e100.step_time
+
+
+def test_h200_cluster_preset_names_the_h200() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from xirang_hpc.config.schema import ClusterConfig
+    from xirang_hpc.planner.hardware import hardware_for
+
+    conf = Path(__file__).resolve().parents[1] / "xirang_hpc" / "conf" / "cluster" / "h200-ib.yaml"
+    raw = yaml.safe_load(conf.read_text())
+    cluster = ClusterConfig(**{k: v for k, v in raw.items() if k in ClusterConfig.__dataclass_fields__})
+    assert hardware_for(cluster).name == "h200" and cluster.gpus_per_node == 8
