@@ -140,6 +140,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "cluster.site_policy": ("quota", reads("xirang_hpc.launch.sites"), []),
     "cluster.site_stay_s": (60.0, reads("xirang_hpc.launch.sites"), []),
     "cluster.site_migrate_wait_s": (30.0, reads("xirang_hpc.launch.sites"), []),
+    "cluster.site_auto_migrate": (False, reads("xirang_hpc.launch.sites"), []),
     # parallel: the degrees, or refused where the layout cannot apply the choice
     "parallel.dp": (3, REFUSED, []),
     "parallel.tp": (2, dims, []),

@@ -66,6 +66,31 @@ def test_slurm_owner_is_live_only_in_a_live_state(tmp_path: Path, fake_scontrol:
         assert claim(run, "slurm", after_active=False) is None
 
 
+def test_owner_on_another_cluster_is_looked_up_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two clusters number their jobs independently: job 7 may be RUNNING on beta and unknown (or another
+    # job) on the default cluster. The lookup must ask the owner's cluster with -M.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("""#!/bin/sh
+if [ "$1" = "-M" ] && [ "$2" = "beta" ]; then echo "JobId=$6 JobState=RUNNING"; exit 0; fi
+echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1
+""")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    run = tmp_path / "run"
+    run.mkdir()
+    record_owner(run, "slurm", "7", cluster="beta")
+    with pytest.raises(RunBusyError, match=r"job 7 on cluster beta \(RUNNING") as e:
+        claim(run, "slurm", after_active=False)
+    assert "scancel -M beta 7" in str(e.value) and "squeue -M beta -j 7" in str(e.value)
+    # The job submitting its own successor (a run moving between sites) hands the directory over.
+    assert claim(run, "slurm", after_active=False, handover=("7", "beta")) is None
+    with pytest.raises(RunBusyError):
+        claim(run, "slurm", after_active=False, handover=("7", "alpha"))  # another cluster's job 7: not it
+    record_owner(run, "slurm", "7")  # no cluster recorded: the default cluster does not know it
+    assert live_owner(run) is None
+
+
 def test_local_owner_dies_and_frees_the_directory(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:

@@ -368,3 +368,74 @@ def test_status_shows_the_site_and_the_history_across_sites(tmp_path, capsys):
     status_cli.main([str(moved), "--json"])
     snap = json.loads(capsys.readouterr().out)
     assert snap["site"] == "beta" and [h["site"] for h in snap["site_history"]] == ["alpha", "beta"]
+
+
+# Recorded during a preemption's grace time on alpha (our 1-node job 41 on sa1; a 2-node `high` job 3 waits
+# for sa1 and sa2): `sbatch --test-only` answers "now" (the preempted job's nodes count as free), while
+# `squeue --start` shows the preemptor scheduled onto both nodes for its 30-minute limit.
+PREEMPTOR = ("3|2026-11-30T18:10:18|30:00|sa[1-2]||PENDING\n"
+             "41|2026-11-30T18:01:00|30:00|(null)|sa1|RUNNING\n")
+
+
+class PreemptedSlurm(FakeSlurm):
+    """FakeSlurm plus `scontrol show hostnames` and the preemptor's `squeue` row."""
+
+    def __call__(self, argv: list[str]) -> Result:
+        if argv[:3] == ["scontrol", "show", "hostnames"]:
+            expr = argv[3]
+            names = {"sa[1-2]": "sa1\nsa2", "sa2": "sa2", "sa1": "sa1"}
+            return Result(0, names.get(expr, expr) + "\n", "")
+        return super().__call__(argv)
+
+
+def test_preempted_job_moves_itself_when_the_preemptor_holds_its_nodes(tmp_path, monkeypatch):
+    run, _ = _placed_run(tmp_path)
+    fake = PreemptedSlurm({"alpha": ALPHA_IDLE, "beta": BETA_IDLE}, squeue={"alpha": PREEMPTOR})
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    seen: list[dict] = []
+
+    def submit(cfg, run_dir, data_dir, site, handover=None):
+        # Submitted from inside job 41: its identity must not leak into the new job's environment.
+        seen.append({"site": site, "dst": run_dir, "handover": handover,
+                     "env": {k for k in os.environ if k.startswith("SLURM_") and k != "SLURM_CONF"}})
+        assert layout.read_latest(run_dir / "checkpoints") == 6  # verified copy before the job exists
+        return "9"
+
+    facts = sites.migrate_at_preemption(run, "41", "alpha", ["sa1"], run=fake, submit=submit, now=lambda: NOW)
+    assert facts is not None and facts["to"] == "beta" and facts["trigger"] == "preemption"
+    assert facts["preempted_by"] == ["3"] and facts["copy_bytes"] > 0 and facts["step"] == 6
+    est = {e["site"]: e for e in facts["estimates"]}
+    # test-only said "now" on alpha; the requeue really waits for the preemptor's end (30 min after its start)
+    assert est["alpha"]["wait_s"] == pytest.approx(9 + 1800) and est["beta"]["wait_s"] == 0
+    assert seen == [{"site": "beta", "dst": tmp_path / "beta" / "r-1", "handover": ("41", "alpha"), "env": set()}]
+    assert os.environ["SLURM_RESTART_COUNT"] == "2"  # restored for the rest of the supervisor
+    assert not any(a[0] == "scancel" for a in fake.calls)  # the supervisor ends its own job afterwards
+    moved = [e for e in read_events(tmp_path / "beta" / "r-1") if e["kind"] == "migrate"]
+    assert moved and moved[0]["old_job"] == "41" and moved[0]["site_migrate_wait_s"] == 120
+
+
+def test_preempted_job_stays_when_its_nodes_come_back_soon(tmp_path):
+    run, _ = _placed_run(tmp_path)
+    short = PREEMPTOR.replace("30:00|sa[1-2]", "01:00|sa[1-2]")  # the preemptor needs the nodes for a minute
+    fake = PreemptedSlurm({"alpha": ALPHA_IDLE, "beta": BETA_IDLE}, squeue={"alpha": short})
+    assert sites.migrate_at_preemption(run, "41", "alpha", ["sa1"], run=fake,
+                                       submit=lambda *a, **k: pytest.fail("submitted"), now=lambda: NOW) is None
+    check = [e for e in read_events(run) if e["kind"] == "migrate_check"]
+    assert check and check[0]["preempted_by"] == ["3"] and "stays on alpha" in check[0]["reason"]
+    # A preemptor on other nodes does not hold this job's requeue at all.
+    other = PreemptedSlurm({"alpha": ALPHA_IDLE, "beta": BETA_IDLE},
+                           squeue={"alpha": PREEMPTOR.replace("sa[1-2]", "sa2")})
+    assert sites.held_until("alpha", ["sa1"], "41", other) == (None, [])
+
+
+def test_auto_migration_can_be_switched_off(tmp_path):
+    over = [f"cluster.sites.0.run_root={tmp_path}/alpha", f"cluster.sites.1.run_root={tmp_path}/beta",
+            f"train.runs_root={tmp_path}/alpha", "cluster.site_auto_migrate=false"]
+    cfg = _cfg(*over)
+    run = tmp_path / "alpha" / "r-1"
+    run.mkdir(parents=True)
+    sites.write_site_state(run, cfg, tmp_path / "data", "alpha", "41")
+    fake = PreemptedSlurm({"alpha": ALPHA_IDLE, "beta": BETA_IDLE}, squeue={"alpha": PREEMPTOR})
+    assert sites.migrate_at_preemption(run, "41", "alpha", ["sa1"], run=fake, now=lambda: NOW) is None
+    assert fake.calls == []

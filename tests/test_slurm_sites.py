@@ -1,6 +1,7 @@
 """Several clusters as one, end to end on the two-cluster testbed (``tools/slurm-testbed start --clusters
 alpha,beta``): placement with real ``sbatch --test-only -M``, a real preemption on alpha, the verified copy to
-beta's run root and the finish there, bitwise identical to an uninterrupted run.
+beta's run root by the job itself (at the preemption, from its batch script's supervisor) and the finish
+there, bitwise identical to an uninterrupted run.
 
 Runs when ``XIRANG_SLURM_CONF`` points at a testbed whose slurmdbd knows the clusters alpha and beta; skips
 otherwise (the single-cluster CI testbed).
@@ -63,6 +64,11 @@ def test_site_a_full_the_job_runs_on_b(two_sites, stdlib_data, tmp_path):
     try:
         job, site, run = _submit(_args(stdlib_data, tmp_path, 20))
         assert site == "beta" and run.is_relative_to(tmp_path / "beta")
+        # The same run again, from alpha's default SLURM_CONF: the run lock asks beta (-M) and sees job
+        # `job` live there (alpha knows no such job, or another one with the same id).
+        again = subprocess.run(TRAIN + _args(stdlib_data, tmp_path, 20), capture_output=True, text=True, timeout=300)
+        assert again.returncode != 0 and f"already has job {job} on cluster beta" in again.stderr, \
+            again.stdout + again.stderr
         placed = _ev(run, "placement")[0]
         est = {e["site"]: e for e in placed["estimates"]}
         assert est["alpha"]["wait_s"] > 600 and est["beta"]["wait_s"] < 60, est
@@ -84,17 +90,28 @@ def test_run_preempted_on_a_migrates_to_b_and_finishes_bitwise_identical(two_sit
     job, site, run = _submit(args)
     assert site == "alpha"  # both idle: the first site
     _wait(lambda: _ev(run, "first_step", 0), 600, "the run to train on alpha")
-    filler = _fill("alpha")  # preempts the run; its requeue waits 30 minutes behind the filler
+    filler = _fill("alpha")  # preempts the run; its requeue would wait 30 minutes behind the filler
+    moved = tmp_path / "beta" / run.name
     try:
-        _wait(lambda: _ev(run, "requeue", 0), 600, "the preemption's requeue on alpha")
-        out = subprocess.run([*TRAIN[:2], "from xirang_hpc.launch.sites import main; raise SystemExit(main())",
-                              "migrate", str(run)], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0 and "moved run from alpha to beta" in out.stdout, out.stdout + out.stderr
-        moved = tmp_path / "beta" / run.name
+        # Nobody intervenes: the job itself (its supervisor, at the preemption) copies the run to beta's run
+        # root, verifies it and submits it there with `sbatch -M beta`; nothing is requeued on alpha.
+        _wait(lambda: moved.is_dir() and _ev(moved, "migrate"), 600, "the run to move itself to beta")
         mig = _ev(moved, "migrate")[0]
+        assert mig["trigger"] == "preemption" and mig["from"] == "alpha" and mig["to"] == "beta", mig
+        assert mig["preempted_by"] == [filler], mig
+        est = {e["site"]: e for e in mig["estimates"]}
+        assert est["alpha"]["wait_s"] > mig["site_migrate_wait_s"] and est["beta"]["wait_s"] < 60, est
         assert mig["copy_bytes"] > 0 and mig["copy_s"] >= 0 and mig["step"] == _ev(run, "stop")[0]["saved_step"]
+        assert _ev(run, "exit")[-1]["status"] == "migrated" and not _ev(run, "requeue")
         assert _final(moved)["status"] == "completed"
         assert [h["site"] for h in read_site_state(moved)["history"]] == ["alpha", "beta"]
+        # The job on alpha ended for good, never requeued there: one record (-D lists every requeued run),
+        # cancelled by itself (or ended by Slurm's grace time first), and nothing pending on alpha.
+        st = subprocess.run(["sacct", "-M", "alpha", "-n", "-X", "-D", "-P", "-j", job, "-o", "State"],
+                            capture_output=True, text=True).stdout.splitlines()
+        assert len(st) == 1 and st[0].startswith(("CANCELLED", "PREEMPTED")), st
+        left = subprocess.run(["squeue", "-M", "alpha", "-h", "-j", job], capture_output=True, text=True).stdout
+        assert not left.strip(), left
     finally:
         subprocess.run(["scancel", "-M", "alpha", filler], check=False)
     ref_out = ref_proc.communicate(timeout=600)[0]

@@ -36,6 +36,22 @@ def test_array_task_gets_its_own_port() -> None:
     assert a.job_id == "49_0" and b.job_id == "49_1" and a.master_port != b.master_port
 
 
+def test_same_job_id_on_two_clusters_gets_two_ports() -> None:
+    # Two Slurm clusters on one host (the two-cluster testbed) both number their jobs from 1: job 7 of
+    # alpha and job 7 of beta run side by side and must not meet on one rendezvous port.
+    base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost"}
+    for job in [str(i) for i in range(1, 500)] + ["49_0"]:
+        jid = {"SLURM_JOB_ID": job} if "_" not in job else {"SLURM_JOB_ID": "60", "SLURM_ARRAY_JOB_ID": "49",
+                                                               "SLURM_ARRAY_TASK_ID": "0"}
+        a = discover({**base, **jid, "SLURM_CLUSTER_NAME": "alpha"})
+        b = discover({**base, **jid, "SLURM_CLUSTER_NAME": "beta"})
+        assert a.job_id == b.job_id and a.master_port != b.master_port, job
+        assert 20000 <= a.master_port < 40000 and 20000 <= b.master_port < 40000
+    # Without a cluster name (one cluster), the port is the job id's alone, as before.
+    assert discover({**base, "SLURM_JOB_ID": "42"}).master_port == rendezvous_port("42")
+    assert rendezvous_port("42", "alpha") != rendezvous_port("42")
+
+
 def test_local_executor_virtual_nodes() -> None:
     env = {"SUBMITIT_LOCAL_GLOBALID": "2", "SUBMITIT_LOCAL_NTASKS": "4", "SUBMITIT_LOCAL_JOB_ID": "777",
            # Inherited from an enclosing allocation: must not win over the local executor.

@@ -200,6 +200,11 @@ class ClusterConfig:
     site_policy: str = "earliest"
     site_stay_s: float = 600.0
     site_migrate_wait_s: float = 120.0
+    # The job moves itself: at a preemption the batch script's supervisor places the run again and, when
+    # its requeue here would wait longer than site_migrate_wait_s, resubmits it on the site that starts
+    # it soonest (verified copy first) instead of requeuing it here. false: requeued here, moved only by
+    # `python -m xirang_hpc.launch.sites migrate`.
+    site_auto_migrate: bool = True
 
     def __post_init__(self) -> None:
         _finite("cluster", self)

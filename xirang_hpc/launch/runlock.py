@@ -37,10 +37,10 @@ class RunBusyError(RuntimeError):
     """The run directory already has a live job; the message names it and the ways out."""
 
 
-def _slurm_state(job_id: str) -> str:
+def _slurm_state(job_id: str, cluster: str | None = None) -> str:
     from xirang_hpc.launch.slurm import job_state
 
-    return job_state(job_id)
+    return job_state(job_id, cluster)
 
 
 def _local_alive(pid: int, started: float) -> bool:
@@ -59,13 +59,19 @@ def read_owner(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def live_owner(run_dir: Path, slurm_state: Callable[[str], str] = _slurm_state) -> dict[str, Any] | None:
-    """The owner of ``run_dir`` if its job is still live, with ``state``; None when free (or stale)."""
+def live_owner(run_dir: Path, slurm_state: Callable[[str, str | None], str] = _slurm_state
+               ) -> dict[str, Any] | None:
+    """The owner of ``run_dir`` if its job is still live, with ``state``; None when free (or stale).
+
+    A job submitted to a named cluster (``cluster`` in the record: a site of ``cluster.sites``) is looked
+    up there (``scontrol -M``): another cluster knows nothing of it, or has a job with the same id.
+    """
     owner = read_owner(run_dir)
     if owner is None:
         return None
     if owner.get("executor") == "slurm":
-        state = slurm_state(str(owner["job_id"])).split()[0] if owner.get("job_id") else "UNKNOWN"
+        jid = str(owner.get("job_id") or "")
+        state = slurm_state(jid, owner.get("cluster") or None).split()[0] if jid else "UNKNOWN"
         return dict(owner, state=state) if state in LIVE_STATES else None
     pid, started = owner.get("pid"), owner.get("pid_started")
     if isinstance(pid, int) and isinstance(started, (int, float)) and _local_alive(pid, float(started)):
@@ -77,7 +83,10 @@ def busy_message(run_dir: Path, owner: dict[str, Any]) -> str:
     """Why a launch is refused, and the ways out."""
     jid, state = owner.get("job_id"), owner.get("state", "RUNNING")
     if owner.get("executor") == "slurm":
-        outs = (f"wait for it (squeue -j {jid}), cancel it (scancel {jid}), queue this launch behind it with "
+        m = f"-M {owner['cluster']} " if owner.get("cluster") else ""
+        raw = owner.get("job_id")
+        jid = f"{raw} on cluster {owner['cluster']}" if owner.get("cluster") else raw
+        outs = (f"wait for it (squeue {m}-j {raw}), cancel it (scancel {m}{raw}), queue this launch behind it with "
                 "train.after_active=true, or use another train.run_dir")
     else:
         outs = f"wait for it, stop it (kill {owner.get('pid')}), or use another train.run_dir"
@@ -97,8 +106,9 @@ def submission_lock(run_dir: Path) -> Iterator[None]:
 
 
 def record_owner(run_dir: Path, executor: str, job_id: str, pid: int | None = None,
-                 after: str | None = None) -> dict[str, Any]:
-    """Write ``<run>/job.json`` (atomically) naming the job that now owns the directory."""
+                 after: str | None = None, cluster: str | None = None) -> dict[str, Any]:
+    """Write ``<run>/job.json`` (atomically) naming the job that now owns the directory (and the Slurm
+    cluster it was submitted to with ``-M``, when one was named)."""
     owner: dict[str, Any] = {"executor": executor, "job_id": str(job_id),
                              "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": os.uname().nodename}
     if pid is not None:
@@ -107,6 +117,8 @@ def record_owner(run_dir: Path, executor: str, job_id: str, pid: int | None = No
             owner["pid_started"] = psutil.Process(pid).create_time()
     if after:
         owner["after"] = after
+    if cluster:
+        owner["cluster"] = cluster
     tmp = run_dir / f".{OWNER_FILE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(owner, indent=1))
     os.replace(tmp, run_dir / OWNER_FILE)
@@ -114,14 +126,20 @@ def record_owner(run_dir: Path, executor: str, job_id: str, pid: int | None = No
 
 
 def claim(run_dir: Path, executor: str, after_active: bool,
-          slurm_state: Callable[[str], str] = _slurm_state) -> str | None:
+          slurm_state: Callable[[str, str | None], str] = _slurm_state,
+          handover: tuple[str, str | None] | None = None) -> str | None:
     """Check ``run_dir`` before submitting (call inside :func:`submission_lock`).
 
     Returns None when the directory is free, or the live owner's job id to depend on when
-    ``after_active`` (Slurm only); raises :class:`RunBusyError` otherwise.
+    ``after_active`` (Slurm only); raises :class:`RunBusyError` otherwise. ``handover`` is the
+    ``(job id, cluster)`` of a job submitting its own successor (a run moving to another site from
+    inside its job): that owner is ending and does not count.
     """
     owner = live_owner(run_dir, slurm_state)
     if owner is None:
+        return None
+    if handover is not None and (str(owner.get("job_id")), owner.get("cluster") or None) == (
+            str(handover[0]), handover[1] or None):
         return None
     if after_active and executor == "slurm" and owner.get("executor") == "slurm":
         return str(owner["job_id"])

@@ -23,6 +23,7 @@ a copy records its step, bytes and seconds (kind ``migrate_copy``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -30,7 +31,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,8 @@ _UNKNOWN_RE = re.compile(r"No cluster '(?P<name>[^']+)' known by database")
 TEST_ONLY_TIMEOUT_S = 30.0
 CKPT_DIR = "checkpoints"
 # Never copied with a run's records: its per-site Slurm state (job ownership, submitit folders, logs).
-_NOT_RECORDS = {CKPT_DIR, "submitit", "slurm", "job.json", ".submit.lock"}
+# The per-restart rank markers (ranks/) belong to the old site's job ids and restart counts.
+_NOT_RECORDS = {CKPT_DIR, "submitit", "slurm", "job.json", ".submit.lock", "ranks", "slurm_job.json"}
 
 
 class NoSiteAvailable(ConfigError):
@@ -241,6 +243,12 @@ def place(cfg: XirangConfig, current: str | None = None, run: Caller | None = No
     c = cfg.cluster
     if not c.sites:
         raise ConfigError("cluster.sites", [], "list the sites (Slurm clusters) to place the job on")
+    return choose(c.sites, gather(cfg, run, now), c.site_policy, current, c.site_stay_s)
+
+
+def gather(cfg: XirangConfig, run: Caller | None = None, now: Callable[[], float] = time.time) -> list[Estimate]:
+    """Every site's :class:`Estimate` for the job (``sbatch --test-only -M``; free quota under ``quota``)."""
+    c = cfg.cluster
     caller = run or call
     check_registered(c, registered_clusters(caller))
     ask = run or test_only
@@ -250,7 +258,53 @@ def place(cfg: XirangConfig, current: str | None = None, run: Caller | None = No
         if e.alive and c.site_policy == "quota":
             e.free_cpus = free_quota_cpus(s, site_cluster(c, s).account, caller)
         estimates.append(e)
-    return choose(c.sites, estimates, c.site_policy, current, c.site_stay_s)
+    return estimates
+
+
+def _slurm_time(text: str) -> float | None:
+    try:
+        return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timestamp()
+    except ValueError:
+        return None
+
+
+def hostnames(expr: str, run: Caller = call) -> list[str]:
+    """A Slurm hostlist (``sa[1-2]``) -> names (``scontrol show hostnames``); [] for ``(null)``/empty."""
+    if not expr or expr in ("(null)", "N/A"):
+        return []
+    r = run(["scontrol", "show", "hostnames", expr])
+    return r.out.split() if r.rc == 0 else []
+
+
+def held_until(site: str, nodes: Sequence[str], job_id: str, run: Caller = call) -> tuple[float | None, list[str]]:
+    """When the jobs that take ``nodes`` from a preempted job on ``site`` end, and their ids.
+
+    At a preemption ``sbatch --test-only`` is no guide to the requeue's start: the preempted job still
+    holds its nodes and the job that preempts it is pending, so Slurm's will-run test answers "now".
+    The preemptor is visible in ``squeue --start``: a pending job scheduled onto the preempted job's
+    nodes (SCHEDNODES) or already running there. The requeue cannot start on those nodes before it
+    ends (its start + time limit); ``inf`` for a job without a limit; None when none is found.
+    """
+    from xirang_hpc.runtime.slurmctl import parse_duration
+
+    r = run(["squeue", "-M", site, "-h", "-t", "PENDING,RUNNING", "-o", "%i|%S|%l|%Y|%N|%T"])
+    if r.rc != 0:
+        return None, []
+    mine, latest, who = set(nodes), None, []
+    for line in r.out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 6 or parts[0] == job_id:
+            continue
+        jid, start, limit, sched, alloc, state = parts
+        on = hostnames(sched if state == "PENDING" else alloc, run)
+        begin = _slurm_time(start)
+        if not mine & set(on) or begin is None:
+            continue
+        dur = parse_duration(limit)
+        end = float("inf") if dur is None else begin + dur
+        latest = end if latest is None else max(latest, end)
+        who.append(jid)
+    return latest, who
 
 
 def record_placement(run_dir: Path, p: Placement, **fields: Any) -> dict[str, Any]:
@@ -456,6 +510,45 @@ def cancel_on(site: str, job_id: str, run: Caller = call) -> Result:
     return run(["scancel", "-M", site, job_id])
 
 
+def _default_submit(c: XirangConfig, d: Path, data: Path, site: str,
+                    handover: tuple[str, str | None] | None = None) -> Any:
+    from xirang_hpc.job.training import run_training
+    from xirang_hpc.launch.slurm import submit as slurm_submit
+
+    return slurm_submit(c, d, data, run_training, dataclasses.asdict(c), str(d), str(data), site=site,
+                        handover=handover)
+
+
+def _move(run_dir: Path, state: dict[str, Any], cfg: XirangConfig, p: Placement, current: str,
+          submit: Callable[..., Any], before_submit: Callable[[], Any] | None = None,
+          handover: tuple[str, str | None] | None = None, **why: Any) -> dict[str, Any]:
+    """Copy (when the target has its own run root), then submit on the target site; record it all."""
+    target = p.site
+    t0 = time.monotonic()
+    runs_root = Path(site_of(cfg.cluster, current).run_root or cfg.train.runs_root)
+    dst = site_run_dir(run_dir, runs_root, target) if target.run_root else run_dir
+    record_placement(run_dir, p, moving_from=current, **why)
+    copied = None
+    if dst != run_dir:  # the target site has its own run root: copy and verify before the job starts there
+        copied = copy_run(run_dir, dst)  # CopyError: nothing cancelled or submitted, the run stays on `current`
+    if before_submit is not None:
+        before_submit()
+    new_cfg = apply_site(cfg, target)
+    job = submit(new_cfg, dst, Path(state["data_dir"]), target.name, **({"handover": handover} if handover else {}))
+    job_id = str(getattr(job, "job_id", job))
+    # The new site's state carries the history; the old run dir points at where the run went.
+    write_site_state(dst, new_cfg, Path(state["data_dir"]), target.name, job_id)
+    if dst != run_dir:
+        write_site_state(run_dir, cfg, Path(state["data_dir"]), target.name, job_id, run_at=dst)
+    facts = {"from": current, "to": target.name, "job": job_id, "dst": str(dst),
+             "copy_s": round(copied.seconds, 3) if copied else 0.0, "copy_bytes": copied.bytes if copied else 0,
+             "step": copied.step if copied else None, "seconds": round(time.monotonic() - t0, 3),
+             "estimates": p.evidence(), **why}
+    for d in {run_dir, dst}:
+        append_event(d, "migrate", p.reason, **facts)
+    return facts
+
+
 def migrate(run_dir: Path, run: Caller | None = None, submit: Callable[..., Any] | None = None,
             force_site: str | None = None, out: Callable[[str], None] = print,
             now: Callable[[], float] = time.time) -> dict[str, Any] | None:
@@ -468,6 +561,22 @@ def migrate(run_dir: Path, run: Caller | None = None, submit: Callable[..., Any]
     site. A failed copy raises :class:`CopyError` before anything is cancelled or submitted: the run
     keeps its place in the old site's queue. Returns the move's facts, or None when the run stays.
     """
+    state, cfg = _load_state(run_dir)
+    current = state["site"]
+    p = place(cfg, current=current, run=run, now=now)
+    if force_site:
+        p = dataclasses.replace(p, site=site_of(cfg.cluster, force_site), reason=f"forced to {force_site}")
+    elif not should_migrate(current, p, cfg.cluster.site_migrate_wait_s):
+        out(f"run stays on {current}: {p.reason}")
+        return None
+    facts = _move(run_dir, state, cfg, p, current, submit or _default_submit,
+                  before_submit=lambda: cancel_on(current, str(state["job"]), run or call), trigger="command")
+    out(f"moved run from {current} to {p.site.name} (job {facts['job']}, {facts['dst']}); copy "
+        f"{facts['copy_bytes']} bytes in {facts['copy_s']:.2f}s")
+    return facts
+
+
+def _load_state(run_dir: Path) -> tuple[dict[str, Any], XirangConfig]:
     from omegaconf import OmegaConf
 
     from xirang_hpc.config.validate import load_config
@@ -476,45 +585,62 @@ def migrate(run_dir: Path, run: Caller | None = None, submit: Callable[..., Any]
     if state is None:
         raise ConfigError("run", str(run_dir), f"has no {SITE_FILE}: it was not placed on several sites "
                                                 "(list them in cluster.sites)")
-    cfg = load_config(OmegaConf.create(state["config"]))
-    current = state["site"]
-    p = place(cfg, current=current, run=run, now=now)
-    if force_site:
-        p = dataclasses.replace(p, site=site_of(cfg.cluster, force_site), reason=f"forced to {force_site}")
-    elif not should_migrate(current, p, cfg.cluster.site_migrate_wait_s):
-        out(f"run stays on {current}: {p.reason}")
+    return state, load_config(OmegaConf.create(state["config"]))
+
+
+# Job-specific variables a job submitted from inside another job must not inherit (sbatch exports the
+# environment): a stale SLURM_RESTART_COUNT or array id would give the new job a wrong identity.
+_KEEP_ENV = {"SLURM_CONF"}
+
+
+@contextlib.contextmanager
+def _clean_job_env() -> Iterator[None]:
+    saved = {k: v for k, v in os.environ.items()
+             if k.startswith(("SLURM_", "SBATCH_", "SUBMITIT_", "XIRANG_INJOB")) and k not in _KEEP_ENV}
+    for k in saved:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def migrate_at_preemption(run_dir: Path, job_id: str, current: str, nodes: Sequence[str],
+                          run: Caller | None = None, submit: Callable[..., Any] | None = None,
+                          now: Callable[[], float] = time.time) -> dict[str, Any] | None:
+    """The job's own move at a preemption (called by the batch script's supervisor, launch/supervise.py).
+
+    Places the run again with ``current`` as its site. ``current``'s expected start is the later of
+    ``sbatch --test-only`` and the end of the jobs that take the preempted job's ``nodes``
+    (:func:`held_until`). When that wait exceeds ``cluster.site_migrate_wait_s`` and another site starts
+    the run sooner, the newest good checkpoint is copied and verified (separate run roots) and the run is
+    submitted there (``sbatch -M``) by this job, which is then not requeued: the caller cancels it. The
+    decision and its evidence (expected start per site, the preempting jobs, copy bytes and seconds) go
+    to ``events.jsonl`` (kinds ``placement``/``migrate``, or ``migrate_check`` when the run stays).
+    Returns the move's facts, or None when the run stays (the caller requeues it here as usual).
+    Raises :class:`CopyError`/:class:`ConfigError` when the move failed before anything was submitted.
+    """
+    state, cfg = _load_state(run_dir)
+    if not cfg.cluster.site_auto_migrate:
         return None
-    target = p.site
-    t0 = time.monotonic()
-    runs_root = Path(site_of(cfg.cluster, current).run_root or cfg.train.runs_root)
-    dst = site_run_dir(run_dir, runs_root, target) if target.run_root else run_dir
-    record_placement(run_dir, p, moving_from=current)
-    copied = None
-    if dst != run_dir:  # the target site has its own run root: copy and verify before the job starts there
-        copied = copy_run(run_dir, dst)  # CopyError: nothing cancelled, the run keeps its place on `current`
-    cancel_on(current, str(state["job"]), run or call)
-    new_cfg = apply_site(cfg, target)
-    if submit is None:
-        from xirang_hpc.job.training import run_training
-        from xirang_hpc.launch.slurm import submit as slurm_submit
-
-        def submit(c: XirangConfig, d: Path, data: Path, site: str) -> Any:
-            return slurm_submit(c, d, data, run_training, dataclasses.asdict(c), str(d), str(data), site=site)
-
-    job = submit(new_cfg, dst, Path(state["data_dir"]), target.name)
-    job_id = str(getattr(job, "job_id", job))
-    # The new site's state carries the history; the old run dir points at where the run went.
-    write_site_state(dst, new_cfg, Path(state["data_dir"]), target.name, job_id)
-    if dst != run_dir:
-        write_site_state(run_dir, cfg, Path(state["data_dir"]), target.name, job_id, run_at=dst)
-    facts = {"from": current, "to": target.name, "job": job_id, "dst": str(dst),
-             "copy_s": copied.seconds if copied else 0.0, "copy_bytes": copied.bytes if copied else 0,
-             "step": copied.step if copied else None, "seconds": round(time.monotonic() - t0, 3)}
-    for d in {run_dir, dst}:
-        append_event(d, "migrate", p.reason, **facts)
-    out(f"moved run from {current} to {target.name} (job {job_id}, {dst}); copy {facts['copy_bytes']} bytes in "
-        f"{facts['copy_s']:.2f}s")
-    return facts
+    caller = run or call
+    estimates = gather(cfg, run, now)
+    until, preemptors = held_until(current, nodes, job_id, caller)
+    t = now()
+    for e in estimates:
+        if e.site == current and e.alive and until is not None and until > (e.start or 0.0):
+            e.start = until if until != float("inf") else t + 365 * 86400.0
+            e.wait_s = max(0.0, e.start - t)
+            e.error = f"nodes held by job(s) {','.join(preemptors)}"
+    p = choose(cfg.cluster.sites, estimates, cfg.cluster.site_policy, current, cfg.cluster.site_stay_s)
+    limit = cfg.cluster.site_migrate_wait_s
+    if not should_migrate(current, p, limit):
+        append_event(run_dir, "migrate_check", f"stays on {current}: {p.reason}", site=current, job=job_id,
+                     estimates=p.evidence(), preempted_by=preemptors, site_migrate_wait_s=limit)
+        return None
+    with _clean_job_env():
+        return _move(run_dir, state, cfg, p, current, submit or _default_submit, handover=(job_id, current),
+                     trigger="preemption", preempted_by=preemptors, old_job=job_id, site_migrate_wait_s=limit)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -204,20 +203,22 @@ def final_status(run_dir: Path) -> dict[str, Any] | None:
     return finals[-1] if finals else None
 
 
-def job_state(job_id: str) -> str:
-    """Slurm's ``JobState`` of ``job_id`` (``UNKNOWN`` once Slurm has forgotten the job)."""
+def job_state(job_id: str, cluster: str | None = None) -> str:
+    """Slurm's ``JobState`` of ``job_id`` on ``cluster`` (None: the default one; ``UNKNOWN`` once Slurm
+    has forgotten the job)."""
     try:
-        return slurmctl.job_info(job_id).get("JobState", "UNKNOWN")
+        return slurmctl.job_info(job_id, cluster).get("JobState", "UNKNOWN")
     except slurmctl.SlurmCommandError:
         return "UNKNOWN"
 
 
-def wait_for(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None) -> str:
-    """Block until ``job_id`` has ended for good (a requeued job is followed through its reruns)."""
+def wait_for(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None, cluster: str | None = None) -> str:
+    """Block until ``job_id`` (on ``cluster``, ``-M``) has ended for good (a requeued job is followed through
+    its reruns)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     seen_terminal = 0
     while True:
-        state = job_state(job_id)
+        state = job_state(job_id, cluster)
         # Two consecutive terminal polls: a requeue in flight passes through brief states.
         seen_terminal = seen_terminal + 1 if state in TERMINAL_STATES or state == "UNKNOWN" else 0
         if seen_terminal >= 2:
@@ -227,11 +228,13 @@ def wait_for(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None) -
         time.sleep(poll_s)
 
 
-def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any, site: str | None = None
-           ) -> submitit.Job:
+def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any, site: str | None = None,
+           handover: tuple[str, str | None] | None = None) -> submitit.Job:
     """Submit ``fn(*args)`` as one Slurm job for ``cfg``; log the submission in the run's event log.
 
     ``site``: the Slurm cluster to submit to (``sbatch -M``, chosen by launch/sites.py); None: this one.
+    ``handover``: ``(job id, cluster)`` of the job that submits its own successor (a run moving to another
+    site from inside its job): that owner does not count as busy.
 
     The run directory must be free (one job per run directory, launch/runlock.py): a live job of it
     refuses the submission, or with ``train.after_active`` the new job waits for it (afterany).
@@ -240,7 +243,7 @@ def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any
 
     folder = run_dir / "submitit"
     with submission_lock(run_dir):
-        after = claim(run_dir, "slurm", cfg.train.after_active)
+        after = claim(run_dir, "slurm", cfg.train.after_active, handover=handover)
         write_job_file(cfg, run_dir)
         write_run_dir_map(folder, [run_dir], array=False)
         ex = make_slurm_executor(cfg.cluster, folder, cfg.train.priority, cfg.requeue)
@@ -252,7 +255,7 @@ def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any
             extra["clusters"] = site
         ex.update_parameters(additional_parameters=extra)
         job = ex.submit(fn, *args)
-        record_owner(run_dir, "slurm", str(job.job_id), after=after)
+        record_owner(run_dir, "slurm", str(job.job_id), after=after, cluster=site)
     append_event(run_dir, "submit", "submitted", job=str(job.job_id), cluster=cfg.cluster.name,
                  nodes=cfg.cluster.nodes, tasks_per_node=cfg.cluster.tasks_per_node,
                  **({"after": after} if after else {}), **({"site": site} if site else {}))
@@ -265,9 +268,9 @@ def follow_hint(job: submitit.Job, run_dir: Path) -> str:
             f"events: {run_dir / 'events.jsonl'}")
 
 
-def cancel(job_id: str) -> None:
-    """``scancel`` (for interrupted --wait)."""
-    subprocess.run(["scancel", job_id], check=False)
+def cancel(job_id: str, cluster: str | None = None) -> None:
+    """``scancel`` (for interrupted --wait), on the job's cluster."""
+    subprocess.run(["scancel", *slurmctl.cluster_args(cluster), job_id], check=False)
 
 
 def launch_slurm(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, site: str | None = None,
@@ -285,12 +288,10 @@ def launch_slurm(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, site
     print(follow_hint(job, run_dir), flush=True)
     if not cfg.train.wait:
         return None
-    if site:  # scontrol (job_state) reads SLURM_CLUSTERS like -M: follow the job on its site
-        os.environ["SLURM_CLUSTERS"] = site
     try:
-        state = wait_for(str(job.job_id))
+        state = wait_for(str(job.job_id), cluster=site)  # -M: the job's id is only meaningful on its site
     except KeyboardInterrupt:
-        cancel(str(job.job_id))
+        cancel(str(job.job_id), site)
         raise
     final = final_status(run_dir)
     print(f"job {job.job_id} ended: Slurm state {state}; run status "

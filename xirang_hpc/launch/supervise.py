@@ -30,9 +30,50 @@ def run_dir_for_task(map_file: Path, env: dict[str, str]) -> Path:
     return Path(mapping[env.get("SLURM_ARRAY_TASK_ID", "")] if "" not in mapping else mapping[""])
 
 
+def _since_arrival(run_dir: Path) -> list[dict]:
+    """The run's events since it arrived on this site (after its last ``migrate``): a run that moved
+    carries the old site's events, whose job ids and restart counts mean nothing here."""
+    events = read_events(run_dir)
+    last = max((i for i, e in enumerate(events) if e.get("kind") == "migrate"), default=-1)
+    return events[last + 1:]
+
+
 def already_handled(run_dir: Path, restart: int) -> bool:
     """The job itself logged an exit (completed, requeued or final) for this restart."""
-    return any(e.get("kind") == "exit" and e.get("restart") == restart for e in read_events(run_dir))
+    return any(e.get("kind") == "exit" and e.get("restart") == restart for e in _since_arrival(run_dir))
+
+
+def handed_over(run_dir: Path, restart: int) -> bool:
+    """The job's stop handler left a preemption to this supervisor (a run on several sites may move)."""
+    return any(e.get("kind") == "handover" and e.get("restart") == restart for e in _since_arrival(run_dir))
+
+
+def cancel_self(job_id: str, cluster: str | None) -> None:
+    """``scancel [-M cluster] JOB``: the job that moved its run to another site ends here, not requeued
+    (also if Slurm's own preemption requeue got there first)."""
+    import subprocess
+
+    subprocess.run(["scancel", *slurmctl.cluster_args(cluster), job_id], capture_output=True, timeout=60,
+                   check=False)
+
+
+def try_migrate(run_dir: Path, job_id: str, env: dict[str, str]) -> dict | None:
+    """A run placed on several sites and preempted here: move it to the site that starts it soonest
+    (launch/sites.py). None when it stays, or when the move failed before anything was submitted
+    (logged as ``migrate_failed``): then it is requeued here as usual."""
+    from xirang_hpc.config.errors import ConfigError
+    from xirang_hpc.launch import sites
+
+    if sites.read_site_state(run_dir) is None:
+        return None
+    current = env.get("SLURM_CLUSTER_NAME") or sites.read_site_state(run_dir)["site"]
+    try:
+        nodes = hostnames(env.get("SLURM_JOB_NODELIST", ""))
+        return sites.migrate_at_preemption(run_dir, job_id, current, nodes)
+    except (ConfigError, sites.CopyError, slurmctl.SlurmCommandError, OSError, RuntimeError) as exc:
+        append_event(run_dir, "migrate_failed", type(exc).__name__, error=str(exc), job=job_id, site=current)
+        print(f"xirang: moving the run to another site failed, requeued here: {exc}", file=sys.stderr, flush=True)
+        return None
 
 
 # Node states in which Slurm will not start a job there (``scontrol show node``'s State, e.g. IDLE+DRAIN).
@@ -97,12 +138,16 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
         append_event(run_dir, "exit", "completed", final=True, status="completed", job=job_id, restart=restart)
         return 0
     lost = missing_ranks(run_dir, restart)
+    handover = handed_over(run_dir, restart)
     preempted = preempt_time(job_id)
-    if preempted:
+    if handover:  # the stop handler saved and logged the preemption; the decision on the site is ours
+        nodes: list[str] = []
+        reason = "preemption"
+    elif preempted:
         # Preempted where the job's own stop handler could not act (ranks still starting, in the
         # rendezvous or a checkpoint load: Slurm's signal ended them): Slurm's record says so, and
         # a preemption is requeued by its policy, not treated as a crash (no node is blamed).
-        nodes: list[str] = []
+        nodes = []
         reason = "preemption"
         append_event(run_dir, "stop", reason, detail=f"PreemptTime={preempted}", handled_by="supervisor",
                      job=job_id, restart=restart, srun_rc=rc, ranks_without_exit=[r for r, _ in lost])
@@ -120,6 +165,17 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
                      job=job_id, restart=restart)
         print(f"xirang: not requeued: {verdict.why}", file=sys.stderr, flush=True)
         return rc
+    if reason == "preemption":
+        # Several sites: the job itself resubmits the run where it starts soonest instead of requeuing it
+        # here (nothing may outlive the job, so the move happens now, before the batch script ends).
+        moved = try_migrate(run_dir, job_id, env)
+        if moved is not None:
+            append_event(run_dir, "exit", "migrated", final=False, status="migrated", job=job_id, restart=restart,
+                         to=moved["to"], new_job=moved["job"], dst=moved["dst"])
+            print(f"xirang: run moved to site {moved['to']} (job {moved['job']}, {moved['dst']}); this job ends",
+                  file=sys.stderr, flush=True)
+            cancel_self(job_id, env.get("SLURM_CLUSTER_NAME"))
+            return rc
     excluded: list[str] = []
     if policy.exclude_failed_nodes and nodes:
         # A job that may start shrunk (sbatch --nodes=min-max) still runs on its fewest nodes.

@@ -181,6 +181,13 @@ class StopSignalHook(TrainerHook):
                 self._event("exit", cause.reason, final=True, status=verdict.final_status, why=verdict.why, step=step)
                 print(f"xirang: not requeued: {verdict.why} (final status {verdict.final_status})", flush=True)
                 return EXIT_STOPPED
+            multi_site = bool(self.cfg.cluster.sites) and self.cfg.cluster.site_auto_migrate
+            if in_slurm and cause.reason == "preemption" and multi_site:
+                # Several sites: the batch script's supervisor (launch/supervise.py) decides after the ranks
+                # are gone whether the run moves to another site or is requeued here; it alone acts.
+                self._event("handover", cause.reason, why="the supervisor places the run again (cluster.sites)",
+                            target=target, step=step)
+                return EXIT_REQUEUED
             if in_slurm:
                 self.requeue_fn(target)
                 if verdict.start_now or verdict.backoff_s:

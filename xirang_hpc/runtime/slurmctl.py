@@ -80,9 +80,18 @@ def parse_duration(text: str) -> float | None:
     return float(days * 86400 + secs)
 
 
-def job_info(job_id: str) -> dict[str, str]:
-    """Slurm's record of ``job_id`` (``scontrol show job -o``)."""
-    return parse_job(run_scontrol(["show", "job", "-o", job_id]))
+def job_info(job_id: str, cluster: str | None = None) -> dict[str, str]:
+    """Slurm's record of ``job_id`` (``scontrol show job -o``); on ``cluster`` (``-M``) when given.
+
+    Several clusters number their jobs independently: a job of another cluster than the default
+    one (``SLURM_CONF``) is unknown there, or worse, another job with the same id.
+    """
+    return parse_job(run_scontrol([*cluster_args(cluster), "show", "job", "-o", job_id]))
+
+
+def cluster_args(cluster: str | None) -> list[str]:
+    """``["-M", cluster]`` for a job on a named Slurm cluster, ``[]`` for the default one."""
+    return ["-M", cluster] if cluster else []
 
 
 def requeue(job_id: str) -> None:

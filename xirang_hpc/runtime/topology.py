@@ -50,9 +50,24 @@ class Topology:
             )
 
 
-def rendezvous_port(job_id: str) -> int:
-    """A port derived deterministically from the job id, in [20000, 40000)."""
-    return 20000 + int(hashlib.sha256(job_id.encode()).hexdigest()[:8], 16) % 20000
+def rendezvous_port(job_id: str, cluster: str = "") -> int:
+    """A port derived deterministically from the job id, in [20000, 40000).
+
+    ``cluster`` (Slurm's ``SLURM_CLUSTER_NAME``) is part of the key: several Slurm clusters can run on
+    one host (or share nodes) and each numbers its jobs from 1, so job 5 of ``alpha`` and job 5 of
+    ``beta`` would otherwise meet on the same port. The cluster moves the job's port by a per-cluster
+    offset, so the same job id on two clusters never gets the same port unless the two names' offsets
+    coincide (checked for the names at hand by :func:`cluster_offset`).
+    """
+    base = int(hashlib.sha256(job_id.encode()).hexdigest()[:8], 16)
+    return 20000 + (base + cluster_offset(cluster)) % 20000
+
+
+def cluster_offset(cluster: str) -> int:
+    """The port offset of a Slurm cluster name (0 without a name: the single-cluster ports are unchanged)."""
+    if not cluster:
+        return 0
+    return int(hashlib.sha256(f"cluster:{cluster}".encode()).hexdigest()[:8], 16) % 20000
 
 
 def first_host(nodelist: str) -> str:
@@ -106,12 +121,15 @@ def discover(env: Mapping[str, str] | None = None, local_nodes: int = 1) -> Topo
         # (sbatch exports it) and would make array tasks on one node collide; only the explicit
         # XIRANG_MASTER_* variables override the job-derived values.
         # A testbed's virtual node names do not resolve; every node is this host there.
+        # Several clusters number their jobs independently: the cluster name is part of the port's key.
+        cluster = env.get("SLURM_CLUSTER_NAME", "")
         addr = env.get("XIRANG_MASTER_ADDR") or (host if _resolvable(host) else "127.0.0.1")
         return Topology(
             rank=int(env["SLURM_PROCID"]), world_size=world, local_rank=int(env.get("SLURM_LOCALID", "0")),
             local_world_size=world // nodes, node_id=int(env.get("SLURM_NODEID", "0")), num_nodes=nodes,
             node_name=env.get("SLURMD_NODENAME", host), master_addr=addr,
-            master_port=int(env.get("XIRANG_MASTER_PORT") or rendezvous_port(port_key)), job_id=job, source="slurm",
+            master_port=int(env.get("XIRANG_MASTER_PORT") or rendezvous_port(port_key, cluster)), job_id=job,
+            source="slurm",
         )
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
