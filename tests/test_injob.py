@@ -186,3 +186,24 @@ def test_min_nodes_lets_a_drained_job_start_shrunk_and_a_floor_the_layout_misses
     (tmp_path / "c").mkdir()
     with pytest.raises(ConfigError, match=r"requeue.min_nodes=3.*shrinks only to \[1, 2\]"):
         write_job_file(four, tmp_path / "c")
+
+
+def test_the_driver_removes_the_jobs_memory_copies_here_and_on_the_healthy_nodes(tmp_path):
+    from xirang_hpc.checkpoint.memory import memory_root
+    from xirang_hpc.launch.injob import release_memory
+
+    run = _run_dir(tmp_path, "requeue.max_restarts_in_job=1", "checkpoint.in_memory=true",
+                   f"checkpoint.memory_dir={tmp_path / 'shm'}")
+    root = memory_root("77", run, str(tmp_path / "shm"))
+    (root / "n1" / "step_5").mkdir(parents=True)
+    append_event(run, "dead", "rank 2 on n2", rank=2, node="n2")
+    calls = []
+    env = {"SLURM_JOB_ID": "77", "SLURMD_NODENAME": "n1", "SLURM_JOB_NODELIST": "n[1-3]"}
+    got = release_memory(run, env, allocation=lambda _: ["n1", "n2", "n3"], run=lambda c, **kw: calls.append(c))
+    assert got == root
+    assert not root.exists()
+    # The lost node n2 is left out (an srun step there would hang); n3 gets one rm step.
+    assert calls == [["srun", "--overlap", "--nodes=1", "--ntasks-per-node=1", "--nodelist=n3", "rm", "-rf", str(root)]]
+    (tmp_path / "off").mkdir()
+    off = _run_dir(tmp_path / "off")
+    assert release_memory(off, env, allocation=lambda _: ["n1"], run=lambda c, **kw: calls.append(c)) is None

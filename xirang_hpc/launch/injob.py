@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc.checkpoint.memory import memory_root
 from xirang_hpc.launch.supervise import already_handled, hostnames, preempt_time, run_dir_for_task, supervise
 from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
 from xirang_hpc.runtime.markers import missing_ranks
@@ -173,6 +175,29 @@ def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys
         plan = nxt
 
 
+def release_memory(run_dir: Path, env: Mapping[str, str], allocation: Callable[[str], list[str]] = hostnames,
+                   run: Callable[..., Any] = subprocess.run) -> Path | None:
+    """Remove the job's in-memory checkpoint copies (``checkpoint.in_memory``) once its steps are over.
+
+    This node's directory tree directly; the other healthy nodes of the allocation through one
+    ``srun`` step (best effort: a copy left behind on a node is freed with its tmpfs at the latest).
+    """
+    job = json.loads((run_dir / "slurm_job.json").read_text())
+    if not job.get("in_memory"):
+        return None
+    root = memory_root(env.get("SLURM_JOB_ID", ""), run_dir, job.get("memory_dir", ""))
+    shutil.rmtree(root, ignore_errors=True)
+    here, lost = env.get("SLURMD_NODENAME", ""), set(failed_nodes(run_dir))
+    others = [n for n in allocation(env.get("SLURM_JOB_NODELIST", "")) if n != here and n not in lost]
+    if others:
+        try:
+            run(["srun", "--overlap", f"--nodes={len(others)}", "--ntasks-per-node=1", f"--nodelist={','.join(others)}",
+                 "rm", "-rf", str(root)], timeout=60, capture_output=True)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            print(f"xirang: could not remove {root} on {others}: {exc}", file=sys.stderr, flush=True)
+    return root
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point in the batch script: the attempts, then the requeue supervisor on the last exit code."""
     ap = argparse.ArgumentParser(description=__doc__)
@@ -182,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     env = dict(os.environ)
     run_dir = run_dir_for_task(a.map, env)
     rc = drive(run_dir, a.folder, env)
+    release_memory(run_dir, env)
     sys.exit(supervise(rc, run_dir, env))
 
 
