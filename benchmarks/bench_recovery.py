@@ -5,7 +5,8 @@ One 2-node x 2-rank tiny-GPT job per (policy, fault), one after another, in one 
 - policies: ``requeue`` (the default requeue policy: Slurm holds the requeued job in BeginTime),
   ``requeue+now`` (the requeue with an immediate restart, ``requeue.start_now``), ``in-job``
   (in-job restart from the filesystem checkpoint; no spare node on a 2-node testbed, so the job
-  goes on shrunk on the healthy node);
+  goes on shrunk on the healthy node), ``in-job+memory`` (the same from the in-memory copy,
+  ``checkpoint.in_memory=true`` kept every step: the survivor holds the lost node's replicas);
 - faults: ``kill9`` (SIGKILL of rank 3, on the second node), ``sigstop`` (SIGSTOP of rank 3;
   ``monitor.hang_s`` below), ``node`` (the second node lost: its slurmd, the job's slurmstepd
   there and its ranks SIGKILLed; only the in-job restart can go on: a requeued 2-node job has no
@@ -42,6 +43,9 @@ POLICIES = {
     "requeue": ["requeue=default", "requeue.max_restarts_in_job=0"],
     "requeue+now": ["requeue=testbed", "requeue.max_restarts_in_job=0"],
     "in-job": ["requeue=testbed", "requeue.max_restarts_in_job=2"],
+    # The same, restarting from the node-local memory copy (kept every step, replica on the other node).
+    "in-job+memory": ["requeue=testbed", "requeue.max_restarts_in_job=2", "checkpoint.in_memory=true",
+                      "checkpoint.memory_every_steps=1"],
 }
 FAULTS = ("kill9", "sigstop", "node")
 
@@ -122,6 +126,9 @@ def one(policy: str, fault: str, a: argparse.Namespace) -> dict:
         start = _ev(run, "start", t_fault)[0]
         detect = [e["time"] for e in _ev(run, "dead", t_fault) + _ev(run, "hang", t_fault)]
         how = "in-job restart" if _ev(run, "restart", t_fault) else "requeue" if _ev(run, "requeue", t_fault) else "?"
+        restored = _ev(run, "restore", t_fault)
+        if restored:
+            how += f" ({restored[0].get('source', '?')})"
         return {"policy": policy, "fault": fault, "job": job, "how": how,
                 "detect_s": min(detect) - t_fault if detect else float("nan"),
                 "recovery_s": first["time"] - t_fault, "reached": reached, "resumed": start["step"],

@@ -211,8 +211,8 @@ def test_node_loss_restarts_from_memory_with_no_step_lost(stdlib_data, tmp_path)
     va, vb = (np.concatenate([t[k].double().numpy().ravel() for k in names]) for t in (a, b))
     assert np.linalg.norm(va - vb) <= 1e-5 * np.linalg.norm(vb), np.linalg.norm(va - vb) / np.linalg.norm(vb)
     root = memory_root(job, run)
-    _wait(lambda: job not in subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split(),
-          120, "the job to end")
+    queued = lambda: subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()  # noqa: E731
+    _wait(lambda: job not in queued(), 120, "the job to end")
     assert not root.exists(), sorted(root.rglob("*"))  # removed at job end, the lost node's copy too
 
 
