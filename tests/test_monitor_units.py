@@ -15,7 +15,7 @@ import pytest
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import MonitorConfig
 from xirang_hpc.launch.status_cli import main as status_main
-from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess, hang_bound
+from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess, bound_phase, hang_bound
 from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
 from xirang_hpc.monitor.flops import flops_per_token, mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import (
@@ -60,21 +60,51 @@ def test_hang_inside_a_timed_step_is_named_within_k_times_the_step_time() -> Non
     assert hang_bound(beat(0, **timed), th) == 10  # 20 x 0.2 s = 4 s < hang_min_s
     assert hang_bound(beat(0, **{**timed, "step_s": 2.0}), th) == 40
     assert hang_bound(beat(0, **{**timed, "step_s": 60.0}), th) == 300  # never beyond hang_s
-    # No measured steps yet (the first step), or a phase outside the step: hang_s.
-    assert hang_bound(beat(0, step=0), th) == 300
-    for phase in ("start", "eval", "checkpoint", "comm"):
-        assert hang_bound(beat(0, phase=phase, **timed), th) == 300, phase
+    # No measured steps yet (the first step, its data preparation), or start-up: hang_s.
+    assert hang_bound(beat(0, step=0), th) == 300 and bound_phase(beat(0, step=0), th) == "first-step"
+    assert hang_bound(beat(0, phase="start", **timed), th) == 300
+    assert hang_bound(beat(0, phase="eval", step=0), th) == 300  # the initial evaluation: nothing measured
+    # Saving, evaluation and the consensus: the step's bound, measured from the last phase change or tick.
+    for phase, label in (("checkpoint", "saving"), ("eval", "eval"), ("comm", "step")):
+        assert (hang_bound(beat(0, phase=phase, **timed), th), bound_phase(beat(0, phase=phase, **timed), th)) == \
+            (10, label), phase
     assert hang_bound(beat(0, **timed), Thresholds(hang_s=300, hang_k=0)) == 300  # off
 
     beats = {r: beat(r, progress=NOW - 12, last=NOW - 0.5, **timed) for r in range(4)}
     beats[2]["beat"] = NOW - 12
     fs = assess(beats, {r: (STOPPED if r == 2 else ALIVE) for r in range(4)}, NOW, th, WatchState())
     assert [(f.kind, f.rank) for f in fs] == [("hang", 2)] and "stopped" in fs[0].cause
-    assert fs[0].extra["bound_s"] == 10
-    # The same stall during a checkpoint save or evaluation is no alarm.
+    assert fs[0].extra["bound_s"] == 10 and fs[0].extra["bound_phase"] == "step"
+    assert fs[0].cause.startswith("rank 2 (node n1, pid 102) did not reach"), fs[0].cause
+    # The same stall during a save or an evaluation that still ticks is no alarm; one that stopped ticking is.
     for phase in ("checkpoint", "eval"):
-        calm = {r: dict(hb, phase=phase) for r, hb in beats.items()}
-        assert assess(calm, {r: ALIVE for r in range(4)}, NOW, th, WatchState()) == [], phase
+        moving = {r: dict(hb, phase=phase, active=NOW - 1) for r, hb in beats.items()}
+        assert assess(moving, {r: ALIVE for r in range(4)}, NOW, th, WatchState()) == [], phase
+        still = {r: dict(hb, phase=phase, active=NOW - 11) for r, hb in beats.items()}
+        assert [f.kind for f in assess(still, {r: ALIVE for r in range(4)}, NOW, th, WatchState())] == ["hang"]
+    # One rank still moving (a throttled or stopped-and-resumed rank): its waiting peers are no alarm.
+    crawl = {**beats, 3: dict(beats[3], progress=NOW - 2)}
+    assert assess(crawl, {r: ALIVE for r in range(4)}, NOW, th, WatchState()) == []
+
+
+def test_hang_names_the_rank_that_did_not_reach_the_collective() -> None:
+    """Per-rank collective counts: the rank with fewer issued collectives is named with what it missed."""
+    th = Thresholds(hang_s=300, stale_s=5, hang_k=20, hang_min_s=10)
+    timed = {"step_s": 0.2, "timed_steps": 5, "local_s": 0.01}
+    beats = {r: beat(r, phase="backward", progress=NOW - 15, coll_seq=57, **timed) for r in range(4)}
+    beats[3].update(phase="forward", coll_seq=56)
+    fs = assess(beats, {r: ALIVE for r in range(4)}, NOW, th, WatchState())
+    assert [(f.kind, f.rank) for f in fs] == [("hang", 3)]
+    assert fs[0].cause.startswith("rank 3 (node n1, pid 103) did not reach collective #57 (the gradient all-reduce "
+                                  "of step 10) that rank(s) 0, 1, 2 wait in; it issued #56"), fs[0].cause
+    # Same phase everywhere: the counts alone find it (SIGSTOP between two collectives of one phase).
+    same = {r: dict(hb, phase="backward") for r, hb in beats.items()}
+    fs = assess(same, {r: ALIVE for r in range(4)}, NOW, th, WatchState())
+    assert [f.rank for f in fs] == [3] and "did not reach collective #57" in fs[0].cause
+    # Inside the collective with everyone (equal counts), stopped: named as not completing it.
+    inside = {r: dict(hb, coll_seq=57) for r, hb in same.items()}
+    fs = assess(inside, {r: (STOPPED if r == 1 else ALIVE) for r in range(4)}, NOW, th, WatchState())
+    assert [f.rank for f in fs] == [1] and "did not reach the end of collective #57" in fs[0].cause
 
 
 def test_finished_rank_that_exits_is_not_dead() -> None:

@@ -84,10 +84,12 @@ class CheckpointManager:
                  retention: RetentionPolicy | None = None, async_save: bool = True,
                  verify_checksums: bool = True, on_commit: Callable[[SaveRecord, Path], None] | None = None,
                  memory: MemoryStore | None = None,
-                 on_memory: Callable[[MemoryRecord], None] | None = None) -> None:
+                 on_memory: Callable[[MemoryRecord], None] | None = None,
+                 write_delay_s: float = 0.0) -> None:
         self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
         # The in-memory copy (None = off); ``on_memory`` is called on every rank after each memory save.
         self.memory, self.on_memory = memory, on_memory
+        self.write_delay_s = write_delay_s  # test-only: seconds per tensor written (a slow filesystem)
         # Called on rank 0 once a step is committed on every rank (the run's events.jsonl records it).
         self.on_commit = on_commit
         self.compression, self.dedup, self.dir_mode = compression, dedup, dir_mode
@@ -238,7 +240,8 @@ class CheckpointManager:
         tmp_box.append(tmp)
         rank_json = f"rank_{self.rank}.json"
         ckpt_layout.write_json_durable(tmp / rank_json, rank_state)
-        writer = HDF5StorageWriter(tmp, self.compression, self._index() if self.dedup else None)
+        writer = HDF5StorageWriter(tmp, self.compression, self._index() if self.dedup else None,
+                                   item_delay_s=self.write_delay_s)
         dcp.save(snap, storage_writer=writer, process_group=self.group)
         # The writer checksummed its file while fsyncing it (no second pass here).
         own = {rank_json: ckpt_layout.file_entry(tmp / rank_json), **writer.file_entries}

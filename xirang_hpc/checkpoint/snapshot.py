@@ -20,6 +20,8 @@ try:  # DTensor moved between releases; both spellings are public.
 except ImportError:  # pragma: no cover - older torch
     from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
+from xirang_hpc.runtime import liveness
+
 
 class HostSnapshot:
     """Copies nested state dicts into reusable host buffers."""
@@ -35,6 +37,7 @@ class HostSnapshot:
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
             self._buffers[key] = buf
         buf.copy_(t, non_blocking=self.pin_memory)
+        liveness.tick("checkpoint snapshot")
         return buf
 
     def copy(self, obj: Any, key: str = "") -> Any:

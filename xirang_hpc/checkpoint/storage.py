@@ -31,6 +31,7 @@ import json
 import mmap
 import os
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from xirang_hpc.config.schema import COMPRESSIONS
+from xirang_hpc.runtime import liveness
 
 METADATA_FILE = "metadata.json"
 FORMAT_VERSION = 1
@@ -102,6 +104,7 @@ def checksum_file(path: Path, algo: str = "xxh3_128", bufsize: int = 1 << 20) ->
             with m, memoryview(m) as view:
                 for i in range(0, len(view), 64 << 20):
                     h.update(view[i : i + (64 << 20)])
+                    liveness.tick("checkpoint checksum")
             return h.hexdigest()
         buf = bytearray(bufsize)
         view = memoryview(buf)
@@ -248,8 +251,11 @@ class HDF5StorageWriter(StorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike, compression: str = "none",
-                 dedup_index: Mapping[str, tuple[str, str]] | None = None, fsync: bool = True) -> None:
+                 dedup_index: Mapping[str, tuple[str, str]] | None = None, fsync: bool = True,
+                 item_delay_s: float = 0.0) -> None:
         super().__init__()
+        # Test-only throttle (monitor.debug_slow_save_s): a slow filesystem, for the hang watchdog's tests.
+        self.item_delay_s = item_delay_s
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression={compression!r}: choose one of {', '.join(COMPRESSIONS)}")
         self.path = Path(path)
@@ -287,8 +293,11 @@ class HDF5StorageWriter(StorageWriter):
         fpath = self.path / fname
         with h5py.File(fpath, "w", locking=False) as f:
             for item in plan.items:
+                if self.item_delay_s > 0:
+                    time.sleep(self.item_delay_s)
                 info = self._write_item(f, fname, item, planner)
                 results.append(WriteResult(index=item.index, size_in_bytes=info["nbytes"], storage_data=info))
+                liveness.tick("checkpoint write")  # a long save that still writes is no hang
         self.file_entries[fname] = sync_and_checksum(fpath, self.fsync)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)

@@ -25,6 +25,7 @@ from xirang_hpc.checkpoint.rollback import fork_for_resume
 from xirang_hpc.checkpoint.snapshot import restore_rng
 from xirang_hpc.checkpoint.tuner import IntervalTuner, read_history
 from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.runtime import liveness
 from xirang_hpc.runtime.hooks import EventSink, NullEventSink, TrainerHook
 from xirang_hpc.runtime.schedule import lr_at
 from xirang_hpc.runtime.topology import Topology
@@ -91,6 +92,7 @@ class CheckpointHook(TrainerHook):
         if dist.is_initialized() and self.topo.world_size > 1:
             # Background saves must never share a communicator with training.
             self.group = dist.new_group(backend="gloo")
+            liveness.background_group(self.group)  # its collectives run beside training: not counted
         self.run_dir = self._resolve_run_dir(trainer)
         if c.in_memory:
             self.memory = MemoryStore(memory_root(self.topo.job_id, self.run_dir, c.memory_dir),
@@ -101,7 +103,8 @@ class CheckpointHook(TrainerHook):
             compression=c.compression, dedup=c.dedup, dir_mode=c.dir_mode, async_save=c.async_save,
             retention=RetentionPolicy(c.keep_last, c.keep_every, tuple(c.pinned)), verify_checksums=c.verify_checksums,
             on_commit=self._committed if self.topo.rank == 0 else None, memory=self.memory,
-            on_memory=self._kept_in_memory if self.topo.rank == 0 else None)
+            on_memory=self._kept_in_memory if self.topo.rank == 0 else None,
+            write_delay_s=self.cfg.monitor.debug_slow_save_s)
         self.mgr.cleanup_leftovers()
         restored = self.restore(trainer)
         if self.topo.rank == 0:

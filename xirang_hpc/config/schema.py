@@ -488,13 +488,15 @@ class MonitorConfig:
     enabled: bool = True
     # Seconds between heartbeat writes (a background thread on every rank).
     heartbeat_s: float = 1.0
-    # A rank that has not entered a new phase for this long is hung: stacks are dumped, the job aborted.
-    # The bound for phases without a measured duration: start-up, data preparation, the first step,
-    # evaluation, a checkpoint save.
+    # Hang: every rank has stopped moving (no new phase, no liveness tick) for its phase's bound; then
+    # stacks are dumped and the job aborted (see monitor/detect.py for the table of phase bounds).
+    # hang_s: the bound where nothing is measured yet: start-up, the first step (warm-up, compilation,
+    # the first batch's data preparation), the initial evaluation; and the cap of every other bound.
     hang_s: float = 300.0
-    # Inside a training step (data/forward/backward/optimizer) once step times are measured, a rank is
-    # hung after max(hang_min_s, hang_k x its median step time) without a new phase (capped by hang_s):
-    # a hang is named in seconds. hang_k=0 turns this off (hang_s everywhere).
+    # Once step times are measured: max(hang_min_s, hang_k x the median step time) in a training step
+    # (data/forward/backward/optimizer/comm), and between the ticks of a checkpoint save (one per tensor
+    # written) or of an evaluation (one per batch). A hang is named in seconds; a save or an evaluation
+    # that keeps ticking is never one. hang_k=0 turns this off (hang_s everywhere).
     hang_k: float = 20.0
     hang_min_s: float = 10.0
     # Heartbeat silence after which a rank's process counts as frozen or lost (its thread stopped too).
@@ -512,6 +514,10 @@ class MonitorConfig:
     # Test-only: sleep this long in every step of this rank (simulates a straggler).
     debug_slow_rank: int = -1
     debug_slow_s: float = 0.0
+    # Test-only: sleep only in this step (e.g. 0: a slow first step / data preparation); -1 = every step.
+    debug_slow_step: int = -1
+    # Test-only: every rank's checkpoint writer sleeps this long per tensor written (a slow filesystem).
+    debug_slow_save_s: float = 0.0
 
     def __post_init__(self) -> None:
         _finite("monitor", self)

@@ -8,13 +8,37 @@ about the ranks on this host, into findings:
   (killed by a signal, OOM, segfault); if all left one, the earliest to exit. The others get an
   ``peer_exit`` finding (not a fault of their node).
 - ``unresponsive``: a rank on another host whose heartbeat thread went silent for ``stale_s``.
-- ``hang``: some rank has not entered a new phase for its bound (:func:`hang_bound`: inside a timed
-  training step max(``hang_min_s``, ``hang_k`` x its step time), else ``hang_s``). In a synchronous job every rank
-  stalls, so the culprit is chosen as (1) a rank whose process is stopped or whose heartbeat
-  thread is silent (frozen process, lost node), else (2) the rank behind the others (lower step,
-  or outside the ``comm`` phase others announced, or a phase the majority is not in: stuck before
-  the collective), else (3) the rank that stalled first (a collective/network hang where no rank
-  stands out).
+- ``hang``: every live rank has stopped moving for its phase's bound (:func:`hang_bound`). A rank
+  moves when it enters a new phase or ticks (:mod:`xirang_hpc.runtime.liveness`: a save wrote a
+  tensor, an evaluation finished a batch). The bounds, per phase:
+
+  ============  =====================================================  ==========================
+  label         phases                                                 bound
+  ============  =====================================================  ==========================
+  step          data/forward/backward/optimizer/comm, >= 2 timed steps  max(hang_min_s, hang_k x
+                                                                       median step time) <= hang_s
+  saving        checkpoint (the save ticks per tensor written)          as ``step``, between ticks
+  eval          eval (ticks per batch)                                  as ``step``, between ticks
+  first-step    a step phase before 2 steps are timed (warm-up,         hang_s
+                compilation, the first batch's data preparation)
+  start         start-up and anything unmeasured (restore, initial      hang_s
+                evaluation before any timed step)
+  ============  =====================================================  ==========================
+
+  Defaults (``MonitorConfig``): hang_k=20, hang_min_s=10 s, hang_s=300 s, so a hang inside
+  training is named after max(10 s, 20 x the step time). Requiring *every* rank to be still is
+  what keeps a slow-but-moving job quiet: while one rank crawls through its phases (throttled,
+  stopped and resumed, writing a large checkpoint) its peers wait in a collective for longer
+  than their own bound, but the crawling rank moves. In a synchronous job a real hang stops
+  every rank within one step, so it costs at most a step of latency.
+
+  The culprit is chosen as (1) a rank whose process is stopped or whose heartbeat thread is
+  silent (frozen process, lost node), else (2) the rank behind the others (fewer collectives
+  issued, lower step, or outside the ``comm`` phase others announced, or a phase the majority
+  is not in: stuck before the collective), else (3) the rank that stalled first (a
+  collective/network hang where no rank stands out). The cause names what the culprit did not
+  reach: ``rank 3 (node n1, pid 4242) did not reach collective #57 (the gradient all-reduce of
+  step 19) that ranks 0, 1, 2 wait in``, from the per-rank collective counts (``coll_seq``).
 - ``straggler``: a rank whose local work per step (its data phase, before any collective) exceeds
   ``k`` x the median over ranks, and by at least ``min_s``. Report only. Limit: slowness inside
   forward/backward is invisible here (every rank waits at DDP's collectives for the slowest).
@@ -47,17 +71,39 @@ class Thresholds:
     hang_min_s: float = 10.0
 
 
-# A training step's phases: once a rank has timed steps, a stall in one of them is measured against
-# its step time (hang_k); every other phase (start, eval, checkpoint, comm) against hang_s.
-STEP_PHASES = ("data", "forward", "backward", "optimizer")
+# A training step's phases (and the stop-signal consensus between steps): once a rank has timed
+# steps, a stall in one of them is measured against its step time (hang_k).
+STEP_PHASES = ("data", "forward", "backward", "optimizer", "comm")
+# Long phases that tick as they advance: measured between ticks against the same bound as a step.
+TICKING_PHASES = {"checkpoint": "saving", "eval": "eval"}
+# What the ranks waiting in a phase wait for: the collective a missing rank did not reach.
+COLLECTIVE_OF = {"data": "start", "forward": "forward (DDP buffer broadcast / FSDP all-gather)",
+                 "backward": "gradient all-reduce", "optimizer": "grad-norm / loss all-reduce",
+                 "comm": "stop-signal consensus all-reduce", "eval": "evaluation all-reduce",
+                 "checkpoint": "checkpoint save collective", "start": "start-up collective"}
+
+
+def bound_phase(hb: dict[str, Any], th: Thresholds) -> str:
+    """Which bound applies to this rank now: step | saving | eval | first-step | start (see the module doc)."""
+    phase = hb.get("phase")
+    timed = th.hang_k > 0 and bool(hb.get("step_s")) and int(hb.get("timed_steps", 0)) >= 2
+    if phase in STEP_PHASES:
+        return "step" if timed else "first-step"
+    if phase in TICKING_PHASES and timed:
+        return TICKING_PHASES[str(phase)]
+    return "start"
 
 
 def hang_bound(hb: dict[str, Any], th: Thresholds) -> float:
-    """Seconds without a new phase after which this rank counts as hung (see :class:`Thresholds`)."""
-    step_s = hb.get("step_s")
-    if th.hang_k > 0 and step_s and int(hb.get("timed_steps", 0)) >= 2 and hb.get("phase") in STEP_PHASES:
-        return min(th.hang_s, max(th.hang_min_s, th.hang_k * float(step_s)))
+    """Seconds without moving (new phase or tick) after which this rank counts as stalled."""
+    if bound_phase(hb, th) in ("step", "saving", "eval"):
+        return min(th.hang_s, max(th.hang_min_s, th.hang_k * float(hb["step_s"])))
     return th.hang_s
+
+
+def last_move(hb: dict[str, Any]) -> float:
+    """When the rank last moved: entered its phase or ticked inside it."""
+    return max(float(hb["progress"]), float(hb.get("active") or 0.0))
 
 
 @dataclass
@@ -126,6 +172,11 @@ def _culprits(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], n
                "filesystem stalled") for r, hb in beats.items() if now - hb["beat"] > th.stale_s]
     if silent:
         return silent
+    seqs = {r: hb.get("coll_seq") for r, hb in beats.items()}
+    if all(isinstance(v, int) for v in seqs.values()) and len(set(seqs.values())) > 1:
+        lo_seq = min(seqs.values())  # type: ignore[type-var]
+        return [(r, "behind the others in issued collectives: stuck in local work (data loading, compute, I/O) "
+                 "before the collective") for r, v in seqs.items() if v == lo_seq]
     steps = {r: int(hb.get("step", 0)) for r, hb in beats.items()}
     lo, hi = min(steps.values()), max(steps.values())
     if lo < hi:
@@ -182,13 +233,41 @@ def assess(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], now:
             st.unresponsive.add(r)
             out.append(_finding("unresponsive", hb, f"heartbeat silent for {now - hb['beat']:.0f}s on another host: "
                                 "process frozen, node lost or filesystem stalled"))
-    stalled = sorted(r for r, hb in live.items() if now - hb["progress"] > hang_bound(hb, th))
-    if stalled:
+    stalled = sorted(r for r, hb in live.items() if now - last_move(hb) > hang_bound(hb, th))
+    # A job is hung when no rank moves: a rank still crawling (throttled, writing a large save) keeps
+    # its waiting peers from being a false alarm. A frozen rank stops the others within a step.
+    if stalled and len(stalled) == len(live):
         st.hang = True
-        states = {str(r): f"step {hb.get('step')} {hb.get('phase')}" for r, hb in live.items()}
+        states = {str(r): f"step {hb.get('step')} {hb.get('phase')}" + (f" #{hb['coll_seq']}" if "coll_seq" in hb
+                                                                         else "") for r, hb in live.items()}
         for r, cause in _culprits(live, probes, now, th):
-            out.append(_finding("hang", live[r], cause, stalled_ranks=stalled, states=states,
-                                stalled_s=round(now - live[r]["progress"], 1),
-                                bound_s=round(hang_bound(live[stalled[0]], th), 1)))
+            hb = live[r]
+            out.append(_finding("hang", hb, f"{did_not_reach(r, live)}; {cause}", stalled_ranks=stalled,
+                                states=states, stalled_s=round(now - last_move(hb), 1),
+                                bound_s=round(hang_bound(hb, th), 1), bound_phase=bound_phase(hb, th),
+                                pid=hb.get("pid"), coll_seq=hb.get("coll_seq")))
         return out
     return out + _stragglers(live, th, st)
+
+
+def did_not_reach(r: int, beats: dict[int, dict[str, Any]]) -> str:
+    """``rank R (node N, pid P) did not reach <the collective / step the others wait in>``."""
+    hb = beats[r]
+    who = f"rank {r} (node {hb.get('node', '?')}, pid {hb.get('pid', '?')})"
+    others = {q: b for q, b in beats.items() if q != r}
+    if not others:
+        return f"{who} did not reach the end of its {hb.get('phase')} of step {hb.get('step')}"
+    seqs = {q: b.get("coll_seq") for q, b in beats.items()}
+    if all(isinstance(v, int) for v in seqs.values()):
+        top = max(seqs.values())  # type: ignore[type-var]
+        waiters = sorted(q for q, v in seqs.items() if v == top and q != r)
+        lead = beats[waiters[0]] if waiters else hb
+        what = f"the {COLLECTIVE_OF.get(str(lead.get('phase')), str(lead.get('phase')))} of step {lead.get('step')}"
+        if seqs[r] == top:  # every rank issued it: this one entered it but does not take part
+            return f"{who} did not reach the end of collective #{top} ({what}) that all ranks entered"
+        ranks = ", ".join(map(str, waiters))
+        return (f"{who} did not reach collective #{top} ({what}) that rank(s) {ranks} wait in; it issued "
+                f"#{seqs[r]} and is in {hb.get('phase')} of step {hb.get('step')}")
+    lead = max(others.values(), key=lambda b: int(b.get("step", 0)))
+    return (f"{who} did not reach the {COLLECTIVE_OF.get(str(lead.get('phase')), str(lead.get('phase')))} of "
+            f"step {lead.get('step')}; it is in {hb.get('phase')} of step {hb.get('step')}")

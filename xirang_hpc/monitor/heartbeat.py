@@ -5,6 +5,12 @@ and that its process still runs (``beat`` = when a background thread last wrote 
 two clocks separate the failure modes: a rank blocked in a collective keeps beating but stops
 progressing; a stopped or lost process stops both; a dead one also loses its pid.
 
+Two more fields serve hang detection (:mod:`xirang_hpc.monitor.detect`): ``active`` is the time
+of the last liveness tick (:mod:`xirang_hpc.runtime.liveness`: a checkpoint save that wrote
+another tensor, an evaluation that finished another batch), so a long phase that still moves is
+not a stall; ``coll_seq`` counts the collectives the rank has issued, so the rank that did not
+arrive at a collective has a lower count than the ranks waiting in it.
+
 This module must not import torch: the watchdog process and ``xirang-status`` read it.
 """
 
@@ -16,6 +22,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +85,14 @@ class Heartbeat:
     LOCAL_PHASES = ("data",)
 
     def __init__(self, path: Path, ident: dict[str, Any], interval_s: float = 1.0, window: int = 5,
-                 sampler: Any = None) -> None:
+                 sampler: Any = None, seq_fn: Callable[[], int | None] | None = None) -> None:
         self.path, self.ident, self.interval_s = path, dict(ident), interval_s
         self.sampler = sampler  # e.g. resources.ProcessSampler: CPU/RSS/GPU of this rank
+        self.seq_fn = seq_fn  # e.g. runtime.liveness.collective_seq: collectives issued so far
         self.step, self.phase = 0, "start"
         self.progress = time.time()
+        self.active: float | None = None  # the last liveness tick (None: none yet in this phase)
+        self.activity = ""
         self.done, self.exited = False, False
         self._step_start: float | None = None
         self._local = 0.0
@@ -100,6 +110,11 @@ class Heartbeat:
         if phase == "data":
             self._step_start, self._local = t, 0.0
         self.phase, self.progress = phase, t
+        self.active, self.activity = None, ""
+
+    def tick(self, what: str = "", t: float | None = None) -> None:
+        """Long-running work advanced (any thread): a save wrote a tensor, an evaluation a batch."""
+        self.active, self.activity = (time.time() if t is None else t), what
 
     def mark_step(self, step: int, t: float | None = None) -> None:
         """A step completed; records its wall time and its local work time (the data phase)."""
@@ -114,6 +129,12 @@ class Heartbeat:
         row: dict[str, Any] = dict(self.ident)
         row.update(step=self.step, phase=self.phase, progress=self.progress, beat=time.time(),
                    done=self.done, exited=self.exited)
+        if self.active is not None:
+            row.update(active=self.active, activity=self.activity)
+        if self.seq_fn is not None:
+            seq = self.seq_fn()
+            if seq is not None:
+                row["coll_seq"] = seq
         if self.sampler is not None:
             row.update(self.sampler.sample())
         if self.step_times:

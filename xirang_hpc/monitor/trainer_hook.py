@@ -32,6 +32,7 @@ from xirang_hpc.monitor.flops import flops_per_token_for
 from xirang_hpc.monitor.heartbeat import SESSION_FILE, SESSIONS_LOG, Heartbeat, heartbeat_dir, write_json_atomic
 from xirang_hpc.monitor.resources import ProcessSampler
 from xirang_hpc.monitor.watchdog import spawn
+from xirang_hpc.runtime import liveness
 from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.topology import Topology
 
@@ -96,9 +97,10 @@ class MonitorHook(TrainerHook):
             ident["watchdog_pid"] = spawn(self.run_dir, session, t.node_name, t.node_id == 0, _watchdog_cfg(self.m))
         gpu = t.local_rank if self.cfg.cluster.gpus_per_node else None
         self.hb = Heartbeat(hdir / f"rank-{t.rank}.json", ident, self.m.heartbeat_s, self.m.straggler_window,
-                            sampler=ProcessSampler(gpu_index=gpu))
+                            sampler=ProcessSampler(gpu_index=gpu), seq_fn=liveness.collective_seq)
         self.hb.step = trainer.state.step
         self.hb.start()
+        liveness.set_sink(self.hb.tick)  # saves and evaluations report that they still move
         atexit.register(self._on_exit)
 
     def on_phase(self, trainer: Trainer, phase: str) -> None:
@@ -106,7 +108,8 @@ class MonitorHook(TrainerHook):
         if self.hb is None:
             return
         self.hb.mark_phase(phase)
-        if phase == "data" and self.topo.rank == self.m.debug_slow_rank and self.m.debug_slow_s > 0:
+        if phase == "data" and self.topo.rank == self.m.debug_slow_rank and self.m.debug_slow_s > 0 and \
+                self.m.debug_slow_step in (-1, trainer.state.step):
             time.sleep(self.m.debug_slow_s)
 
     def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
@@ -117,6 +120,7 @@ class MonitorHook(TrainerHook):
     def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
         """Mark this rank done so its exit is not a fault."""
         if self.hb is not None:
+            liveness.set_sink(None)
             self.hb.phase, self.hb.done = "done", True
             self.hb.stop()
 

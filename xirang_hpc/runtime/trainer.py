@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.data.dataset import TokenWindows
 from xirang_hpc.models.gpt import full_model_params, lm_loss
+from xirang_hpc.runtime import liveness
 from xirang_hpc.runtime.data_parallel import build_optimizer
 from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims
@@ -130,6 +131,7 @@ class Trainer:
                 total += self._forward_loss(x, y, train=False)
             else:
                 total += lm_loss(self.ddp(x) if self.pm.data_parallel == "fsdp" else self.model(x), y).item()
+            liveness.tick("eval batch")  # a long evaluation that still moves is no hang
         self.model.train()
         if self.pm.zero == 2:  # no backward follows to reshard the weights gathered for evaluation: free them now
             for m in self.model.modules():
@@ -202,6 +204,7 @@ class Trainer:
         for h in self.hooks:
             h.on_fit_start(self)
         if math.isnan(self.state.initial_val_loss):
+            self._phase("eval")
             self.state.initial_val_loss = self.evaluate()
             self._record({"step": self.state.step, "val_loss": self.state.initial_val_loss})
             if topo.rank == 0:
