@@ -219,8 +219,10 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "monitor.peak_tflops": (100.0, reads("xirang_hpc.monitor.tracking"), []),
     "monitor.debug_slow_rank": (1, reads("xirang_hpc.monitor.trainer_hook"), []),
     "monitor.debug_slow_s": (0.5, reads("xirang_hpc.monitor.trainer_hook"), ["monitor.debug_slow_rank=1"]),
-    "monitor.debug_slow_step": (0, reads("xirang_hpc.monitor.trainer_hook"), ["monitor.debug_slow_rank=1"]),
+    "monitor.debug_slow_steps": ([0], reads("xirang_hpc.monitor.trainer_hook"), ["monitor.debug_slow_rank=1"]),
+    "monitor.debug_slow_phases": (["forward"], reads("xirang_hpc.monitor.trainer_hook"), ["monitor.debug_slow_rank=1"]),
     "monitor.debug_slow_save_s": (0.5, reads("xirang_hpc.checkpoint.trainer_hook"), []),
+    "monitor.debug_slow_eval_s": (0.5, reads("xirang_hpc.runtime.trainer"), []),
     # comm: the bucket, refusals where the layout cannot apply a budget, the averager
     "comm.hierarchical": (False, reads("xirang_hpc.runtime.comm.install"), []),
     "comm.bucket": ("auto", bucket, []),

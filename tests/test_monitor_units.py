@@ -104,7 +104,14 @@ def test_hang_names_the_rank_that_did_not_reach_the_collective() -> None:
     # Inside the collective with everyone (equal counts), stopped: named as not completing it.
     inside = {r: dict(hb, coll_seq=57) for r, hb in same.items()}
     fs = assess(inside, {r: (STOPPED if r == 1 else ALIVE) for r in range(4)}, NOW, th, WatchState())
-    assert [f.rank for f in fs] == [1] and "did not reach the end of collective #57" in fs[0].cause
+    assert [f.rank for f in fs] == [1] and "did not reach the end of the gradient all-reduce of step 10" in fs[0].cause
+    # No counts (or equal ones: the hierarchical hook's gradient all-reduce is not on the world group):
+    # the (step, phase) positions name what it missed.
+    plain = {r: {k: v for k, v in hb.items() if k != "coll_seq"} for r, hb in beats.items()}
+    fs = assess(plain, {r: ALIVE for r in range(4)}, NOW, th, WatchState())
+    assert [f.rank for f in fs] == [3]
+    assert fs[0].cause.startswith("rank 3 (node n1, pid 103) did not reach the gradient all-reduce of step 10 that "
+                                  "rank(s) 0, 1, 2 wait in; it is in forward of step 10"), fs[0].cause
 
 
 def test_finished_rank_that_exits_is_not_dead() -> None:

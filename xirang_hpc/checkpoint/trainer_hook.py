@@ -25,7 +25,6 @@ from xirang_hpc.checkpoint.rollback import fork_for_resume
 from xirang_hpc.checkpoint.snapshot import restore_rng
 from xirang_hpc.checkpoint.tuner import IntervalTuner, read_history
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.runtime import liveness
 from xirang_hpc.runtime.hooks import EventSink, NullEventSink, TrainerHook
 from xirang_hpc.runtime.schedule import lr_at
 from xirang_hpc.runtime.topology import Topology
@@ -92,7 +91,6 @@ class CheckpointHook(TrainerHook):
         if dist.is_initialized() and self.topo.world_size > 1:
             # Background saves must never share a communicator with training.
             self.group = dist.new_group(backend="gloo")
-            liveness.background_group(self.group)  # its collectives run beside training: not counted
         self.run_dir = self._resolve_run_dir(trainer)
         if c.in_memory:
             self.memory = MemoryStore(memory_root(self.topo.job_id, self.run_dir, c.memory_dir),
@@ -230,6 +228,7 @@ class CheckpointHook(TrainerHook):
         """Final save (synchronous), and wait for any save still in flight."""
         if self.mgr is None:
             return
+        trainer._phase("checkpoint")  # the final save and the wait for one in flight (they tick as they write)
         if trainer.state.step > 0 and trainer.state.step != self.last_saved:
             self._save(trainer, block=True)
         self.mgr.wait()

@@ -37,8 +37,10 @@ about the ranks on this host, into findings:
   issued, lower step, or outside the ``comm`` phase others announced, or a phase the majority
   is not in: stuck before the collective), else (3) the rank that stalled first (a
   collective/network hang where no rank stands out). The cause names what the culprit did not
-  reach: ``rank 3 (node n1, pid 4242) did not reach collective #57 (the gradient all-reduce of
-  step 19) that ranks 0, 1, 2 wait in``, from the per-rank collective counts (``coll_seq``).
+  reach, from the per-rank count of collectives issued on the world group (``coll_seq``) or else
+  the (step, phase) positions: ``rank 3 (node n1, pid 4242) did not reach collective #57 (the
+  grad-norm / loss all-reduce of step 19) that rank(s) 0, 1, 2 wait in`` or ``... did not reach
+  the gradient all-reduce of step 19 that rank(s) 0, 1, 2 wait in; it is in forward of step 19``.
 - ``straggler``: a rank whose local work per step (its data phase, before any collective) exceeds
   ``k`` x the median over ranks, and by at least ``min_s``. Report only. Limit: slowness inside
   forward/backward is invisible here (every rank waits at DDP's collectives for the slowest).
@@ -250,24 +252,40 @@ def assess(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], now:
     return out + _stragglers(live, th, st)
 
 
+# Order of the phases inside a step: a rank in an earlier phase of the same step is behind.
+PHASE_ORDER = {"data": 0, "forward": 1, "backward": 2, "optimizer": 3, "comm": 4, "eval": 5, "checkpoint": 6}
+
+
+def _position(hb: dict[str, Any]) -> tuple[int, int]:
+    return int(hb.get("step", 0)), PHASE_ORDER.get(str(hb.get("phase")), -1)
+
+
 def did_not_reach(r: int, beats: dict[int, dict[str, Any]]) -> str:
-    """``rank R (node N, pid P) did not reach <the collective / step the others wait in>``."""
+    """``rank R (node N, pid P) did not reach <the collective / step the others wait in>``.
+
+    Behind in issued collectives (``coll_seq``, the world group's count) or in (step, phase): it
+    did not reach where the most advanced ranks wait. Level with them: it did not complete it.
+    """
     hb = beats[r]
     who = f"rank {r} (node {hb.get('node', '?')}, pid {hb.get('pid', '?')})"
+    where = f"it is in {hb.get('phase')} of step {hb.get('step')}"
     others = {q: b for q, b in beats.items() if q != r}
     if not others:
         return f"{who} did not reach the end of its {hb.get('phase')} of step {hb.get('step')}"
     seqs = {q: b.get("coll_seq") for q, b in beats.items()}
-    if all(isinstance(v, int) for v in seqs.values()):
+    counted = all(isinstance(v, int) for v in seqs.values())
+
+    def what(b: dict[str, Any]) -> str:
+        return f"the {COLLECTIVE_OF.get(str(b.get('phase')), str(b.get('phase')))} of step {b.get('step')}"
+
+    if counted and seqs[r] < max(seqs.values()):  # type: ignore[operator,type-var]
         top = max(seqs.values())  # type: ignore[type-var]
-        waiters = sorted(q for q, v in seqs.items() if v == top and q != r)
-        lead = beats[waiters[0]] if waiters else hb
-        what = f"the {COLLECTIVE_OF.get(str(lead.get('phase')), str(lead.get('phase')))} of step {lead.get('step')}"
-        if seqs[r] == top:  # every rank issued it: this one entered it but does not take part
-            return f"{who} did not reach the end of collective #{top} ({what}) that all ranks entered"
-        ranks = ", ".join(map(str, waiters))
-        return (f"{who} did not reach collective #{top} ({what}) that rank(s) {ranks} wait in; it issued "
-                f"#{seqs[r]} and is in {hb.get('phase')} of step {hb.get('step')}")
-    lead = max(others.values(), key=lambda b: int(b.get("step", 0)))
-    return (f"{who} did not reach the {COLLECTIVE_OF.get(str(lead.get('phase')), str(lead.get('phase')))} of "
-            f"step {lead.get('step')}; it is in {hb.get('phase')} of step {hb.get('step')}")
+        waiters = sorted(q for q, v in seqs.items() if v == top)
+        return (f"{who} did not reach collective #{top} ({what(beats[waiters[0]])}) that rank(s) "
+                f"{', '.join(map(str, waiters))} wait in; it issued #{seqs[r]} and {where}")
+    lead = max(_position(b) for b in others.values())
+    if _position(hb) < lead:
+        waiters = sorted(q for q, b in others.items() if _position(b) == lead)
+        return (f"{who} did not reach {what(beats[waiters[0]])} that rank(s) {', '.join(map(str, waiters))} "
+                f"wait in; {where}")
+    return f"{who} did not reach the end of {what(hb)}, which every rank entered"

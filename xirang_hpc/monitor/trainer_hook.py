@@ -104,13 +104,14 @@ class MonitorHook(TrainerHook):
         atexit.register(self._on_exit)
 
     def on_phase(self, trainer: Trainer, phase: str) -> None:
-        """Record the phase; the test-only slow rank sleeps in its data phase."""
+        """Record the phase; the test-only slow rank sleeps on entering its slow phases."""
         if self.hb is None:
             return
         self.hb.mark_phase(phase)
-        if phase == "data" and self.topo.rank == self.m.debug_slow_rank and self.m.debug_slow_s > 0 and \
-                self.m.debug_slow_step in (-1, trainer.state.step):
-            time.sleep(self.m.debug_slow_s)
+        m = self.m
+        if self.topo.rank == m.debug_slow_rank and m.debug_slow_s > 0 and phase in m.debug_slow_phases and \
+                (not m.debug_slow_steps or trainer.state.step in m.debug_slow_steps):
+            time.sleep(m.debug_slow_s)
 
     def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """Count the step."""

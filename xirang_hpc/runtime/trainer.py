@@ -131,6 +131,8 @@ class Trainer:
                 total += self._forward_loss(x, y, train=False)
             else:
                 total += lm_loss(self.ddp(x) if self.pm.data_parallel == "fsdp" else self.model(x), y).item()
+            if self.cfg.monitor.debug_slow_eval_s > 0:  # test-only: a long evaluation
+                time.sleep(self.cfg.monitor.debug_slow_eval_s)
             liveness.tick("eval batch")  # a long evaluation that still moves is no hang
         self.model.train()
         if self.pm.zero == 2:  # no backward follows to reshard the weights gathered for evaluation: free them now

@@ -1,0 +1,143 @@
+"""Hang detection with the adaptive bound on real 4-rank gloo runs (2 virtual nodes x 2 ranks), started
+as ``xirang-train`` starts them (the ``launch`` fixture of test_monitor_faults).
+
+No false alarm where a naive bound would raise one: a first step (warm-up / first batch's data
+preparation) far longer than the step bound, checkpoint saves and evaluations far longer than
+``hang_s`` (a throttled writer and evaluation through the test-only ``monitor.debug_slow_*`` knobs),
+and a rank that sleeps 6 s on entering every phase of two steps, so its peers wait in their
+collectives far beyond their bound while it still moves. Then a rank SIGSTOPped for good is named
+with what it did not reach, in events.jsonl, the watchdog's log and xirang-status, within the
+adaptive bound (seconds, not the fixed 300 s). An observer thread samples the heartbeats meanwhile
+and the tests assert that each slow phase really exceeded the bound a naive watchdog would apply.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from test_monitor_faults import Run, _assert_all_gone, launch  # noqa: F401 - the fixture
+
+from xirang_hpc.monitor.detect import Thresholds, hang_bound, last_move
+from xirang_hpc.monitor.events import read_events
+from xirang_hpc.monitor.heartbeat import read_heartbeats
+from xirang_hpc.monitor.status import run_status
+
+pytestmark = pytest.mark.slow
+
+
+class Observer:
+    """Samples the heartbeats every 0.2 s: per rank and phase, the longest time since the phase began
+    (what a watchdog without ticks would measure) and since the rank last moved (what ours measures)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.phase_age: dict[tuple[int, str], float] = defaultdict(float)
+        self.idle: dict[tuple[int, str], float] = defaultdict(float)
+        self.over_bound: dict[int, float] = defaultdict(float)  # max idle minus the rank's adaptive bound
+        # Samples where every live rank was in this phase: the least idle rank's idle (the job's stillness).
+        self.job_idle: dict[str, float] = defaultdict(float)
+        self.th: Thresholds | None = None
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Observer:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            now = time.time()
+            beats = {r: hb for r, hb in read_heartbeats(self.run_dir).items() if not hb.get("done")}
+            phases = {str(hb.get("phase")) for hb in beats.values()}
+            if len(beats) == 4 and len(phases) == 1:
+                p = phases.pop()
+                self.job_idle[p] = max(self.job_idle[p], min(now - last_move(hb) for hb in beats.values()))
+            for r, hb in beats.items():
+                key = (r, str(hb.get("phase")))
+                self.phase_age[key] = max(self.phase_age[key], now - float(hb["progress"]))
+                self.idle[key] = max(self.idle[key], now - last_move(hb))
+                if self.th is not None:
+                    self.over_bound[r] = max(self.over_bound[r], now - last_move(hb) - hang_bound(hb, self.th))
+
+    def longest(self, table: dict[tuple[int, str], float], phase: str) -> float:
+        return max((v for (_, p), v in table.items() if p == phase), default=0.0)
+
+
+def _kinds(run: Run) -> list[str]:
+    return [e["kind"] for e in read_events(run.run_dir)]
+
+
+def test_no_false_alarm_in_first_step_long_saves_and_long_evaluations(launch) -> None:
+    # Tight bounds, so that every slow phase below is far beyond what a naive watchdog would allow:
+    # hang_min_s=5 for a step, hang_s=12 for what is unmeasured.
+    hang_min_s, hang_s, first_s = 5.0, 12.0, 9.0
+    run = launch(f"monitor.hang_s={hang_s}", f"monitor.hang_min_s={hang_min_s}", "monitor.hang_k=20",
+                 "monitor.heartbeat_s=0.25",
+                 # rank 3's first step (its first batch's data preparation) takes 9 s: > hang_min_s, < hang_s
+                 "monitor.debug_slow_rank=3", "monitor.debug_slow_steps=[0]", f"monitor.debug_slow_s={first_s}",
+                 # every save writes ~0.6 s per tensor: 20+ s a save; every evaluation 20 x 1 s
+                 "monitor.debug_slow_save_s=0.6", "checkpoint.every_steps=10",
+                 "monitor.debug_slow_eval_s=1.0", "train.eval_batches=20", steps=30)
+    with Observer(run.run_dir) as obs:
+        run.wait_end(1200)
+    kinds = _kinds(run)
+    assert "hang" not in kinds and "abort" not in kinds and "dead" not in kinds, read_events(run.run_dir)
+    s = run_status(run.run_dir)
+    assert s["state"] == "COMPLETED" and s["step"] == 30, s
+    assert [e["step"] for e in read_events(run.run_dir) if e["kind"] == "checkpoint"] == [10, 20, 30]
+    # The slow phases really were slow: a watchdog applying hang_min_s to the first step, or hang_s to
+    # a save or an evaluation measured from its start, would have aborted this run.
+    first = max(v for (r, p), v in obs.idle.items() if r != 3 and p in ("forward", "backward", "data"))
+    assert first > hang_min_s + 2, dict(obs.idle)
+    assert obs.longest(obs.phase_age, "checkpoint") > hang_s + 2, dict(obs.phase_age)
+    assert obs.longest(obs.phase_age, "eval") > hang_s + 2, dict(obs.phase_age)
+    # ... while the ticks kept the job moving (a tick per tensor written, per evaluation batch): whenever
+    # every rank was saving or evaluating, one of them had moved within hang_min_s.
+    assert 0 < obs.job_idle["checkpoint"] < hang_min_s and 0 < obs.job_idle["eval"] < hang_min_s, dict(obs.job_idle)
+    _assert_all_gone(run)
+
+
+def test_crawling_rank_is_no_hang_and_a_stopped_rank_is_named_in_seconds(launch, capsys) -> None:
+    # The defaults: hang_k=20, hang_min_s=10, hang_s=300. Rank 3 (vnode1) crawls through steps 8 and 9: it
+    # sleeps 6 s on entering each phase (< its bound, so it moves), while its peers wait in their collectives
+    # for three or four of its phases in a row (~20 s, twice their bound).
+    slow = ("monitor.debug_slow_rank=3", "monitor.debug_slow_s=6", "monitor.debug_slow_steps=[8,9]",
+            "monitor.debug_slow_phases=[data,forward,backward,optimizer]")
+    obs = Observer(Path())
+    obs.th = Thresholds(stale_s=4.0, hang_k=20.0, hang_min_s=10.0)
+    run, hb = launch.running("monitor.heartbeat_s=0.25", *slow, n=4)
+    pid3 = hb[3]["pid"]
+    obs.run_dir = run.run_dir
+    with obs:
+        run.wait_steps(15)
+    assert "hang" not in _kinds(run), read_events(run.run_dir)
+    # Rank 0 waited beyond its own adaptive bound: a watchdog that alarms on any stalled rank would have fired.
+    assert obs.over_bound[0] > 0, dict(obs.over_bound)
+
+    # Now for good: rank 3 stopped in the middle of training.
+    t_stop = time.time()
+    os.kill(pid3, signal.SIGSTOP)
+    ev = run.wait_event("hang", 200)  # a safety net below the old fixed 300 s; the latency is printed
+    latency = ev["time"] - t_stop
+    assert (ev["rank"], ev["node"], ev["pid"]) == (3, "vnode1", pid3)
+    head = f"rank 3 (node vnode1, pid {pid3}) did not reach "
+    assert ev["cause"].startswith(head) and "stopped" in ev["cause"], ev["cause"]
+    assert ev["bound_phase"] == "step" and ev["bound_s"] < 300, ev
+    run.wait_end()
+    log = (run.run_dir / "heartbeats" / "watchdog-vnode0.log").read_text()
+    assert head in log, log[-2000:]
+    s = run_status(run.run_dir)
+    assert s["state"] == "FAILED" and head in s["state_reason"], s["state_reason"]
+    _assert_all_gone(run)
+    with capsys.disabled():
+        print(f"\nhang named {latency:.1f}s after SIGSTOP (bound {ev['bound_s']}s): {ev['cause']}")
