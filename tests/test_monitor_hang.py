@@ -21,7 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from test_monitor_faults import Run, _assert_all_gone, launch  # noqa: F401 - the fixture
+import test_monitor_faults as faults
 
 from xirang_hpc.monitor.detect import Thresholds, hang_bound, last_move
 from xirang_hpc.monitor.events import read_events
@@ -29,6 +29,8 @@ from xirang_hpc.monitor.heartbeat import read_heartbeats
 from xirang_hpc.monitor.status import run_status
 
 pytestmark = pytest.mark.slow
+launch = faults.launch  # the fixture: a job submitted as xirang-train submits it, cleaned up after
+Run, _assert_all_gone = faults.Run, faults._assert_all_gone
 
 
 class Observer:
