@@ -91,6 +91,7 @@ def test_no_false_alarm_in_first_step_long_saves_and_long_evaluations(launch) ->
                  "monitor.debug_slow_save_s=0.6", "checkpoint.every_steps=10",
                  "monitor.debug_slow_eval_s=1.0", "train.eval_batches=20", steps=30)
     with Observer(run.run_dir) as obs:
+        run.wait_steps(1, 900)  # also records every pid for the cleanup check
         run.wait_end(1200)
     kinds = _kinds(run)
     assert "hang" not in kinds and "abort" not in kinds and "dead" not in kinds, read_events(run.run_dir)
@@ -106,6 +107,8 @@ def test_no_false_alarm_in_first_step_long_saves_and_long_evaluations(launch) ->
     # ... while the ticks kept the job moving (a tick per tensor written, per evaluation batch): whenever
     # every rank was saving or evaluating, one of them had moved within hang_min_s.
     assert 0 < obs.job_idle["checkpoint"] < hang_min_s and 0 < obs.job_idle["eval"] < hang_min_s, dict(obs.job_idle)
+    print(f"\nlongest: first step {first:.1f}s, save phase {obs.longest(obs.phase_age, 'checkpoint'):.1f}s, "
+          f"evaluation {obs.longest(obs.phase_age, 'eval'):.1f}s; job still at most {dict(obs.job_idle)}")
     _assert_all_gone(run)
 
 

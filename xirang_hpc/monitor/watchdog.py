@@ -8,6 +8,12 @@ and appends events to ``run_dir/events.jsonl``. On a hang or a dead rank it writ
 stacks (the ``monitor.stack_signal``, registered with faulthandler, into ``run_dir/stacks/``) and
 kills them, so the job ends and the requeue policy can exclude the failed node.
 
+Hang bounds (:mod:`xirang_hpc.monitor.detect` has the table): ``monitor.hang_k`` = 20 x the median
+step time, at least ``monitor.hang_min_s`` = 10 s, inside a timed training step and between the
+liveness ticks of a checkpoint save or an evaluation; ``monitor.hang_s`` = 300 s for the first
+step and start-up. A hang needs every rank to be still; the event names the rank that did not
+reach the collective or step the others wait in (``rank 3 (node n1, pid 4242) did not reach ...``).
+
 A watchdog exits when its node's ranks are gone. Limit: a rank frozen on *another* host cannot
 be signalled from here; its node's own watchdog does that.
 """
