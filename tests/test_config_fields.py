@@ -141,6 +141,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "cluster.site_stay_s": (60.0, reads("xirang_hpc.launch.sites"), []),
     "cluster.site_migrate_wait_s": (30.0, reads("xirang_hpc.launch.sites"), []),
     "cluster.site_auto_migrate": (False, reads("xirang_hpc.launch.sites"), []),
+    "cluster.site_sweep": ("spread", reads("xirang_hpc.launch.sweep"), []),
     # parallel: the degrees, or refused where the layout cannot apply the choice
     "parallel.dp": (3, REFUSED, []),
     "parallel.tp": (2, dims, []),

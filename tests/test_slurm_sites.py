@@ -9,6 +9,7 @@ otherwise (the single-cluster CI testbed).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -56,6 +57,8 @@ def _submit(args: list[str]) -> tuple[str, str, Path]:
     assert out.returncode == 0, out.stdout + out.stderr
     m = re.search(r"submitted Slurm job (\d+) \(testbed-sites, site (\w+):.*\| run dir (\S+)", out.stdout)
     assert m and "placement: site" in out.stdout, out.stdout
+    # The quota check before submission is made on the chosen site (its associations and jobs, -M).
+    assert f"quota (cluster {m.group(2)}, account proja" in out.stdout, out.stdout
     return m.group(1), m.group(2), Path(m.group(3))
 
 
@@ -69,6 +72,17 @@ def test_site_a_full_the_job_runs_on_b(two_sites, stdlib_data, tmp_path):
         again = subprocess.run(TRAIN + _args(stdlib_data, tmp_path, 20), capture_output=True, text=True, timeout=300)
         assert again.returncode != 0 and f"already has job {job} on cluster beta" in again.stderr, \
             again.stdout + again.stderr
+        # One view of both sites: alpha full (the filler on both nodes), the run's job on beta.
+        q = subprocess.run([*TRAIN[:2], "from xirang_hpc.launch.status_cli import main; raise SystemExit(main())",
+                            "--queue", "--sites", "all", "--json"], capture_output=True, text=True, timeout=300)
+        assert q.returncode == 0, q.stdout + q.stderr
+        view = json.loads(q.stdout)
+        rows = {r["site"]: r for r in view["summary"]}
+        assert {"alpha", "beta"} <= set(rows), rows
+        assert rows["alpha"]["busy"] == 2 and rows["alpha"]["running"] >= 1, rows["alpha"]
+        beta_jobs = {j["job_id"] for s in view["sites"] if s["cluster"] == "beta" for j in s["jobs"]}
+        assert job in beta_jobs and rows["beta"]["nodes"] == 2, view
+        assert [q["account"] for q in rows["beta"]["quotas"]] == ["proja", "projb"], rows["beta"]
         placed = _ev(run, "placement")[0]
         est = {e["site"]: e for e in placed["estimates"]}
         assert est["alpha"]["wait_s"] > 600 and est["beta"]["wait_s"] < 60, est
@@ -121,3 +135,27 @@ def test_run_preempted_on_a_migrates_to_b_and_finishes_bitwise_identical(two_sit
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), f"{k} differs"
+
+
+def test_sweep_spread_over_both_sites_one_array_each(two_sites, stdlib_data, tmp_path):
+    args = [a for a in _args(stdlib_data, tmp_path, 10) if a != "checkpoint.every_steps=25"]
+    out = subprocess.run([*TRAIN, "-m", *args, "cluster.site_sweep=spread", "train.lr=1e-3,3e-4"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    m = re.search(r"submitted Slurm array job (\S+):", out.stdout)
+    assert m, out.stdout
+    arrays = dict(a.split(":") for a in m.group(1).split(","))
+    assert set(arrays) == {"alpha", "beta"}, out.stdout  # both idle: one task on each
+    runs = [Path(p) for p in re.findall(r"-> (\S+)", out.stdout)]
+    assert len(runs) == 2
+    for run in runs:
+        st = read_site_state(run)
+        assert run.is_relative_to(tmp_path / st["site"]), (run, st["site"])
+        assert _ev(run, "submit")[0]["site"] == st["site"] and st["job"] == arrays[st["site"]]
+        assert _final(run)["status"] == "completed"
+        # The job ran on its site (Slurm's record there, -M).
+        rec = subprocess.run(["sacct", "-M", st["site"], "-n", "-X", "-P", "-j", st["job"], "-o", "State"],
+                             capture_output=True, text=True).stdout.split()
+        assert rec and rec[0] == "COMPLETED", rec
+    split = json.loads(next((tmp_path / "alpha" / "sweeps").glob("*/sites.json")).read_text())
+    assert sorted(r["site"] for r in split["split"]) == ["alpha", "beta"]

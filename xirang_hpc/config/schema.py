@@ -123,6 +123,8 @@ PRIORITIES = ("exploratory", "normal", "high")
 
 # cluster.site_policy values: where a job goes when the preset lists several sites.
 SITE_POLICIES = ("earliest", "quota", "stay")
+# cluster.site_sweep values: a Hydra sweep as one array on the placed site, or one array per site.
+SITE_SWEEPS = ("one", "spread")
 
 
 @dataclass
@@ -205,11 +207,17 @@ class ClusterConfig:
     # it soonest (verified copy first) instead of requeuing it here. false: requeued here, moved only by
     # `python -m xirang_hpc.launch.sites migrate`.
     site_auto_migrate: bool = True
+    # A Hydra sweep (-m) with sites: `one` submits the whole array to the site placement chooses; `spread`
+    # splits its tasks over the sites that answer (one array per site, earliest start first) and records
+    # the split in <sweep folder>/sites.json; each task's run directory is on its site's run root.
+    site_sweep: str = "one"
 
     def __post_init__(self) -> None:
         _finite("cluster", self)
         if self.site_policy not in SITE_POLICIES:
             raise ConfigError("cluster.site_policy", self.site_policy, f"choose one of {list(SITE_POLICIES)}")
+        if self.site_sweep not in SITE_SWEEPS:
+            raise ConfigError("cluster.site_sweep", self.site_sweep, f"choose one of {list(SITE_SWEEPS)}")
         for name in ("site_stay_s", "site_migrate_wait_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"cluster.{name}", getattr(self, name), "use seconds >= 0")

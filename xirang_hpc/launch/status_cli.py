@@ -120,7 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue", action="store_true",
                     help="the cluster: partitions, nodes, jobs with pending reasons in words, quotas, fair share, "
                          "utilization of the last hour (with --plot: utilization over time, default queue.png)")
+    ap.add_argument("--sites", default=None, metavar="A,B|all",
+                    help="with --queue: these Slurm clusters (sites) side by side; 'all': every cluster slurmdbd "
+                         "knows (sacctmgr show cluster)")
     a = ap.parse_args(argv)
+    if a.sites is not None and not a.queue:
+        print("xirang-status: error: --sites goes with --queue (xirang-status --queue --sites all)", file=sys.stderr)
+        return 2
     if a.queue:
         return _queue(a)
     if len(a.target) > 1:
@@ -168,6 +174,8 @@ def _queue(a: argparse.Namespace) -> int:
     from xirang_hpc.monitor.slurmdb import SlurmDB, SlurmQueryError
 
     tty = sys.stdout.isatty()
+    if a.sites is not None:
+        return _queue_sites(a, tty)
     while True:
         snap = gather(SlurmDB(), current_user())
         if not snap["nodes"] and not snap["jobs"] and snap["errors"]:
@@ -189,6 +197,43 @@ def _queue(a: argparse.Namespace) -> int:
             if a.watch and tty:
                 print("\033[2J\033[H", end="")
             print(render_queue(snap), flush=True)
+        if not a.watch:
+            return 0
+        try:
+            time.sleep(a.interval)
+        except KeyboardInterrupt:
+            return 0
+
+
+def _queue_sites(a: argparse.Namespace, tty: bool) -> int:
+    """``xirang-status --queue --sites A,B|all``: every site side by side, then each one's view."""
+    from xirang_hpc.launch.quota_check import current_user
+    from xirang_hpc.launch.sites import registered_clusters
+    from xirang_hpc.monitor.queue import gather_sites, render_sites
+
+    known = registered_clusters()
+    names = known if a.sites == "all" else [n.strip() for n in a.sites.split(",") if n.strip()]
+    if not names:
+        print("xirang-status: error: --sites all: slurmdbd does not answer `sacctmgr show cluster`; name the "
+              "sites (--sites alpha,beta)", file=sys.stderr)
+        return 2
+    unknown = [n for n in names if known is not None and n not in known]
+    if unknown:
+        print(f"xirang-status: error: --sites {','.join(unknown)}: not a cluster slurmdbd knows; registered: "
+              f"{known}", file=sys.stderr)
+        return 2
+    while True:
+        multi = gather_sites(names, current_user())
+        if not any(r["answers"] for r in multi["summary"]):
+            print("xirang-status: error: no site answers: " + "; ".join(
+                f"{r['site']}: {'; '.join(r['errors'])}" for r in multi["summary"]), file=sys.stderr)
+            return 2
+        if a.json:
+            print(json.dumps(multi, default=str), flush=True)
+        else:
+            if a.watch and tty:
+                print("\033[2J\033[H", end="")
+            print(render_sites(multi), flush=True)
         if not a.watch:
             return 0
         try:

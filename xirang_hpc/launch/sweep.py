@@ -61,21 +61,52 @@ def check_same_resources(cfgs: list[XirangConfig], overrides: Sequence[Sequence[
             raise ConfigError("train.priority", c.train.priority, "must be the same for every point of a sweep")
 
 
+def split_sweep(n: int, alive: Sequence[str]) -> list[str]:
+    """Task index -> site: ``n`` tasks in near-equal contiguous chunks over ``alive`` (earliest start first;
+    the earlier sites take the remainder)."""
+    k = len(alive)
+    sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
+    return [site for site, size in zip(alive, sizes) for _ in range(size)]
+
+
+def _site_plan(cfgs: list[XirangConfig]) -> tuple[list[XirangConfig], list[str | None], dict[str, Any] | None]:
+    """With ``cluster.sites``: each point as submitted to its site (its run root, partition, account, QOS)
+    and the site names; the placement evidence (``None`` without sites)."""
+    c0 = cfgs[0].cluster
+    if not c0.sites:
+        return cfgs, [None] * len(cfgs), None
+    from xirang_hpc.launch.sites import apply_site, place, site_of
+
+    p = place(cfgs[0])
+    for w in p.warnings:
+        print(f"warning: {w}", flush=True)
+    print(p.describe(), flush=True)
+    if c0.site_sweep == "spread":
+        alive = [e.site for e in sorted((e for e in p.estimates if e.alive), key=lambda e: (e.start, e.site))]
+        names = split_sweep(len(cfgs), alive)
+    else:
+        names = [p.site.name] * len(cfgs)
+    plan = {"policy": c0.site_sweep, "chosen": p.site.name, "reason": p.reason, "estimates": p.evidence(),
+            "warnings": p.warnings}
+    return [apply_site(c, site_of(c0, n)) for c, n in zip(cfgs, names)], list(names), plan
+
+
 def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]
                  ) -> tuple[str | None, list[Path], list[str | None]]:
     """Submit every point as one task of one array job; returns (array job id, run dirs, task ids).
 
     A point whose run is already complete is reported (how to extend it) and left out of the array:
     its run directory is still returned, its task id is None. When every point is complete nothing
-    is submitted and the array id is None.
+    is submitted and the array id is None. With ``cluster.sites`` the array goes to the placed site, or
+    with ``cluster.site_sweep=spread`` one array per site (array ids then read ``<site>:<id>``, joined
+    by commas, and task ids ``<site>:<array>_<task>``).
     """
-    from xirang_hpc.job.training import run_training
-    from xirang_hpc.launch import slurm
     from xirang_hpc.launch.preflight import complete_message, open_run_dir, preflight
-    from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
-    from xirang_hpc.launch.train_cli import _ensure_data
+    from xirang_hpc.launch.rundir import run_dir_for
 
     check_same_resources(cfgs, overrides)
+    record_at = sweep_folder(cfgs, overrides)  # the split's record: under train.runs_root, whatever the sites
+    cfgs, sites, plan = _site_plan(cfgs)
     if len({run_dir_for(c) for c in cfgs}) != len(cfgs):
         raise ConfigError("train.run_dir", str(run_dir_for(cfgs[0])),
                           "two points of the sweep map to the same run directory; leave train.run_dir empty")
@@ -84,38 +115,81 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]
         if st.complete:
             print(complete_message(c, st), flush=True)
     todo = [i for i, st in enumerate(statuses) if not st.complete]
-    if todo:
-        # Every task asks the same resources: the account's quota is stated (or the sweep refused) once.
-        from xirang_hpc.launch.quota_check import check_quota
-
-        lines, fit = check_quota(cfgs[0], tasks=len(todo))
-        if fit is not None:
-            at_once = min(len(todo), cfgs[0].cluster.array_parallelism)
-            lines.append(f"  (per task; the array runs at most {at_once} at once, "
-                         "the quota decides how many of them run together)")
-        print("\n".join(lines), flush=True)
+    groups: dict[str | None, list[int]] = {}
+    for i in todo:
+        groups.setdefault(sites[i], []).append(i)
+    for site, idx in groups.items():
+        _state_quota(cfgs[idx[0]], site, len(idx))
     run_dirs = [open_run_dir(c) for c in cfgs]
     if not todo:
         return None, run_dirs, [None] * len(run_dirs)
-    all_dirs, cfgs, run_dirs = run_dirs, [cfgs[i] for i in todo], [run_dirs[i] for i in todo]
-    overrides = [overrides[i] for i in todo]
+    tasks: list[str | None] = [None] * len(run_dirs)
+    arrays = []
+    for site, idx in groups.items():
+        array_id, ids = _submit_group([cfgs[i] for i in idx], [overrides[i] for i in idx],
+                                      [run_dirs[i] for i in idx], site, plan)
+        arrays.append(f"{site}:{array_id}" if plan and len(groups) > 1 else array_id)
+        for i, t in zip(idx, ids):
+            tasks[i] = f"{site}:{t}" if plan and len(groups) > 1 else t
+    if plan is not None:
+        from xirang_hpc.launch.rundir import make_private_dir
+
+        folder = make_private_dir(record_at)
+        split = [{"task": i, "site": sites[i], "run_dir": str(run_dirs[i]), "job": tasks[i]} for i in range(len(cfgs))]
+        (folder / "sites.json").write_text(json.dumps({**plan, "arrays": arrays, "split": split}, indent=1))
+    return ",".join(arrays), run_dirs, tasks
+
+
+def _state_quota(cfg: XirangConfig, site: str | None, tasks: int) -> None:
+    """The account's quota for ``tasks`` tasks, on ``site`` (``-M``) when the sweep goes to several sites."""
+    from xirang_hpc.launch.quota_check import check_quota
+
+    db = None
+    if site is not None:
+        from xirang_hpc.monitor.slurmdb import SlurmDB, call, on_cluster
+
+        db = SlurmDB(run=on_cluster(call, site), cluster=site)
+    lines, fit = check_quota(cfg, db=db, tasks=tasks)
+    if fit is not None:
+        at_once = min(tasks, cfg.cluster.array_parallelism)
+        lines.append(f"  (per task; the array runs at most {at_once} at once, "
+                     "the quota decides how many of them run together)")
+    print("\n".join(lines), flush=True)
+
+
+def _submit_group(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]], run_dirs: list[Path],
+                  site: str | None, plan: dict[str, Any] | None) -> tuple[str, list[str]]:
+    """One array job (on ``site`` with ``-M`` when named) for these points; (array id, task ids)."""
+    from xirang_hpc.job.training import run_training
+    from xirang_hpc.launch import slurm
+    from xirang_hpc.launch.rundir import make_private_dir
+    from xirang_hpc.launch.train_cli import _ensure_data
+
     data_dirs = [_ensure_data(c) for c in cfgs]
     folder = make_private_dir(sweep_folder(cfgs, overrides))
     for c, d in zip(cfgs, run_dirs):
         slurm.write_job_file(c, d)
-    slurm.write_run_dir_map(folder / "submitit", run_dirs, array=True)
+    # submitit submits a single point as a plain job (no SLURM_ARRAY_TASK_ID): then the map's key is "".
+    slurm.write_run_dir_map(folder / "submitit", run_dirs, array=len(run_dirs) > 1)
     c0 = cfgs[0]
     ex = slurm.make_slurm_executor(c0.cluster, folder / "submitit", c0.train.priority, c0.requeue)
     ex.update_parameters(job_name=f"xirang-sweep-{c0.train.name}")
+    if site is not None:
+        ex.update_parameters(additional_parameters={**(ex.parameters.get("additional_parameters") or {}),
+                                                    "clusters": site})
     jobs = ex.map_array(run_training, [dataclasses.asdict(c) for c in cfgs], [str(d) for d in run_dirs],
                         [str(d) for d in data_dirs])
     array_id = str(jobs[0].job_id).split("_")[0]
-    for i, (j, d) in enumerate(zip(jobs, run_dirs)):
-        append_event(d, "submit", "submitted", job=str(j.job_id), array=array_id, task=i, cluster=c0.cluster.name)
-    tasks: list[str | None] = [None] * len(all_dirs)
-    for i, j in zip(todo, jobs):
-        tasks[i] = str(j.job_id)
-    return array_id, all_dirs, tasks
+    for i, (j, d, dd) in enumerate(zip(jobs, run_dirs, data_dirs)):
+        append_event(d, "submit", "submitted", job=str(j.job_id), array=array_id, task=i, cluster=c0.cluster.name,
+                     **({"site": site} if site else {}))
+        if site is not None and plan is not None:  # the task's site and its evidence, as for a single run
+            from xirang_hpc.launch.sites import write_site_state
+
+            append_event(d, "placement", plan["reason"], site=site, policy=plan["policy"],
+                         estimates=plan["estimates"], warnings=plan["warnings"], sweep_task=i)
+            write_site_state(d, cfgs[i], dd, site, str(j.job_id))
+    return array_id, [str(j.job_id) for j in jobs]
 
 
 class XirangLauncher(Launcher):
@@ -163,7 +237,9 @@ class XirangLauncher(Launcher):
             varying = [o for o in filter_overrides(ov) if o not in common]
             print(f"  {task_of.get(d, 'complete')}: {' '.join(varying) or '(defaults)'} -> {d}", flush=True)
         if array_id is not None:
-            print(f"follow it with: squeue -j {array_id}; xirang-status {run_dirs[0].parent}", flush=True)
+            q = "squeue -M all" if ":" in array_id else f"squeue -j {array_id}"
+            print(f"follow it with: {q}; xirang-status --queue --sites all; xirang-status {run_dirs[0].parent}"
+                  if ":" in array_id else f"follow it with: {q}; xirang-status {run_dirs[0].parent}", flush=True)
         return [JobReturn(overrides=list(ov), cfg=c, hydra_cfg=self.config, working_dir=str(d),
                           task_name="xirang-train", status=JobStatus.COMPLETED, _return_value=task_of.get(d))
                 for ov, c, d in zip(job_overrides, loaded, run_dirs)]

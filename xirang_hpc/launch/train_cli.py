@@ -126,7 +126,12 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     if cfg.cluster.executor == "slurm":  # the account's quota and use, before anything is written
         from xirang_hpc.launch.quota_check import check_quota
 
-        print("\n".join(check_quota(cfg)[0]), flush=True)
+        db = None
+        if placement is not None:  # the chosen site's associations, jobs and nodes (-M), not the default cluster's
+            from xirang_hpc.monitor.slurmdb import SlurmDB, call, on_cluster
+
+            db = SlurmDB(run=on_cluster(call, placement.site.name), cluster=placement.site.name)
+        print("\n".join(check_quota(cfg, db=db)[0]), flush=True)
     data_dir = _ensure_data(cfg)  # first: data that cannot be used leaves no run directory behind
     run_dir = open_run_dir(cfg)
     if cfg.cluster.executor == "slurm":  # submit and return; train.wait=true blocks

@@ -14,7 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from xirang_hpc.monitor.quota import ACTIVE, account_use, explain_reason, node_unusable, user_use
-from xirang_hpc.monitor.slurmdb import Assoc, HistJob, Node, Qos, QueueJob, SlurmDB, SlurmQueryError
+from xirang_hpc.monitor.slurmdb import (
+    Assoc,
+    Caller,
+    HistJob,
+    Node,
+    Qos,
+    QueueJob,
+    SlurmDB,
+    SlurmQueryError,
+    call,
+    on_cluster,
+)
 
 
 def node_class(state: str) -> str:
@@ -144,6 +155,48 @@ def gather(db: SlurmDB, user: str, now: float | None = None) -> dict[str, Any]:
             snap["accounting"] = "down"
             snap["errors"].append(str(exc))
     return snap
+
+
+def gather_sites(sites: list[str], user: str, run: Caller = call, now: float | None = None) -> dict[str, Any]:
+    """:func:`gather` on every site (Slurm cluster, ``-M``) of ``sites``, plus a side-by-side summary row
+    per site: nodes by state, running/pending jobs, the user's accounts' quota use there."""
+    now = time.time() if now is None else now
+    snaps = [gather(SlurmDB(run=on_cluster(run, s), cluster=s), user, now) for s in sites]
+    for name, snap in zip(sites, snaps):
+        snap["cluster"] = snap["cluster"] or name
+    return {"time": now, "user": user, "sites": snaps, "summary": [site_summary(s) for s in snaps]}
+
+
+def site_summary(s: dict[str, Any]) -> dict[str, Any]:
+    """One site's row of the side-by-side view."""
+    classes = [n["class"] for n in s["nodes"]]
+    quota = [{"account": q["account"], "cpu_used": q["cpu_used"], "cpu_limit": q["cpu_limit"],
+              "gpu_used": q["gpu_used"], "gpu_limit": q["gpu_limit"]} for q in s["quotas"] if not q["user"]]
+    return {"site": s["cluster"], "answers": bool(s["nodes"] or s["jobs"]) or not s["errors"],
+            "nodes": len(classes), "busy": classes.count("busy"), "idle": classes.count("idle"),
+            "down": classes.count("down") + classes.count("drained"),
+            "cpus_alloc": sum(n["cpus_alloc"] for n in s["nodes"]),
+            "cpus_total": sum(n["cpus_total"] for n in s["nodes"]),
+            "running": sum(1 for j in s["jobs"] if j["state"] in ACTIVE),
+            "pending": sum(1 for j in s["jobs"] if j["state"] == "PENDING"), "quotas": quota,
+            "errors": s["errors"]}
+
+
+def render_sites(m: dict[str, Any]) -> str:
+    """Every site side by side (one row each), then each site's full view."""
+    when = datetime.fromtimestamp(m["time"]).strftime("%Y-%m-%d %H:%M:%S")
+    out = [f"SITES  {when}"]
+    out += _table(["SITE", "NODES", "BUSY", "IDLE", "DOWN", "CPUS(alloc/total)", "RUNNING", "PENDING",
+                   "QUOTA CPUS(used/limit) per account"],
+                  [[r["site"], r["nodes"], r["busy"], r["idle"], r["down"], f"{r['cpus_alloc']}/{r['cpus_total']}",
+                    r["running"], r["pending"],
+                    ", ".join(f"{q['account']} {_of(q['cpu_used'], q['cpu_limit'])}" for q in r["quotas"]) or "-"]
+                   if r["answers"] else [r["site"], "-", "-", "-", "-", "-", "-", "-",
+                                         "no answer: " + "; ".join(r["errors"])[:120]]
+                   for r in m["summary"]])
+    for s in m["sites"]:
+        out += ["", "=" * 20 + f" site {s['cluster']} " + "=" * 20, render_queue(s)]
+    return "\n".join(out)
 
 
 def _job_num(job_id: str) -> tuple[int, str]:

@@ -43,6 +43,25 @@ def call(argv: list[str], timeout_s: float = 20.0) -> Result:
     return Result(r.returncode, r.stdout, r.stderr)
 
 
+# The clients that take ``-M <cluster>`` (sacctmgr takes ``cluster=<name>`` in its query instead).
+_PER_CLUSTER = ("squeue", "sinfo", "scontrol", "sshare", "sacct")
+
+
+def on_cluster(run: Caller, cluster: str) -> Caller:
+    """``run`` aimed at one Slurm cluster of several registered in one slurmdbd: ``-M <cluster>`` for the
+    clients that take it, and the ``CLUSTER: <name>`` banner some print with it (sshare) dropped, so the
+    parsers see the same text as on the default cluster."""
+
+    def aimed(argv: list[str]) -> Result:
+        if argv and argv[0] in _PER_CLUSTER and "-M" not in argv:
+            argv = [argv[0], "-M", cluster, *argv[1:]]
+        r = run(argv)
+        out = "".join(ln for ln in r.out.splitlines(keepends=True) if not ln.startswith("CLUSTER: "))
+        return Result(r.rc, out, r.err)
+
+    return aimed
+
+
 class SlurmQueryError(RuntimeError):
     """A Slurm command failed; the message names the command and quotes its error."""
 
