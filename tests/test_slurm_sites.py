@@ -153,9 +153,12 @@ def test_sweep_spread_over_both_sites_one_array_each(two_sites, stdlib_data, tmp
         assert run.is_relative_to(tmp_path / st["site"]), (run, st["site"])
         assert _ev(run, "submit")[0]["site"] == st["site"] and st["job"] == arrays[st["site"]]
         assert _final(run)["status"] == "completed"
-        # The job ran on its site (Slurm's record there, -M).
-        rec = subprocess.run(["sacct", "-M", st["site"], "-n", "-X", "-P", "-j", st["job"], "-o", "State"],
-                             capture_output=True, text=True).stdout.split()
-        assert rec and rec[0] == "COMPLETED", rec
+        # The job ran on its site (Slurm's record there, -M) and ends there (its batch script outlives the
+        # final event by a moment).
+        def state(site=st["site"], job=st["job"]):
+            rec = subprocess.run(["sacct", "-M", site, "-n", "-X", "-P", "-j", job, "-o", "State"],
+                                 capture_output=True, text=True).stdout.split()
+            return rec and rec[0] not in ("RUNNING", "COMPLETING", "PENDING") and rec[0]
+        assert _wait(state, 300, f"job {st['job']} to end on {st['site']}") == "COMPLETED"
     split = json.loads(next((tmp_path / "alpha" / "sweeps").glob("*/sites.json")).read_text())
     assert sorted(r["site"] for r in split["split"]) == ["alpha", "beta"]

@@ -170,6 +170,7 @@ COMMANDS: dict[str, CommandHelp] = {
         examples=[
             ("xirang-status runs/default-tiny-0123456789ab", ""),
             ("xirang-status --queue", "the cluster; --watch refreshes, --json, --plot queue.png"),
+            ("xirang-status --queue --sites all", "every Slurm cluster of the slurmdbd side by side, then each one"),
             ("xirang-status runs", "every run under the runs root"),
             ("xirang-status 4242 --runs-root runs", "an array sweep's tasks"),
             ("xirang-status RUN_DIR --watch", ""),

@@ -16,6 +16,9 @@ Built on Slurm's own multi-cluster operation (clusters registered in one slurmdb
   (``step_N.tmp-copy-...``) that nothing loads and the next start removes.
 - :func:`should_migrate` is the trigger: a run preempted on its site moves when its requeue there
   would wait longer than ``cluster.site_migrate_wait_s`` and another site starts it sooner.
+  :func:`migrate_at_preemption` is the job's own move (called by the batch script's supervisor at a
+  preemption; the current site's wait from :func:`held_until`, the preemptor's end);
+  :func:`migrate` the same by hand for a run already requeued.
 
 The choice and its evidence (expected start per site) go to ``events.jsonl`` (kind ``placement``);
 a copy records its step, bytes and seconds (kind ``migrate_copy``).

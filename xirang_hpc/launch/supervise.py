@@ -6,6 +6,9 @@ job cannot handle itself: a rank killed (``kill -9``, OOM killer, a node gone) o
 It names the failed ranks and nodes from the per-rank start/exit markers the job leaves in
 ``<run dir>/ranks/r<restart>/`` (a rank that started and never exited died without Python
 unwinding), adds the monitor's fault events, applies the policy and requeues (``scontrol``).
+A run on several sites (``cluster.sites``) that was preempted is first placed again: when another
+site starts it sooner than its requeue here (launch/sites.py), it is resubmitted there and this job
+cancels itself instead of being requeued.
 """
 
 from __future__ import annotations
