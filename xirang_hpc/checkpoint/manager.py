@@ -33,6 +33,7 @@ from xirang_hpc.checkpoint.memory import MemoryRecord, MemoryStore, Prepared
 from xirang_hpc.checkpoint.retention import RetentionPolicy, prune
 from xirang_hpc.checkpoint.snapshot import HostSnapshot
 from xirang_hpc.checkpoint.storage import METADATA_FILE, HDF5StorageReader, HDF5StorageWriter, verify_file
+from xirang_hpc.runtime import testpoint
 
 log = logging.getLogger(__name__)
 now: Callable[[], float] = time.perf_counter
@@ -96,6 +97,8 @@ class CheckpointManager:
         self.retention = retention or RetentionPolicy()
         self.async_save, self.verify_checksums = async_save, verify_checksums
         self.history: list[SaveRecord] = []
+        # Steps the last load() skipped as unusable, (step, reason), also when nothing was loadable.
+        self.last_skipped: list[tuple[int, str]] = []
         self._snap = HostSnapshot()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -243,6 +246,7 @@ class CheckpointManager:
         writer = HDF5StorageWriter(tmp, self.compression, self._index() if self.dedup else None,
                                    item_delay_s=self.write_delay_s)
         dcp.save(snap, storage_writer=writer, process_group=self.group)
+        testpoint.pause("save")  # tests only: files written, the step not committed yet
         # The writer checksummed its file while fsyncing it (no second pass here).
         own = {rank_json: ckpt_layout.file_entry(tmp / rank_json), **writer.file_entries}
         gathered = self._gather((own, writer.stats))
@@ -336,6 +340,7 @@ class CheckpointManager:
                 raise FileNotFoundError(f"no checkpoint for step {step} under {self.root} (have {sorted(order)})")
             order = [step] if not fallback else [s for s in order if s <= step]
         skipped: list[tuple[int, str]] = []
+        self.last_skipped = skipped
         for s in order:
             d = self.root / ckpt_layout.step_dir_name(s)
             problem = None
@@ -346,6 +351,7 @@ class CheckpointManager:
                     problem = str(exc)
             problem = self._bcast(problem)
             if problem is None:
+                testpoint.pause("load")  # tests only: a restart in the middle of its checkpoint load
                 try:
                     sums = ckpt_layout.expected_checksums(d) if self.verify_checksums else None
                     dcp.load(tensors, storage_reader=HDF5StorageReader(d, sums), process_group=self.group)

@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from xirang_hpc.checkpoint import extra as ckpt_extra
+from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint import state as ckpt_state
 from xirang_hpc.checkpoint.identity import read_identity, write_identity
 from xirang_hpc.checkpoint.manager import CheckpointManager, LoadResult, SaveRecord
@@ -146,6 +147,7 @@ class CheckpointHook(TrainerHook):
         if not fs_steps:
             return None, tensors, groups
         res = self.mgr.load(tensors)
+        self._report_skipped(res.step if res is not None else None)
         if res is not None:
             self._event("restore", f"step {res.step} from the filesystem" + (f" ({reason})" if reason else ""),
                         source="filesystem", step=res.step, **({"memory": reason} if reason else {}))
@@ -170,6 +172,14 @@ class CheckpointHook(TrainerHook):
             ckpt_state.rewrite_metrics(Path(trainer.metrics_path), res.state.get("metrics", []))
             trainer.log(f"checkpoint: resumed from {res.path} (step {res.step}, {res.source})")
         return res.step
+
+    def _report_skipped(self, used: int | None) -> None:
+        """Rank 0: one ``checkpoint_skipped`` event per step the load found unusable, with the step used instead."""
+        if self.topo.rank != 0 or self.mgr is None:
+            return
+        for step, reason in self.mgr.last_skipped:
+            path = self.mgr.root / ckpt_layout.step_dir_name(step)
+            self.events.append("checkpoint_skipped", reason, step=step, path=str(path), used_step=used)
 
     def _save(self, trainer: Any, block: bool, to_disk: bool = True, to_memory: bool = False) -> int:
         assert self.mgr is not None

@@ -23,6 +23,7 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.tokenizer import install_run_tokenizer
 from xirang_hpc.monitor.events import EventLog
+from xirang_hpc.monitor.requeues import record_unlogged_requeue
 from xirang_hpc.monitor.tracking import TrackingHook
 from xirang_hpc.monitor.trainer_hook import MonitorHook
 from xirang_hpc.runtime import dist as xdist
@@ -77,6 +78,18 @@ def report_save_failure(exc: CheckpointWriteError, topo: Topology, run_dir: Path
                   flush=True)
 
 
+def log_unlogged_requeue(run_dir: Path) -> None:
+    """A requeue Slurm, submitit or an admin did without the job logging it goes into ``events.jsonl`` now."""
+    try:
+        ev = record_unlogged_requeue(run_dir, os.environ)
+    except (OSError, ValueError) as exc:  # bookkeeping only: never stops the job
+        print(f"xirang: could not check how the previous start ended: {exc}", file=sys.stderr, flush=True)
+        return
+    if ev is not None:
+        print(f"xirang: the previous start was requeued by {ev['source']} ({ev['reason']}, sacct State="
+              f"{ev['slurm_state']}); recorded in events.jsonl", flush=True)
+
+
 def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
     """Train on this rank; returns the summary on rank 0 and ``{}`` elsewhere."""
     # An in-job restart on fewer nodes ($XIRANG_NODES) trains the same global batch on a shrunk layout.
@@ -96,6 +109,8 @@ def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[
         )
 
     topo = xdist.start_job(cfg.cluster, rendezvous_dir=Path(run_dir), before_join=_logging)
+    if topo.rank == 0 and topo.source == "slurm":
+        log_unlogged_requeue(Path(run_dir))
     hooks: list[TrainerHook] = []
     try:
         hooks = build_hooks(cfg, topo, Path(run_dir))

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from xirang_hpc.config.schema import ClusterConfig
+from xirang_hpc.runtime import testpoint
 from xirang_hpc.runtime.topology import Topology, job_topology
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ def init_distributed(
             store, port = _connect_published(rendezvous_dir, topo, timeout_s)
     else:
         store = _open_store(topo, port, timeout_s)
+    if topo.rank > 0:
+        testpoint.pause("rendezvous")  # tests only: rank 0 is then waiting in the rendezvous
     store.add("arrived_count", 1)
     _wait_for_all(store, topo, port, timeout_s)
     if backend == "nccl":

@@ -1,0 +1,144 @@
+"""Every stop, requeue and skipped checkpoint is in events.jsonl: requeues the job did not log itself
+(Slurm, submitit, an admin) found at the next start; the test points that pause a job at one stage."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from xirang_hpc.monitor import slurmdb
+from xirang_hpc.monitor.events import append_event, read_events
+from xirang_hpc.monitor.requeues import classify, previous_state, record_unlogged_requeue, submitit_requeues
+from xirang_hpc.runtime import testpoint
+
+TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()"]
+
+# sacct -n -P -X -D -j 1 --format=JobID,State,Start, recorded on the testbed: a job requeued with
+# `scontrol requeue`, then preempted by a `high` job, now pending again.
+SACCT_REQUEUED_THEN_PREEMPTED = ("1|REQUEUED|2026-11-30T21:24:04\n1|PREEMPTED|2026-11-30T21:24:10\n"
+                                 "1|PENDING|Unknown\n")
+
+
+def _env(restart: int, job: str = "7") -> dict[str, str]:
+    return {"SLURM_RESTART_COUNT": str(restart), "SLURM_JOB_ID": job}
+
+
+def test_previous_state_is_the_newest_ended_start_and_unknown_when_sacct_fails():
+    seen = []
+
+    def run(argv):
+        seen.append(argv)
+        return slurmdb.Result(0, SACCT_REQUEUED_THEN_PREEMPTED, "")
+
+    assert previous_state("1", run) == "PREEMPTED"
+    assert seen[0][:2] == ["sacct", "-n"] and "-D" in seen[0] and seen[0][seen[0].index("-j") + 1] == "1"
+    assert previous_state("1", lambda a: slurmdb.Result(1, "", "slurmdbd: Connection refused")) is None
+    assert previous_state("1", lambda a: slurmdb.Result(0, "1|RUNNING|2026-11-30T21:24:10\n", "")) is None
+
+
+def test_classify_names_who_requeued():
+    assert classify("PREEMPTED", 0, 0, "") == ("slurm", "preemption")
+    assert classify("NODE_FAIL", 0, 0, "") == ("slurm", "node_failure")
+    assert classify("REQUEUED", 0, 0, "") == ("scontrol", "requeued")
+    # submitit's handler ran `scontrol requeue` (its log says so) and we have not logged that one yet.
+    assert classify("REQUEUED", 2, 1, "preempted") == ("submitit", "preemption")
+    assert classify(None, 1, 0, "timed-out") == ("submitit", "timeout")
+    assert classify("REQUEUED", 1, 1, "preempted") == ("scontrol", "requeued")
+    assert classify(None, 0, 0, "") == ("slurm", "unknown")
+
+
+def test_an_unlogged_preemption_requeue_is_recorded_once_with_its_source(tmp_path):
+    append_event(tmp_path, "start", "restart 0", job="7", restart=0)
+    ev = record_unlogged_requeue(tmp_path, _env(1), state_of=lambda job: "PREEMPTED")
+    assert ev is not None and (ev["source"], ev["reason"], ev["restart"]) == ("slurm", "preemption", 0)
+    kinds = [(e["kind"], e.get("restart")) for e in read_events(tmp_path)]
+    assert kinds == [("start", 0), ("stop", 0), ("requeue", 0)]
+    stop = read_events(tmp_path)[1]
+    assert stop["handled_by"] == "slurm" and stop["detail"] == "sacct State=PREEMPTED"
+    # The next start of the same restart (an in-job restart, another rank) does not log it again.
+    assert record_unlogged_requeue(tmp_path, _env(1), state_of=lambda job: "PREEMPTED") is None
+    assert len(read_events(tmp_path)) == 3
+
+
+def test_a_requeue_the_job_logged_is_not_recorded_again_and_a_first_start_has_none(tmp_path):
+    asked = []
+    append_event(tmp_path, "stop", "preemption", job="7", restart=0)
+    append_event(tmp_path, "requeue", "preemption", job="7", restart=0)
+    assert record_unlogged_requeue(tmp_path, _env(1), state_of=asked.append) is None
+    assert record_unlogged_requeue(tmp_path, _env(0), state_of=asked.append) is None
+    assert asked == []  # no sacct query when nothing is missing
+    # Another job's requeue in the same run directory (a resubmission) does not count for job 8.
+    ev = record_unlogged_requeue(tmp_path, _env(1, job="8"), state_of=lambda job: "NODE_FAIL")
+    assert ev["job"] == "8" and ev["reason"] == "node_failure"
+    # The stop was missing too, and is written; a stop that exists is not duplicated.
+    assert [e["kind"] for e in read_events(tmp_path)][-2:] == ["stop", "requeue"]
+
+
+def test_submitit_requeue_is_read_from_its_rank0_log(tmp_path):
+    folder = tmp_path / "submitit"
+    folder.mkdir()
+    (folder / "7_0_log.err").write_text(
+        "submitit WARNING (2026-11-30 21:40:01,000) - Caught signal SIGUSR2 on host: this job is preempted.\n"
+        "submitit INFO (2026-11-30 21:40:01,300) - Requeued job 7 (0 remaining timeouts)\n")
+    (folder / "7_1_log.err").write_text("Requeued job 7\n")  # not rank 0: submitit requeues only from rank 0
+    assert submitit_requeues(folder, "7") == (1, "preempted")
+    ev = record_unlogged_requeue(tmp_path, _env(1), state_of=lambda job: "REQUEUED")
+    assert (ev["source"], ev["reason"]) == ("submitit", "preemption")
+    # Restart 2 after a requeue by an admin: submitit's one requeue is already accounted for.
+    ev2 = record_unlogged_requeue(tmp_path, _env(2), state_of=lambda job: "REQUEUED")
+    assert (ev2["source"], ev2["reason"], ev2["restart"]) == ("scontrol", "requeued", 1)
+
+
+def test_array_task_requeue_is_matched_by_its_task_id(tmp_path):
+    env = {**_env(1, job="12"), "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "2"}
+    append_event(tmp_path, "requeue", "preemption", job="10_2", restart=0)
+    assert record_unlogged_requeue(tmp_path, env, state_of=lambda job: "PREEMPTED") is None
+    targets = []
+    record_unlogged_requeue(tmp_path, {**env, "SLURM_RESTART_COUNT": "2"}, state_of=lambda j: targets.append(j))
+    assert targets == ["10_2"]
+
+
+def test_testpoint_pauses_only_at_its_stage_restart_and_arrival(tmp_path, monkeypatch):
+    assert testpoint.parse("load@1=60, save@0#2=0.5,rendezvous=3") == {
+        ("load", 1): (0, 60.0), ("save", 0): (2, 0.5), ("rendezvous", 0): (0, 3.0)}
+    monkeypatch.setattr(testpoint, "_arrivals", {})
+    env = {testpoint.ENV: "save@0#2=0.2,load@1=0.2", testpoint.DIR_ENV: str(tmp_path), "SLURM_RESTART_COUNT": "0"}
+    assert testpoint.pause("save", {}) == 0.0  # unset: nothing
+    assert testpoint.pause("load", env) == 0.0  # another restart
+    assert testpoint.pause("save", env) == 0.0  # first arrival; only the second pauses
+    t0 = time.monotonic()
+    assert testpoint.pause("save", env) == 0.2 and time.monotonic() - t0 >= 0.2
+    assert [p.name for p in tmp_path.iterdir()] == [f"save@0.{os.getpid()}"]
+    assert testpoint.pause("save", env) == 0.0
+
+
+@pytest.mark.slow
+def test_a_corrupt_checkpoint_skipped_on_load_is_an_event_naming_the_step_used(stdlib_data, tmp_path):
+    """A real run saves steps 10 and 20; bytes of step 20's shard are flipped; the extended run falls back
+    to step 10 and events.jsonl says which checkpoint was skipped, why, and which step was used."""
+    common = ["cluster=local", "cluster.nodes=1", "cluster.tasks_per_node=1", f"data.out_dir={stdlib_data}",
+              f"train.runs_root={tmp_path}", "train.max_steps=20", "checkpoint.every_steps=10",
+              "train.warmup_steps=2", "train.eval_batches=1", "train.wait=true"]
+    out = subprocess.run(TRAIN + common, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    run = Path(re.search(r"run dir (\S+)", out.stdout).group(1))
+    shard = run / "checkpoints" / "step_20" / "rank_0.h5"
+    data = bytearray(shard.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    shard.write_bytes(bytes(data))  # same size: only the checksum can tell
+    out = subprocess.run(TRAIN + common + ["train.extend_to=30"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    skipped = [e for e in read_events(run) if e["kind"] == "checkpoint_skipped"]
+    assert len(skipped) == 1, read_events(run)
+    ev = skipped[0]
+    assert ev["step"] == 20 and ev["used_step"] == 10 and ev["path"] == str(shard.parent), ev
+    assert "rank_0.h5" in ev["reason"] and "checksum" in ev["reason"], ev
+    starts = [e for e in read_events(run) if e["kind"] == "start"]
+    assert starts[-1]["step"] == 10, starts
