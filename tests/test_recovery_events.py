@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -43,14 +44,14 @@ def test_previous_state_is_the_newest_ended_start_and_unknown_when_sacct_fails()
 
 
 def test_classify_names_who_requeued():
-    assert classify("PREEMPTED", 0, 0, "") == ("slurm", "preemption")
-    assert classify("NODE_FAIL", 0, 0, "") == ("slurm", "node_failure")
-    assert classify("REQUEUED", 0, 0, "") == ("scontrol", "requeued")
+    assert classify("PREEMPTED", 0, 0) == ("slurm", "preemption")
+    assert classify("NODE_FAIL", 0, 0) == ("slurm", "node_failure")
+    assert classify("REQUEUED", 0, 0) == ("scontrol", "requeued")
     # submitit's handler ran `scontrol requeue` (its log says so) and we have not logged that one yet.
-    assert classify("REQUEUED", 2, 1, "preempted") == ("submitit", "preemption")
-    assert classify(None, 1, 0, "timed-out") == ("submitit", "timeout")
-    assert classify("REQUEUED", 1, 1, "preempted") == ("scontrol", "requeued")
-    assert classify(None, 0, 0, "") == ("slurm", "unknown")
+    assert classify("REQUEUED", 2, 1) == ("submitit", "preemption")
+    assert classify(None, 1, 0) == ("submitit", "preemption")
+    assert classify("REQUEUED", 1, 1) == ("scontrol", "requeued")
+    assert classify(None, 0, 0) == ("slurm", "unknown")
 
 
 def test_an_unlogged_preemption_requeue_is_recorded_once_with_its_source(tmp_path):
@@ -83,11 +84,14 @@ def test_a_requeue_the_job_logged_is_not_recorded_again_and_a_first_start_has_no
 def test_submitit_requeue_is_read_from_its_rank0_log(tmp_path):
     folder = tmp_path / "submitit"
     folder.mkdir()
+    # Recorded on the testbed: submitit's rank-0 log when its handler requeued a job preempted in start-up.
     (folder / "7_0_log.err").write_text(
-        "submitit WARNING (2026-11-30 21:40:01,000) - Caught signal SIGUSR2 on host: this job is preempted.\n"
-        "submitit INFO (2026-11-30 21:40:01,300) - Requeued job 7 (0 remaining timeouts)\n")
-    (folder / "7_1_log.err").write_text("Requeued job 7\n")  # not rank 0: submitit requeues only from rank 0
-    assert submitit_requeues(folder, "7") == (1, "preempted")
+        "submitit WARNING (2026-11-30 21:30:49,192) - Bypassing signal SIGCONT\n"
+        "submitit WARNING (2026-11-30 21:30:49,192) - Caught signal SIGUSR2 on vm: this job is preempted.\n"
+        "slurmstepd-r1: error: *** JOB 7 ON r1 CANCELLED AT 2026-11-30T21:30:49 DUE TO JOB REQUEUE ***\n")
+    # Not rank 0: submitit requeues only from rank 0.
+    (folder / "7_1_log.err").write_text("Caught signal SIGUSR2 on vm: this job is preempted.\n")
+    assert submitit_requeues(folder, "7") == 1
     ev = record_unlogged_requeue(tmp_path, _env(1), state_of=lambda job: "REQUEUED")
     assert (ev["source"], ev["reason"]) == ("submitit", "preemption")
     # Restart 2 after a requeue by an admin: submitit's one requeue is already accounted for.
@@ -124,7 +128,7 @@ def test_a_corrupt_checkpoint_skipped_on_load_is_an_event_naming_the_step_used(s
     to step 10 and events.jsonl says which checkpoint was skipped, why, and which step was used."""
     common = ["cluster=local", "cluster.nodes=1", "cluster.tasks_per_node=1", f"data.out_dir={stdlib_data}",
               f"train.runs_root={tmp_path}", "train.max_steps=20", "checkpoint.every_steps=10",
-              "train.warmup_steps=2", "train.eval_batches=1", "train.wait=true"]
+              "train.warmup_steps=2", "train.eval_batches=1", "train.wait=true", "parallel.pp=1", "parallel.tp=1"]
     out = subprocess.run(TRAIN + common, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     run = Path(re.search(r"run dir (\S+)", out.stdout).group(1))
@@ -142,3 +146,27 @@ def test_a_corrupt_checkpoint_skipped_on_load_is_an_event_naming_the_step_used(s
     assert "rank_0.h5" in ev["reason"] and "checksum" in ev["reason"], ev
     starts = [e for e in read_events(run) if e["kind"] == "start"]
     assert starts[-1]["step"] == 10, starts
+
+
+def test_a_stop_signal_before_the_hook_exists_is_handed_to_it(tmp_path):
+    """Signals from the job function's first line (start-up, rendezvous, checkpoint load) are recorded,
+    not left to submitit's handler, and the stop-signal hook acts on them at its first step boundary."""
+    from conftest import compose_cfg
+
+    from xirang_hpc.config.validate import load_config
+    from xirang_hpc.runtime import signals
+    from xirang_hpc.runtime.topology import Topology
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        signals.capture_early()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert [name for name, _ in signals._early] == ["SIGUSR2"]
+        topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
+                        node_name="n1", master_addr="127.0.0.1", master_port=1, job_id="1", source="single")
+        hook = signals.StopSignalHook(load_config(compose_cfg([])), topo, tmp_path).installed()
+        assert [name for name, _ in hook.received] == ["SIGUSR2"] and signals._early == []
+        assert hook._local_code() == 1  # USR2: the first step boundary stops, saves and requeues
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -29,7 +29,7 @@ from xirang_hpc.monitor.trainer_hook import MonitorHook
 from xirang_hpc.runtime import dist as xdist
 from xirang_hpc.runtime.comm.install import CommTrainerHook
 from xirang_hpc.runtime.hooks import TrainerHook
-from xirang_hpc.runtime.signals import StopSignalHook, find_saver
+from xirang_hpc.runtime.signals import StopSignalHook, capture_early, find_saver
 from xirang_hpc.runtime.topology import Topology
 from xirang_hpc.runtime.trainer import Trainer
 from xirang_hpc.serve.weights import InitFromHook
@@ -92,6 +92,7 @@ def log_unlogged_requeue(run_dir: Path) -> None:
 
 def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
     """Train on this rank; returns the summary on rank 0 and ``{}`` elsewhere."""
+    capture_early()  # a preemption during start-up, rendezvous or checkpoint load is acted on, not lost
     # An in-job restart on fewer nodes ($XIRANG_NODES) trains the same global batch on a shrunk layout.
     cfg = for_environment(load_config(OmegaConf.create(cfg_dict)), os.environ)
     check_runnable(cfg)

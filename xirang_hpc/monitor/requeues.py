@@ -24,8 +24,10 @@ from xirang_hpc.monitor.events import append_event, read_events
 _STATES = {"PREEMPTED": ("slurm", "preemption"), "NODE_FAIL": ("slurm", "node_failure"),
            "REQUEUED": ("scontrol", "requeued"), "REQUEUE_FED": ("slurm", "requeued"),
            "REQUEUE_HOLD": ("scontrol", "requeued")}
-_SUBMITIT_REQUEUE = re.compile(r"Requeued job \S+")
-_SUBMITIT_CASE = re.compile(r"this job is (preempted|timed-out)")
+# submitit's USR2 handler on rank 0 logs this line, then runs `scontrol requeue` (its "Requeued job" line
+# after it is often lost: the requeue kills the process first). A timed-out job it does not requeue here
+# (xirang submits with max_num_timeout=0).
+_SUBMITIT_PREEMPTED = re.compile(r"Caught signal SIGUSR2 on .*: this job is preempted")
 
 
 def previous_state(job_id: str, run: slurmdb.Caller = slurmdb.call) -> str | None:
@@ -38,21 +40,16 @@ def previous_state(job_id: str, run: slurmdb.Caller = slurmdb.call) -> str | Non
     return ended[-1] if ended else None
 
 
-def submitit_requeues(folder: Path, target: str) -> tuple[int, str]:
-    """How often submitit's handler requeued ``target`` (its rank-0 log), and the case it last named."""
-    count, case = 0, ""
-    for log in sorted(folder.glob(f"{target}_0_log.*")):
-        text = log.read_text(errors="replace")
-        count += len(_SUBMITIT_REQUEUE.findall(text))
-        cases = _SUBMITIT_CASE.findall(text)
-        case = cases[-1] if cases else case
-    return count, case
+def submitit_requeues(folder: Path, target: str) -> int:
+    """How often submitit's own handler requeued ``target`` on a preemption (read from its rank-0 log)."""
+    return sum(len(_SUBMITIT_PREEMPTED.findall(log.read_text(errors="replace")))
+               for log in sorted(folder.glob(f"{target}_0_log.*")))
 
 
-def classify(state: str | None, submitit_count: int, submitit_logged: int, submitit_case: str) -> tuple[str, str]:
+def classify(state: str | None, submitit_count: int, submitit_logged: int) -> tuple[str, str]:
     """(source, reason) of an unlogged requeue from sacct's state and submitit's log."""
     if submitit_count > submitit_logged and state in (None, "REQUEUED"):
-        return "submitit", "timeout" if submitit_case == "timed-out" else "preemption"
+        return "submitit", "preemption"
     if state is None:
         return "slurm", "unknown"
     return _STATES.get(state, ("slurm", state.lower()))
@@ -78,10 +75,10 @@ def record_unlogged_requeue(run_dir: Path, env: Mapping[str, str],
     if any(e.get("kind") == "requeue" for e in prior):
         return None
     state = state_of(target)
-    count, case = submitit_requeues(Path(run_dir) / "submitit", target)
+    count = submitit_requeues(Path(run_dir) / "submitit", target)
     logged = sum(1 for e in events if e.get("kind") == "requeue" and e.get("source") == "submitit"
                  and e.get("job", job) in ours)
-    source, reason = classify(state, count, logged, case)
+    source, reason = classify(state, count, logged)
     fields = dict(source=source, slurm_state=state, job=job, target=target, restart=restart - 1,
                   detected_at_restart=restart)
     if not any(e.get("kind") == "stop" for e in prior):

@@ -47,6 +47,21 @@ _CODES = {"SIGUSR2": 1, "SIGTERM": 2}
 _NAMES = {v: k for k, v in _CODES.items()}
 
 
+# Stop signals received between the job function's first line and the hook's install (start-up,
+# rendezvous, checkpoint load); the hook takes them over and acts at its first step boundary.
+_early: list[tuple[str, float]] = []
+
+
+def capture_early() -> None:
+    """Record USR2/SIGTERM from now on, replacing submitit's handlers (its USR2 handler would requeue the
+    job on its own, unlogged, and SIGTERM would be ignored); :meth:`StopSignalHook.install` takes over."""
+    def record(signum: int, frame: Any) -> None:
+        _early.append((signal.Signals(signum).name, time.time()))
+
+    for sig in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(sig, record)
+
+
 def exit_process(code: int) -> None:
     """Leave the process (a tiny function so tests can observe the exit instead)."""
     sys.stdout.flush()
@@ -88,6 +103,8 @@ class StopSignalHook(TrainerHook):
         """Take over SIGUSR2 and SIGTERM (replacing submitit's handlers)."""
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        self.received.extend(_early)
+        _early.clear()
         mark_start(self.run_dir, self.restarts, self.topo.rank, self.topo.node_name)
 
     def installed(self) -> StopSignalHook:
