@@ -169,6 +169,42 @@ def test_node_loss_continues_shrunk_with_the_same_loss_curve(stdlib_data, tmp_pa
     np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-5)
 
 
+def test_requeued_job_with_a_drained_node_continues_shrunk(stdlib_data, tmp_path):
+    """2 x 2 with requeue.min_nodes=1, preempted; the second node drained meanwhile. A requeued job keeps its
+    first task count (NumTasks=4 pins it to 2 nodes: it would pend on ReqNodeNotAvail forever), so the job
+    itself sets NumTasks=2 at its requeue: the rerun starts on the first node alone, with the layout shrunk,
+    and the loss curve goes on as the uninterrupted run's."""
+    first, second = _nodes()[:2]
+    steps = 80
+    common = _args(stdlib_data, tmp_path / "runs", f"train.max_steps={steps}", "checkpoint.every_steps=10")
+    ref = _reference(common, tmp_path / "ref")
+    job, run = _submit([*common, "requeue.min_nodes=1", "train.priority=exploratory"])
+    assert "#SBATCH --nodes=1-2" in (run / "submitit" / f"{job}_submission.sh").read_text()
+    _after_checkpoint(run)
+    # A `high` job needing both nodes preempts ours; the second node is drained while it runs.
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null",
+                           "--wrap", "sleep 20"], check=True, capture_output=True, text=True).stdout.strip()
+    try:
+        _wait(lambda: _ev(run, "requeue", 0), 300, "the preemption's requeue")
+        # Drain only once the preemptor holds both nodes (draining earlier would keep it pending forever).
+        _wait(lambda: "JobState=RUNNING" in _slurm_job(high), 300, "the preempting job to run")
+        subprocess.run(["scontrol", "update", f"nodename={second}", "state=drain", "reason=in-job-restart-test"],
+                       check=True)
+        final = _final(run, timeout=600)
+        info = _slurm_job(job)
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={second}", "state=resume"], capture_output=True)
+    assert final["status"] == "completed", read_events(run)
+    assert _ev(run, "requeue", 0)[0]["num_tasks"] == 2, read_events(run)
+    rerun = _ev(run, "start", 1)[0]
+    assert (rerun["node"], rerun["nodes"], rerun["world_size"]) == (first, 1, 2), rerun
+    assert "NumNodes=1 " in info and "Restarts=1" in info, info
+    ours, theirs = _losses(run), _losses(_reference_dir(ref))
+    after = [s for s in ours if s > rerun["step"]]
+    assert rerun["step"] >= 10 and after and after[-1] == steps, (rerun, sorted(ours))
+    np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-5)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 

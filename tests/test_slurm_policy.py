@@ -222,6 +222,29 @@ def test_after_requeue_excludes_then_sets_a_future_start_and_retries_while_not_y
     assert slurmctl.after_requeue("7", 30, margin_s=5, run=lambda a: "") == ["update jobid=7 StartTime=now+30"]
 
 
+def test_a_requeued_job_with_a_node_floor_asks_for_the_floors_task_count_before_it_may_start():
+    """requeue.min_nodes below the allocation: NumTasks = floor x tasks per node, set before StartTime."""
+    assert slurmctl.floor_tasks(1, 2, 2) == 2
+    assert slurmctl.floor_tasks(6, 9, 4) == 24  # 8 nodes + 1 spare, shrink to 6
+    assert slurmctl.floor_tasks(0, 2, 2) is None and slurmctl.floor_tasks(2, 2, 2) is None
+    applied = slurmctl.after_requeue("7", 0, exclude=["n2"], tasks=2, margin_s=5, run=lambda a: "")
+    assert applied == ["update jobid=7 NumTasks=2", "update jobid=7 ExcNodeList=n2", "update jobid=7 StartTime=now+5"]
+    assert slurmctl.after_requeue("7", start=False, tasks=2, run=lambda a: "") == ["update jobid=7 NumTasks=2"]
+
+
+def test_the_stop_hook_asks_for_the_floor_only_with_in_job_restart_and_a_floor_below_the_nodes():
+    from conftest import compose_cfg
+
+    from xirang_hpc.config.validate import load_config
+    from xirang_hpc.runtime.signals import requeue_floor_tasks
+
+    base = ["cluster=testbed", "cluster.nodes=2", "cluster.tasks_per_node=2", "parallel.pp=1", "parallel.tp=1"]
+    assert requeue_floor_tasks(load_config(compose_cfg([*base, "requeue.min_nodes=1"]))) == 2
+    assert requeue_floor_tasks(load_config(compose_cfg([*base, "requeue.min_nodes=0"]))) is None
+    assert requeue_floor_tasks(load_config(compose_cfg([*base, "requeue.min_nodes=1",
+                                                        "requeue.max_restarts_in_job=0"]))) is None
+
+
 def test_after_requeue_gives_up_after_retry_s_and_raises_other_errors_at_once():
     """A refusal that outlasts retry_s, or any other scontrol error, is raised (the caller logs it)."""
     def refuse(args: list[str]) -> str:

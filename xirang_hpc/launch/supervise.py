@@ -194,8 +194,11 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
     try:
         slurmctl.requeue(job_id)
         start = bool(verdict.start_now or verdict.backoff_s)
-        if start or excluded:
-            applied = slurmctl.after_requeue(job_id, verdict.backoff_s, exclude=excluded, start=start)
+        alloc = int(job["nodes"]) + int(job.get("spare_nodes", 0))
+        tasks = slurmctl.floor_tasks(int(job.get("min_alloc_nodes") or job["nodes"]), alloc,
+                                     int(job.get("tasks_per_node", 1)))
+        if start or excluded or tasks:
+            applied = slurmctl.after_requeue(job_id, verdict.backoff_s, exclude=excluded, start=start, tasks=tasks)
             append_event(run_dir, "requeue_update", reason, job=job_id, restart=restart, applied=applied)
     except slurmctl.SlurmCommandError as exc:
         append_event(run_dir, "exit", "requeue_failed", final=True, status="requeue_failed", error=str(exc),

@@ -62,6 +62,15 @@ def capture_early() -> None:
         signal.signal(sig, record)
 
 
+def requeue_floor_tasks(cfg: XirangConfig) -> int | None:
+    """The ``NumTasks`` that lets the requeued job start on ``requeue.min_nodes`` nodes (in-job restart with a
+    floor below ``cluster.nodes``: the job was submitted with that node range), else None."""
+    r, c = cfg.requeue, cfg.cluster
+    if r.max_restarts_in_job <= 0:
+        return None
+    return slurmctl.floor_tasks(r.min_nodes, c.nodes + c.spare_nodes, c.tasks_per_node)
+
+
 def exit_process(code: int) -> None:
     """Leave the process (a tiny function so tests can observe the exit instead)."""
     sys.stdout.flush()
@@ -85,7 +94,7 @@ class StopSignalHook(TrainerHook):
                  save_fn: Callable[[Trainer], int | None] | None = None,
                  job_info: Callable[[str], dict[str, str]] = slurmctl.job_info,
                  requeue_fn: Callable[[str], None] = slurmctl.requeue,
-                 start_now_fn: Callable[[str, int], None] = slurmctl.after_requeue) -> None:
+                 start_now_fn: Callable[..., object] = slurmctl.after_requeue) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         # The run's event log, handed in by the job (the runtime does not know where it lives).
         self.events: EventSink = NullEventSink() if events is None else events
@@ -207,10 +216,12 @@ class StopSignalHook(TrainerHook):
                 return EXIT_REQUEUED
             if in_slurm:
                 self.requeue_fn(target)
-                if verdict.start_now or verdict.backoff_s:
-                    self.start_now_fn(target, verdict.backoff_s)
+                start, tasks = bool(verdict.start_now or verdict.backoff_s), requeue_floor_tasks(self.cfg)
+                if start or tasks:
+                    self.start_now_fn(target, verdict.backoff_s, start=start, tasks=tasks)
             self._event("requeue", cause.reason, why=verdict.why, target=target, step=step,
-                        start_now=verdict.start_now, backoff_s=verdict.backoff_s)
+                        start_now=verdict.start_now, backoff_s=verdict.backoff_s,
+                        num_tasks=requeue_floor_tasks(self.cfg) if in_slurm else None)
             self._event("exit", "requeued", final=False, status="requeued", step=step)
             return EXIT_REQUEUED
         except slurmctl.SlurmCommandError as exc:

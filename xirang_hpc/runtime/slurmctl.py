@@ -148,11 +148,24 @@ def start_margin_s(env: Mapping[str, str] | None = None) -> int:
     return int(raw)
 
 
+def floor_tasks(min_nodes: int, alloc_nodes: int, tasks_per_node: int) -> int | None:
+    """``NumTasks`` a requeued job must ask for to start on as few as ``min_nodes`` nodes, or None.
+
+    A requeued job keeps the task count of its first allocation (``NumTasks=alloc_nodes x
+    tasks_per_node``), which with ``--ntasks-per-node`` as a per-node maximum pins it to that many
+    nodes: with one of them drained it pends forever (``ReqNodeNotAvail``) despite its node range.
+    Lowered to the floor's count, Slurm still gives it every node of the range that is up (and
+    counts ``NumTasks`` again from them), else starts it on what is left (Slurm 22.05, checked).
+    """
+    return min_nodes * tasks_per_node if 0 < min_nodes < alloc_nodes else None
+
+
 def after_requeue(job_id: str, delay_s: int = 0, exclude: Sequence[str] = (), start: bool = True,
-                  margin_s: int | None = None, retry_s: float = 5.0,
+                  tasks: int | None = None, margin_s: int | None = None, retry_s: float = 5.0,
                   run: Callable[[list[str]], str] | None = None,
                   sleep: Callable[[float], None] = time.sleep) -> list[str]:
-    """Right after ``scontrol requeue`` (from inside the job): exclude failed nodes and shorten the restart hold.
+    """Right after ``scontrol requeue`` (from inside the job): exclude failed nodes and shorten the restart hold;
+    with ``tasks`` (:func:`floor_tasks`) let the job start on fewer nodes than its first allocation.
 
     Works under ``proctrack/cgroup`` because nothing has to outlive the job: ``requeue`` makes the
     job PENDING (shown as COMPLETING while its processes end), and Slurm accepts both ``ExcNodeList``
@@ -169,6 +182,8 @@ def after_requeue(job_id: str, delay_s: int = 0, exclude: Sequence[str] = (), st
             raise SlurmCommandError(f"refusing to exclude node {node!r}: not a Slurm node name")
     run = run_scontrol if run is None else run
     updates: list[list[str]] = []
+    if tasks:  # first: the job must not start before it may start shrunk (floor_tasks)
+        updates.append(["update", f"jobid={job_id}", f"NumTasks={int(tasks)}"])
     if exclude:
         updates.append(["update", f"jobid={job_id}", f"ExcNodeList={','.join(exclude)}"])
     if start:
