@@ -153,9 +153,17 @@ def test_pipelined_zero2_and_zero3_hold_full_weights_and_gradients() -> None:
     def mem(zero: int, pp: int) -> dict[str, float]:
         return estimate(pb, Plan(dp=32 // pp, tp=1, pp=pp, micro=1, zero=zero)).memory
 
+    dp = 16  # 32 GPUs over pp=2
     for zero in (2, 3):
-        assert mem(zero, 2)["params"] == mem(1, 2)["params"] and mem(zero, 2)["grads"] == mem(1, 2)["grads"]
+        # Whole weights and gradients (kept by the schedule) plus FSDP2's own 1/dp shards of both.
+        assert mem(zero, 2)["params"] == pytest.approx(mem(1, 2)["params"] * (1 + 1 / dp))
+        assert mem(zero, 2)["grads"] == pytest.approx(mem(1, 2)["grads"] * (1 + 1 / dp))
         assert mem(zero, 2)["optimizer"] == mem(1, 2)["optimizer"]
+        # So under a pipeline ZeRO-2/3 hold more than ZeRO-1 (the planner must not rank them as savings).
+        assert mem(zero, 2)["total"] > mem(1, 2)["total"]
+    # ZeRO-3's two gathered layers are not extra under a pipeline: every weight is already gathered.
+    assert mem(3, 2)["buffers"] == mem(2, 2)["buffers"]
+    assert mem(3, 1)["buffers"] > mem(2, 1)["buffers"]
     assert mem(2, 1)["grads"] == pytest.approx(mem(1, 1)["grads"] / 32)
     assert mem(3, 1)["params"] == pytest.approx(mem(1, 1)["params"] / 32)
 

@@ -33,7 +33,9 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   gradients stay sharded; ZeRO-3: the same plus a second all-gather in the backward (FSDP2 reshards
   after the forward). Under a pipeline, torch's schedule defers FSDP2's reduction to the end of the
   step and keeps the weights gathered across microbatches: ZeRO-2/3 then gather once (ZeRO-3: also
-  once per microbatch's backward), reduce-scatter once, and hold full weights and gradients.
+  once per microbatch's backward), reduce-scatter once, and hold full weights and gradients beside
+  FSDP2's 1/dp shards of both (so under a pipeline ZeRO-2/3 hold more than ZeRO-1, and save only
+  optimizer state against ZeRO-0).
 """
 
 from __future__ import annotations
@@ -160,8 +162,14 @@ def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str,
     lp = layer_params(sh)
     flash = hw.flash_attention > 0
     w, g, o = state_bytes_per_param(pl.zero, pl.dp, hw.weight_bytes, hw.grad_bytes, hw.optim_bytes)
-    if p > 1 and pl.zero >= 2:  # the pipeline schedule keeps FSDP2's weights gathered, gradients unreduced
-        w, g = float(hw.weight_bytes), float(hw.grad_bytes)
+    pipelined_fsdp = p > 1 and pl.zero >= 2 and pl.dp > 1
+    if pipelined_fsdp:
+        # torch's pipeline schedule (PipelineStage.backward_one_chunk) sets FSDP2's reshard_after_backward
+        # and requires_gradient_sync to False until the last microbatch: the gathered weights and the
+        # unreduced gradients stay whole, beside FSDP2's own sharded parameter storage and, after the
+        # step's one reduce-scatter, the sharded gradients. Only the optimizer state is 1/dp.
+        w = hw.weight_bytes * (1 + 1 / pl.dp)
+        g = hw.grad_bytes * (1 + 1 / pl.dp)
     act = layer_activation_bytes(sh, b, t, pl.sp, pl.recompute, hw.act_bytes, flash)
     working = 0.0
     if pl.recompute == "full":  # one layer's full activations while it is recomputed
@@ -191,7 +199,7 @@ def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str,
     buffers = hw.reserved_gb * GiB
     if pl.dp > 1 and pl.zero <= 1:
         buffers += 2 * min(DDP_BUCKET_BYTES, params * hw.grad_comm_bytes)
-    if pl.zero == 3:  # gathered weights of the layer being computed and the one prefetched
+    if pl.zero == 3 and not pipelined_fsdp:  # gathered weights of the layer being computed and the one prefetched
         buffers += 2 * lp / t * hw.weight_bytes
     if pl.zero >= 2:
         # What a backend keeps beyond them, per unsharded parameter byte (calibrated on CPU: gloo
