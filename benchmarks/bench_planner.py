@@ -102,11 +102,12 @@ def main() -> None:
 def validation_table() -> None:
     """Every published row (xirang_hpc/planner/published.py): the rows that set constants, then the held-out
     rows predicted without refitting, each group with its mean and max |error|."""
-    from xirang_hpc.planner.published import ALL, is_original_held_out, predict
+    from xirang_hpc.planner.published import ALL, is_original_held_out, plan_for, predict
 
     groups = [("fit", "rows that set the constants (in-sample)", lambda r: True),
               ("held-out", "held-out rows, A100-80GB (out-of-sample, nothing refitted)", lambda r: r.gpu != "h100"),
               ("held-out", "held-out rows, H100-80GB (out-of-sample, nothing refitted)", lambda r: r.gpu == "h100")]
+    units = {"tflops": "TFLOP/s/GPU", "megatron_tflops": "model TFLOP/s/GPU", "tokens_per_gpu": "tokens/s/GPU"}
     for role, title, keep in groups:
         rows = [r for r in ALL if r.role == role and keep(r)]
         print(f"{title}:\n| source | run | GPUs | metric | published | predicted | error |")
@@ -115,11 +116,16 @@ def validation_table() -> None:
         for r in rows:
             pred = predict(r)
             err = pred / r.value - 1
-            errs.setdefault(r.source, []).append(err)
-            if role == "held-out" and is_original_held_out(r):
+            errs.setdefault(f"{r.source}, every row", []).append(err)
+            if not r.excluded:
+                errs.setdefault(r.source, []).append(err)
+            if role == "held-out" and is_original_held_out(r) and not r.excluded:
                 errs.setdefault("of these, the rows also held out before", []).append(err)
-            unit = "TFLOP/s/GPU" if r.metric == "tflops" else "tokens/s/GPU"
-            print(f"| {r.source} | {r.name} | {r.gpus} | {unit} | {r.value:g} | {pred:.0f} | {100 * err:+.1f}% |")
+            note = f" (excluded: {r.excluded})" if r.excluded else ""
+            note += f" [unpublished knobs: {plan_for(r).label()}]" if r.free_knobs else ""
+            print(f"| {r.source} | {r.name}{note} | {r.gpus} | {units[r.metric]} | {r.value:g} | {pred:.0f} | "
+                  f"{100 * err:+.1f}% |")
+        errs = {k: v for k, v in errs.items() if not k.endswith(", every row") or len(v) != len(errs[k[:-11]])}
         for src, e in errs.items():
             print(f"{role} {src}: mean |error| {100 * statistics.mean(map(abs, e)):.1f}%, "
                   f"max {100 * max(map(abs, e)):.1f}% over {len(e)} rows")

@@ -133,23 +133,46 @@ def test_rows_that_set_the_constants_fit_within_their_recorded_accuracy() -> Non
 
 def test_held_out_rows_keep_their_recorded_accuracy() -> None:
     """Out of sample, nothing refitted (benchmarks/RESULTS.md): llm-foundry A100 rows of 2,048 to 32,768
-    tokens mean 4.7%, max 39.3% (41 rows; the 16 first held out, 2 of them now fit rows: 5.4%, 39.3%);
-    H100 4.6%, 35.7% (40 rows).
-    The max is MPT-30b at 8,192 tokens, one sequence per GPU, on both GPUs. A change to the cost model that
-    makes any of these worse fails here."""
+    tokens mean 3.8%, max 11.4% (40 rows), H100 3.8%, 14.0% (39 rows); the 16 A100 rows first held out
+    (2 of them now fit rows) less the excluded one: 3.1%, 10.7% (15 rows). MPT-30b at 8,192 tokens on 8
+    GPUs is excluded from those statistics (published.py says why) and kept in the "every row" figures:
+    A100 4.7% / 39.3% (41 rows), H100 4.6% / 35.7% (40). A change to the cost model that makes any of
+    these worse fails here."""
     from xirang_hpc.planner.published import MPT_A100, MPT_H100, is_original_held_out
 
-    a100 = [r for r in MPT_A100 if r.role == "held-out"]
-    h100 = [r for r in MPT_H100 if r.role == "held-out"]
-    first = [r for r in MPT_A100 if is_original_held_out(r)]
-    for rows, (n, mean, worst) in ((a100, (41, 0.049, 0.40)), (h100, (40, 0.048, 0.365)),
-                                   (first, (16, 0.056, 0.40))):
+    a100_all = [r for r in MPT_A100 if r.role == "held-out"]
+    h100_all = [r for r in MPT_H100 if r.role == "held-out"]
+    a100 = [r for r in a100_all if not r.excluded]
+    h100 = [r for r in h100_all if not r.excluded]
+    first = [r for r in MPT_A100 if is_original_held_out(r) and not r.excluded]
+    for rows, (n, mean, worst) in ((a100, (40, 0.039, 0.115)), (h100, (39, 0.039, 0.141)),
+                                   (first, (15, 0.032, 0.108)), (a100_all, (41, 0.048, 0.394)),
+                                   (h100_all, (40, 0.047, 0.358))):
         got = _stats(rows)
         assert got[0] == n and got[1] <= mean and got[2] <= worst, got
-    # Beyond the one outlier on each GPU, every held-out row is within 15%.
-    for rows in (a100, h100):
-        errs = sorted(_stats([r])[2] for r in rows)
-        assert errs[-2] <= 0.15, errs[-3:]
+    # Exactly one row per GPU is excluded, the same configuration on both, with its reason.
+    excluded = [r for r in a100_all + h100_all if r.excluded]
+    assert [(r.gpu, r.name) for r in excluded] == [("a100-80gb", "MPT-30b seq 8192, full AC"),
+                                                   ("h100", "MPT-30b seq 8192, full AC")]
+    assert all("allocator" in r.excluded for r in excluded)
+
+
+def test_megatron_h100_rows_tensor_and_pipeline_parallel_out_of_sample() -> None:
+    """Megatron-LM's README table on H100 (tp 1-8, pp 1-16, 48-6,144 GPUs), nothing fitted on it: mean 16.1%,
+    max 41.1% (9 rows), all predicted slow where tensor parallelism is wide and pipelines short (the planner
+    exposes TP collectives that Megatron overlaps; RESULTS.md). The shapes are the table's models, and every
+    predicted plan keeps the published tp/pp/dp and fits in 80 GB."""
+    from xirang_hpc.planner.published import MEGATRON_H100, _problem, hardware_for, plan_for, relative_errors
+
+    sizes = [1.7, 7.1, 16, 32, 70, 119, 177, 314, 462]
+    for r, billions in zip(MEGATRON_H100, sizes, strict=True):
+        assert total_params(r.shape) / 1e9 == pytest.approx(billions, rel=0.03), r.name  # the table rounds
+        plan = plan_for(r)
+        assert (plan.tp, plan.pp, plan.dp) == (r.tp, r.pp, r.gpus // (r.tp * r.pp)) and plan.zero == 1
+        assert estimate(_problem(r, hardware_for(r)), plan).fits
+    n, mean, worst = _stats(MEGATRON_H100)
+    assert n == 9 and mean <= 0.162 and worst <= 0.412, (mean, worst)
+    assert all(e < 0 for e in relative_errors(MEGATRON_H100))
 
 
 def test_the_stored_fsdp_constants_are_what_the_fit_rows_give() -> None:
