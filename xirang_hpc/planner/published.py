@@ -199,9 +199,10 @@ def _role(seq: int) -> str:
 # tokens per gather produces that. What differs is memory: the planner puts it at 71.4 GiB of 80, the
 # highest of the 30b rows (activations double at micro-batch 1). Near capacity PyTorch's caching allocator
 # frees its cache and retries cudaMalloc, which stalls the stream and is worse under FSDP's alloc/free
-# pattern (pytorch/pytorch#65078; #104509: a 7B FSDP run 38% slower with 46 cudaMalloc retries, 0 for a
-# model of the same size). Neither table reports memory or retries, and no fit row shows the effect, so it
-# cannot be fitted: the row is excluded from the held-out mean/max and reported beside them.
+# pattern (github.com/pytorch/pytorch/issues/65078; .../104509: a 7B FSDP run 38% slower, 46 cudaMalloc
+# retries vs 0 for a model of the same size). Neither table reports memory or retries, and no fit row
+# shows the effect, so it cannot be fitted: the row is excluded from the held-out mean/max and reported
+# beside them.
 _EXCLUDED = {("30b", 8192, 8): "allocator pressure near capacity (see published.py); not modelled"}
 
 
