@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import shutil
 import threading
 import time
@@ -100,7 +101,11 @@ class CheckpointManager:
         # Steps the last load() skipped as unusable, (step, reason), also when nothing was loadable.
         self.last_skipped: list[tuple[int, str]] = []
         self._snap = HostSnapshot()
+        # One persistent background thread: starting a thread per save made the caller wait for its
+        # start-up handshake, and then for the GIL the new thread took (up to 10 ms on the tiny model).
         self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[tuple[tuple[Any, ...], threading.Event]] = queue.SimpleQueue()
+        self._done: threading.Event | None = None
         self._error: BaseException | None = None
         self._dedup_index: dict[str, tuple[str, str]] | None = None
         if rank == 0:
@@ -141,32 +146,37 @@ class CheckpointManager:
 
     def save(self, step: int, tensors: dict[str, Any], state: dict[str, Any] | None = None,
              rank_state: dict[str, Any] | None = None, info: dict[str, Any] | None = None,
-             block: bool | None = None, to_disk: bool = True, to_memory: bool = False) -> SaveRecord:
+             block: bool | None = None, to_disk: bool = True, to_memory: bool = False,
+             static: bool = False) -> SaveRecord:
         """Checkpoint ``tensors`` (a DCP state dict) at ``step``; returns once the snapshot is taken.
 
         ``state``: JSON for ``state.json`` (rank 0's copy is written); ``rank_state``: this rank's
         JSON (RNG); ``info``: layout facts for the manifest. Waits for the previous save first.
         ``to_memory`` also keeps it in node-local memory with a replica on another node (needs
-        ``memory``); ``to_disk=False`` keeps it only there.
+        ``memory``); ``to_disk=False`` keeps it only there. ``static``: ``tensors`` is the previous save's
+        object with the same tensors (see :meth:`HostSnapshot.snapshot`).
         """
         self.wait()
         t0 = now()
-        snap = self._snap.snapshot(tensors)
+        snap = self._snap.snapshot(tensors, static=static)
         rec = SaveRecord(step=step, stall_s=now() - t0)
         self.history.append(rec)
         args = (rec, snap, state or {}, rank_state or {}, info or {}, to_disk, to_memory and self.memory is not None)
         if (self.async_save if block is None else not block):
-            self._thread = threading.Thread(target=self._persist_guarded, args=args, name=f"ckpt-{step}", daemon=True)
-            self._thread.start()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._worker, name="ckpt-persist", daemon=True)
+                self._thread.start()
+            self._done = threading.Event()
+            self._jobs.put((args, self._done))
         else:
             self._persist_both(*args)
         return rec
 
     def wait(self) -> None:
         """Block until the background save (if any) has committed; re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._done is not None:
+            self._done.wait()
+            self._done = None
         if self._error is not None:
             err, self._error = self._error, None
             if isinstance(err, CheckpointWriteError):
@@ -187,6 +197,15 @@ class CheckpointManager:
                     self.on_memory(rec.memory)
         if to_disk:
             self._persist(rec, snap, state, rank_state, info)
+
+    def _worker(self) -> None:
+        """The background thread: persist each submitted save in order."""
+        while True:
+            args, done = self._jobs.get()
+            try:
+                self._persist_guarded(*args)
+            finally:
+                done.set()
 
     def _persist_guarded(self, *args: Any) -> None:
         try:

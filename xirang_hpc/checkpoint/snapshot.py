@@ -29,6 +29,9 @@ class HostSnapshot:
     def __init__(self, pin_memory: bool = False) -> None:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._buffers: dict[str, torch.Tensor] = {}
+        # The copy plan of the last snapshot: (its source object, [(buffer, source tensor)], the copy it returned).
+        self._plan: tuple[Any, list[tuple[torch.Tensor, torch.Tensor]], Any] | None = None
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _host_copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -38,6 +41,8 @@ class HostSnapshot:
             self._buffers[key] = buf
         buf.copy_(t, non_blocking=self.pin_memory)
         liveness.tick("checkpoint snapshot")
+        if self._pairs is not None:
+            self._pairs.append((buf, t))
         return buf
 
     def copy(self, obj: Any, key: str = "") -> Any:
@@ -54,9 +59,25 @@ class HostSnapshot:
             return type(obj)(self.copy(v, f"{key}.{i}") for i, v in enumerate(obj))
         return obj
 
-    def snapshot(self, obj: Any) -> Any:
-        """Copy and wait for any device-to-host transfer to land."""
-        out = self.copy(obj)
+    def snapshot(self, obj: Any, static: bool = False) -> Any:
+        """Copy and wait for any device-to-host transfer to land.
+
+        ``static``: ``obj`` is the object of the previous call, holding the same tensors (the caller
+        guarantees it, e.g. a state dict it caches while every tensor is updated in place); the copy
+        then replays the recorded plan -- a ``copy_`` per tensor, nothing else, as a plain host copy.
+        """
+        if static and self._plan is not None and self._plan[0] is obj:
+            for buf, t in self._plan[1]:
+                buf.copy_(t, non_blocking=self.pin_memory)
+                liveness.tick("checkpoint snapshot")
+            out = self._plan[2]
+        else:
+            self._pairs = []
+            try:
+                out = self.copy(obj)
+                self._plan = (obj, self._pairs, out)
+            finally:
+                self._pairs = None
         if self.pin_memory:
             torch.cuda.synchronize()
         return out

@@ -50,6 +50,7 @@ class CheckpointHook(TrainerHook):
         self.memory: MemoryStore | None = None
         self.last_saved = -1
         self.last_mem = -1
+        self._sd_cache = ckpt_state.TensorStateCache()
         self.tuner: IntervalTuner | None = None
         self._last_step_t: float | None = None
         self._step_times: list[float] = []
@@ -184,15 +185,20 @@ class CheckpointHook(TrainerHook):
     def _save(self, trainer: Any, block: bool, to_disk: bool = True, to_memory: bool = False) -> int:
         assert self.mgr is not None
         step = trainer.state.step
-        tensors, groups = ckpt_state.tensor_state(trainer.model, trainer.opt)
+        extra = getattr(trainer, "extra_state", {})
+        if extra:  # per-rank extra tensors are fresh objects at every save: nothing to cache
+            tensors, groups = ckpt_state.tensor_state(trainer.model, trainer.opt)
+            static = False
+        else:
+            tensors, groups, static = self._sd_cache.get(trainer.model, trainer.opt)
         state = ckpt_state.run_state_json(trainer, lr_at(max(step - 1, 0), self.cfg.train))
         state["param_groups"] = groups
-        extra_tensors, extra_json = ckpt_extra.save_parts(getattr(trainer, "extra_state", {}), self.topo.rank)
+        extra_tensors, extra_json = ckpt_extra.save_parts(extra, self.topo.rank)
         tensors.update(extra_tensors)
         rank_state = {**ckpt_state.rank_state_json(trainer), **({"extra": extra_json} if extra_json else {})}
         self.mgr.save(step, tensors, state=state, rank_state=rank_state,
                       info={"layout": ckpt_state.layout_json(trainer)}, block=block, to_disk=to_disk,
-                      to_memory=to_memory)
+                      to_memory=to_memory, static=static)
         if to_disk:
             self.last_saved = step
         if to_memory:
