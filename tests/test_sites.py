@@ -439,3 +439,45 @@ def test_auto_migration_can_be_switched_off(tmp_path):
     fake = PreemptedSlurm({"alpha": ALPHA_IDLE, "beta": BETA_IDLE}, squeue={"alpha": PREEMPTOR})
     assert sites.migrate_at_preemption(run, "41", "alpha", ["sa1"], run=fake, now=lambda: NOW) is None
     assert fake.calls == []
+
+
+def test_stop_handler_hands_a_preemption_over_to_the_supervisor_on_several_sites(tmp_path):
+    # The ranks only save and leave: the requeue-or-move decision belongs to the batch script's supervisor.
+    import types
+
+    from xirang_hpc.monitor.events import EventLog
+    from xirang_hpc.runtime.signals import EXIT_REQUEUED, StopSignalHook
+    from xirang_hpc.runtime.topology import Topology
+
+    def hook_for(cfg, codes):
+        topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
+                        node_name="sa1", master_addr="127.0.0.1", master_port=20001, job_id="41", source="slurm")
+        return StopSignalHook(cfg, topo, tmp_path, events=EventLog(tmp_path), env={"SLURM_JOB_ID": "41"},
+                              exit_fn=codes.append, save_fn=lambda t: 5,
+                              job_info=lambda j: {"PreemptTime": "2026-11-30T18:10:00", "JobState": "RUNNING"},
+                              requeue_fn=requeued.append, start_now_fn=lambda *a: None)
+
+    requeued: list[str] = []
+    codes: list[int] = []
+    trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=5), stop_requested=False)
+    hook_for(_cfg(), codes).stop(trainer, "SIGUSR2")
+    assert codes == [EXIT_REQUEUED] and requeued == []
+    kinds = [(e["kind"], e["reason"]) for e in read_events(tmp_path)]
+    assert ("handover", "preemption") in kinds and not any(k == "exit" for k, _ in kinds)
+    # Auto-migration off: the handler requeues itself as on one cluster.
+    hook_for(_cfg("cluster.site_auto_migrate=false"), codes).stop(trainer, "SIGUSR2")
+    assert requeued == ["41"]
+
+
+def test_supervisor_ignores_the_old_sites_events_after_a_move(tmp_path):
+    # A moved run carries alpha's events; beta's job numbers its restarts from 0 again.
+    from xirang_hpc.launch.supervise import already_handled, handed_over
+    from xirang_hpc.monitor.events import append_event
+
+    append_event(tmp_path, "handover", "preemption", restart=0)
+    append_event(tmp_path, "exit", "requeued", final=False, restart=0)
+    assert already_handled(tmp_path, 0) and handed_over(tmp_path, 0)
+    append_event(tmp_path, "migrate", "earliest start", to="beta")
+    assert not already_handled(tmp_path, 0) and not handed_over(tmp_path, 0)
+    append_event(tmp_path, "exit", "completed", final=True, restart=0)
+    assert already_handled(tmp_path, 0)
