@@ -481,3 +481,29 @@ def test_supervisor_ignores_the_old_sites_events_after_a_move(tmp_path):
     assert not already_handled(tmp_path, 0) and not handed_over(tmp_path, 0)
     append_event(tmp_path, "exit", "completed", final=True, restart=0)
     assert already_handled(tmp_path, 0)
+
+
+def test_status_asks_the_runs_site_for_its_job(tmp_path, monkeypatch, capsys):
+    # Job 7 runs on beta; the default cluster (alpha) does not know it. xirang-status must ask beta (-M).
+    from xirang_hpc.launch import status_cli
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for cmd, answer in (("squeue", "RUNNING|None"), ("scontrol", "JobId=7 JobState=RUNNING Restarts=0"),
+                        ("sacct", "")):
+        (bin_dir / cmd).write_text(f"""#!/bin/sh
+if [ "$1" = "-M" ] && [ "$2" = "beta" ]; then echo "{answer}"; exit 0; fi
+echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1
+""")
+        (bin_dir / cmd).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    run, _ = _placed_run(tmp_path)
+    sites.migrate(run, run=FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE}), submit=lambda *a: "7",
+                  out=lambda s: None, now=lambda: NOW)
+    moved = tmp_path / "beta" / "r-1"
+    hb = moved / "heartbeats"
+    hb.mkdir(exist_ok=True)
+    (hb / "session.json").write_text(json.dumps({"session": "s1", "source": "slurm", "job_id": "7", "started": NOW}))
+    status_cli.main([str(moved), "--json"])
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["state"] == "RUNNING" and snap["site"] == "beta", snap

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -60,21 +59,22 @@ def resolve(target: str, runs_root: Path) -> tuple[list[Path], bool]:
 
 def _site_status(run: Path) -> dict[str, Any]:
     """A run placed on several sites (launch/sites.py): its site, its history across sites, where it moved;
-    Slurm is asked on that site (SLURM_CLUSTERS is what ``-M`` sets)."""
+    Slurm is asked on that site (``-M <site>`` on squeue, sacct and scontrol: job ids are per cluster)."""
     from xirang_hpc.launch.sites import read_site_state
+    from xirang_hpc.monitor.jobstate import run_cmd
+    from xirang_hpc.monitor.slurmdb import Result, on_cluster
 
     st = read_site_state(run)
     if st is None:
         return run_status(run)
-    old = os.environ.get("SLURM_CLUSTERS")
-    os.environ["SLURM_CLUSTERS"] = st["site"]
-    try:
-        row = run_status(run)
-    finally:
-        if old is None:
-            os.environ.pop("SLURM_CLUSTERS", None)
-        else:
-            os.environ["SLURM_CLUSTERS"] = old
+    aimed = on_cluster(lambda argv: Result(0, out, "") if (out := run_cmd(argv)) is not None else Result(1, "", ""),
+                       st["site"])
+
+    def on_site(argv: list[str]) -> str | None:
+        r = aimed(argv)
+        return r.out if r.rc == 0 else None
+
+    row = run_status(run, run=on_site)
     row["site"] = st["site"]
     row["site_history"] = [{"site": h["site"], "job": h["job"], "time": h["time"]} for h in st.get("history", [])]
     if st.get("run_dir") and Path(st["run_dir"]) != run.absolute():
