@@ -507,3 +507,26 @@ echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1
     status_cli.main([str(moved), "--json"])
     snap = json.loads(capsys.readouterr().out)
     assert snap["state"] == "RUNNING" and snap["site"] == "beta", snap
+
+
+def test_the_moving_job_is_made_non_requeueable_only_after_the_copy_and_again_requeueable_if_the_move_fails(
+        tmp_path, monkeypatch):
+    from xirang_hpc.launch import supervise
+    from xirang_hpc.runtime import slurmctl
+
+    run, _ = _placed_run(tmp_path)
+    order: list[str] = []
+    monkeypatch.setattr(slurmctl, "run_scontrol", lambda args, **kw: order.append(" ".join(args)) or "")
+
+    def move(run_dir, job_id, current, nodes, before_submit=None, **kw):
+        order.append("copy")
+        before_submit()
+        order.append("submit")
+        raise RuntimeError("sbatch: error: Batch job submission failed: Socket timed out")
+
+    monkeypatch.setattr(sites, "migrate_at_preemption", move)
+    env = {"SLURM_CLUSTER_NAME": "alpha", "SLURM_JOB_NODELIST": ""}
+    assert supervise.try_migrate(run, "41", env) is None  # the caller requeues it on alpha
+    assert order == ["copy", "update jobid=41 Requeue=0", "submit", "update jobid=41 Requeue=1"]
+    failed = [e for e in read_events(run) if e["kind"] == "migrate_failed"]
+    assert failed and "Socket timed out" in failed[0]["error"]

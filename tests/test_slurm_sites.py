@@ -72,7 +72,11 @@ def test_site_a_full_the_job_runs_on_b(two_sites, stdlib_data, tmp_path):
         again = subprocess.run(TRAIN + _args(stdlib_data, tmp_path, 20), capture_output=True, text=True, timeout=300)
         assert again.returncode != 0 and f"already has job {job} on cluster beta" in again.stderr, \
             again.stdout + again.stderr
-        # One view of both sites: alpha full (the filler on both nodes), the run's job on beta.
+        # One view of both sites: alpha full (the filler on both nodes), a job of ours on beta (a plain one: the
+        # short training run may be over by now).
+        marker = subprocess.run(["sbatch", "--parsable", "-M", "beta", "-p", "low", "-N1", "-t", "5", "-o", "/dev/null",
+                                 "--wrap", "sleep 300"], capture_output=True, text=True, check=True
+                                ).stdout.strip().split(";")[0]
         q = subprocess.run([*TRAIN[:2], "from xirang_hpc.launch.status_cli import main; raise SystemExit(main())",
                             "--queue", "--sites", "all", "--json"], capture_output=True, text=True, timeout=300)
         assert q.returncode == 0, q.stdout + q.stderr
@@ -80,8 +84,9 @@ def test_site_a_full_the_job_runs_on_b(two_sites, stdlib_data, tmp_path):
         rows = {r["site"]: r for r in view["summary"]}
         assert {"alpha", "beta"} <= set(rows), rows
         assert rows["alpha"]["busy"] == 2 and rows["alpha"]["running"] >= 1, rows["alpha"]
-        beta_jobs = {j["job_id"] for s in view["sites"] if s["cluster"] == "beta" for j in s["jobs"]}
-        assert job in beta_jobs and rows["beta"]["nodes"] == 2, view
+        subprocess.run(["scancel", "-M", "beta", marker], check=False)
+        jobs_on = {s["cluster"]: {j["job_id"] for j in s["jobs"]} for s in view["sites"]}
+        assert marker in jobs_on["beta"] and filler in jobs_on["alpha"] and rows["beta"]["nodes"] == 2, view
         assert [q["account"] for q in rows["beta"]["quotas"]] == ["proja", "projb"], rows["beta"]
         placed = _ev(run, "placement")[0]
         est = {e["site"]: e for e in placed["estimates"]}

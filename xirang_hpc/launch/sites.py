@@ -610,7 +610,8 @@ def _clean_job_env() -> Iterator[None]:
 
 def migrate_at_preemption(run_dir: Path, job_id: str, current: str, nodes: Sequence[str],
                           run: Caller | None = None, submit: Callable[..., Any] | None = None,
-                          now: Callable[[], float] = time.time) -> dict[str, Any] | None:
+                          now: Callable[[], float] = time.time,
+                          before_submit: Callable[[], Any] | None = None) -> dict[str, Any] | None:
     """The job's own move at a preemption (called by the batch script's supervisor, launch/supervise.py).
 
     Places the run again with ``current`` as its site. ``current``'s expected start is the later of
@@ -622,6 +623,8 @@ def migrate_at_preemption(run_dir: Path, job_id: str, current: str, nodes: Seque
     to ``events.jsonl`` (kinds ``placement``/``migrate``, or ``migrate_check`` when the run stays).
     Returns the move's facts, or None when the run stays (the caller requeues it here as usual).
     Raises :class:`CopyError`/:class:`ConfigError` when the move failed before anything was submitted.
+    ``before_submit`` runs after the verified copy, right before the submission (the supervisor makes its
+    own job non-requeueable there, so Slurm's preemption cannot requeue it beside the moved run).
     """
     state, cfg = _load_state(run_dir)
     if not cfg.cluster.site_auto_migrate:
@@ -643,7 +646,8 @@ def migrate_at_preemption(run_dir: Path, job_id: str, current: str, nodes: Seque
         return None
     with _clean_job_env():
         return _move(run_dir, state, cfg, p, current, submit or _default_submit, handover=(job_id, current),
-                     trigger="preemption", preempted_by=preemptors, old_job=job_id, site_migrate_wait_s=limit)
+                     before_submit=before_submit, trigger="preemption", preempted_by=preemptors, old_job=job_id,
+                     site_migrate_wait_s=limit)
 
 
 def main(argv: list[str] | None = None) -> int:

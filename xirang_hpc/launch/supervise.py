@@ -14,6 +14,7 @@ cancels itself instead of being requeued.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -70,10 +71,22 @@ def try_migrate(run_dir: Path, job_id: str, env: dict[str, str]) -> dict | None:
     if sites.read_site_state(run_dir) is None:
         return None
     current = env.get("SLURM_CLUSTER_NAME") or sites.read_site_state(run_dir)["site"]
+    pinned: list[bool] = []
+
+    def no_requeue() -> None:
+        # From here on this job must not come back on `current` beside the moved run: Slurm's preemption
+        # (PreemptMode=REQUEUE) requeues a job that is still running at the end of the grace time, but only a
+        # requeueable one; a job with Requeue=0 ends PREEMPTED instead (checked on the testbed, Slurm 22.05).
+        slurmctl.run_scontrol(["update", f"jobid={job_id}", "Requeue=0"])
+        pinned.append(True)
+
     try:
         nodes = hostnames(env.get("SLURM_JOB_NODELIST", ""))
-        return sites.migrate_at_preemption(run_dir, job_id, current, nodes)
+        return sites.migrate_at_preemption(run_dir, job_id, current, nodes, before_submit=no_requeue)
     except (ConfigError, sites.CopyError, slurmctl.SlurmCommandError, OSError, RuntimeError) as exc:
+        if pinned:  # the move failed after all: requeueable again, for the requeue that follows
+            with contextlib.suppress(slurmctl.SlurmCommandError):
+                slurmctl.run_scontrol(["update", f"jobid={job_id}", "Requeue=1"])
         append_event(run_dir, "migrate_failed", type(exc).__name__, error=str(exc), job=job_id, site=current)
         print(f"xirang: moving the run to another site failed, requeued here: {exc}", file=sys.stderr, flush=True)
         return None
