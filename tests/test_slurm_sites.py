@@ -109,6 +109,9 @@ def test_run_preempted_on_a_migrates_to_b_and_finishes_bitwise_identical(two_sit
     job, site, run = _submit(args)
     assert site == "alpha"  # both idle: the first site
     _wait(lambda: _ev(run, "first_step", 0), 600, "the run to train on alpha")
+    # The move must fit the preemption's grace time plus KillWait; the testbed's 20 s grace is short for a
+    # heavily loaded 2-core box (a site would give 60 s or more), so alpha's `low` gets 60 s here.
+    subprocess.run(["scontrol", "-M", "alpha", "update", "PartitionName=low", "GraceTime=60"], check=True)
     filler = _fill("alpha")  # preempts the run; its requeue would wait 30 minutes behind the filler
     moved = tmp_path / "beta" / run.name
     try:
@@ -133,6 +136,8 @@ def test_run_preempted_on_a_migrates_to_b_and_finishes_bitwise_identical(two_sit
         assert not left.strip(), left
     finally:
         subprocess.run(["scancel", "-M", "alpha", filler], check=False)
+        grace = os.environ.get("XIRANG_SLURM_GRACE", "20")
+        subprocess.run(["scontrol", "-M", "alpha", "update", "PartitionName=low", f"GraceTime={grace}"], check=False)
     ref_out = ref_proc.communicate(timeout=600)[0]
     assert ref_proc.returncode == 0, ref_out
     ref = Path(re.search(r"run dir (\S+)", ref_out).group(1))

@@ -39,9 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from xirang_hpc.checkpoint import layout
 from xirang_hpc.checkpoint.naming import committed_steps, step_dir_name
-from xirang_hpc.checkpoint.storage import CheckpointCorruptError
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, SiteConfig, XirangConfig
 from xirang_hpc.config.validate import scheduling_class
@@ -58,6 +56,20 @@ CKPT_DIR = "checkpoints"
 # Never copied with a run's records: its per-site Slurm state (job ownership, submitit folders, logs).
 # The per-restart rank markers (ranks/) belong to the old site's job ids and restart counts.
 _NOT_RECORDS = {CKPT_DIR, "submitit", "slurm", "job.json", ".submit.lock", "ranks", "slurm_job.json"}
+
+
+def _layout() -> Any:
+    """``checkpoint.layout``, imported when a copy needs it: it pulls in torch, which takes seconds (more
+    on a loaded node), and the decision at a preemption runs inside the grace time without it."""
+    from xirang_hpc.checkpoint import layout
+
+    return layout
+
+
+def _corrupt() -> type[Exception]:
+    from xirang_hpc.checkpoint.storage import CheckpointCorruptError
+
+    return CheckpointCorruptError
 
 
 class NoSiteAvailable(ConfigError):
@@ -352,9 +364,9 @@ def newest_good_step(ckpt_root: Path) -> int | None:
     """The newest committed step whose files (and referenced steps) match their manifest checksums."""
     for step in sorted(committed_steps(ckpt_root), reverse=True):
         try:
-            layout.verify(ckpt_root / step_dir_name(step))
+            _layout().verify(ckpt_root / step_dir_name(step))
             return step
-        except CheckpointCorruptError:
+        except _corrupt():
             continue
     return None
 
@@ -366,7 +378,7 @@ def _steps_needed(ckpt_root: Path, step: int) -> list[str]:
     def visit(name: str) -> None:
         if name in order:
             return
-        for ref in layout.read_manifest(ckpt_root / name).get("refs", []):
+        for ref in _layout().read_manifest(ckpt_root / name).get("refs", []):
             visit(Path(ref).name)
         order.append(name)
 
@@ -382,31 +394,31 @@ def _copy_step(src: Path, dst_root: Path, copier: Copier) -> tuple[int, int]:
     final = dst_root / src.name
     if final.is_dir():
         try:
-            layout.verify(final)
+            _layout().verify(final)
             return 0, 0  # already there and good (an earlier copy of a referenced step)
-        except CheckpointCorruptError:
+        except _corrupt():
             pass
     tmp = dst_root / f"{src.name}.tmp-copy-{os.getpid()}-{time.time_ns()}"
     tmp.mkdir(mode=0o700)
     nbytes = nfiles = 0
     try:
-        manifest = layout.read_manifest(src)
+        manifest = _layout().read_manifest(src)
         # The manifest last: a temporary without it is visibly unfinished.
-        names = sorted(manifest["files"]) + [layout.MANIFEST]
+        names = sorted(manifest["files"]) + [_layout().MANIFEST]
         for name in names:
             copier(src / name, tmp / name)
             nbytes += (tmp / name).stat().st_size
             nfiles += 1
-        layout.verify(tmp)
-    except (OSError, CheckpointCorruptError) as exc:
+        _layout().verify(tmp)
+    except (OSError, _corrupt()) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CopyError(f"copy of {src} to {dst_root} failed verification or I/O ({exc}); nothing was used, "
                         "the run stays where it was") from exc
-    layout.fsync_path(tmp)
+    _layout().fsync_path(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    layout.fsync_path(dst_root)
+    _layout().fsync_path(dst_root)
     return nbytes, nfiles
 
 
@@ -436,16 +448,16 @@ def copy_run(src_run: Path, dst_run: Path, copier: Copier = shutil.copyfile,
     t0 = clock()
     src_ckpt, dst_ckpt = src_run / CKPT_DIR, dst_run / CKPT_DIR
     step = newest_good_step(src_ckpt)
-    layout.make_dir(dst_run, 0o700)
+    _layout().make_dir(dst_run, 0o700)
     nbytes = nfiles = 0
     if step is not None:
-        layout.make_dir(dst_ckpt, 0o700)
-        layout.cleanup_leftovers(dst_ckpt)
+        _layout().make_dir(dst_ckpt, 0o700)
+        _layout().cleanup_leftovers(dst_ckpt)
         for name in _steps_needed(src_ckpt, step):
             b, f = _copy_step(src_ckpt / name, dst_ckpt, copier)
             nbytes, nfiles = nbytes + b, nfiles + f
-        layout.verify(dst_ckpt / step_dir_name(step))
-        layout.write_latest(dst_ckpt, step)
+        _layout().verify(dst_ckpt / step_dir_name(step))
+        _layout().write_latest(dst_ckpt, step)
     _copy_records(src_run, dst_run)
     res = CopyResult(step, nbytes, nfiles, clock() - t0, str(dst_run))
     for run_dir in (src_run, dst_run):

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from xirang_hpc.config.schema import RequeueConfig
@@ -70,6 +72,9 @@ def try_migrate(run_dir: Path, job_id: str, env: dict[str, str]) -> dict | None:
 
     if sites.read_site_state(run_dir) is None:
         return None
+    # The copy and the submission need torch (checkpoint checksums, the job function): import it in the
+    # background while the placement waits on Slurm, so the move fits the preemption's grace time.
+    threading.Thread(target=importlib.import_module, args=("xirang_hpc.job.training",), daemon=True).start()
     current = env.get("SLURM_CLUSTER_NAME") or sites.read_site_state(run_dir)["site"]
     pinned: list[bool] = []
 
