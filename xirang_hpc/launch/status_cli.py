@@ -21,6 +21,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,24 @@ def main(argv: list[str] | None = None) -> int:
             return 0
 
 
+def _show_and_wait(a: argparse.Namespace, tty: bool, view: dict, render: Callable[[dict], str]) -> bool:
+    """Print one queue view (JSON or text; under --watch on a terminal, over the last one) and, under --watch,
+    wait --interval seconds. False when there is no next view (no --watch, or Ctrl-C)."""
+    if a.json:
+        print(json.dumps(view, default=str), flush=True)
+    else:
+        if a.watch and tty:
+            print("\033[2J\033[H", end="")
+        print(render(view), flush=True)
+    if not a.watch:
+        return False
+    try:
+        time.sleep(a.interval)
+    except KeyboardInterrupt:
+        return False
+    return True
+
+
 def _queue(a: argparse.Namespace) -> int:
     """``xirang-status --queue``: the cluster-wide view (plain, --json, --watch, --plot)."""
     from xirang_hpc.launch.quota_check import current_user
@@ -191,17 +210,7 @@ def _queue(a: argparse.Namespace) -> int:
                   f"wrote {info['path']} ({info['points']} points, {100 * (info['fraction'] or 0):.1f}% over the "
                   "last hour)")
             return 0
-        if a.json:
-            print(json.dumps(snap, default=str), flush=True)
-        else:
-            if a.watch and tty:
-                print("\033[2J\033[H", end="")
-            print(render_queue(snap), flush=True)
-        if not a.watch:
-            return 0
-        try:
-            time.sleep(a.interval)
-        except KeyboardInterrupt:
+        if not _show_and_wait(a, tty, snap, render_queue):
             return 0
 
 
@@ -228,17 +237,7 @@ def _queue_sites(a: argparse.Namespace, tty: bool) -> int:
             print("xirang-status: error: no site answers: " + "; ".join(
                 f"{r['site']}: {'; '.join(r['errors'])}" for r in multi["summary"]), file=sys.stderr)
             return 2
-        if a.json:
-            print(json.dumps(multi, default=str), flush=True)
-        else:
-            if a.watch and tty:
-                print("\033[2J\033[H", end="")
-            print(render_sites(multi), flush=True)
-        if not a.watch:
-            return 0
-        try:
-            time.sleep(a.interval)
-        except KeyboardInterrupt:
+        if not _show_and_wait(a, tty, multi, render_sites):
             return 0
 
 
