@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
+from xirang_hpc.checkpoint.collectives import GroupCollectives
 from xirang_hpc.checkpoint.errors import CheckpointWriteError, write_error
 from xirang_hpc.checkpoint.memory import MemoryRecord, MemoryStore, Prepared
 from xirang_hpc.checkpoint.retention import RetentionPolicy, prune
@@ -78,7 +79,7 @@ def _explain(exc: BaseException) -> str:
     return str(exc)
 
 
-class CheckpointManager:
+class CheckpointManager(GroupCollectives):
     """Saves and loads checkpoints under ``root`` (``<run>/checkpoints``) for one rank of a group."""
 
     def __init__(self, root: Path, *, rank: int = 0, world_size: int = 1, group: Any = None,
@@ -113,9 +114,6 @@ class CheckpointManager:
         self._barrier()
 
     # ---- collectives on our own group ---------------------------------------------------
-    def _distributed(self) -> bool:
-        return self.world_size > 1 and dist.is_initialized()
-
     def _bcast(self, obj: Any) -> Any:
         if not self._distributed():
             return obj
@@ -123,17 +121,6 @@ class CheckpointManager:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
                                    group=self.group)
         return box[0]
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if not self._distributed():
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def _barrier(self) -> None:
-        if self._distributed():
-            dist.barrier(group=self.group)
 
     # ---- save ---------------------------------------------------------------------------
     def cleanup_leftovers(self) -> list[Path]:

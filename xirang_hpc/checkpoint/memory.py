@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 
+from xirang_hpc.checkpoint.collectives import GroupCollectives
 from xirang_hpc.checkpoint.storage import METADATA_FILE, HDF5StorageWriter, checksum_file
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class Prepared:
     world_size: int
 
 
-class MemoryStore:
+class MemoryStore(GroupCollectives):
     """This rank's side of the in-memory checkpoint (see the module docstring)."""
 
     def __init__(self, root: Path, *, node: str, rank: int = 0, world_size: int = 1, group: Any = None,
@@ -191,20 +192,6 @@ class MemoryStore:
         self.partners = replica_partners(self.nodes)
 
     # ---- collectives on the checkpoint group --------------------------------------------
-    def _distributed(self) -> bool:
-        return self.world_size > 1 and dist.is_initialized()
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if not self._distributed():
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def _barrier(self) -> None:
-        if self._distributed():
-            dist.barrier(group=self.group)
-
     def _global(self, r: int) -> int:
         return dist.get_global_rank(self.group, r) if self.group is not None else r
 
