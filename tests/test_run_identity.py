@@ -108,7 +108,7 @@ def test_extend_to_resumes_and_reports_this_session(trained: tuple[Path, Path]) 
     run, data = trained
     r = _train(run, data, "train.extend_to=6")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "resumed from" in r.stdout and "(step 4)" in r.stdout
+    assert "checkpoint: resumed from" in r.stdout and "step_4 (step 4, filesystem)" in r.stdout
     assert "done: 2 steps this session (steps 4 -> 6 of 6)" in r.stdout
     assert "step_6" in {p.name for p in (run / "checkpoints").glob("step_*")}
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
