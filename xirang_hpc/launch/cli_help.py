@@ -245,7 +245,7 @@ def _examples(h: CommandHelp) -> list[str]:
 
 
 def _groups_text() -> list[str]:
-    lines = [_wrap("Config groups (xirang_hpc/conf/, typed by xirang_hpc/config/schema.py; choose one with "
+    lines = [_wrap("Config groups (xirang_hpc/conf/, typed by xirang_hpc/config/schema/; choose one with "
                    "GROUP=OPTION, set a field with GROUP.FIELD=VALUE; --cfg job shows every field):")]
     for group, options, default in config_groups():
         opts = ", ".join(f"{o} (default)" if o == default else o for o in options)

@@ -1,0 +1,49 @@
+"""The data group: the corpus, its tokenizer and where the prepared tokens live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema._checks import check_finite, check_positive
+
+
+@dataclass
+class DataConfig:
+    """Token data. ``corpus=stdlib`` uses the running interpreter's standard-library sources.
+
+    ``corpus``: a directory or one file; text files, JSONL (``.jsonl``) and Parquet (``.parquet``) by
+    extension. ``tokenizer``: ``byte`` (vocab 256), ``bpe`` (a byte-level BPE of ``vocab_size`` tokens
+    trained on the corpus; 0 = ``model.vocab_size``), or a tokenizer.json path / HF model dir.
+    """
+
+    corpus: str = "stdlib"
+    out_dir: str = "data/stdlib-bytes"
+    tokenizer: str = "byte"
+    vocab_size: int = 0
+    # JSONL key / Parquet column holding the text.
+    text_field: str = "text"
+    # A JSONL line that is not JSON, or a record without text: fail (naming file:line) | skip (counted).
+    on_bad_record: str = "fail"
+    val_fraction: float = 0.01
+    shard_tokens: int = 16 * 1024 * 1024
+    split_seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_finite("data", self)
+        if not self.tokenizer:
+            raise ConfigError("data.tokenizer", self.tokenizer,
+                              "use byte, bpe, a tokenizer.json path or an HF model dir")
+        if self.vocab_size < 0:
+            raise ConfigError("data.vocab_size", self.vocab_size, "use 0 (= model.vocab_size) or a size >= 257")
+        if self.vocab_size and self.tokenizer != "bpe":  # byte is 256; a tokenizer.json brings its own size
+            raise ConfigError("data.vocab_size", self.vocab_size,
+                              f"only a trained tokenizer (data.tokenizer=bpe) takes a vocabulary size, not "
+                              f"data.tokenizer={self.tokenizer}; leave data.vocab_size at 0")
+        if self.on_bad_record not in ("fail", "skip"):
+            raise ConfigError("data.on_bad_record", self.on_bad_record, "choose fail or skip")
+        if not self.text_field:
+            raise ConfigError("data.text_field", self.text_field, "name the JSONL field / Parquet column of the text")
+        if not 0 < self.val_fraction < 0.5:
+            raise ConfigError("data.val_fraction", self.val_fraction, "use a fraction in (0, 0.5)")
+        check_positive("data", "shard_tokens", self.shard_tokens)

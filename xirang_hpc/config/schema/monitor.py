@@ -1,0 +1,63 @@
+"""The monitor group: heartbeats, hang detection and the watchdog."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema._checks import check_finite, check_positive
+
+
+@dataclass
+class MonitorConfig:
+    """Heartbeats, watchdog thresholds and status reporting (see xirang_hpc/monitor)."""
+
+    enabled: bool = True
+    # Seconds between heartbeat writes (a background thread on every rank).
+    heartbeat_s: float = 1.0
+    # Hang: every rank has stopped moving (no new phase, no liveness tick) for its phase's bound; then
+    # stacks are dumped and the job aborted (see monitor/detect.py for the table of phase bounds).
+    # hang_s: the bound where nothing is measured yet: start-up, the first step (warm-up, compilation,
+    # the first batch's data preparation), the initial evaluation; and the cap of every other bound.
+    hang_s: float = 300.0
+    # Once step times are measured: max(hang_min_s, hang_k x the median step time) in a training step
+    # (data/forward/backward/optimizer/comm), and between the ticks of a checkpoint save (one per tensor
+    # written) or of an evaluation (one per batch). A hang is named in seconds; a save or an evaluation
+    # that keeps ticking is never one. hang_k=0 turns this off (hang_s everywhere).
+    hang_k: float = 20.0
+    hang_min_s: float = 10.0
+    # Heartbeat silence after which a rank's process counts as frozen or lost (its thread stopped too).
+    stale_s: float = 10.0
+    # Straggler: median local work time (data phase) over the window exceeds k x the ranks' median.
+    straggler_k: float = 2.0
+    straggler_min_s: float = 0.05
+    straggler_window: int = 5
+    abort_on_hang: bool = True
+    abort_on_dead: bool = True
+    # Signal that makes every rank dump its Python stacks (faulthandler). SIGUSR2/SIGTERM belong to requeue.
+    stack_signal: str = "SIGQUIT"
+    # Peak FLOP/s per device for MFU, in TFLOP/s; 0 = look up the GPU name via NVML, else MFU is n/a.
+    peak_tflops: float = 0.0
+    # Test-only: sleep this long in every step of this rank (simulates a straggler), on entering each of
+    # debug_slow_phases, in the steps debug_slow_steps (empty: every step; [0]: a slow first step).
+    debug_slow_rank: int = -1
+    debug_slow_s: float = 0.0
+    debug_slow_steps: list[int] = field(default_factory=list)
+    debug_slow_phases: list[str] = field(default_factory=lambda: ["data"])
+    # Test-only: every rank's checkpoint writer sleeps this long per tensor written (a slow filesystem).
+    debug_slow_save_s: float = 0.0
+    # Test-only: every rank sleeps this long per evaluation batch (a long evaluation).
+    debug_slow_eval_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_finite("monitor", self)
+        for name in ("heartbeat_s", "hang_s", "stale_s", "straggler_k", "straggler_window", "hang_min_s"):
+            check_positive("monitor", name, getattr(self, name))
+        if self.hang_k < 0:
+            raise ConfigError("monitor.hang_k", self.hang_k, "must be >= 0 (0 = use monitor.hang_s in every phase)")
+        if self.stale_s < 2 * self.heartbeat_s:
+            raise ConfigError("monitor.stale_s", self.stale_s,
+                              f"must be at least 2 x monitor.heartbeat_s={self.heartbeat_s}")
+        if self.stack_signal in ("SIGUSR2", "SIGTERM", "SIGKILL", "SIGSTOP", "SIGINT"):
+            raise ConfigError("monitor.stack_signal", self.stack_signal,
+                              "SIGUSR2/SIGTERM are the requeue signals; use SIGQUIT or SIGUSR1")

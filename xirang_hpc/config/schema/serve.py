@@ -1,0 +1,61 @@
+"""The eval and serve groups: evaluation and the inference server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema._checks import check_finite, check_positive
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation of a checkpoint (xirang_hpc/eval): loss, perplexity, a generation sample."""
+
+    batches: int = 16
+    batch_size: int = 8
+    seed: int = 0
+    step: int = -1  # checkpoint step to evaluate; -1 = the newest good one
+    sample_prompt: str = "def "
+    sample_tokens: int = 64
+    # Quality gate for xirang-pipeline: > 0 fails the eval stage (and stops the chain) above this loss.
+    max_val_loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_finite("eval", self)
+        for name in ("batches", "batch_size"):
+            check_positive("eval", name, getattr(self, name))
+        if self.sample_tokens < 0 or self.max_val_loss < 0:
+            raise ConfigError("eval.sample_tokens/max_val_loss", (self.sample_tokens, self.max_val_loss),
+                              "use 0 or more")
+
+
+@dataclass
+class ServeConfig:
+    """HTTP serving of a checkpoint (xirang_hpc/serve, xirang-serve)."""
+
+    host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 exposes the server to the network
+    port: int = 8000  # 0 = any free port (written to <run>/serve.json)
+    max_batch: int = 16  # requests decoded together in one generation loop
+    max_prompt_tokens: int = 0  # 0 = model.seq_len
+    max_new_tokens: int = 256
+    token_env: str = "XIRANG_SERVE_TOKEN"  # bearer token read from this env var; unset or empty = no auth
+    duration_s: float = 0.0  # 0 = serve until interrupted; > 0 = stop after this long (smoke runs, tests)
+    # A request whose headers or body have not fully arrived this many seconds after the connection
+    # opened (or after the previous response) is answered 408 / closed: half-sent requests cannot pin
+    # connections. Also the idle keep-alive time of a connection.
+    read_timeout_s: float = 30.0
+    model_name: str = ""  # the model id of the OpenAI-compatible API; "" = the run directory's name
+
+    def __post_init__(self) -> None:
+        check_finite("serve", self)
+        if not self.read_timeout_s > 0:
+            raise ConfigError("serve.read_timeout_s", self.read_timeout_s,
+                              "use a number of seconds > 0 (how long a request may take to arrive)")
+        if not 0 <= self.port < 65536:
+            raise ConfigError("serve.port", self.port, "use a TCP port in [0, 65535] (0 = any free port)")
+        for name in ("max_batch", "max_new_tokens"):
+            check_positive("serve", name, getattr(self, name))
+        if self.max_prompt_tokens < 0 or self.duration_s < 0:
+            raise ConfigError("serve.max_prompt_tokens/duration_s", (self.max_prompt_tokens, self.duration_s),
+                              "use 0 or more")

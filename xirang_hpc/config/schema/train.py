@@ -1,0 +1,85 @@
+"""The train group: steps, batch, learning rate, logging and the run directory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema._checks import check_finite, check_positive
+from xirang_hpc.config.schema.cluster import PRIORITIES
+
+# Experiment-tracking back ends for train.loggers (jsonl is always written).
+LOGGERS = ("jsonl", "tensorboard", "mlflow")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and loop settings. ``global_batch`` counts sequences per optimizer step."""
+
+    name: str = "default"
+    seed: int = 1234
+    max_steps: int = 200
+    global_batch: int = 32
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 0  # validation every N steps (rows in metrics.jsonl); 0: only at start and end
+    eval_batches: int = 8
+    log_every: int = 10
+    runs_root: str = "runs"
+    # Explicit run directory; empty = runs_root/<name>-<hash of the experiment config>.
+    run_dir: str = ""
+    # Block until the job ends; None: block for cluster.executor=local, return at once for slurm.
+    wait: bool | None = None
+    # Scheduling class: normal | high (the preset's high partition/QOS) | exploratory (its preemptible
+    # scavenger partition/QOS); see cluster.high_* and cluster.scavenger_*.
+    priority: str = "normal"
+    # A launch whose run directory already has a live Slurm job queues behind it (--dependency=afterany)
+    # instead of being refused.
+    after_active: bool = False
+    # Resume from a specific step (forks a new run from it; see checkpoint rollback); -1 = latest.
+    resume_from: int = -1
+    # Mixed precision: auto = bf16 autocast on CUDA (nccl), fp32 on CPU | fp32 | bf16.
+    precision: str = "auto"
+    # Experiment tracking (rank 0): jsonl (<run>/metrics.jsonl, always on) | tensorboard (<run>/tb/) |
+    # mlflow (a run in <run>/mlruns, or in train.mlflow_uri). See xirang_hpc/monitor/tracking.py.
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    # MLflow tracking URI (file:/..., http://host:5000, sqlite:///...); empty: file store <run>/mlruns.
+    mlflow_uri: str = ""
+    # Train a run past max_steps, to this step (0 = no extension). Not part of the run-dir hash, so the
+    # same command plus train.extend_to=N finds the run and resumes from its last checkpoint; the LR
+    # schedule is still defined by max_steps, so the extra steps run at the final (minimum) LR.
+    extend_to: int = 0
+
+    def __post_init__(self) -> None:
+        check_finite("train", self)
+        for name in ("max_steps", "global_batch", "grad_accum", "lr", "log_every", "eval_batches"):
+            check_positive("train", name, getattr(self, name))
+        if self.eval_every < 0:
+            raise ConfigError("train.eval_every", self.eval_every, "use 0 (start and end only) or a step interval > 0")
+        unknown = [x for x in self.loggers if x not in LOGGERS]
+        if unknown:
+            raise ConfigError("train.loggers", list(self.loggers),
+                              f"unknown logger(s) {unknown}; choose from {list(LOGGERS)}, e.g. "
+                              "train.loggers=[jsonl,tensorboard]")
+        if self.warmup_steps < 0:
+            raise ConfigError("train.warmup_steps", self.warmup_steps, "use 0 or more")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("train.min_lr_ratio", self.min_lr_ratio, "use a ratio in [0, 1]")
+        if self.priority not in PRIORITIES:
+            raise ConfigError("train.priority", self.priority, f"choose one of {', '.join(PRIORITIES)}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError("train.precision", self.precision, "choose auto, fp32 or bf16")
+        if self.extend_to and self.extend_to <= self.max_steps:
+            raise ConfigError("train.extend_to", self.extend_to,
+                              f"must exceed train.max_steps={self.max_steps} (or be 0: no extension)")
+
+    @property
+    def end_step(self) -> int:
+        """The step training runs to: ``extend_to`` when set, else ``max_steps``."""
+        return self.extend_to or self.max_steps
