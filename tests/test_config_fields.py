@@ -137,10 +137,10 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "cluster.gpu": ("h100", hardware, []),
     "cluster.hardware": ({"peak_tflops": 123.0}, hardware, []),
     "cluster.sites": ([{"name": "alpha"}], REFUSED, []),  # sites are Slurm clusters; cluster=local is not one
-    "cluster.site_policy": ("quota", reads("xirang_hpc.launch.sites"), []),
-    "cluster.site_stay_s": (60.0, reads("xirang_hpc.launch.sites"), []),
-    "cluster.site_migrate_wait_s": (30.0, reads("xirang_hpc.launch.sites"), []),
-    "cluster.site_auto_migrate": (False, reads("xirang_hpc.launch.sites"), []),
+    "cluster.site_policy": ("quota", reads("xirang_hpc.launch.sites.placement"), []),
+    "cluster.site_stay_s": (60.0, reads("xirang_hpc.launch.sites.placement"), []),
+    "cluster.site_migrate_wait_s": (30.0, reads("xirang_hpc.launch.sites.moves"), []),
+    "cluster.site_auto_migrate": (False, reads("xirang_hpc.launch.sites.moves"), []),
     "cluster.site_sweep": ("spread", reads("xirang_hpc.launch.sweep"), []),
     # parallel: the degrees, or refused where the layout cannot apply the choice
     "parallel.dp": (3, REFUSED, []),

@@ -1,4 +1,4 @@
-"""Several clusters as one (launch/sites.py): placement from `sbatch --test-only` answers, policies, dead and
+"""Several clusters as one (launch/sites/): placement from `sbatch --test-only` answers, policies, dead and
 unknown sites, and the verified copy of a run to another site's run root (real checkpoint files, kill -9).
 
 The Slurm answers below were recorded on the two-cluster testbed (``tools/slurm-testbed start --clusters
@@ -344,7 +344,7 @@ def test_a_failed_copy_submits_nothing_on_the_other_site(tmp_path, monkeypatch):
     def broken(src, dst, **kw):
         raise sites.CopyError("checksum mismatch; the run stays where it was")
 
-    monkeypatch.setattr(sites, "copy_run", broken)
+    monkeypatch.setattr(sites.moves, "copy_run", broken)  # where migrate looks it up
     fake = FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE})
     with pytest.raises(sites.CopyError):
         sites.migrate(run, run=fake, submit=lambda *a: pytest.fail("submitted"), out=lambda s: None, now=lambda: NOW)

@@ -234,7 +234,7 @@ def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any
            handover: tuple[str, str | None] | None = None) -> submitit.Job:
     """Submit ``fn(*args)`` as one Slurm job for ``cfg``; log the submission in the run's event log.
 
-    ``site``: the Slurm cluster to submit to (``sbatch -M``, chosen by launch/sites.py); None: this one.
+    ``site``: the Slurm cluster to submit to (``sbatch -M``, chosen by launch/sites/); None: this one.
     ``handover``: ``(job id, cluster)`` of the job that submits its own successor (a run moving to another
     site from inside its job): that owner does not count as busy.
 
@@ -279,7 +279,7 @@ def launch_slurm(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, site
                  on_submit: Any = None) -> dict[str, Any] | None:
     """``xirang-train`` on Slurm: submit, print job id / run dir / how to follow; block if ``train.wait``.
 
-    ``site``: the Slurm cluster (``-M``) chosen by launch/sites.py; ``on_submit(job)`` runs right after.
+    ``site``: the Slurm cluster (``-M``) chosen by launch/sites/; ``on_submit(job)`` runs right after.
     """
     job = submit(cfg, run_dir, data_dir, fn, dataclasses.asdict(cfg), str(run_dir), str(data_dir), site=site)
     if on_submit is not None:

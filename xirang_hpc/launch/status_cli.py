@@ -59,7 +59,7 @@ def resolve(target: str, runs_root: Path) -> tuple[list[Path], bool]:
 
 
 def _site_status(run: Path) -> dict[str, Any]:
-    """A run placed on several sites (launch/sites.py): its site, its history across sites, where it moved;
+    """A run placed on several sites (launch/sites/): its site, its history across sites, where it moved;
     Slurm is asked on that site (``-M <site>`` on squeue, sacct and scontrol: job ids are per cluster)."""
     from xirang_hpc.launch.sites import read_site_state
     from xirang_hpc.monitor.jobstate import run_cmd

@@ -7,7 +7,7 @@ It names the failed ranks and nodes from the per-rank start/exit markers the job
 ``<run dir>/ranks/r<restart>/`` (a rank that started and never exited died without Python
 unwinding), adds the monitor's fault events, applies the policy and requeues (``scontrol``).
 A run on several sites (``cluster.sites``) that was preempted is first placed again: when another
-site starts it sooner than its requeue here (launch/sites.py), it is resubmitted there and this job
+site starts it sooner than its requeue here (launch/sites/), it is resubmitted there and this job
 cancels itself instead of being requeued.
 """
 
@@ -65,7 +65,7 @@ def cancel_self(job_id: str, cluster: str | None) -> None:
 
 def try_migrate(run_dir: Path, job_id: str, env: dict[str, str]) -> dict | None:
     """A run placed on several sites and preempted here: move it to the site that starts it soonest
-    (launch/sites.py). None when it stays, or when the move failed before anything was submitted
+    (launch/sites/). None when it stays, or when the move failed before anything was submitted
     (logged as ``migrate_failed``): then it is requeued here as usual."""
     from xirang_hpc.config.errors import ConfigError
     from xirang_hpc.launch import sites

@@ -119,7 +119,7 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
         print(complete_message(cfg, status), flush=True)
         return None
     placement = None
-    if cfg.cluster.sites:  # several clusters: the one that starts the job soonest (launch/sites.py)
+    if cfg.cluster.sites:  # several clusters: the one that starts the job soonest (launch/sites/)
         from xirang_hpc.launch.sites import place_for_launch
 
         cfg, placement = place_for_launch(cfg, warn=lambda w: print(w, file=sys.stderr, flush=True))

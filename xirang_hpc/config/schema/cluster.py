@@ -86,7 +86,7 @@ class ClusterConfig:
     # Extra nodes allocated beside ``nodes`` and left idle: an in-job restart (requeue.max_restarts_in_job)
     # replaces a failed node with one of them and keeps the layout (Slurm only).
     spare_nodes: int = 0
-    # Several Slurm clusters as one (launch/sites.py): a job goes to the site whose `sbatch --test-only`
+    # Several Slurm clusters as one (launch/sites/): a job goes to the site whose `sbatch --test-only`
     # promises the earliest start (site_policy=earliest), the most free quota for the account (quota), or
     # stays on its current site unless another starts it more than site_stay_s sooner (stay). A run
     # preempted on its site moves when its requeue there would wait more than site_migrate_wait_s.
