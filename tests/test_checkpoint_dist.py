@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from parallel_harness import free_port
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -70,16 +70,10 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str, step: int, e
         raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world: int, root: Path, mode: str, step: int) -> None:
     ctx = mp.get_context("spawn")
     errq = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, str(root), mode, step, errq)) for r in range(world)]
     for p in procs:
         p.start()

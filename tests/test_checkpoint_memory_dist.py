@@ -9,12 +9,12 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from parallel_harness import free_port
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -72,16 +72,10 @@ def _worker(rank: int, nodes: list[str], port: int, root: str, shm: str, mode: s
         raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(nodes: list[str], root: Path, shm: Path, mode: str) -> tuple[list[int | None], list]:
     ctx = mp.get_context("spawn")
     errq, outq = ctx.Queue(), ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, nodes, port, str(root), str(shm), mode, errq, outq))
              for r in range(len(nodes))]
     for p in procs:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 import stat
 
 import pytest
 from conftest import TrainedRun
+from parallel_harness import free_port
 
 from xirang_hpc.runtime.dist import RendezvousError, init_distributed
 from xirang_hpc.runtime.topology import Topology
@@ -36,14 +36,8 @@ def test_short_embedded_run(trained_run: TrainedRun) -> None:
     assert len(logs) == 4, logs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_rendezvous_timeout_names_missing_ranks() -> None:
     topo = Topology(rank=0, world_size=3, local_rank=0, local_world_size=3, node_id=0, num_nodes=1,
-                    node_name="vnode0", master_addr="127.0.0.1", master_port=_free_port(), job_id="t", source="local")
+                    node_name="vnode0", master_addr="127.0.0.1", master_port=free_port(), job_id="t", source="local")
     with pytest.raises(RendezvousError, match=r"ranks \[1, 2\] of 3 never arrived"):
         init_distributed(topo, "gloo", timeout_s=1.5)

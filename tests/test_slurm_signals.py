@@ -11,19 +11,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import types
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 from conftest import compose_cfg
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from parallel_harness import free_port
 
 
 class _Exit(Exception):
@@ -78,7 +72,7 @@ def _run(tmp_path: Path, overrides: list[str], source: str = "local", sig_rank: 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     out = mp.Manager().dict()
-    mp.spawn(_worker, args=(_free_port(), str(run_dir), overrides, source, sig_rank, sig, sig_step, out),
+    mp.spawn(_worker, args=(free_port(), str(run_dir), overrides, source, sig_rank, sig, sig_step, out),
              nprocs=2, join=True)
     return dict(out)
 
