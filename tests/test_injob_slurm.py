@@ -205,9 +205,6 @@ def test_requeued_job_with_a_drained_node_continues_shrunk(stdlib_data, tmp_path
     np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-5)
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
 
 def test_node_loss_restarts_from_the_newest_memory_copy(stdlib_data, tmp_path):
     """checkpoint.in_memory with a memory copy every step: after the second node is lost the survivor
@@ -265,3 +262,23 @@ def _full_state(run_dir: Path, step: int) -> dict:
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()}
     dcp.load(sd, storage_reader=HDF5StorageReader(d), no_dist=True)
     return sd
+
+
+def test_cancelled_job_leaves_no_memory_copy(stdlib_data, tmp_path):
+    """scancel ends the batch script before it frees the job's memory copies itself: the cluster's epilog
+    (tools/slurm-epilog, configured by the testbed as a sysadmin would) removes them on every node."""
+    args = _args(stdlib_data, tmp_path / "runs", "train.max_steps=5000", "checkpoint.every_steps=1000",
+                 "checkpoint.in_memory=true", "checkpoint.memory_every_steps=1")
+    job, run = _submit(args)
+    root = memory_root(job, run)
+    try:
+        _wait(lambda: _ev(run, "memory_checkpoint"), 300, "a memory copy")
+        assert list(root.glob("*/step_*")), sorted(root.rglob("*"))  # the copies outlive processes on purpose
+    finally:
+        subprocess.run(["scancel", job], check=True)
+    _wait(lambda: "JobState=CANCELLED" in _slurm_job(job), 120, "the cancellation")
+    _wait(lambda: not root.exists(), 120, "the epilog's cleanup")
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
