@@ -87,6 +87,28 @@ def _recovered_inside(job: str, run: Path) -> list[dict]:
     assert "Restarts=0" in _slurm_job(job)
     return _ev(run, "restart")
 
+def _lose_node_and_go_on_shrunk(job: str, run: Path, first: str, second: str) -> tuple[dict, dict]:
+    """Lose ``second``; the job recovers inside its allocation on ``first`` alone (2 ranks): the restart
+    and the new start events."""
+    try:
+        _lose_node(run, second)
+        (restart,) = _recovered_inside(job, run)
+    finally:
+        _revive_node(second)
+    assert restart["node"] == second and restart["nodes"] == [first] and restart["shrunk"], restart
+    start = _ev(run, "start")[-1]
+    assert (start["node"], start["nodes"], start["world_size"]) == (first, 1, 2), start
+    return restart, start
+
+
+def _same_losses_after(run: Path, ref: subprocess.Popen, resumed: int, steps: int) -> None:
+    """Every step after ``resumed`` up to ``steps`` has the uninterrupted reference's loss (rtol 1e-5)."""
+    ours, theirs = _losses(run), _losses(_reference_dir(ref))
+    after = [s for s in ours if s > resumed]
+    assert after and after[-1] == steps, sorted(ours)
+    np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-5)
+
+
 
 def test_kill9_recovered_on_the_spare_node_bitwise(stdlib_data, tmp_path):
     """1 node x 2 ranks + 1 spare; kill -9 of rank 1: the ranks restart on the spare, same weights."""
@@ -154,19 +176,8 @@ def test_node_loss_continues_shrunk_with_the_same_loss_curve(stdlib_data, tmp_pa
     ref = _reference(args, tmp_path / "ref")
     job, run = _submit(args)
     _after_checkpoint(run)
-    try:
-        _lose_node(run, second)
-        (restart,) = _recovered_inside(job, run)
-    finally:
-        _revive_node(second)
-    assert restart["node"] == second and restart["nodes"] == [first] and restart["shrunk"], restart
-    start = _ev(run, "start")[-1]
-    assert (start["node"], start["nodes"], start["world_size"]) == (first, 1, 2), start
-    ours, theirs = _losses(run), _losses(_reference_dir(ref))
-    resumed = start["step"]
-    after = [s for s in ours if s > resumed]
-    assert after and after[-1] == steps, sorted(ours)
-    np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-5)
+    restart, start = _lose_node_and_go_on_shrunk(job, run, first, second)
+    _same_losses_after(run, ref, start["step"], steps)
 
 
 def test_requeued_job_with_a_drained_node_continues_shrunk(stdlib_data, tmp_path):
@@ -218,15 +229,8 @@ def test_node_loss_restarts_from_the_newest_memory_copy(stdlib_data, tmp_path):
     job, run = _submit(args)
     _after_checkpoint(run)
     _wait(lambda: _losses(run) and max(_losses(run)) >= 15, 300, "step 15")
-    try:
-        reached = max(_losses(run))
-        _lose_node(run, second)
-        (restart,) = _recovered_inside(job, run)
-    finally:
-        _revive_node(second)
-    assert restart["node"] == second and restart["nodes"] == [first] and restart["shrunk"], restart
-    start = _ev(run, "start")[-1]
-    assert (start["node"], start["nodes"], start["world_size"]) == (first, 1, 2), start
+    reached = max(_losses(run))
+    restart, start = _lose_node_and_go_on_shrunk(job, run, first, second)
     (restore,) = [e for e in _ev(run, "restore") if e["time"] > restart["time"]]
     assert restore["source"] == "memory" and restore["step"] == start["step"], restore
     # The newest memory copy that completed before the loss (a copy completes on every node, then rank 0
@@ -234,10 +238,7 @@ def test_node_loss_restarts_from_the_newest_memory_copy(stdlib_data, tmp_path):
     kept = [e["step"] for e in _ev(run, "memory_checkpoint") if e["time"] < restart["time"]]
     assert start["step"] == max(kept) and start["step"] % 10 and start["step"] <= reached, (start, kept, reached)
     assert restore["received_bytes"] == 0 < restore["local_bytes"]  # the survivor held the replicas itself
-    ours, theirs = _losses(run), _losses(_reference_dir(ref))
-    after = [s for s in ours if s > start["step"]]
-    assert after and after[-1] == steps, sorted(ours)
-    np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-5)
+    _same_losses_after(run, ref, start["step"], steps)
     # The final model within rtol 1e-5 of the reference, as a whole (the shrunk layout sums gradients in
     # another order; near-zero entries driven by Adam's normalised noise differ elementwise by ~1e-6).
     a, b = _full_state(run, steps), _full_state(_reference_dir(ref), steps)  # 2 vs 4 ranks' files: full tensors
