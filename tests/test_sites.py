@@ -56,8 +56,10 @@ class FakeSlurm:
     """Answers by command: `sbatch --test-only` per cluster, `sacctmgr show cluster`, quota queries."""
 
     def __init__(self, test_only: dict[str, Result], assoc: dict[str, str] | None = None,
-                 squeue: dict[str, str] | None = None, clusters: Result = CLUSTERS) -> None:
+                 squeue: dict[str, str] | None = None, clusters: Result = CLUSTERS,
+                 partitions: dict[str, str] | None = None) -> None:
         self.answers, self.assoc, self.squeue, self.clusters = test_only, assoc or {}, squeue or {}, clusters
+        self.partitions = partitions or {}  # site -> `scontrol -o show partition` (none: scontrol fails)
         self.calls: list[list[str]] = []
 
     def __call__(self, argv: list[str]) -> Result:
@@ -73,6 +75,9 @@ class FakeSlurm:
             return Result(0, self.assoc.get(site, ""), "")
         if argv[0] == "scancel":
             return Result(0, "", "")
+        if argv[0] == "scontrol" and "partition" in argv:
+            site = argv[argv.index("-M") + 1]
+            return Result(0, self.partitions[site], "") if site in self.partitions else Result(1, "", "down")
         if argv[0] == "squeue":
             return Result(0, self.squeue.get(argv[argv.index("-M") + 1], ""), "")
         raise AssertionError(f"unexpected command {argv}")
@@ -190,6 +195,39 @@ def test_apply_site_sets_account_and_run_root(tmp_path):
     cfg2, p = sites.place_for_launch(cfg, run=FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE}), out=lines.append)
     assert p is not None and p.site.name == "beta" and cfg2.cluster.account == "projb"
     assert lines and lines[0].startswith("placement: site beta")
+
+
+# `scontrol -M alpha -o show partition` on the two-cluster testbed (Slurm 22.05), trimmed.
+PARTITIONS = ("PartitionName=low AllowGroups=ALL Default=YES GraceTime={grace} MaxTime=UNLIMITED Nodes=sa[1-2] "
+              "PriorityTier=1 PreemptMode=REQUEUE State=UP TotalCPUs=16\n"
+              "PartitionName=high AllowGroups=ALL Default=NO GraceTime=0 MaxTime=UNLIMITED Nodes=sa[1-2] "
+              "PriorityTier=10 PreemptMode=OFF State=UP TotalCPUs=16\n")
+
+
+def test_a_grace_time_too_short_for_a_move_is_named_at_launch():
+    cfg = _cfg()
+    fake = FakeSlurm({"alpha": ALPHA_IDLE, "beta": ALPHA_FULL}, partitions={"alpha": PARTITIONS.format(grace=20)})
+    lines: list[str] = []
+    _, p = sites.place_for_launch(cfg, run=fake, out=lines.append)
+    assert p is not None and p.site.name == "alpha"
+    (warning,) = [w for w in lines if w.startswith("warning:")]
+    assert "partition low on site alpha gives a preempted job GraceTime=20s" in warning
+    assert f"GraceTime={sites.MOVE_GRACE_S}" in warning and "cluster.site_auto_migrate=false" in warning
+    assert any(w.startswith("partition low on site alpha") for w in p.warnings)  # recorded with the placement
+
+
+def test_no_grace_warning_when_the_move_fits_or_cannot_happen():
+    c = _cfg().cluster
+    alpha = c.sites[0]
+    enough = FakeSlurm({}, partitions={"alpha": PARTITIONS.format(grace=60)})
+    assert sites.grace_warning(c, alpha, enough) is None
+    short = FakeSlurm({}, partitions={"alpha": PARTITIONS.format(grace=20)})
+    assert sites.grace_warning(c, alpha, short) is not None
+    off = _cfg("cluster.site_auto_migrate=false").cluster
+    assert sites.grace_warning(off, off.sites[0], short) is None  # moves only by hand: nothing to fit
+    high = _cfg("cluster.sites.0.partition=high").cluster
+    assert sites.grace_warning(high, high.sites[0], short) is None  # not preemptible
+    assert sites.grace_warning(c, alpha, FakeSlurm({})) is None  # scontrol does not answer: no guess
 
 
 # ---- verified copy -------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from xirang_hpc.launch.sites.moves import (
     write_site_state,
 )
 from xirang_hpc.launch.sites.placement import (
+    MOVE_GRACE_S,
     TEST_ONLY_TIMEOUT_S,
     Estimate,
     NoSiteAvailable,
@@ -48,6 +49,7 @@ from xirang_hpc.launch.sites.placement import (
     choose,
     free_quota_cpus,
     gather,
+    grace_warning,
     parse_test_only,
     place,
     place_for_launch,
@@ -69,6 +71,8 @@ from xirang_hpc.launch.sites.transfer import (
 )
 
 __all__ = [
+    "MOVE_GRACE_S",
+    "grace_warning",
     "CKPT_DIR",
     "Copier",
     "CopyError",

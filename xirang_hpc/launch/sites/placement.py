@@ -240,6 +240,39 @@ def apply_site(cfg: XirangConfig, site: SiteConfig) -> XirangConfig:
     return dataclasses.replace(cfg, cluster=cluster, train=train)
 
 
+# A move at a preemption (decision, copy, submission on the other site) took 19 s at moderate load and over
+# 30 s at load average 20 on a 2-core node: below this grace time a run may be requeued where it was instead.
+MOVE_GRACE_S = 60
+
+
+def grace_warning(c: ClusterConfig, site: SiteConfig, run: Caller = call) -> str | None:
+    """A warning when ``site``'s partition for the job preempts with less than :data:`MOVE_GRACE_S` of grace
+    time while ``cluster.site_auto_migrate`` is on (``scontrol -M <site> show partition``); None when the
+    grace is enough, the partition does not preempt, or Slurm does not answer (best effort)."""
+    if not c.site_auto_migrate or len(c.sites) < 2:
+        return None
+    partition = site_cluster(c, site).partition
+    r = run(["scontrol", "-M", site.name, "-o", "show", "partition", *([partition] if partition else [])])
+    if r.rc != 0:
+        return None
+    rows = [dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+            for line in r.out.splitlines() if line.startswith("PartitionName=")]
+    want = (lambda x: x.get("PartitionName") == partition) if partition else (lambda x: x.get("Default") == "YES")
+    row = next((x for x in rows if want(x)), None)
+    if row is None or row.get("PreemptMode", "OFF").upper().startswith("OFF"):
+        return None
+    try:
+        grace = int(row.get("GraceTime", "0"))
+    except ValueError:
+        return None
+    if grace >= MOVE_GRACE_S:
+        return None
+    return (f"partition {row['PartitionName']} on site {site.name} gives a preempted job GraceTime={grace}s: "
+            f"moving the run to another site at a preemption takes about 20-30 s, so with less than "
+            f"{MOVE_GRACE_S}s it may be requeued on {site.name} instead (sysadmins: GraceTime={MOVE_GRACE_S} on "
+            "preemptible partitions; users: cluster.site_auto_migrate=false to leave moves to the migrate command)")
+
+
 def place_for_launch(cfg: XirangConfig, run: Caller | None = None, out: Callable[[str], None] = print,
                      warn: Callable[[str], None] | None = None) -> tuple[XirangConfig, Placement | None]:
     """``xirang-train`` with ``cluster.sites``: choose the site, print the choice and its evidence, return the
@@ -247,6 +280,9 @@ def place_for_launch(cfg: XirangConfig, run: Caller | None = None, out: Callable
     if not cfg.cluster.sites:
         return cfg, None
     p = place(cfg, run=run)
+    grace = grace_warning(cfg.cluster, p.site, run or call)
+    if grace:
+        p.warnings.append(grace)
     for w in p.warnings:
         (warn or out)(f"warning: {w}")
     out(p.describe())
