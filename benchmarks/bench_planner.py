@@ -48,14 +48,16 @@ def main() -> None:
     ap.add_argument("--local", default="", help="calibrated cluster preset YAML: run the local comparison only")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--models", default="tiny,small")
-    ap.add_argument("--fit", action="store_true", help="refit the FSDP stacks' constants on the fit rows, print them")
+    ap.add_argument("--fit", action="store_true",
+                    help="refit the FSDP and Megatron-Core stacks' constants on the fit rows, print them")
     args = ap.parse_args()
     if args.fit:
-        from xirang_hpc.planner.published import fit_a100, fit_h100
+        from xirang_hpc.planner.published import fit_a100, fit_h100, fit_megatron_core
 
         a100 = fit_a100()
         print("A100 FSDP:", {k: round(v, 3) for k, v in a100.items()})
         print("H100 FSDP:", {k: round(v, 3) for k, v in fit_h100(a100).items()})
+        print("H100 Megatron-Core overlap:", {k: round(v, 3) for k, v in fit_megatron_core().items()})
         return
     if args.local:
         from bench_planner_local import run_local

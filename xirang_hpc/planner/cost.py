@@ -10,7 +10,8 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   early (``checkpoint_early_stop``: PyTorch's non-reentrant checkpoint, ``formulas.recompute_extra``);
 - TP: 4 all-reduces of b*s*h activations per layer (2 forward, 2 backward; +2 under full recompute),
   a ring inside the node (Narayanan et al. SC21 Sec. 3.2); sequence parallelism swaps each for a
-  reduce-scatter + all-gather of the same volume;
+  reduce-scatter + all-gather of the same volume; a stack that overlaps them with the GEMMs
+  (Megatron-Core's ``--tp-comm-overlap``) hides ``tp_comm_overlap`` of their time (hardware.py);
 - pipeline stages need not divide the layers: blocks are split to balance the slowest stage, the
   last one also running the output head (``formulas.pipeline_split``); the slowest rank sets the
   slot, the rank with the most bytes sets the memory;
@@ -28,7 +29,9 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   ZeRO-0: one gradient all-reduce per step (hierarchical when the group spans nodes with >1 rank per
   node; accumulation steps do not sync), minus what ``dp_overlap`` of the last backward can hide;
   ZeRO-1: the same all-reduce, then the owners' broadcast of the updated weights (an all-gather's
-  volume, exposed after the step); ZeRO-2 (FSDP2, weights kept from forward to backward): per
+  volume, exposed after the step; a stack with Megatron-Core's overlapped distributed optimizer,
+  ``distributed_optimizer``, instead reduce-scatters in the last backward and all-gathers in the next
+  forward, both hidden like ZeRO-0's all-reduce); ZeRO-2 (FSDP2, weights kept from forward to backward): per
   microbatch one all-gather in the forward and one gradient reduce-scatter in the backward, so the
   gradients stay sharded; ZeRO-3: the same plus a second all-gather in the backward (FSDP2 reshards
   after the forward). Under a pipeline, torch's schedule defers FSDP2's reduction to the end of the
@@ -262,6 +265,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
         # Tensor parallel all-reduces of b*s*h activations, inside the node.
         n_ar = 6 if pl.recompute == "full" else 4
         out = n * n_ar * comm.ring_allreduce(tokens * sh.hidden * hw.act_bytes, t, links.a_intra, links.b_intra)
+        out *= 1.0 - hw.tp_comm_overlap  # what a stack that pipelines them with the GEMMs hides (hardware.py)
         if t > 1:  # DTensor dispatch and redistribution around each sharded layer (calibrated on CPU)
             act_mb = tokens * sh.hidden * hw.act_bytes / 1e6
             out += n * passes * (hw.tp_overhead_us + hw.tp_overhead_us_per_mb * act_mb
@@ -304,6 +308,10 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
         dp_exposed = 0.0
     elif pl.zero == 0:  # all-reduce in buckets as the backward runs
         dp_exposed = exposed(dp_full, backward)
+    elif pl.zero == 1 and hw.distributed_optimizer > 0:
+        # Megatron-Core's distributed optimizer: reduce-scatter in the last backward, all-gather of the
+        # updated weights in the next forward, both overlapped (hardware.distributed_optimizer).
+        dp_exposed = exposed(scatter, backward) + exposed(gather, forward)
     elif pl.zero == 1:  # the same all-reduce; the owners broadcast the updated weights after the step
         dp_exposed = exposed(dp_full, backward) + gather
     else:

@@ -99,6 +99,19 @@ class Hardware:
     # once the backward's saved tensors are back, skipping each block's last GEMM (1); Megatron-LM's
     # reentrant recomputation re-runs the whole block (0). See formulas.recompute_extra.
     checkpoint_early_stop: float = 1.0
+    # Fraction of the tensor-parallel collectives' time hidden behind the GEMMs they feed or drain, net of
+    # what the overlap costs the GEMMs: Megatron-Core's ``--tp-comm-overlap`` (Transformer Engine's
+    # userbuffers) splits each sequence-parallel all-gather + GEMM and GEMM + reduce-scatter into chunks and
+    # pipelines them (Wang et al., "Overlap Communication with Dependent Computation via Decomposition in
+    # Large Deep Learning Models", ASPLOS 2023; Megatron-LM docs, "Communication overlap"). 0 = exposed, as
+    # in this runtime (DTensor collectives wait before the GEMM).
+    tp_comm_overlap: float = 0.0
+    # 1 = ZeRO-1 as Megatron-Core's distributed optimizer with ``--overlap-grad-reduce
+    # --overlap-param-gather`` (Megatron-LM docs, "Distributed optimizer"): gradients are reduce-scattered
+    # bucket by bucket during the last microbatch's backward and the updated weights all-gathered during
+    # the next step's first forward, each hidden up to ``dp_overlap`` of that pass. 0 = this runtime's
+    # ZeRO-1: the whole gradient all-reduce (hidden as ZeRO-0's) and an exposed broadcast after the step.
+    distributed_optimizer: float = 0.0
 
     def scaled(self, **overrides: float) -> Hardware:
         """A copy with some fields replaced."""
@@ -124,7 +137,9 @@ _A100 = dict(peak_tflops=312.0, gemm_efficiency=0.70, gemm_half_width=25.0, kern
 # A100 FSDP fit (torchtitan + llm-foundry A100 rows). attn_efficiency 0.18 is the fused attention
 # kernel's rate on the tiles it runs (formulas.causal_fraction): FlashAttention-3 (Shah et al. 2024)
 # reports FlashAttention-2 at 35% of H100 peak in its own benchmark, and these end-to-end runs reach
-# about half that. No published TP/PP (Megatron) H100 rows were checked: calibrate on the cluster.
+# about half that. Megatron-LM's published TP/PP H100 rows are checked in planner/published.py under the
+# megatron-core stack, whose TP and distributed-optimizer overlap (tp_comm_overlap, distributed_optimizer)
+# this runtime does not have: the presets keep those at 0.
 _H100 = dict(peak_tflops=989.0, gemm_efficiency=0.717, gemm_half_width=40.0, kernel_overhead_us=15.0,
              elementwise_traffic=4.0, intra_bw_gbs=450.0 * _BUS, intra_latency_us=3.0,
              inter_bw_gbs=8 * 50.0 * _BUS, inter_latency_us=8.0, inter_nics=8, dp_overlap=0.107, reserved_gb=3.0,

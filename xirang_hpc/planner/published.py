@@ -9,10 +9,15 @@ Two roles, kept apart so that accuracy is never reported on the rows that set th
   short sequences (512 and 1,024 tokens) set ``gemm_efficiency``, ``elementwise_traffic``,
   ``dp_overlap`` and ``comm_interference`` (:func:`fit`, rerun by ``bench_planner.py --fit``);
   on H100 the MPT rows at 512 and 1,024 tokens set ``gemm_efficiency`` and ``elementwise_traffic``;
+  every other row by size of Megatron-LM's H100 table, from the smallest (1.7B, 16B, 70B, 177B, 462B), sets
+  the megatron-core stack's overlap constants ``tp_comm_overlap``, ``dp_overlap`` and ``comm_interference``
+  (:func:`fit_megatron_core`), the H100 compute constants being llm-foundry's;
 - *held-out* rows are predicted with those constants and nothing refitted: every other MPT row of
   llm-foundry's tables (sequences of 2,048 to 65,536 tokens, 8 to 64 GPUs, 125M to 70B parameters),
-  on A100-80GB and on H100-80GB. The rule (fit on the short-sequence rows, predict the long ones) was
-  fixed before looking at the errors; it makes the held-out rows an extrapolation in sequence length.
+  on A100-80GB and on H100-80GB; and the four Megatron-LM rows between the fit rows (7.1B, 32B, 119B,
+  314B). The rules (fit on the short-sequence rows, predict the long ones; every other Megatron row) were
+  fixed before looking at the errors; the first makes the MPT held-out rows an extrapolation in sequence
+  length, the second the Megatron ones an interpolation in size, tp and pp.
 
 Sources (read 2026-11):
 - Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -39,9 +44,16 @@ Sources (read 2026-11):
   *model* FLOPs by Megatron's own ``num_floating_point_operations`` of that commit (no recomputation,
   full s^2 attention: :func:`megatron_model_flops`); MFU = that / 989. Micro-batch size, interleaving
   and recomputation are not stated: each row is predicted with the planner's fastest fitting choice of
-  those for the published tp/pp/dp (:func:`predict`). All held out: no constant is fitted on them (the
-  H100 compute constants come from llm-foundry's fit rows; the loss is Megatron's fp32 vocab-parallel
-  cross-entropy). The README does not state the network either; the h100 preset's is used.
+  those for the published tp/pp/dp (:func:`predict`). The H100 compute constants come from llm-foundry's
+  fit rows; the loss is Megatron's fp32 vocab-parallel cross-entropy. Megatron-Core overlaps what this
+  runtime exposes, so its stack carries three constants of its own, fitted on five of the nine rows:
+  ``tp_comm_overlap`` (``--tp-comm-overlap``: Transformer Engine's userbuffers pipeline each sequence-
+  parallel all-gather/reduce-scatter with the GEMM it feeds, Megatron-LM docs, "Communication overlap";
+  Wang et al. ASPLOS 2023), and ``dp_overlap`` / ``comm_interference`` of the distributed optimizer
+  (``distributed_optimizer``: ``--overlap-grad-reduce`` reduce-scatters gradient buckets during the
+  backward, ``--overlap-param-gather`` all-gathers the updated weights during the next forward;
+  Megatron-LM docs, "Distributed optimizer"). The README does not state the network; the h100 preset's
+  is used.
   The README's strong-scaling figure (GPT-3 175B, 96..4,608 GPUs) gives no layouts and is not used.
 """
 
@@ -244,11 +256,14 @@ def megatron_model_flops(sh: Shape, batch: int) -> float:
     return 12.0 * b * s * n * h * h * ((2 + s / h) + sh.ffn / h + sh.vocab / (2 * n * h))
 
 
+# Megatron-Core's three overlap constants are fitted on every other row by size, starting with the smallest
+# (1.7B, 16B, 70B, 177B, 462B); the rows between (7.1B, 32B, 119B, 314B) are held out. Rule fixed before the
+# fit was run; it spreads both sets over tp 1-8 and pp 1-16.
 MEGATRON_H100 = [
     PublishedRun(_MEGATRON_H100_SRC, f"GPT {name} tp={t} pp={p} dp={d}", _megatron_gpt(nl, h, a), gpus, 1,
-                 batch // d, "none", 1, t, p, "megatron_tflops", tf, "held-out", "h100", "megatron-core",
-                 sp=t > 1, free_knobs=True)
-    for name, a, h, nl, t, p, d, gpus, batch, tf in _MEGATRON_H100_ROWS
+                 batch // d, "none", 1, t, p, "megatron_tflops", tf, "held-out" if i % 2 else "fit", "h100",
+                 "megatron-core", sp=t > 1, free_knobs=True)
+    for i, (name, a, h, nl, t, p, d, gpus, batch, tf) in enumerate(_MEGATRON_H100_ROWS)
 ]
 
 
@@ -267,6 +282,9 @@ ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100 + MEGATRON_H100
 _A100_FSDP_FIT = dict(gemm_efficiency=0.80, elementwise_traffic=3.686, dp_overlap=0.107, comm_interference=0.386,
                       attn_efficiency=0.327)
 _H100_FSDP_FIT = dict(gemm_efficiency=0.717, elementwise_traffic=4.0, attn_efficiency=0.184)
+# Megatron-Core's overlap (hardware.tp_comm_overlap, hardware.distributed_optimizer), fitted by
+# :func:`fit_megatron_core` on the Megatron-LM fit rows, with the H100 compute constants above.
+_MEGATRON_CORE_FIT = dict(tp_comm_overlap=0.373, dp_overlap=1.0, comm_interference=0.0)
 _FUSED_LOSS, _FP32_LOSS = 6.0, 36.0
 
 STACKS: dict[tuple[str, str], Hardware] = {
@@ -278,11 +296,11 @@ STACKS: dict[tuple[str, str], Hardware] = {
     ("h100", "composer"): PRESETS["h100"].scaled(
         logit_bytes=_FUSED_LOSS, dp_overlap=_A100_FSDP_FIT["dp_overlap"],
         comm_interference=_A100_FSDP_FIT["comm_interference"], **_H100_FSDP_FIT),
-    # Megatron-Core 2024: fused attention (Transformer Engine), fp32 vocab-parallel cross-entropy; the H100
-    # compute and overlap constants as fitted above, nothing fitted on its own rows.
+    # Megatron-Core 2024 (r0.8): fused attention (Transformer Engine), fp32 vocab-parallel cross-entropy, the
+    # H100 compute constants as fitted above; TP collectives pipelined with the GEMMs (--tp-comm-overlap) and
+    # the distributed optimizer's overlapped reduce-scatter/all-gather, whose constants are its own fit.
     ("h100", "megatron-core"): PRESETS["h100"].scaled(
-        logit_bytes=_FP32_LOSS, dp_overlap=_A100_FSDP_FIT["dp_overlap"],
-        comm_interference=_A100_FSDP_FIT["comm_interference"], **_H100_FSDP_FIT),
+        logit_bytes=_FP32_LOSS, distributed_optimizer=1.0, **_H100_FSDP_FIT, **_MEGATRON_CORE_FIT),
 }
 
 
@@ -368,6 +386,7 @@ def fit(runs: list[PublishedRun], base: dict[tuple[str, str], Hardware], fields:
 FSDP_FIT_FIELDS = {"gemm_efficiency": (0.5, 0.95), "elementwise_traffic": (0.0, 6.0), "dp_overlap": (0.0, 1.0),
                    "comm_interference": (0.0, 1.0), "attn_efficiency": (0.2, 0.95)}
 H100_FIT_FIELDS = {"gemm_efficiency": (0.3, 0.9), "elementwise_traffic": (0.0, 8.0), "attn_efficiency": (0.1, 0.9)}
+MEGATRON_CORE_FIT_FIELDS = {"tp_comm_overlap": (0.0, 1.0), "dp_overlap": (0.0, 1.0), "comm_interference": (0.0, 1.0)}
 
 
 def fit_a100() -> dict[str, float]:
@@ -382,3 +401,9 @@ def fit_h100(a100: dict[str, float]) -> dict[str, float]:
     base = {k: v.scaled(dp_overlap=a100["dp_overlap"], comm_interference=a100["comm_interference"])
             for k, v in STACKS.items()}
     return fit(rows, base, H100_FIT_FIELDS)
+
+
+def fit_megatron_core() -> dict[str, float]:
+    """Megatron-Core's overlap constants (TP communication hidden, data-parallel overlap and its interference)
+    from the Megatron-LM fit rows, every other constant as stored (H100 compute constants from llm-foundry)."""
+    return fit([r for r in MEGATRON_H100 if r.role == "fit"], STACKS, MEGATRON_CORE_FIT_FIELDS)
