@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                   + ")")
         return 0
     tty = sys.stdout.isatty()
+    ended = 0  # consecutive views in which every run looked ended
     while True:
         snap = snapshot(runs, many)
         if a.json:
@@ -160,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             if a.watch and tty:
                 print("\033[2J\033[H", end="")
             print(render(snap, tty), flush=True)
-        if not a.watch or _finished(snap):
+        # A requeue passes through states that look final (PREEMPTED, or the first run's record in sacct
+        # before the job is pending again): --watch stops only when the next view agrees.
+        ended = ended + 1 if _finished(snap) else 0
+        if not a.watch or ended >= 2:
             return 0
         try:
             time.sleep(a.interval)
