@@ -63,13 +63,17 @@ def _submit(args: list[str]) -> tuple[str, str, Path]:
 
 
 def test_site_a_full_the_job_runs_on_b(two_sites, stdlib_data, tmp_path):
+    # The run must still be live when the second launch asks for it: rank 0 sleeps 60 s in its step 1 (a
+    # tiny run is otherwise over in seconds on a quiet box).
+    args = [*_args(stdlib_data, tmp_path, 20), "monitor.debug_slow_rank=0", "monitor.debug_slow_steps=[1]",
+            "monitor.debug_slow_s=60"]
     filler = _fill("alpha")
     try:
-        job, site, run = _submit(_args(stdlib_data, tmp_path, 20))
+        job, site, run = _submit(args)
         assert site == "beta" and run.is_relative_to(tmp_path / "beta")
         # The same run again, from alpha's default SLURM_CONF: the run lock asks beta (-M) and sees job
         # `job` live there (alpha knows no such job, or another one with the same id).
-        again = subprocess.run(TRAIN + _args(stdlib_data, tmp_path, 20), capture_output=True, text=True, timeout=300)
+        again = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
         assert again.returncode != 0 and f"already has job {job} on cluster beta" in again.stderr, \
             again.stdout + again.stderr
         # One view of both sites: alpha full (the filler on both nodes), a job of ours on beta (a plain one: the
@@ -99,7 +103,9 @@ def test_site_a_full_the_job_runs_on_b(two_sites, stdlib_data, tmp_path):
 
 def test_run_preempted_on_a_migrates_to_b_and_finishes_bitwise_identical(two_sites, stdlib_data, tmp_path):
     steps = 60
-    args = _args(stdlib_data, tmp_path, steps)
+    # Rank 0 sleeps 0.5 s in every step, so that the preemption lands while the run trains, however fast the
+    # box (60 tiny steps are otherwise over in seconds); the weights do not depend on it.
+    args = [*_args(stdlib_data, tmp_path, steps), "monitor.debug_slow_rank=0", "monitor.debug_slow_s=0.5"]
     # The uninterrupted reference: the same 1 x 2 layout and threads on the local executor, meanwhile.
     ref_cmd = [*TRAIN, *[a for a in args if not a.startswith(("cluster", "train.runs_root="))], "cluster=local",
                "cluster.nodes=1", "cluster.tasks_per_node=2", "cluster.threads_per_rank=1",
