@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
+# pytest-xdist workers for `make test`: the Slurm tier runs on one of them (one test after another on the
+# testbed) while the others run the unit and slow tiers, whose tests are mostly waiting on each other's
+# processes and on the testbed's jobs rather than computing.
+TEST_WORKERS ?= 3
 
 .PHONY: install demo check test lint clean
 
@@ -31,7 +35,7 @@ check: install lint
 
 # Everything (CI): unit, slow (multi-process training runs) and slurm (the real testbed) tiers.
 test: install lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) runs data outputs multirun .pytest_cache

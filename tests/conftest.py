@@ -7,11 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -46,13 +47,51 @@ def registered_clusters(conf: str, timeout: float = 300) -> tuple[subprocess.Com
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test belongs to exactly one tier: a test not marked ``slow`` or ``slurm`` is ``unit``."""
+    """Every test belongs to exactly one tier: a test not marked ``slow`` or ``slurm`` is ``unit``.
+
+    Under pytest-xdist (``make test`` runs ``-n`` workers with ``--dist loadgroup``) each file runs on one
+    worker, so that its module-scoped fixtures (process groups, trained runs) are built once; and every file
+    with a ``slurm`` test runs on one worker, one test after another, because they share one testbed of two
+    nodes (a test that fills a partition or preempts a job must not meet another test's job there).
+    """
+    slurm_files, slow_files = set(), set()
     for item in items:
         tiers = [t for t in TIERS if item.get_closest_marker(t) is not None]
         if not tiers:
             item.add_marker(pytest.mark.unit)
         elif "slurm" in tiers and "slow" in tiers:
             raise pytest.UsageError(f"{item.nodeid}: marked both slow and slurm; a test has one tier")
+        elif "slurm" in tiers:
+            slurm_files.add(item.path)
+        else:
+            slow_files.add(item.path)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("slurm-testbed" if item.path in slurm_files else item.path.name))
+    # The longest groups first (the testbed's, then files that train), so that no worker starts one last.
+    items.sort(key=lambda item: 0 if item.path in slurm_files else 1 if item.path in slow_files else 2)
+
+
+def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """``name``, a directory that ``build`` fills once per test run, also when pytest-xdist runs several
+    workers: the first worker to ask builds it in the run's common temporary directory (under a file lock),
+    the others wait and reuse it. A build that fails leaves nothing behind, so the next one starts clean."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        out = tmp_path_factory.mktemp(name)
+        build(out)
+        return out
+    out = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(f"{out}.lock"):
+        done = out.with_name(f"{name}.done")
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            try:
+                build(out)
+            except BaseException:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
+            done.touch()
+    return out
 
 
 def compose_cfg(overrides: list[str] | None = None) -> DictConfig:
@@ -78,9 +117,7 @@ def stdlib_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default corpus (this interpreter's stdlib), prepared once per test session."""
     from xirang_hpc.data.prepare import prepare
 
-    out = tmp_path_factory.mktemp("stdlib-bytes")
-    prepare("stdlib", out)
-    return out
+    return shared_dir(tmp_path_factory, "stdlib-bytes", lambda out: prepare("stdlib", out))
 
 
 @pytest.fixture(scope="session")
@@ -90,9 +127,8 @@ def email_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     from xirang_hpc.data.prepare import prepare
 
-    out = tmp_path_factory.mktemp("email-bytes")
-    prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), out, val_fraction=0.2)
-    return out
+    email = Path(sysconfig.get_paths()["stdlib"]) / "email"
+    return shared_dir(tmp_path_factory, "email-bytes", lambda out: prepare(str(email), out, val_fraction=0.2))
 
 
 @pytest.fixture(scope="session")
@@ -100,9 +136,8 @@ def source_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This package's own sources (~1 MB of Python), byte-tokenized, 5% held out: prepared once per session."""
     from xirang_hpc.data.prepare import prepare
 
-    out = tmp_path_factory.mktemp("source-bytes") / "data"
-    prepare(str(ROOT / "xirang_hpc"), out, val_fraction=0.05)
-    return out
+    return shared_dir(tmp_path_factory, "source-bytes",
+                      lambda out: prepare(str(ROOT / "xirang_hpc"), out / "data", val_fraction=0.05)) / "data"
 
 
 # The session's trained run: the embedded default (`make demo`'s layout: 4 gloo ranks on 2 virtual
@@ -134,15 +169,19 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, source_data: Path) -> 
     """One real ``xirang-train`` run, trained once per session and shared by the tests that only read it
     (the end-to-end run's output, serving, export, eval). A test that writes into a run uses
     ``trained_run_copy`` instead, so that the next reader sees the run exactly as training left it."""
-    tmp = tmp_path_factory.mktemp("trained")
-    r = subprocess.run([str(Path(sys.executable).parent / "xirang-train"), f"train.max_steps={TRAINED_STEPS}",
-                        "train.warmup_steps=10", f"train.log_every={TRAINED_LOG_EVERY}",
-                        f"train.runs_root={tmp}/runs", f"data.out_dir={source_data}"],
-                       cwd=tmp, capture_output=True, text=True, timeout=1800)  # a safety net against a hang
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    def train(tmp: Path) -> None:
+        r = subprocess.run([str(Path(sys.executable).parent / "xirang-train"), f"train.max_steps={TRAINED_STEPS}",
+                            "train.warmup_steps=10", f"train.log_every={TRAINED_LOG_EVERY}",
+                            f"train.runs_root={tmp}/runs", f"data.out_dir={source_data}"],
+                           cwd=tmp, capture_output=True, text=True, timeout=1800)  # a safety net against a hang
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        (tmp / "train.stdout").write_text(r.stdout)
+        (tmp / "train.stderr").write_text(r.stderr)
+
+    tmp = shared_dir(tmp_path_factory, "trained", train)
     (run,) = (tmp / "runs").iterdir()
     before = _snapshot(run)
-    yield TrainedRun(run, source_data, r.stdout, r.stderr)
+    yield TrainedRun(run, source_data, (tmp / "train.stdout").read_text(), (tmp / "train.stderr").read_text())
     # A reader that wrote into the shared run would make the tests after it see another run.
     assert _snapshot(run) == before, "a test wrote into the session's trained_run: use trained_run_copy"
 
