@@ -4,10 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
-# pytest-xdist workers for `make test`: the Slurm tier runs on one of them (one test after another on the
-# testbed) while the others run the unit and slow tiers, whose tests are mostly waiting on each other's
-# processes and on the testbed's jobs rather than computing.
-TEST_WORKERS ?= 3
+# pytest-xdist workers for `make test` (0: one process, as CI runs it). With TEST_WORKERS=3 the Slurm tier
+# runs on one worker (one test after another on the testbed) while the others run the unit and slow
+# tiers, whose tests mostly wait on their own processes and on the testbed's jobs rather than compute.
+TEST_WORKERS ?= 0
 
 .PHONY: install demo check test lint clean
 
@@ -35,7 +35,7 @@ check: install lint
 
 # Everything (CI): unit, slow (multi-process training runs) and slurm (the real testbed) tiers.
 test: install lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 
 clean:
 	rm -rf $(VENV) runs data outputs multirun .pytest_cache

@@ -46,6 +46,7 @@ def registered_clusters(conf: str, timeout: float = 300) -> tuple[subprocess.Com
     return out, [ln.split("|")[0] for ln in out.stdout.split() if ln.split("|")[-1] not in ("", "0")]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test belongs to exactly one tier: a test not marked ``slow`` or ``slurm`` is ``unit``.
 
