@@ -35,7 +35,7 @@ check: install lint
 
 # Everything (CI): unit, slow (multi-process training runs) and slurm (the real testbed) tiers.
 test: install lint
-	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 clean:
 	rm -rf $(VENV) runs data outputs multirun .pytest_cache

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from filelock import FileLock
@@ -46,30 +47,44 @@ def registered_clusters(conf: str, timeout: float = 300) -> tuple[subprocess.Com
     return out, [ln.split("|")[0] for ln in out.stdout.split() if ln.split("|")[-1] not in ("", "0")]
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers added here
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test belongs to exactly one tier: a test not marked ``slow`` or ``slurm`` is ``unit``.
+# The files that hold the slurm tier (checked at collection). Under pytest-xdist (`make test TEST_WORKERS=3`)
+# they run on one worker, one test after another, because they share one testbed of two nodes (a test that
+# fills a partition or preempts a job must not meet another test's job there); every other file runs whole
+# on one worker, so that its module-scoped fixtures (process groups, trained runs) are built once.
+SLURM_FILES = {"test_injob_slurm.py", "test_monitor_slurm.py", "test_pipeline_slurm.py", "test_slurm_accounting.py",
+               "test_slurm_clusters.py", "test_slurm_e2e.py", "test_slurm_preempt_stages.py", "test_slurm_sched.py",
+               "test_slurm_sites.py"}
 
-    Under pytest-xdist (``make test`` runs ``-n`` workers with ``--dist loadgroup``) each file runs on one
-    worker, so that its module-scoped fixtures (process groups, trained runs) are built once; and every file
-    with a ``slurm`` test runs on one worker, one test after another, because they share one testbed of two
-    nodes (a test that fills a partition or preempts a job must not meet another test's job there).
-    """
-    slurm_files, slow_files = set(), set()
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with the slurm files as one unit (see :data:`SLURM_FILES`)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "slurm-testbed" if Path(path).name in SLURM_FILES else path
+
+    return TierScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test belongs to exactly one tier: a test not marked ``slow`` or ``slurm`` is ``unit``. The
+    longest tiers first (the testbed's, then the tests that train), so that no xdist worker starts one last."""
+    rank = {}
     for item in items:
         tiers = [t for t in TIERS if item.get_closest_marker(t) is not None]
         if not tiers:
             item.add_marker(pytest.mark.unit)
         elif "slurm" in tiers and "slow" in tiers:
             raise pytest.UsageError(f"{item.nodeid}: marked both slow and slurm; a test has one tier")
-        elif "slurm" in tiers:
-            slurm_files.add(item.path)
-        else:
-            slow_files.add(item.path)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("slurm-testbed" if item.path in slurm_files else item.path.name))
-    # The longest groups first (the testbed's, then files that train), so that no worker starts one last.
-    items.sort(key=lambda item: 0 if item.path in slurm_files else 1 if item.path in slow_files else 2)
+        elif "slurm" in tiers and item.path.name not in SLURM_FILES:
+            raise pytest.UsageError(f"{item.nodeid}: a slurm test in a file not listed in conftest.SLURM_FILES")
+        rank[item.nodeid] = 0 if "slurm" in tiers else 1 if "slow" in tiers else 2
+    items.sort(key=lambda item: rank[item.nodeid])
 
 
 def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
