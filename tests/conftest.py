@@ -72,8 +72,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test belongs to exactly one tier: a test not marked ``slow`` or ``slurm`` is ``unit``. The
-    longest tiers first (the testbed's, then the tests that train), so that no xdist worker starts one last."""
+    """Every test belongs to exactly one tier: a test not marked ``slow`` or ``slurm`` is ``unit``. Under
+    pytest-xdist the longest tiers first (the testbed's, then the tests that train), so that no worker
+    starts one last."""
     rank = {}
     for item in items:
         tiers = [t for t in TIERS if item.get_closest_marker(t) is not None]
@@ -84,7 +85,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif "slurm" in tiers and item.path.name not in SLURM_FILES:
             raise pytest.UsageError(f"{item.nodeid}: a slurm test in a file not listed in conftest.SLURM_FILES")
         rank[item.nodeid] = 0 if "slurm" in tiers else 1 if "slow" in tiers else 2
-    items.sort(key=lambda item: rank[item.nodeid])
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one process keeps the files' order
+        items.sort(key=lambda item: rank[item.nodeid])
 
 
 def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
