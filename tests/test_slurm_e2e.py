@@ -53,6 +53,28 @@ def _nodes() -> list[str]:
     return names
 
 
+def test_a_second_testbed_on_our_node_names_or_ports_is_refused(slurm, tmp_path):
+    """Two testbeds with the same node names share the cgroups ``slurm_<node>`` (stopping one would kill the
+    other's jobs); one on our ports could not start. Both are refused before anything starts, naming the
+    setting to change, and the running testbed is untouched."""
+    node = _nodes()[0]
+    port = int(re.search(r"^SlurmctldPort=(\d+)", Path(slurm).read_text(), re.M).group(1))
+    env = {**os.environ, "XIRANG_SLURM_DIR": str(tmp_path / "tb"), "XIRANG_SLURM_ACCOUNTING": "0"}
+    free = max(1024, port - 5000)  # a range no test testbed uses (node names are checked first anyway)
+    cases = [({"XIRANG_SLURM_NODE_PREFIX": node.rstrip("0123456789"), "XIRANG_SLURM_PORT": str(free)},
+              rf"node {node} is already served by another testbed.*XIRANG_SLURM_NODE_PREFIX"),
+             ({"XIRANG_SLURM_NODE_PREFIX": "zz", "XIRANG_SLURM_PORT": str(port)},
+              rf"port {port} .* is already in use; start with another XIRANG_SLURM_PORT")]
+    for extra, says in cases:
+        out = subprocess.run([str(ROOT / "tools" / "slurm-testbed"), "start"], env={**env, **extra},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and re.search(says, out.stderr), (extra, out.stderr)
+        assert not (tmp_path / "tb").exists()
+    # The running testbed's node still answers (its slurmd and cgroup were left alone).
+    state = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True, check=True)
+    assert state.stdout.strip() and not state.stdout.strip().startswith(("down", "unknown")), state.stdout
+
+
 def _qos_preemption() -> bool:
     """The testbed runs with XIRANG_SLURM_PREEMPT=qos: a job's QOS, not its partition, decides preemption."""
     out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=True).stdout
