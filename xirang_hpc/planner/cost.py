@@ -20,7 +20,9 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   tiles on and below the causal diagonal (``formulas.causal_fraction``, FlashAttention-2 Sec. 3.1.1)
   at ``attn_efficiency`` of peak (0 = the GEMM efficiency);
 - loss: the last stage streams the b*s*V/t logits through device memory, ``logit_bytes`` per
-  element and step (fp32 cross-entropy: 36; a fused loss kernel: 6; see hardware.py);
+  element and step (fp32 cross-entropy: 36; a fused loss kernel: 6; see hardware.py), plus
+  ``metric_bytes`` per element where the training loop computes metrics on every microbatch's logits
+  (Composer's train metrics: unfused fp32 cross-entropies, 28-44 bytes; hardware.py);
 - bubble: (p-1)/v microbatch slots (Narayanan et al.: (p-1)/m of ideal time, (p-1)/(v*m) interleaved);
 - p2p: two sends of b*s*h/t (scatter-gather) per pipeline slot, 2*(v*m + p - 1) on the critical path;
 - DP, as this runtime runs each ZeRO stage (runtime/data_parallel.py, runtime/trainer.py):
@@ -259,6 +261,8 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
         scores = 0.0 if flash else n * passes * b * (sh.heads / t) * sh.seq**2 * hw.attn_score_ns * 1e-9
         # The loss streams the b*s*V/t logits through device memory (hardware.logit_bytes per element).
         loss = (hw.logit_bytes * tokens * sh.vocab / t / (hw.mem_bw_gbs * 1e9)) if last else 0.0
+        # Training metrics computed on every microbatch's logits stream them again (hardware.metric_bytes).
+        loss += (hw.metric_bytes * tokens * sh.vocab / t / (hw.mem_bw_gbs * 1e9)) if last else 0.0
         return flops_time + overhead + elementwise + scores + loss + hw.microbatch_overhead_us * 1e-6
 
     def tp_of(n: int) -> float:

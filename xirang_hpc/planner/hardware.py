@@ -89,6 +89,20 @@ class Hardware:
     # Cf. Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (ICLR 2025), Sec. 1-3:
     # the logit matrix, not the head GEMM, dominates the loss's memory and traffic at large vocabularies.
     logit_bytes: float = 0.0
+    # Bytes per logit element and microbatch that the training loop moves through device memory *outside*
+    # the loss, for training metrics computed on every microbatch's logits. Composer (0.16, which
+    # llm-foundry 0.3 ran its benchmarks on) calls each train metric's update after every microbatch's
+    # backward (``Trainer._train_microbatch`` -> ``_eval_train_metrics``, under autocast); llm-foundry's
+    # MPT has two, ``LanguageCrossEntropy`` and ``LanguagePerplexity``, each an unfused
+    # ``torch.nn.CrossEntropyLoss`` over the b*s x V logits. ``cross_entropy`` autocasts to fp32 (PyTorch
+    # AMP docs, "CUDA ops that can autocast to float32"): read the 16-bit logits, write fp32 (2 + 4); then
+    # log_softmax over rows of V fp32 elements, which at V = 50,368 exceed a block's 48 KiB of shared
+    # memory, so PyTorch runs ``cunn_SoftMaxForward`` (aten/src/ATen/native/cuda/SoftMax.cu): a max pass, a
+    # sum-of-exp pass and the epilogue each read the row, one write: 4 + 4 bytes from HBM if L2 serves the
+    # re-reads, 12 + 4 if none does. Per metric 14 to 22 bytes, for two 28 to 44: the range the composer
+    # stack's value is fitted in (planner/published.py). Training metrics of this runtime, torchtitan and
+    # Megatron read only the loss: 0.
+    metric_bytes: float = 0.0
     # Fraction of a data-parallel collective's time hidden behind compute that the compute still pays:
     # NCCL kernels occupy SMs and contend for HBM bandwidth with the GEMMs they overlap (Rashidi et al.,
     # "Enabling Compute-Communication Overlap in Distributed Deep Learning Training Platforms", ISCA
@@ -140,10 +154,10 @@ _A100 = dict(peak_tflops=312.0, gemm_efficiency=0.70, gemm_half_width=25.0, kern
 # about half that. Megatron-LM's published TP/PP H100 rows are checked in planner/published.py under the
 # megatron-core stack, whose TP and distributed-optimizer overlap (tp_comm_overlap, distributed_optimizer)
 # this runtime does not have: the presets keep those at 0.
-_H100 = dict(peak_tflops=989.0, gemm_efficiency=0.717, gemm_half_width=40.0, kernel_overhead_us=15.0,
-             elementwise_traffic=4.0, intra_bw_gbs=450.0 * _BUS, intra_latency_us=3.0,
+_H100 = dict(peak_tflops=989.0, gemm_efficiency=0.714, gemm_half_width=40.0, kernel_overhead_us=15.0,
+             elementwise_traffic=3.742, intra_bw_gbs=450.0 * _BUS, intra_latency_us=3.0,
              inter_bw_gbs=8 * 50.0 * _BUS, inter_latency_us=8.0, inter_nics=8, dp_overlap=0.107, reserved_gb=3.0,
-             flash_attention=1.0, attn_efficiency=0.184, logit_bytes=36.0, comm_interference=0.386)
+             flash_attention=1.0, attn_efficiency=0.184, logit_bytes=36.0, comm_interference=0.442)
 
 PRESETS: dict[str, Hardware] = {
     "a100-40gb": Hardware(name="a100-40gb", mem_gb=40.0, mem_bw_gbs=1555.0, **_A100),
@@ -165,7 +179,7 @@ _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", 
                 "sp_overhead_us", "tp_overhead_us_per_mb", "bubble_exposed", "dp_overhead_us_per_mb",
                 "fsdp_overhead_us_per_mb", "optimizer_ns_per_param", "fsdp_buffer_factor", "attn_score_ns",
                 "flash_attention", "attn_efficiency", "logit_bytes", "comm_interference",
-                "checkpoint_early_stop"}
+                "checkpoint_early_stop", "metric_bytes"}
 _FRACTIONS = {"bubble_exposed", "dp_overlap", "flash_attention", "attn_efficiency", "comm_interference",
               "checkpoint_early_stop"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")

@@ -279,12 +279,15 @@ ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100 + MEGATRON_H100
 
 # Constants of the FSDP stacks, as fitted by :func:`fit` on the fit rows (``bench_planner.py --fit``
 # prints them again); the loss's traffic is each stack's own (hardware.logit_bytes).
-_A100_FSDP_FIT = dict(gemm_efficiency=0.80, elementwise_traffic=3.686, dp_overlap=0.107, comm_interference=0.386,
+_A100_FSDP_FIT = dict(gemm_efficiency=0.795, elementwise_traffic=3.126, dp_overlap=0.107, comm_interference=0.442,
                       attn_efficiency=0.327)
-_H100_FSDP_FIT = dict(gemm_efficiency=0.717, elementwise_traffic=4.0, attn_efficiency=0.184)
+_H100_FSDP_FIT = dict(gemm_efficiency=0.714, elementwise_traffic=3.742, attn_efficiency=0.184)
+# Composer's two train metrics per microbatch (hardware.metric_bytes), fitted with the A100 constants within the
+# hand count's 28-44 bytes; the same software ran the H100 table.
+_COMPOSER_METRICS = dict(metric_bytes=31.85)
 # Megatron-Core's overlap (hardware.tp_comm_overlap, hardware.distributed_optimizer), fitted by
 # :func:`fit_megatron_core` on the Megatron-LM fit rows, with the H100 compute constants above.
-_MEGATRON_CORE_FIT = dict(tp_comm_overlap=0.373, dp_overlap=1.0, comm_interference=0.0)
+_MEGATRON_CORE_FIT = dict(tp_comm_overlap=0.336, dp_overlap=1.0, comm_interference=0.0)
 _FUSED_LOSS, _FP32_LOSS = 6.0, 36.0
 
 STACKS: dict[tuple[str, str], Hardware] = {
@@ -292,9 +295,10 @@ STACKS: dict[tuple[str, str], Hardware] = {
     ("a100-80gb", "megatron2021"): PRESETS["a100-80gb"].scaled(flash_attention=0.0, logit_bytes=_FP32_LOSS,
                                                                 checkpoint_early_stop=0.0),
     ("a100-80gb", "torchtitan"): PRESETS["a100-80gb"].scaled(logit_bytes=_FP32_LOSS, **_A100_FSDP_FIT),
-    ("a100-80gb", "composer"): PRESETS["a100-80gb"].scaled(logit_bytes=_FUSED_LOSS, **_A100_FSDP_FIT),
+    ("a100-80gb", "composer"): PRESETS["a100-80gb"].scaled(logit_bytes=_FUSED_LOSS, **_A100_FSDP_FIT,
+                                                            **_COMPOSER_METRICS),
     ("h100", "composer"): PRESETS["h100"].scaled(
-        logit_bytes=_FUSED_LOSS, dp_overlap=_A100_FSDP_FIT["dp_overlap"],
+        logit_bytes=_FUSED_LOSS, **_COMPOSER_METRICS, dp_overlap=_A100_FSDP_FIT["dp_overlap"],
         comm_interference=_A100_FSDP_FIT["comm_interference"], **_H100_FSDP_FIT),
     # Megatron-Core 2024 (r0.8): fused attention (Transformer Engine), fp32 vocab-parallel cross-entropy, the
     # H100 compute constants as fitted above; TP collectives pipelined with the GEMMs (--tp-comm-overlap) and
@@ -362,16 +366,25 @@ def relative_errors(runs: list[PublishedRun]) -> list[float]:
     return [predict(r) / r.value - 1 for r in runs]
 
 
+# Fields that belong to one software stack's behaviour: a fit applies them to that stack's rows only.
+STACK_FIELDS = {"metric_bytes": ("composer",)}
+
+
+def _for_stack(vals: dict[str, float], stack: str) -> dict[str, float]:
+    return {k: v for k, v in vals.items() if stack in STACK_FIELDS.get(k, (stack,))}
+
+
 def fit(runs: list[PublishedRun], base: dict[tuple[str, str], Hardware], fields: dict[str, tuple[float, float]],
         rounds: int = 4, steps: int = 24) -> dict[str, float]:
     """Constants minimising the mean |relative error| over ``runs`` (each predicted with its stack in ``base``
-    plus the fitted fields): coordinate search over each field's (low, high) range, ``steps`` points per
-    round, the range narrowing around the best point each round. Deterministic; no row outside ``runs``."""
+    plus the fitted fields, less those :data:`STACK_FIELDS` keeps to other stacks): coordinate search over
+    each field's (low, high) range, ``steps`` points per round, the range narrowing around the best point
+    each round. Deterministic; no row outside ``runs``."""
     values = {k: (lo + hi) / 2 for k, (lo, hi) in fields.items()}
     spans = {k: hi - lo for k, (lo, hi) in fields.items()}
 
     def loss(vals: dict[str, float]) -> float:
-        errs = [predict(r, base[(r.gpu, r.stack)].scaled(**vals)) / r.value - 1 for r in runs]
+        errs = [predict(r, base[(r.gpu, r.stack)].scaled(**_for_stack(vals, r.stack))) / r.value - 1 for r in runs]
         return sum(map(abs, errs)) / len(errs)
 
     for _ in range(rounds):
@@ -382,9 +395,10 @@ def fit(runs: list[PublishedRun], base: dict[tuple[str, str], Hardware], fields:
     return values
 
 
-# What the fits vary, and over which ranges (fractions of peak, passes over the activations).
+# What the fits vary, and over which ranges (fractions of peak, passes over the activations; the bytes of
+# Composer's two train metrics per logit element between all re-reads served by L2 and none: hardware.py).
 FSDP_FIT_FIELDS = {"gemm_efficiency": (0.5, 0.95), "elementwise_traffic": (0.0, 6.0), "dp_overlap": (0.0, 1.0),
-                   "comm_interference": (0.0, 1.0), "attn_efficiency": (0.2, 0.95)}
+                   "comm_interference": (0.0, 1.0), "attn_efficiency": (0.2, 0.95), "metric_bytes": (28.0, 44.0)}
 H100_FIT_FIELDS = {"gemm_efficiency": (0.3, 0.9), "elementwise_traffic": (0.0, 8.0), "attn_efficiency": (0.1, 0.9)}
 MEGATRON_CORE_FIT_FIELDS = {"tp_comm_overlap": (0.0, 1.0), "dp_overlap": (0.0, 1.0), "comm_interference": (0.0, 1.0)}
 
@@ -396,9 +410,11 @@ def fit_a100() -> dict[str, float]:
 
 
 def fit_h100(a100: dict[str, float]) -> dict[str, float]:
-    """The H100 compute constants from the H100 fit rows, overlap constants taken from the A100 fit."""
+    """The H100 compute constants from the H100 fit rows, overlap constants and Composer's train-metric bytes
+    (the same software on both GPUs) taken from the A100 fit."""
     rows = [r for r in MPT_H100 if r.role == "fit"]
-    base = {k: v.scaled(dp_overlap=a100["dp_overlap"], comm_interference=a100["comm_interference"])
+    base = {k: v.scaled(**_for_stack({"dp_overlap": a100["dp_overlap"], "comm_interference": a100["comm_interference"],
+                                      "metric_bytes": a100.get("metric_bytes", v.metric_bytes)}, k[1]))
             for k, v in STACKS.items()}
     return fit(rows, base, H100_FIT_FIELDS)
 
