@@ -7,7 +7,8 @@ Two roles, kept apart so that accuracy is never reported on the rows that set th
   constants of the presets (``gemm_efficiency``, ``gemm_half_width``, ``elementwise_traffic``);
   for FSDP stacks, torchtitan's three FSDP2 Llama rows on A100-80GB and llm-foundry's MPT rows at
   short sequences (512 and 1,024 tokens) set ``gemm_efficiency``, ``elementwise_traffic``,
-  ``dp_overlap`` and ``comm_interference`` (:func:`fit`, rerun by ``bench_planner.py --fit``);
+  ``dp_overlap`` and ``comm_interference``, and the composer stack's ``metric_bytes`` (:func:`fit`,
+  rerun by ``bench_planner.py --fit``);
   on H100 the MPT rows at 512 and 1,024 tokens set ``gemm_efficiency`` and ``elementwise_traffic``;
   every other row by size of Megatron-LM's H100 table, from the smallest (1.7B, 16B, 70B, 177B, 462B), sets
   the megatron-core stack's overlap constants ``tp_comm_overlap``, ``dp_overlap`` and ``comm_interference``
@@ -30,9 +31,13 @@ Sources (read 2026-11):
   they are not used.
 - mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``, tables "H100 80GB BF16" and
   "A100 80GB with 1600 Gbps node-node interconnect (RoCE)": Throughput (T/s/GPU). Composer FSDP
-  FULL_SHARD, flash-attn 2 (``submit_benchmarks.py`` installs ``.[gpu-flash2]``), llm-foundry's fused
-  cross-entropy (flash-attn's kernel, ``loss_fn`` default ``fused_crossentropy``), full activation
-  checkpointing of every MPT block where the table says so. MPT shapes from llm-foundry's ``yamls``
+  FULL_SHARD, fused attention, llm-foundry's fused cross-entropy (flash-attn's kernel, ``loss_fn`` default
+  ``fused_crossentropy``), full activation checkpointing of every MPT block where the table says so. The
+  tables came with commit b2a43a1 (2023-10), whose ``submit_benchmarks.py`` installs llm-foundry v0.3.0's
+  ``.[gpu]`` (flash-attn 1.0.9; MPT's ``attn_impl`` triton by default; the ``.[gpu-flash2]`` install is a
+  later script's) on Composer 0.16, whose trainer updates the model's train metrics after every
+  microbatch; llm-foundry's MPT has two, each an unfused fp32 cross-entropy over the logits
+  (``hardware.metric_bytes``, fitted with the A100 rows). MPT shapes from llm-foundry's ``yamls``
   (expansion ratio 4, vocab 50368, no biases; the table's parameter counts include a learned position
   table of the sequence length, so we count one). The H100 table does not state its network; the
   h100 preset's (8x 400 Gb/s per node) is used for its 16-64 GPU rows.
