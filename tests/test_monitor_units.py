@@ -14,6 +14,7 @@ import pytest
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import MonitorConfig
+from xirang_hpc.files import write_json_atomic
 from xirang_hpc.launch.status_cli import main as status_main
 from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess, bound_phase, hang_bound
 from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
@@ -25,7 +26,6 @@ from xirang_hpc.monitor.heartbeat import (
     Heartbeat,
     heartbeat_dir,
     read_heartbeats,
-    write_json_atomic,
 )
 from xirang_hpc.monitor.jobstate import slurm_state
 from xirang_hpc.monitor.plot import plot_run

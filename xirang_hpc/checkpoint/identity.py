@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import tokenizer_file
 from xirang_hpc.data.tokenizer import file_sha256
+from xirang_hpc.files import write_json_atomic
 
 IDENTITY_FILE = "identity.json"
 IDENTITY_FORMAT = 1
@@ -93,12 +93,7 @@ def write_identity(run_dir: Path, cfg: XirangConfig, **extra: Any) -> Path:
     """Record what ``run_dir`` trains (``identity.json``, mode 0600, replaced atomically)."""
     record = {"format": IDENTITY_FORMAT, "created": time.time(), **experiment_key(cfg), **extra}
     path = Path(run_dir) / IDENTITY_FILE
-    tmp = path.with_suffix(".json.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, record, indent=1, sort_keys=True)
     return path
 
 

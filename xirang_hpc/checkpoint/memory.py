@@ -43,6 +43,7 @@ import xxhash
 
 from xirang_hpc.checkpoint.collectives import GroupCollectives
 from xirang_hpc.checkpoint.storage import METADATA_FILE, HDF5StorageWriter, checksum_file
+from xirang_hpc.files import write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +149,6 @@ def _entry_of(data: memoryview | bytes) -> dict[str, Any]:
     return {"bytes": len(data), CHECKSUM: xxhash.xxh3_128(data).hexdigest()}
 
 
-def _write_atomic(path: Path, data: bytes | memoryview) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 @dataclass
 class MemoryRecord:
     """One memory save: this rank's bundle bytes, the replica bytes it received, seconds in the background."""
@@ -234,9 +228,9 @@ class MemoryStore(GroupCollectives):
             got = _entry_of(part)
             if got != {"bytes": e["bytes"], CHECKSUM: e[CHECKSUM]}:
                 raise OSError(f"bundle {manifest['bundle']} file {name}: received bytes fail their checksum")
-            _write_atomic(d / name, part)
+            write_bytes_atomic(d / name, part)
             off += e["bytes"]
-        _write_atomic(d / BUNDLE.format(manifest["bundle"]), json.dumps(manifest).encode())
+        write_bytes_atomic(d / BUNDLE.format(manifest["bundle"]), json.dumps(manifest).encode())
 
     def save(self, step: int, snap: dict[str, Any], state: dict[str, Any], rank_state: dict[str, Any]) -> MemoryRecord:
         """Write this rank's bundle into its node's memory and a replica to its partner (collective).
@@ -254,10 +248,10 @@ class MemoryStore(GroupCollectives):
         try:
             files: dict[str, Any] = dict(writer.file_entries)
             own = f"rank_{self.rank}.json"
-            _write_atomic(d / own, json.dumps(rank_state).encode())
+            write_bytes_atomic(d / own, json.dumps(rank_state).encode())
             files[own] = {"bytes": (d / own).stat().st_size, CHECKSUM: checksum_file(d / own)}
             if self.rank == 0:
-                _write_atomic(d / STATE, json.dumps(state).encode())
+                write_bytes_atomic(d / STATE, json.dumps(state).encode())
                 for name in (METADATA_FILE, STATE):
                     files[name] = {"bytes": (d / name).stat().st_size, CHECKSUM: checksum_file(d / name)}
             manifest = {"step": step, "bundle": self.rank, "world_size": self.world_size, "node": self.node,
@@ -277,7 +271,7 @@ class MemoryStore(GroupCollectives):
         for r, data in zip(senders, got):
             self._unpack(d, manifests[r][0], data)
             rec.replica_bytes += data.numel()
-        _write_atomic(d / BUNDLE.format(self.rank), json.dumps(manifest).encode())
+        write_bytes_atomic(d / BUNDLE.format(self.rank), json.dumps(manifest).encode())
         self._barrier()  # step N is complete on every node: older steps may go
         for old in self.dir.glob("step_*"):
             if old != d:

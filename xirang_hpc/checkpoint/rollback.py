@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
+from xirang_hpc.files import write_json_atomic
 
 FORKS = "forks.json"
 FORKED_FROM = "forked_from.json"
@@ -85,7 +86,5 @@ def fork_for_resume(run_dir: Path, step: int, mode: int = 0o700) -> Path:
         return Path(prior)
     new = fork_run(Path(run_dir), step, mode=mode)
     forks[str(step)] = str(new)
-    tmp = forks_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(forks, indent=1))
-    os.replace(tmp, forks_file)
+    write_json_atomic(forks_file, forks, indent=1)
     return new

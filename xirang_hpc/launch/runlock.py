@@ -26,6 +26,8 @@ from typing import Any
 
 import psutil
 
+from xirang_hpc.files import write_json_atomic
+
 OWNER_FILE = "job.json"
 SUBMIT_LOCK = ".submit.lock"
 # Slurm job states in which a job may still write to its run directory.
@@ -119,9 +121,7 @@ def record_owner(run_dir: Path, executor: str, job_id: str, pid: int | None = No
         owner["after"] = after
     if cluster:
         owner["cluster"] = cluster
-    tmp = run_dir / f".{OWNER_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(owner, indent=1))
-    os.replace(tmp, run_dir / OWNER_FILE)
+    write_json_atomic(run_dir / OWNER_FILE, owner, indent=1)
     return owner
 
 

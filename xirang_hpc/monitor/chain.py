@@ -23,17 +23,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc.files import write_json_atomic
 from xirang_hpc.runtime import slurmctl
 
 STAGES = ("prepare", "train", "eval", "serve")
 PIPELINE_FILE = "pipeline.json"
 STAGE_DIR = "pipeline"
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -55,7 +50,7 @@ def write_stage(run_dir: Path, stage: str, status: str, **extra: Any) -> None:
         row.pop("error", None)
     else:
         row["end"] = row["time"]
-    _write_json(d / f"{stage}.json", row)
+    write_json_atomic(d / f"{stage}.json", row, indent=1)
 
 
 @contextmanager
@@ -78,7 +73,7 @@ def stage_record(run_dir: Path, stage: str, enabled: bool = True) -> Iterator[No
 # ---- the record -------------------------------------------------------------------------------
 def write_pipeline(run_dir: Path, executor: str, stages: list[dict[str, Any]]) -> None:
     """``<run>/pipeline.json``: the chain as launched."""
-    _write_json(Path(run_dir) / PIPELINE_FILE, {"executor": executor, "created": time.time(),
+    write_json_atomic(Path(run_dir) / PIPELINE_FILE, {"executor": executor, "created": time.time(),
                                                 "run_dir": str(run_dir), "stages": stages})
 
 

@@ -17,7 +17,6 @@ This module must not import torch: the watchdog process and ``xirang-status`` re
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import threading
 import time
@@ -25,6 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from xirang_hpc.files import write_json_atomic
 
 HEARTBEAT_DIR = "heartbeats"
 ABORT_FILE = "ABORT.json"
@@ -37,15 +38,6 @@ def heartbeat_dir(run_dir: Path | str) -> Path:
     d = Path(run_dir) / HEARTBEAT_DIR
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     return d
-
-
-def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
-    """Write ``obj`` as JSON to ``path`` so that readers see the old or the new file, never a torn one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

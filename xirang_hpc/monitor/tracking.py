@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.files import write_json_atomic
 from xirang_hpc.monitor.events import EVENTS_FILE
 from xirang_hpc.monitor.flops import flops_per_token_for, mfu, peak_for_device
-from xirang_hpc.monitor.heartbeat import write_json_atomic
 from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.topology import Topology
 

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from xirang_hpc.config.schema import MonitorConfig, XirangConfig
+from xirang_hpc.files import write_json_atomic
 from xirang_hpc.monitor.flops import flops_per_token_for
-from xirang_hpc.monitor.heartbeat import SESSION_FILE, SESSIONS_LOG, Heartbeat, heartbeat_dir, write_json_atomic
+from xirang_hpc.monitor.heartbeat import SESSION_FILE, SESSIONS_LOG, Heartbeat, heartbeat_dir
 from xirang_hpc.monitor.resources import ProcessSampler
 from xirang_hpc.monitor.watchdog import spawn
 from xirang_hpc.runtime import liveness

@@ -33,9 +33,10 @@ from typing import Any
 
 import psutil
 
+from xirang_hpc.files import write_json_atomic
 from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess
 from xirang_hpc.monitor.events import append_event
-from xirang_hpc.monitor.heartbeat import ABORT_FILE, HEARTBEAT_DIR, read_heartbeats, read_json, write_json_atomic
+from xirang_hpc.monitor.heartbeat import ABORT_FILE, HEARTBEAT_DIR, read_heartbeats, read_json
 
 ABORT_KINDS = {"hang": "abort_on_hang", "dead": "abort_on_dead"}
 

@@ -13,10 +13,8 @@ they become ``train.grad_accum`` (the data-parallel trainer accumulates over the
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from typing import Any
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, validate
+from xirang_hpc.files import write_json_atomic
 from xirang_hpc.planner.cost import Estimate, Plan, Problem
 from xirang_hpc.planner.formulas import Shape
 from xirang_hpc.planner.hardware import hardware_for
@@ -131,9 +130,5 @@ def announce(record: dict[str, Any], say: Callable[[str], None] = print) -> None
 def write_plan(run_dir: Path, record: dict[str, Any]) -> Path:
     """Store the prediction as ``run_dir/plan.json`` (0600)."""
     path = Path(run_dir) / PLAN_FILE
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    write_json_atomic(path, record, indent=2, sort_keys=True)
     return path

@@ -15,6 +15,7 @@ from typing import Any
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.files import write_json_atomic
 from xirang_hpc.launch.sites.placement import Placement, apply_site, choose, gather, place, record_placement, site_of
 from xirang_hpc.launch.sites.transfer import CopyError, copy_run, site_run_dir
 from xirang_hpc.monitor.events import append_event
@@ -89,10 +90,7 @@ def write_site_state(run_dir: Path, cfg: XirangConfig, data_dir: Path, site: str
     history = [*old.get("history", []), {"site": site, "job": job_id, "run_dir": at, "time": time.time()}]
     state = {"site": site, "job": job_id, "run_dir": at, "data_dir": str(data_dir),
              "config": dataclasses.asdict(cfg), "history": history}
-    tmp = run_dir / f".{SITE_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(state, indent=1, default=str))
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, run_dir / SITE_FILE)
+    write_json_atomic(run_dir / SITE_FILE, state, indent=1, default=str)
     return state
 
 
