@@ -207,3 +207,25 @@ def test_the_driver_removes_the_jobs_memory_copies_here_and_on_the_healthy_nodes
     (tmp_path / "off").mkdir()
     off = _run_dir(tmp_path / "off")
     assert release_memory(off, env, allocation=lambda _: ["n1"], run=lambda c, **kw: calls.append(c)) is None
+
+
+def test_a_step_that_outlives_a_dead_rank_is_ended_and_older_faults_are_ignored(tmp_path):
+    """After a node loss the survivors may fail on their own (gloo: connection reset) before the watchdog
+    aborts them: only a ``dead`` event is written, and ``srun`` would wait minutes for the lost node's tasks.
+    The driver ends such a step ``grace_s`` after the dead rank; a fault of an earlier attempt ends nothing."""
+    import sys
+    import time
+
+    from xirang_hpc.launch.injob import run_step
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(float(__import__('sys').argv[1]))"]
+    append_event(tmp_path, "dead", "rank 2 on n2 (backward, step 11): dead", rank=2, node="n2")
+    since = time.time() + 0.01
+    t0 = time.monotonic()
+    assert run_step([*sleeper, "1.5"], {}, tmp_path, since, grace_s=0.2, poll_s=0.05) == 0  # ran to its end
+    assert time.monotonic() - t0 >= 1.5
+    time.sleep(0.05)
+    append_event(tmp_path, "dead", "rank 2 on n2 (backward, step 11): dead", rank=2, node="n2")
+    t0 = time.monotonic()
+    rc = run_step([*sleeper, "600"], {}, tmp_path, since, grace_s=0.2, poll_s=0.05)
+    assert rc == -15 and time.monotonic() - t0 < 60  # SIGTERM'd after the grace, not after 600 s

@@ -4,7 +4,7 @@ With ``requeue.max_restarts_in_job > 0`` the batch script runs this module inste
 ``srun`` (see :func:`xirang_hpc.launch.slurm.injob_lines`). Each attempt is one ``srun`` step on
 chosen nodes of the allocation. When a rank dies (``kill -9``, OOM, a lost node) or hangs, the
 monitor's watchdog names it and aborts the ranks; the step ends (or, when a lost node's part of the
-step never reports back, the driver ends it a few seconds after the abort). The driver then
+step never reports back, the driver ends it a few seconds after the abort or the dead rank). The driver then
 excludes the named node and starts a new step -- a new rendezvous, the newest checkpoint -- on
 ``cluster.nodes`` healthy nodes when the allocation still has them (``cluster.spare_nodes``:
 same layout, bitwise the same training), else on fewer nodes with the layout shrunk
@@ -36,9 +36,13 @@ from xirang_hpc.launch.supervise import already_handled, hostnames, preempt_time
 from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
 from xirang_hpc.runtime.markers import missing_ranks
 
-# After the watchdog aborted the ranks, how long the step may take to end by itself before the
-# driver ends it (a lost node's part never reports its exit to srun).
+# After the watchdog named a dead rank or aborted the ranks, how long the step may take to end by itself
+# before the driver ends it (a lost node's part never reports its exit to srun).
 ABORT_GRACE_S = 5.0
+# The events after which this attempt is over: the watchdog's abort, or a rank it found dead (when the
+# survivors fail on their own first, e.g. gloo's "connection reset" after a node loss, no abort follows,
+# and srun would wait for the lost node's tasks until slurmctld marks the node down, minutes later).
+ENDING_EVENTS = ("abort", "dead")
 NODES_ENV = "XIRANG_NODES"  # read by xirang_hpc.config.elastic inside the job
 ATTEMPT_ENV = "XIRANG_INJOB_ATTEMPT"  # read by xirang_hpc.runtime.topology (a fresh rendezvous port)
 
@@ -75,24 +79,26 @@ def srun_command(job: Mapping[str, Any], folder: Path, nodes: list[str], attempt
     return [*cmd, python, "-u", "-m", "submitit.core._submit", str(folder)]
 
 
-def _aborted_since(run_dir: Path, since: float) -> float | None:
-    """Time of the watchdog's ``abort`` event at or after ``since`` (None if there is none)."""
+def _ended_since(run_dir: Path, since: float) -> tuple[float, str] | None:
+    """Time and kind of the first event at or after ``since`` that ends this attempt (see ENDING_EVENTS)."""
     for ev in read_events(run_dir):
-        if ev.get("kind") == "abort" and ev.get("time", 0) >= since:
-            return float(ev["time"])
+        if ev.get("kind") in ENDING_EVENTS and ev.get("time", 0) >= since:
+            return float(ev["time"]), str(ev["kind"])
     return None
 
 
 def run_step(cmd: list[str], env: Mapping[str, str], run_dir: Path, since: float,
              grace_s: float = ABORT_GRACE_S, poll_s: float = 0.5,
              clock: Callable[[], float] = time.time) -> int:
-    """Run one attempt's ``srun``; end it ``grace_s`` after an abort when it does not end by itself."""
+    """Run one attempt's ``srun``; end it ``grace_s`` after an abort or a dead rank when it does not end by
+    itself."""
     proc = subprocess.Popen(cmd, env=dict(env))
     while proc.poll() is None:
         time.sleep(poll_s)
-        aborted = _aborted_since(run_dir, since)
-        if aborted is not None and clock() - aborted > grace_s and proc.poll() is None:
-            print(f"xirang: ending the step {grace_s:.0f}s after the abort (a lost node's tasks never reported)",
+        ended = _ended_since(run_dir, since)
+        if ended is not None and clock() - ended[0] > grace_s and proc.poll() is None:
+            what = "the abort" if ended[1] == "abort" else "a rank was found dead"
+            print(f"xirang: ending the step {grace_s:.0f}s after {what} (a lost node's tasks never reported)",
                   file=sys.stderr, flush=True)
             proc.terminate()
             try:
