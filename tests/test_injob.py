@@ -8,6 +8,8 @@ real event log; the real ``srun`` steps are in tests/test_injob_slurm.py.
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from conftest import compose_cfg
 from xirang_hpc.config.elastic import for_environment, shrink, shrink_options
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.launch.injob import choose_nodes, drive, srun_command
+from xirang_hpc.launch.injob import choose_nodes, drive, run_step, srun_command
 from xirang_hpc.launch.slurm import make_slurm_executor, sbatch_parameters, write_job_file
 from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.runtime.markers import mark_exit, mark_start
@@ -213,11 +215,6 @@ def test_a_step_that_outlives_a_dead_rank_is_ended_and_older_faults_are_ignored(
     """After a node loss the survivors may fail on their own (gloo: connection reset) before the watchdog
     aborts them: only a ``dead`` event is written, and ``srun`` would wait minutes for the lost node's tasks.
     The driver ends such a step ``grace_s`` after the dead rank; a fault of an earlier attempt ends nothing."""
-    import sys
-    import time
-
-    from xirang_hpc.launch.injob import run_step
-
     sleeper = [sys.executable, "-c", "import time; time.sleep(float(__import__('sys').argv[1]))"]
     append_event(tmp_path, "dead", "rank 2 on n2 (backward, step 11): dead", rank=2, node="n2")
     since = time.time() + 0.01

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.gpt import GPT, lm_loss
+from xirang_hpc.monitor.events import read_events
 from xirang_hpc.serve.weights import WeightsError, init_model_from
 
 BIN = Path(sys.executable).parent
@@ -87,7 +88,6 @@ def test_training_starts_from_exported_weights_and_a_checkpoint_wins_on_restart(
     assert vals2[: len(vals)] == vals  # the first session's record is kept
     # The checkpoint was restored after the file's weights were loaded (the restore hook runs last), and the
     # second session trained on from it. (A loss-distance check against `fresh` depends on the corpus.)
-    from xirang_hpc.monitor.events import read_events
     ev = read_events(run)
     assert [(e["step"], e["source"]) for e in ev if e["kind"] == "restore"] == [(3, "filesystem")], ev
     assert [e["restored_step"] for e in ev if e["kind"] == "first_step"] == [0, 3], ev
