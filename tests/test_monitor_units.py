@@ -17,7 +17,7 @@ from xirang_hpc.config.schema import MonitorConfig
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.launch.status_cli import main as status_main
 from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess, bound_phase, hang_bound
-from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
+from xirang_hpc.monitor.events import EVENTS_FILE, EventTail, append_event, failed_nodes, read_events
 from xirang_hpc.monitor.flops import flops_per_token, mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import (
     HEARTBEAT_DIR,
@@ -483,3 +483,22 @@ def test_a_sweeps_submitit_folder_is_not_a_run(tmp_path: Path) -> None:
     write_run_dir_map(run / "submitit", [run], array=False)  # a pipeline's own map names itself
     assert not is_run_dir(sweep) and is_run_dir(run)
     assert find_runs(root) == [run] and find_runs(root / "sweeps") == []
+
+
+def test_event_tail_reads_each_appended_event_once_and_waits_for_a_torn_line(tmp_path):
+    """The in-job driver's poll: only what was appended since the last read, whole lines only."""
+    tail = EventTail(tmp_path)
+    assert tail.read() == []  # no file yet
+    append_event(tmp_path, "start", "first", step=0)
+    append_event(tmp_path, "dead", "rank 1", rank=1)
+    assert [e["kind"] for e in tail.read()] == ["start", "dead"]
+    assert tail.read() == []  # nothing new
+    with open(tmp_path / EVENTS_FILE, "ab") as f:  # a writer caught mid-line
+        f.write(b'{"time": 1.0, "kind": "ab')
+    assert tail.read() == []
+    with open(tmp_path / EVENTS_FILE, "ab") as f:
+        f.write(b'ort", "reason": "x"}\nnot json\n')
+    assert [e["kind"] for e in tail.read()] == ["abort"]  # the finished line; the foreign one skipped
+    append_event(tmp_path, "requeue", "y")
+    assert [e["kind"] for e in tail.read()] == ["requeue"]
+    assert [e["kind"] for e in read_events(tmp_path)] == ["start", "dead", "abort", "requeue"]

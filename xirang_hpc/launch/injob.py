@@ -33,7 +33,7 @@ from typing import Any
 
 from xirang_hpc.checkpoint.memory import memory_root
 from xirang_hpc.launch.supervise import already_handled, hostnames, preempt_time, run_dir_for_task, supervise
-from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
+from xirang_hpc.monitor.events import EventTail, append_event, failed_nodes, read_events
 from xirang_hpc.runtime.markers import missing_ranks
 
 # After the watchdog named a dead rank or aborted the ranks, how long the step may take to end by itself
@@ -83,9 +83,9 @@ def srun_command(job: Mapping[str, Any], folder: Path, nodes: list[str], attempt
     return [*cmd, python, "-u", "-m", "submitit.core._submit", str(folder)]
 
 
-def _ended_since(run_dir: Path, since: float) -> tuple[float, str] | None:
+def _ending(events: list[dict], since: float) -> tuple[float, str] | None:
     """Time and kind of the first event at or after ``since`` that ends this attempt (see ENDING_EVENTS)."""
-    for ev in read_events(run_dir):
+    for ev in events:
         if ev.get("kind") in ENDING_EVENTS and ev.get("time", 0) >= since:
             return float(ev["time"]), str(ev["kind"])
     return None
@@ -97,9 +97,10 @@ def run_step(cmd: list[str], env: Mapping[str, str], run_dir: Path, since: float
     """Run one attempt's ``srun``; end it ``grace_s`` after an abort or a dead rank when it does not end by
     itself."""
     proc = subprocess.Popen(cmd, env=dict(env))
+    tail, ended = EventTail(run_dir), None
     while proc.poll() is None:
         time.sleep(poll_s)
-        ended = _ended_since(run_dir, since)
+        ended = ended or _ending(tail.read(), since)
         if ended is not None and clock() - ended[0] > grace_s and proc.poll() is None:
             what = "the abort" if ended[1] == "abort" else "a rank was found dead"
             print(f"xirang: ending the step {grace_s:.0f}s after {what} (a lost node's tasks never reported)",

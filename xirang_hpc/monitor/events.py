@@ -51,6 +51,36 @@ def read_events(run_dir: Path | str) -> list[dict[str, Any]]:
     return read_jsonl(Path(run_dir) / EVENTS_FILE)
 
 
+class EventTail:
+    """New events of a run as they are appended: each :meth:`read` parses only the bytes written since the
+    previous one (a driver polling twice a second does not reread the whole file), and a line still being
+    written is left for the next read."""
+
+    def __init__(self, run_dir: Path | str) -> None:
+        self.path = Path(run_dir) / EVENTS_FILE
+        self.offset = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        """Events appended since the last call, oldest first."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1  # only whole lines: a torn tail is read again next time
+        self.offset += end
+        rows = []
+        for line in data[:end].decode(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+
 def failed_nodes(run_dir: Path | str, since: float = 0.0) -> list[str]:
     """Nodes named by fault events (dead rank, hang culprit) at or after ``since``, in first-seen order."""
     nodes: list[str] = []
