@@ -54,6 +54,28 @@ def test_alpha_beta_ring_and_hierarchical() -> None:
     assert comm.p2p(1e6, True, links, flows=8) == pytest.approx(8e-6 + 1e6 * 8 / 160e9)
 
 
+def test_pipelined_ring_is_set_by_its_slowest_link() -> None:
+    """NCCL's multi-channel ring (comm.pipelined_ring): NVLink and network hops run at once, so the time is
+    2(p-1)/p * n times the larger of (k-1)/k * b_l and the rank's NIC share b_inter(flows)/k, plus NCCL's
+    step latencies (2(p-m) on NVLink, 2(m-1) across nodes) -- not the hierarchical sum of both phases."""
+    n = 100e6
+    links = comm.Links(a_intra=3e-6, b_intra=1 / 240e9, a_inter=8e-6, b_inter_node=1 / 160e9, nics=8)
+    k, m = 8, 4
+    p = k * m
+    ring = comm.pipelined_ring(n, k, m, links, flows=8)
+    per_byte = max(7 / 8 / 240e9, 8 / 160e9 / 8)  # here the network (160 GB/s per node) is the bottleneck
+    assert ring == pytest.approx(2 * (p - m) * 3e-6 + 2 * (m - 1) * 8e-6 + 2 * (p - 1) / p * n * per_byte)
+    assert ring < comm.hierarchical_allreduce(n, k, m, links, flows=8)
+    # A faster network leaves NVLink the bottleneck: then the time no longer depends on the network.
+    fast = comm.Links(a_intra=3e-6, b_intra=1 / 240e9, a_inter=8e-6, b_inter_node=1 / 1000e9, nics=8)
+    latency = 2 * (p - m) * 3e-6 + 2 * (m - 1) * 8e-6
+    assert comm.pipelined_ring(n, k, m, fast, flows=8) == pytest.approx(latency + 2 * (p - 1) / p * n * 7 / 8 / 240e9)
+    # One node: the intra-node ring; one rank per node: the flat ring through that rank's NIC share.
+    assert comm.pipelined_ring(n, 8, 1, links, flows=8) == pytest.approx(comm.ring_allreduce(n, 8, 3e-6, 1 / 240e9))
+    flat = comm.group_allreduce(n, 1, m, links, flows=8)[0]
+    assert comm.pipelined_ring(n, 1, m, links, flows=8) == pytest.approx(flat)
+
+
 def test_pipeline_bubble_and_interleaving() -> None:
     pb = Problem(SH, A100, nodes=192, per_node=8, global_batch=2304)
     e1 = estimate(pb, Plan(dp=24, tp=8, pp=8, micro=1, recompute="full"))

@@ -13,10 +13,12 @@ import pytest
 
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.gpt import full_model_params
+from xirang_hpc.planner import comm
 from xirang_hpc.planner.cost import Plan, Problem, estimate, rank_layers
 from xirang_hpc.planner.evaluate import evaluate, parse_layout
 from xirang_hpc.planner.formulas import (
     Shape,
+    embedding_params,
     iteration_flops,
     layer_activation_bytes,
     layer_forward_flops,
@@ -126,7 +128,9 @@ def test_dp_communication_per_zero_stage_is_what_the_runtime_runs() -> None:
     and keeps weights gathered): ZeRO-2 G + G + layers*L whatever m; ZeRO-3 (1 + m) gathers + G.
     """
     sh = dataclasses.replace(LLAMA3_8B, layers=8, seq=2048)
-    hw = PRESETS["h100"].scaled(dp_overlap=0.0, comm_interference=0.0)
+    # Every collective timed as the runtime's hierarchical all-reduce (G = R/2): NCCL's pipelined rings for the
+    # sharded stages are checked in the next test.
+    hw = PRESETS["h100"].scaled(dp_overlap=0.0, comm_interference=0.0, pipelined_rings=0.0)
 
     def dp(zero: int, batch: int, pp: int = 1) -> float:
         plan = Plan(dp=32 // pp, tp=1, pp=pp, micro=1, zero=zero)
@@ -141,6 +145,33 @@ def test_dp_communication_per_zero_stage_is_what_the_runtime_runs() -> None:
     # A pipeline of 2 stages: ZeRO-2 communicates the same whatever the microbatch count, ZeRO-3 grows with it.
     assert dp(2, 64, pp=2) == pytest.approx(dp(2, 256, pp=2))
     assert dp(3, 256, pp=2) > 3 * dp(3, 64, pp=2) / 2
+
+
+def test_sharded_collectives_are_nccl_rings_with_gradients_in_their_reduce_precision() -> None:
+    """ZeRO-3 across 4 nodes on the h100 preset (``pipelined_rings`` 1, no overlap): per microbatch two weight
+    all-gathers (2 bytes) and one gradient reduce-scatter (``grad_comm_bytes``), each half of
+    comm.pipelined_ring's all-reduce time, plus 1.5 ring latencies per layer; fp32 gradients (4 bytes, as
+    FSDP's ``reduce_dtype=torch.float32``) cost one more weight gather's worth."""
+    sh = dataclasses.replace(LLAMA3_8B, layers=8, seq=2048)
+    hw = PRESETS["h100"].scaled(dp_overlap=0.0, comm_interference=0.0)
+    links = comm.Links.of(hw)
+    params = 8 * layer_params(sh) + max(embedding_params(sh), sh.vocab * sh.hidden)
+
+    def ring(n: float) -> float:
+        return comm.pipelined_ring(n, 8, 4, links, flows=8)
+
+    plan = Plan(dp=32, tp=1, pp=1, micro=1, zero=3)
+    got = {}
+    for grad_bytes in (2, 4):
+        est = estimate(Problem(sh, hw.scaled(grad_comm_bytes=grad_bytes), 4, 8, 32), plan)
+        want = ring(2 * params) + ring(grad_bytes * params) / 2 + 1.5 * 8 * ring(1.0)
+        assert est.time["dp_comm"] == pytest.approx(want, rel=1e-9) and est.dp_algo == "ring-pipelined"
+        got[grad_bytes] = est.time["dp_comm"]
+    assert got[4] - got[2] == pytest.approx((ring(4 * params) - ring(2 * params)) / 2, rel=1e-9)
+    assert got[4] > 1.3 * got[2]  # 4 + 2 + 2 bytes on the wire instead of 2 + 2 + 2
+    # The same plan timed as sequential hierarchical phases costs more: NVLink and network no longer overlap.
+    seq = estimate(Problem(sh, hw.scaled(pipelined_rings=0.0), 4, 8, 32), plan)
+    assert seq.time["dp_comm"] > 1.4 * got[2]
 
 
 def test_pipelined_zero2_and_zero3_hold_full_weights_and_gradients() -> None:

@@ -5,6 +5,9 @@ Costs (anchors.md, "Communication"), p = k ranks/node x m nodes, n bytes, a = la
 - hierarchical all-reduce (Horovod/NCCL-style): intra-node reduce-scatter, inter-node all-reduce
   among same-local-rank peers (all local ranks in parallel), intra-node all-gather:
   2(k-1)*a_l + 2(k-1)/k * n * b_l + 2(m-1)*a_g + 2(m-1)/m * (n/k) * b_g.
+- NCCL's pipelined multi-channel ring (``pipelined_ring``; the sharded stages' all-gathers and
+  reduce-scatters on GPUs): 2(p-m)*a_l + 2(m-1)*a_g + 2(p-1)/p * n * max((k-1)/k * b_l, b_g/k), the
+  slowest link's time, since the ring's NVLink and network hops carry their chunks at the same time.
 Inter-node bandwidth is a per-node figure shared by the ``flows`` ranks of a node that talk across
 nodes at the same time (e.g. the 8 data-parallel groups of a node with tp=8).
 """
@@ -67,6 +70,29 @@ def group_allreduce(n: float, k: int, m: int, links: Links, flows: int) -> tuple
         return flat, "ring-inter"
     hier = hierarchical_allreduce(n, k, m, links, flows)
     return (hier, "hierarchical") if hier <= flat else (flat, "ring-inter")
+
+
+def pipelined_ring(n: float, k: int, m: int, links: Links, flows: int) -> float:
+    """All-reduce-equivalent time of NCCL's ring over a group of k ranks on each of m nodes (half of it for an
+    all-gather or a reduce-scatter): 2(p-m)a_l + 2(m-1)a_g + 2(p-1)/p * n * max((k-1)/k * b_l, b_g / k).
+
+    NCCL builds one ring per channel, each leaving a node through its own NIC (one per GPU on DGX-class
+    nodes), and moves the data in chunks along every ring at once, so a ring's intra-node hops (NVLink) and
+    inter-node hops (network) run concurrently: the slowest link sets the time, not their sum (nccl-tests
+    ``doc/PERFORMANCE.md``: "The bus bandwidth should reflect the speed of the hardware bottleneck: NVLink,
+    PCI, QPI, or network"). Each rank sends 2(p-1)/p * n: on NVLink in the (k-1)/k of the channels whose
+    next rank is on its node, through its NIC (b_g = ``b_inter(flows)``, one of ``flows`` streams of the node)
+    in the 1/k that leave it. Latency as NCCL's own tuning model counts a ring's steps (``src/graph/tuning.cc``,
+    ``ncclTopoTuneModel``): 2(m-1) of the 2(p-1) steps cross nodes and pay the network's latency, the others
+    NVLink's. One rank per node (k = 1) or one node (m = 1): the flat ring.
+    """
+    p = k * m
+    if p <= 1 or n <= 0:
+        return 0.0
+    if m == 1:
+        return ring_allreduce(n, k, links.a_intra, links.b_intra)
+    per_byte = max((k - 1) / k * links.b_intra, links.b_inter(flows) / k)
+    return 2 * (p - m) * links.a_intra + 2 * (m - 1) * links.a_inter + 2 * (p - 1) / p * n * per_byte
 
 
 def p2p(n: float, inter_node: bool, links: Links, flows: int) -> float:

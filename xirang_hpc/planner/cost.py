@@ -41,6 +41,11 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   once per microbatch's backward), reduce-scatter once, and hold full weights and gradients beside
   FSDP2's 1/dp shards of both (so under a pipeline ZeRO-2/3 hold more than ZeRO-1, and save only
   optimizer state against ZeRO-0).
+  The gathers move weights (``weight_bytes``), the reduce-scatters gradients in the stack's reduce
+  precision (``grad_comm_bytes``: 4 where FSDP or Megatron reduces in fp32 under bf16). Where
+  ``pipelined_rings`` is set (NCCL on GPUs), the sharded stages' all-gathers and reduce-scatters across
+  nodes are NCCL's rings, whose NVLink and network hops overlap (``comm.pipelined_ring``); the ZeRO-0/1
+  all-reduce stays this runtime's hierarchical one (``comm.group_allreduce``).
 """
 
 from __future__ import annotations
@@ -302,7 +307,23 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     backward = compute_mb * (passes - 1) / passes  # backward (+ recompute) of the last microbatch
     forward = compute_mb - backward
     hide = hw.dp_overlap
-    gather = scatter = dp_full / 2  # an all-gather or a reduce-scatter moves half an all-reduce's volume
+    # An all-gather or a reduce-scatter moves half an all-reduce's volume. The gradients go on the wire
+    # as ``grad_comm_bytes`` (a stack that reduces in fp32 under bf16 compute sends 4: FSDP's
+    # ``MixedPrecision(reduce_dtype=torch.float32)`` casts each gradient before its reduce-scatter,
+    # torch 2.1 ``fsdp/_runtime_utils._post_backward_hook``); the gathered weights as ``weight_bytes``.
+    # Where the collective library runs them as pipelined multi-channel rings (``pipelined_rings``: NCCL),
+    # the sharded stacks' all-gathers and reduce-scatters cost the slowest link's time (comm.pipelined_ring).
+    sharded = pl.zero >= 2 or (pl.zero == 1 and hw.distributed_optimizer > 0)
+
+    def group(n: float) -> float:
+        if sharded and hw.pipelined_rings > 0:
+            return comm.pipelined_ring(n, k_dp, d // k_dp, links, flows=k)
+        return comm.group_allreduce(n, k_dp, d // k_dp, links, flows=k)[0]
+
+    scatter = group(grad_bytes) / 2
+    gather = scatter if hw.weight_bytes == hw.grad_comm_bytes else group(stage_params * hw.weight_bytes) / 2
+    if sharded and hw.pipelined_rings > 0 and d > k_dp:
+        algo = "ring-pipelined"
     # A collective overlapped with compute still slows it by hw.comm_interference of its hidden time.
     def exposed(comm_s: float, compute_s: float) -> float:
         hidden = min(comm_s, hide * compute_s)
@@ -320,7 +341,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
         dp_exposed = exposed(dp_full, backward) + gather
     else:
         # FSDP units are layers: each gather/scatter pays the collective's latency once per layer.
-        per_layer = comm.group_allreduce(1.0, k_dp, d // k_dp, links, flows=k)[0]
+        per_layer = group(1.0)
         if p == 1:  # every microbatch: forward gather, backward reduce-scatter (+ a backward gather for ZeRO-3)
             back = scatter + (gather if pl.zero == 3 else 0.0)
             n_coll = m * (3 if pl.zero == 3 else 2)

@@ -37,10 +37,16 @@ Sources (read 2026-11):
   ``.[gpu]`` (flash-attn 1.0.9; MPT's ``attn_impl`` triton by default; the ``.[gpu-flash2]`` install is a
   later script's) on Composer 0.16, whose trainer updates the model's train metrics after every
   microbatch; llm-foundry's MPT has two, each an unfused fp32 cross-entropy over the logits
-  (``hardware.metric_bytes``, fitted with the A100 rows). MPT shapes from llm-foundry's ``yamls``
+  (``hardware.metric_bytes``, fitted with the A100 rows). That script also sets Composer's FSDP
+  ``mixed_precision`` to ``DEFAULT`` (the tables' "MP Mode" column; the A100 70b rows say ``PURE``), whose
+  ``reduce_dtype`` is fp32 (Composer 0.16 ``get_mixed_precision``): FSDP casts each gradient to fp32 before
+  its reduce-scatter (torch 2.1 ``fsdp/_runtime_utils._post_backward_hook``), 4 bytes per element on the
+  wire where bf16 weights are gathered in 2 (``grad_comm_bytes``; torchtitan's FSDP2 and Megatron-LM under
+  bf16 reduce in fp32 too). MPT shapes from llm-foundry's ``yamls``
   (expansion ratio 4, vocab 50368, no biases; the table's parameter counts include a learned position
   table of the sequence length, so we count one). The H100 table does not state its network; the
-  h100 preset's (8x 400 Gb/s per node) is used for its 16-64 GPU rows.
+  h100 preset's (8x 400 Gb/s per node) is used for its 16-64 GPU rows, FSDP's collectives across nodes
+  timed as NCCL's pipelined rings (``comm.pipelined_ring``).
 - NVIDIA/Megatron-LM ``README.md`` (commit f2e5db4, 2024-07, "New scaling figures on H100 GPUs";
   ``images/model_table.png``): GPT 1.7B..462B on 48..6,144 H100s, each row with its tensor, pipeline
   and data-parallel sizes, global batch and per-GPU teraFLOP/s; vocabulary 131,072, 4,096 tokens,
@@ -93,6 +99,7 @@ class PublishedRun:
     sp: bool = False  # sequence parallelism (tp > 1)
     free_knobs: bool = False  # micro-batch, interleaving and recomputation unpublished: the planner's fastest
     excluded: str = ""  # why a held-out row is reported apart from the held-out statistics ("" = counted)
+    reduce_bytes: int = 0  # bytes per gradient element reduced, where the row differs from its stack (0 = the stack's)
 
     @property
     def global_batch(self) -> int:
@@ -223,13 +230,21 @@ def _role(seq: int) -> str:
 _EXCLUDED = {("30b", 8192, 8): "allocator pressure near capacity (see published.py); not modelled"}
 
 
+# The tables' "MP Mode" column: every row ran Composer's FSDP ``mixed_precision: DEFAULT`` (what
+# ``submit_benchmarks.py`` of b2a43a1 sets), whose ``reduce_dtype`` is fp32 (Composer 0.16
+# ``mosaic_fsdp_utils.get_mixed_precision``): the composer stack's ``grad_comm_bytes`` 4. The two A100
+# 70b rows say ``PURE`` (bf16 reduce): 2 bytes.
+_PURE = {("70b", 2048, 64, "a100-80gb"), ("70b", 2048, 32, "a100-80gb")}
+
+
 def _mpt_runs(rows: list[tuple], gpu: str, src: str) -> list[PublishedRun]:
     out = []
     for size, seq, gpus, micro, accum, ac, v in rows:
         name = f"MPT-{size} seq {seq}{f' {gpus} GPUs' if gpus != 8 else ''}{', full AC' if ac else ''}"
         out.append(PublishedRun(src, name, _mpt(size, seq), gpus, micro, accum, "full" if ac else "none", 3,
                                 value=v, role=_role(seq), gpu=gpu,
-                                stack="composer", excluded=_EXCLUDED.get((size, seq, gpus), "")))
+                                stack="composer", excluded=_EXCLUDED.get((size, seq, gpus), ""),
+                                reduce_bytes=2 if (size, seq, gpus, gpu) in _PURE else 0))
     return out
 
 
@@ -284,38 +299,49 @@ ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100 + MEGATRON_H100
 
 # Constants of the FSDP stacks, as fitted by :func:`fit` on the fit rows (``bench_planner.py --fit``
 # prints them again); the loss's traffic is each stack's own (hardware.logit_bytes).
-_A100_FSDP_FIT = dict(gemm_efficiency=0.795, elementwise_traffic=3.126, dp_overlap=0.107, comm_interference=0.442,
-                      attn_efficiency=0.327)
-_H100_FSDP_FIT = dict(gemm_efficiency=0.714, elementwise_traffic=3.742, attn_efficiency=0.184)
+_A100_FSDP_FIT = dict(gemm_efficiency=0.809, elementwise_traffic=3.193, dp_overlap=0.085, comm_interference=0.452,
+                      attn_efficiency=0.326)
+_H100_FSDP_FIT = dict(gemm_efficiency=0.753, elementwise_traffic=4.064, attn_efficiency=0.184)
 # Composer's two train metrics per microbatch (hardware.metric_bytes), fitted with the A100 constants within the
 # hand count's 28-44 bytes; the same software ran the H100 table.
 _COMPOSER_METRICS = dict(metric_bytes=31.85)
 # Megatron-Core's overlap (hardware.tp_comm_overlap, hardware.distributed_optimizer), fitted by
 # :func:`fit_megatron_core` on the Megatron-LM fit rows, with the H100 compute constants above.
-_MEGATRON_CORE_FIT = dict(tp_comm_overlap=0.336, dp_overlap=1.0, comm_interference=0.0)
+_MEGATRON_CORE_FIT = dict(tp_comm_overlap=0.025, dp_overlap=0.824, comm_interference=0.0)
 _FUSED_LOSS, _FP32_LOSS = 6.0, 36.0
+# Gradients reduced in fp32 under bf16 compute (4 bytes per element on the wire): Composer FSDP's ``DEFAULT``
+# mixed precision (above), torchtitan's FSDP2 ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``
+# (``parallelize_llama.py`` of 395a526, later the ``--training.mixed_precision_reduce`` default), and
+# Megatron-LM under ``--bf16`` (``arguments.py``: "bfloat16 requires gradient accumulation and all-reduce to
+# be done in fp32"). The weights are gathered in bf16 (``weight_bytes`` 2).
+_FP32_REDUCE = 4
 
 STACKS: dict[tuple[str, str], Hardware] = {
     # Megatron-LM 2021 materialized the attention scores (no fused attention kernel), reduced after the backward.
     ("a100-80gb", "megatron2021"): PRESETS["a100-80gb"].scaled(flash_attention=0.0, logit_bytes=_FP32_LOSS,
                                                                 checkpoint_early_stop=0.0),
-    ("a100-80gb", "torchtitan"): PRESETS["a100-80gb"].scaled(logit_bytes=_FP32_LOSS, **_A100_FSDP_FIT),
-    ("a100-80gb", "composer"): PRESETS["a100-80gb"].scaled(logit_bytes=_FUSED_LOSS, **_A100_FSDP_FIT,
-                                                            **_COMPOSER_METRICS),
+    ("a100-80gb", "torchtitan"): PRESETS["a100-80gb"].scaled(logit_bytes=_FP32_LOSS, grad_comm_bytes=_FP32_REDUCE,
+                                                              **_A100_FSDP_FIT),
+    ("a100-80gb", "composer"): PRESETS["a100-80gb"].scaled(logit_bytes=_FUSED_LOSS, grad_comm_bytes=_FP32_REDUCE,
+                                                            **_A100_FSDP_FIT, **_COMPOSER_METRICS),
     ("h100", "composer"): PRESETS["h100"].scaled(
-        logit_bytes=_FUSED_LOSS, **_COMPOSER_METRICS, dp_overlap=_A100_FSDP_FIT["dp_overlap"],
+        logit_bytes=_FUSED_LOSS, grad_comm_bytes=_FP32_REDUCE, **_COMPOSER_METRICS,
+        dp_overlap=_A100_FSDP_FIT["dp_overlap"],
         comm_interference=_A100_FSDP_FIT["comm_interference"], **_H100_FSDP_FIT),
     # Megatron-Core 2024 (r0.8): fused attention (Transformer Engine), fp32 vocab-parallel cross-entropy, the
     # H100 compute constants as fitted above; TP collectives pipelined with the GEMMs (--tp-comm-overlap) and
     # the distributed optimizer's overlapped reduce-scatter/all-gather, whose constants are its own fit.
     ("h100", "megatron-core"): PRESETS["h100"].scaled(
-        logit_bytes=_FP32_LOSS, distributed_optimizer=1.0, **_H100_FSDP_FIT, **_MEGATRON_CORE_FIT),
+        logit_bytes=_FP32_LOSS, grad_comm_bytes=_FP32_REDUCE, distributed_optimizer=1.0, **_H100_FSDP_FIT,
+        **_MEGATRON_CORE_FIT),
 }
 
 
-def hardware_for(run: PublishedRun) -> Hardware:
-    """The hardware preset with the row's software stack's constants."""
-    return STACKS[(run.gpu, run.stack)]
+def hardware_for(run: PublishedRun, stacks: dict[tuple[str, str], Hardware] | None = None) -> Hardware:
+    """The hardware preset with the row's software stack's constants (from ``stacks``, default
+    :data:`STACKS`) and the row's own reduce precision where it differs from its stack's."""
+    hw = (stacks or STACKS)[(run.gpu, run.stack)]
+    return hw.scaled(grad_comm_bytes=run.reduce_bytes) if run.reduce_bytes else hw
 
 
 def _free_plans(run: PublishedRun, dp: int) -> list[Plan]:
@@ -389,7 +415,7 @@ def fit(runs: list[PublishedRun], base: dict[tuple[str, str], Hardware], fields:
     spans = {k: hi - lo for k, (lo, hi) in fields.items()}
 
     def loss(vals: dict[str, float]) -> float:
-        errs = [predict(r, base[(r.gpu, r.stack)].scaled(**_for_stack(vals, r.stack))) / r.value - 1 for r in runs]
+        errs = [predict(r, hardware_for(r, base).scaled(**_for_stack(vals, r.stack))) / r.value - 1 for r in runs]
         return sum(map(abs, errs)) / len(errs)
 
     for _ in range(rounds):
