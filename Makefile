@@ -4,10 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
-# pytest-xdist workers for `make test` (TEST_WORKERS=0: one process). With 3 (the default, as CI runs it)
-# the Slurm tier runs on one worker (one test after another on the testbed) while the others run the unit
-# and slow tiers, whose tests mostly wait on their own processes and on the testbed's jobs rather than
-# compute: 40 min instead of 56 on 2 cores.
+# pytest-xdist workers for `make test` (TEST_WORKERS=0: one process). With 3 (the default, as CI runs it) the
+# slurm tier runs on one worker per testbed (CI starts two; tests/conftest.py splits the files), one test after
+# another on each, and every worker takes unit and slow files when it is free. On 2 cores a fourth worker only
+# adds contention (measured: 45 min instead of 40, and time-limit waits ran out). Scopes go out in collection
+# order (slurm, slow, unit: conftest sorts them), not by test count, so that the longest start first.
 TEST_WORKERS ?= 3
 
 .PHONY: install demo check test lint clean
@@ -36,7 +37,7 @@ check: install lint
 
 # Everything (CI): unit, slow (multi-process training runs) and slurm (the real testbed) tiers.
 test: install lint
-	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 clean:
 	rm -rf $(VENV) runs data outputs multirun .pytest_cache

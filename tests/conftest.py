@@ -47,18 +47,38 @@ def registered_clusters(conf: str, timeout: float = 300) -> tuple[subprocess.Com
     return out, [ln.split("|")[0] for ln in out.stdout.split() if ln.split("|")[-1] not in ("", "0")]
 
 
-# The files that hold the slurm tier (checked at collection). Under pytest-xdist (`make test TEST_WORKERS=3`)
-# they run on one worker, one test after another, because they share one testbed of two nodes (a test that
-# fills a partition or preempts a job must not meet another test's job there); every other file runs whole
-# on one worker, so that its module-scoped fixtures (process groups, trained runs) are built once.
+# The files that hold the slurm tier (checked at collection). Under pytest-xdist (`make test`) they run one test
+# after another on the worker that holds their testbed, because a testbed has two nodes (a test that fills a
+# partition or preempts a job must not meet another test's job there); every other file runs whole on one
+# worker, so that its module-scoped fixtures (process groups, trained runs) are built once.
 SLURM_FILES = {"test_injob_slurm.py", "test_monitor_slurm.py", "test_pipeline_slurm.py", "test_slurm_accounting.py",
                "test_slurm_clusters.py", "test_slurm_e2e.py", "test_slurm_preempt_stages.py", "test_slurm_sched.py",
                "test_slurm_sites.py"}
+# With a second testbed (``XIRANG_SLURM_CONF_B``, which CI starts), these files run on it, on their own worker,
+# beside the others on the first: the two halves of the slurm tier take about the same time.
+SLURM_FILES_B = {"test_injob_slurm.py", "test_monitor_slurm.py", "test_pipeline_slurm.py",
+                 "test_slurm_preempt_stages.py"}
+
+
+def slurm_conf_for(test_file: str | Path) -> str | None:
+    """SLURM_CONF of the testbed that ``test_file``'s tests run on: ``XIRANG_SLURM_CONF_B`` for the files of
+    :data:`SLURM_FILES_B` when it is set, else ``XIRANG_SLURM_CONF`` (None: no testbed was given)."""
+    if Path(test_file).name in SLURM_FILES_B and os.environ.get("XIRANG_SLURM_CONF_B"):
+        return os.environ["XIRANG_SLURM_CONF_B"]
+    return os.environ.get("XIRANG_SLURM_CONF") or None
+
+
+def _testbed_scope(path: str) -> str | None:
+    """The xdist scope of a slurm file: one per testbed."""
+    name = Path(path).name
+    if name not in SLURM_FILES:
+        return None
+    return "slurm-testbed-b" if name in SLURM_FILES_B and os.environ.get("XIRANG_SLURM_CONF_B") else "slurm-testbed"
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile`` with the slurm files as one unit (see :data:`SLURM_FILES`)."""
+    """``--dist loadfile`` with the slurm files of each testbed as one unit (see :data:`SLURM_FILES`)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -66,7 +86,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class TierScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "slurm-testbed" if Path(path).name in SLURM_FILES else path
+            return _testbed_scope(path) or path
 
     return TierScheduling(config, log)
 

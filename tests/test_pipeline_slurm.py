@@ -14,13 +14,19 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import slurm_conf_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
 def _testbed_env() -> dict[str, str] | None:
+    """The environment of this module's testbed (``conftest.slurm_conf_for``, else SLURM_CONF, else the default
+    testbed's), or None when no testbed answers."""
     env = dict(os.environ)
+    conf = slurm_conf_for(__file__)
+    if conf:
+        env["SLURM_CONF"] = conf
     if not env.get("SLURM_CONF"):
         try:
             r = subprocess.run([str(ROOT / "tools" / "slurm-testbed"), "env"], capture_output=True, text=True,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import slurm_conf_env
+from conftest import slurm_conf_env, slurm_conf_for
 
 from xirang_hpc.monitor.events import append_event
 from xirang_hpc.monitor.slurmdb import SlurmDB
@@ -29,9 +29,9 @@ ACCOUNT = "projb"
 
 
 @pytest.fixture(scope="module")
-def slurm() -> str:
+def slurm(request: pytest.FixtureRequest) -> str:
     """SLURM_CONF of a running testbed with accounting."""
-    conf = os.environ.get("XIRANG_SLURM_CONF")
+    conf = slurm_conf_for(request.path)
     if not conf:
         pytest.skip("no Slurm testbed: run `tools/slurm-testbed start` as root and export XIRANG_SLURM_CONF")
     with slurm_conf_env(conf):

@@ -1,6 +1,7 @@
 """End-to-end on a real Slurm cluster (``tools/slurm-testbed``: slurmctld + 2 slurmd on this machine).
 
-CI (``.ci/run``) starts the testbed and exports ``XIRANG_SLURM_CONF``; without it, a root user's
+CI (``.ci/run``) starts the testbeds and exports ``XIRANG_SLURM_CONF`` (and ``XIRANG_SLURM_CONF_B`` for the
+files ``conftest.SLURM_FILES_B`` lists, which import this fixture); without it, a root user's
 run starts the testbed here (it installs Slurm with apt-get if missing), anyone else skips.
 Jobs are submitted with the real ``xirang-train``; preemption is a real ``high`` job; the crash is
 a real ``kill -9``. Requeued jobs use the ``requeue=testbed`` policy (``start_now``), so they do
@@ -21,7 +22,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import slurm_conf_env
+from conftest import slurm_conf_env, slurm_conf_for
 
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.runtime.markers import rank_pid
@@ -32,9 +33,10 @@ TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; ma
 
 
 @pytest.fixture(scope="module")
-def slurm() -> str:
-    """SLURM_CONF of a running testbed (started here when CI did not and we are root)."""
-    conf = os.environ.get("XIRANG_SLURM_CONF")
+def slurm(request: pytest.FixtureRequest) -> str:
+    """SLURM_CONF of the running testbed for this module (``conftest.slurm_conf_for``; started here when CI did
+    not and we are root)."""
+    conf = slurm_conf_for(request.path)
     if not conf:
         if os.geteuid() != 0:
             pytest.skip("no Slurm testbed: run `tools/slurm-testbed start` as root and export XIRANG_SLURM_CONF")
@@ -97,16 +99,27 @@ def _submit(args: list[str]) -> tuple[str, Path]:
     return m.group(1), Path(m.group(2))
 
 
-def _wait(pred, timeout: float, what: str, poll: float = 0.5):
+def _wait(pred, timeout: float, what: str, poll: float = 0.5, progress=None):
     """Poll ``pred`` until it returns something true; ``timeout`` is a safety net against a hang (minutes),
-    never a speed requirement: the wait ends as soon as the awaited progress shows."""
-    deadline = time.monotonic() + timeout
+    never a speed requirement: the wait ends as soon as the awaited progress shows. With ``progress`` (a
+    function whose value changes while the awaited work advances) the limit counts from the last change:
+    a loaded machine that trains slowly is waited for, a stalled one is not."""
+    deadline, last = time.monotonic() + timeout, progress() if progress else None
     while time.monotonic() < deadline:
         got = pred()
         if got:
             return got
         time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        if progress and (now := progress()) != last:
+            deadline, last = time.monotonic() + timeout, now
+    what = what() if callable(what) else what  # e.g. the events as they are now
+    raise AssertionError(f"{timeout:.0f}s without {'progress' if progress else 'it'} waiting for {what}")
+
+
+def _run_progress(run_dir: Path) -> tuple[int, ...]:
+    """Sizes of the run's metrics and events files: they grow while it trains, restarts or requeues."""
+    return tuple(p.stat().st_size if p.exists() else -1
+                 for p in (run_dir / "metrics.jsonl", run_dir / "events.jsonl"))
 
 
 def _ev(run_dir: Path, kind: str, restart: int | None = None) -> list[dict]:
@@ -118,7 +131,8 @@ def _final(run_dir: Path, timeout: float = 600) -> dict:
     def done():
         f = [e for e in _ev(run_dir, "exit") if e.get("final")]
         return f[-1] if f else None
-    return _wait(done, timeout, f"the final exit of {run_dir.name}: {read_events(run_dir)[-3:]}")
+    return _wait(done, timeout, lambda: f"the final exit of {run_dir.name}: {read_events(run_dir)[-3:]}",
+                 progress=lambda: _run_progress(run_dir))
 
 
 def _preempt(*args: str) -> None:
@@ -222,7 +236,7 @@ def test_array_sweep_only_the_preempted_task_reruns(slurm, stdlib_data, tmp_path
     """4 tasks of one array (4 CPUs each: 2 per node); a `high` job on the second node preempts exactly one."""
     args = ["-m", "train.seed=1,2,3,4", *_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1",
             "cluster.tasks_per_node=1", "cluster.cpus_per_task=4", "train.priority=exploratory",
-            "train.max_steps=120", "checkpoint.every_steps=50"]
+            "train.max_steps=300", "checkpoint.every_steps=50"]
     out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"submitted Slurm array job (\d+): 4 task\(s\)", out.stdout), out.stdout
@@ -325,6 +339,17 @@ def test_second_submission_of_a_live_run_is_refused_or_queued_behind_it(slurm, s
     train.after_active=true queued behind it (afterany), and the queued job waits for it."""
     args = [*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=1",
             "train.max_steps=400"]
+    # Every CPU of both nodes held in `high` first: the run's job stays PENDING until the test is done with
+    # it, so it cannot finish (and the run be complete) while a slow machine runs the next two commands.
+    blocker = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null",
+                              "--wrap", "sleep 600"], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        _second_submission(args)
+    finally:
+        subprocess.run(["scancel", blocker], check=False)
+
+
+def _second_submission(args: list[str]) -> None:
     job, run = _submit(args)
     out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and f"already has job {job} (" in out.stderr, out.stdout + out.stderr
