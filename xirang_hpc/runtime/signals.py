@@ -94,13 +94,15 @@ class StopSignalHook(TrainerHook):
                  save_fn: Callable[[Trainer], int | None] | None = None,
                  job_info: Callable[[str], dict[str, str]] = slurmctl.job_info,
                  requeue_fn: Callable[[str], None] = slurmctl.requeue,
-                 start_now_fn: Callable[..., object] = slurmctl.after_requeue) -> None:
+                 start_now_fn: Callable[..., object] = slurmctl.after_requeue,
+                 no_requeue_fn: Callable[[str], None] = slurmctl.no_requeue) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         # The run's event log, handed in by the job (the runtime does not know where it lives).
         self.events: EventSink = NullEventSink() if events is None else events
         self.env = os.environ if env is None else env
         self.exit_fn, self.save_fn = exit_fn, save_fn
         self.job_info, self.requeue_fn, self.start_now_fn = job_info, requeue_fn, start_now_fn
+        self.no_requeue_fn = no_requeue_fn
         self.received: list[tuple[str, float]] = []
         self.restarts = restart_count(topo, self.events, self.env)
         self.first_step_logged = False
@@ -204,6 +206,14 @@ class StopSignalHook(TrainerHook):
             self._event("stop", cause.reason, detail=cause.detail, **stop)
             verdict = decide(cause.reason, self.restarts, self.cfg.requeue)
             if not verdict.requeue:
+                if in_slurm and cause.reason == "preemption":
+                    # The run ends here: if its ranks are still leaving when the grace time ends, Slurm's
+                    # preemption would requeue the job by itself and train on past this final status.
+                    try:
+                        self.no_requeue_fn(target)
+                    except slurmctl.SlurmCommandError as exc:
+                        print(f"xirang: warning: could not make job {target} non-requeueable: {exc}",
+                              file=sys.stderr, flush=True)
                 self._event("exit", cause.reason, final=True, status=verdict.final_status, why=verdict.why, step=step)
                 print(f"xirang: not requeued: {verdict.why} (final status {verdict.final_status})", flush=True)
                 return EXIT_STOPPED

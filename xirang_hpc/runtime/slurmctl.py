@@ -99,6 +99,12 @@ def requeue(job_id: str) -> None:
     run_scontrol(["requeue", job_id])
 
 
+def no_requeue(job_id: str) -> None:
+    """``scontrol update JobId=JOB_ID Requeue=0``: Slurm's own preemption requeue (PreemptMode=REQUEUE, for a
+    job still running when the grace time ends) then ends the job instead of bringing it back."""
+    run_scontrol(["update", f"jobid={job_id}", "Requeue=0"])
+
+
 @dataclass(frozen=True)
 class StopCause:
     """Why the job was told to stop, and the Slurm data the verdict rests on."""
