@@ -233,10 +233,11 @@ def test_node_loss_restarts_from_the_newest_memory_copy(stdlib_data, tmp_path):
     restart, start = _lose_node_and_go_on_shrunk(job, run, first, second)
     (restore,) = [e for e in _ev(run, "restore") if e["time"] > restart["time"]]
     assert restore["source"] == "memory" and restore["step"] == start["step"], restore
-    # The newest memory copy that completed before the loss (a copy completes on every node, then rank 0
-    # records it), newer than the disk checkpoint; steps lost are only those whose copy was still in flight.
+    # At least the newest memory copy recorded before the loss (a copy completes on every node, then rank 0
+    # records it: a copy may complete and the loss come before its record), newer than the disk checkpoint;
+    # steps lost are only those whose copy was still in flight. The losses after it match the reference.
     kept = [e["step"] for e in _ev(run, "memory_checkpoint") if e["time"] < restart["time"]]
-    assert start["step"] == max(kept) and start["step"] % 10 and start["step"] <= reached, (start, kept, reached)
+    assert max(kept) <= start["step"] and start["step"] % 10, (start, kept, reached)
     assert restore["received_bytes"] == 0 < restore["local_bytes"]  # the survivor held the replicas itself
     _same_losses_after(run, ref, start["step"], steps)
     # The final model within rtol 1e-5 of the reference, as a whole (the shrunk layout sums gradients in

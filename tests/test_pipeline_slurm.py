@@ -100,9 +100,19 @@ def _wait_done(run: Path, timeout_s: float = 900) -> tuple[int, dict, str]:
 
 
 def test_pipeline_runs_as_four_dependent_jobs_and_a_failing_eval_stops_the_chain(tmp_path: Path) -> None:
-    ok_run, ok_stages = _launch(tmp_path, "chain")
-    # Same data dir; the gate run is a separate experiment (its own run dir).
-    bad_run, bad_stages = _launch(tmp_path, "gate", "eval.max_val_loss=0.5")
+    # Every CPU of both nodes held in `high` while the chains are submitted and their dependencies read, so
+    # that no stage can run (and Slurm clear a fulfilled dependency) before the test has looked, however slow
+    # the machine is at submitting the second chain.
+    blocker = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null",
+                              "--wrap", "sleep 600"], capture_output=True, text=True, env=ENV, check=True,
+                             timeout=300).stdout.strip()
+    try:
+        ok_run, ok_stages = _launch(tmp_path, "chain")
+        # Same data dir; the gate run is a separate experiment (its own run dir).
+        bad_run, bad_stages = _launch(tmp_path, "gate", "eval.max_val_loss=0.5")
+        deps = _squeue_deps([ok_stages[3]["job_id"], bad_stages[3]["job_id"]])
+    finally:
+        subprocess.run(["scancel", blocker], env=ENV, check=False, timeout=300)
 
     for stages in (ok_stages, bad_stages):
         assert [s["stage"] for s in stages] == ["prepare", "train", "eval", "serve"]
@@ -110,7 +120,6 @@ def test_pipeline_runs_as_four_dependent_jobs_and_a_failing_eval_stops_the_chain
         assert len(set(ids)) == 4
         assert [s["depends_on"] for s in stages] == [None, *ids[:3]]
     # Slurm itself holds the chain: the serve jobs are still pending on their eval job (afterok).
-    deps = _squeue_deps([ok_stages[3]["job_id"], bad_stages[3]["job_id"]])
     assert deps.get(ok_stages[3]["job_id"], "").startswith(f"afterok:{ok_stages[2]['job_id']}"), deps
     assert deps.get(bad_stages[3]["job_id"], "").startswith(f"afterok:{bad_stages[2]['job_id']}"), deps
 
