@@ -123,3 +123,33 @@ def test_missing_scontrol_in_a_slurm_job_exits_cleanly_with_clear_status(tmp_pat
     final = [e for e in _events(tmp_path) if e["kind"] == "exit"][-1]
     assert final["status"] == "requeue_failed" and final["final"] is True
     assert "scontrol not found on PATH" in final["error"]
+
+
+def test_a_preemption_past_max_requeues_makes_the_job_non_requeueable(tmp_path):
+    # max_requeues reached: the run's final status is written, and the job is made non-requeueable first, so
+    # that Slurm's own preemption requeue (ranks still leaving at the end of the grace time) cannot bring it
+    # back to train past that status. A time limit is not a preemption: nothing to pin there.
+    from xirang_hpc.config.validate import load_config
+    from xirang_hpc.monitor.events import EventLog, read_events
+    from xirang_hpc.runtime.signals import EXIT_STOPPED, StopSignalHook
+    from xirang_hpc.runtime.topology import Topology
+
+    topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
+                    node_name="n1", master_addr="127.0.0.1", master_port=20001, job_id="41", source="slurm")
+    trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=5), stop_requested=False)
+    for info, pinned_expected in (({"PreemptTime": "2026-11-30T18:10:00", "JobState": "RUNNING"}, ["41"]),
+                                  ({"PreemptTime": "None", "TimeLimit": "00:01:00", "RunTime": "00:00:55",
+                                    "JobState": "RUNNING"}, [])):
+        run = tmp_path / str(len(pinned_expected))
+        run.mkdir()
+        codes: list[int] = []
+        requeued: list[str] = []
+        pinned: list[str] = []
+        hook = StopSignalHook(load_config(compose_cfg(["requeue.max_requeues=0"])), topo, run, events=EventLog(run),
+                              env={"SLURM_JOB_ID": "41"}, exit_fn=codes.append, save_fn=lambda t: 5,
+                              job_info=lambda j, i=info: i, requeue_fn=requeued.append,
+                              start_now_fn=lambda *a: None, no_requeue_fn=pinned.append)
+        hook.stop(trainer, "SIGUSR2")
+        assert codes == [EXIT_STOPPED] and requeued == [] and pinned == pinned_expected
+        final = [e for e in read_events(run) if e["kind"] == "exit"]
+        assert final[-1]["final"] and final[-1]["status"] == "max_requeues_exceeded", final

@@ -35,8 +35,13 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file, oldest first; a torn or foreign line is skipped, not fatal."""
     if not path.exists():
         return []
+    return _rows(path.read_text(errors="replace"))
+
+
+def _rows(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of ``text``'s lines; a torn or foreign line is skipped."""
     rows = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -70,15 +75,7 @@ class EventTail:
             return []
         end = data.rfind(b"\n") + 1  # only whole lines: a torn tail is read again next time
         self.offset += end
-        rows = []
-        for line in data[:end].decode(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-        return rows
+        return _rows(data[:end].decode(errors="replace"))
 
 
 def failed_nodes(run_dir: Path | str, since: float = 0.0) -> list[str]:
