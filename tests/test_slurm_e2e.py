@@ -122,6 +122,14 @@ def _run_progress(run_dir: Path) -> tuple[int, ...]:
                  for p in (run_dir / "metrics.jsonl", run_dir / "events.jsonl"))
 
 
+def _queue() -> str:
+    """Every job on the testbed with its state and reason, and the nodes' states: what a wait for a job that
+    has not started reports, and what changes while the testbed schedules, starts and ends jobs."""
+    q = subprocess.run(["squeue", "-h", "-o", "%i %P %T %C %R"], capture_output=True, text=True).stdout
+    n = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %C"], capture_output=True, text=True).stdout
+    return f"squeue:\n{q}sinfo (alloc/idle/other/total CPUs):\n{n}"
+
+
 def _ev(run_dir: Path, kind: str, restart: int | None = None) -> list[dict]:
     return [e for e in read_events(run_dir)
             if e.get("kind") == kind and (restart is None or e.get("restart") == restart)]
@@ -133,6 +141,13 @@ def _final(run_dir: Path, timeout: float = 600) -> dict:
         return f[-1] if f else None
     return _wait(done, timeout, lambda: f"the final exit of {run_dir.name}: {read_events(run_dir)[-3:]}",
                  progress=lambda: _run_progress(run_dir))
+
+
+def _training(run_dir: Path, restart: int | None = 0) -> list[dict]:
+    """Wait for the run's first step (of ``restart``; None: of any), as long as the queue or the run moves."""
+    return _wait(lambda: _ev(run_dir, "first_step", restart), 600,
+                 lambda: f"restart {restart} of {run_dir.name} to train: {read_events(run_dir)[-3:]}\n{_queue()}",
+                 progress=lambda: (_queue(), _run_progress(run_dir)))
 
 
 def _preempt(*args: str) -> None:
@@ -170,7 +185,7 @@ def test_preempted_twice_finishes_bitwise_identical(slurm, stdlib_data, tmp_path
     ref_proc = subprocess.Popen(ref_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     job, run = _submit([*common, "train.priority=exploratory"])  # `low`: preemptible
     for restart in (0, 1):
-        _wait(lambda r=restart: _ev(run, "first_step", r), 600, f"restart {restart} to train")
+        _training(run, restart)
         # All 8 CPUs of both nodes in `high`: they only fit once the `low` job is preempted.
         _preempt("-N2", "--ntasks-per-node=8")
         _wait(lambda r=restart: _ev(run, "requeue", r), 600, f"requeue {restart + 1}")
@@ -242,7 +257,11 @@ def test_array_sweep_only_the_preempted_task_reruns(slurm, stdlib_data, tmp_path
     assert re.search(r"submitted Slurm array job (\d+): 4 task\(s\)", out.stdout), out.stdout
     runs = [Path(p) for p in re.findall(r"-> (\S+)", out.stdout)]
     assert len(set(runs)) == 4
-    _wait(lambda: all(_ev(r, "first_step", 0) for r in runs), 600, "all 4 tasks to train")
+    # The 4 tasks fill both nodes: each starts when the testbed has the CPUs and trains at the machine's pace.
+    # The limit counts from the last change of the queue or of any task's files, so only a stall fails.
+    _wait(lambda: all(_ev(r, "first_step", 0) for r in runs), 600,
+          lambda: f"all 4 tasks to train; events: {[read_events(r)[-2:] for r in runs]}\n{_queue()}",
+          progress=lambda: (_queue(), [_run_progress(r) for r in runs]))
     _preempt("-N1", "-w", _nodes()[1], "-n1", "-c4")
     finals = [_final(r, timeout=600) for r in runs]
     assert [f["status"] for f in finals] == ["completed"] * 4
@@ -274,7 +293,7 @@ def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path):
     """1 node x 2 ranks, kill -9 of rank 1: the requeued job excludes that node and reruns on the other."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
                         "train.max_steps=60", "checkpoint.every_steps=10"])
-    first = _wait(lambda: _ev(run, "first_step", 0), 600, "training to start")[0]
+    first = _training(run)[0]
     node = _ev(run, "start", 0)[0]["node"]
     assert node in _nodes(), first
     os.kill(_wait(lambda: rank_pid(run, 0, 1), 600, "rank 1's pid"), 9)
@@ -300,7 +319,7 @@ def test_hang_is_aborted_and_the_requeue_excludes_the_hung_node(slurm, stdlib_da
     """SIGSTOP of rank 1 in a 1-node job: the watchdog names it, aborts, and the rerun avoids that node."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
                         "train.max_steps=60", "checkpoint.every_steps=10", "monitor.hang_s=20"])
-    _wait(lambda: _ev(run, "first_step", 0), 600, "training to start")
+    _training(run)
     node = _ev(run, "start", 0)[0]["node"]
     os.kill(_wait(lambda: rank_pid(run, 0, 1), 600, "rank 1's pid"), signal.SIGSTOP)
     final = _final(run, timeout=600)
@@ -315,7 +334,7 @@ def test_hang_is_aborted_and_the_requeue_excludes_the_hung_node(slurm, stdlib_da
 def test_max_requeues_exceeded_gives_final_status(slurm, stdlib_data, tmp_path):
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "requeue.max_requeues=0", "train.max_steps=400",
                         "train.priority=exploratory"])
-    _wait(lambda: _ev(run, "first_step"), 600, "training to start")
+    _training(run, None)
     _preempt("-N2", "--ntasks-per-node=8")
     final = _final(run, timeout=600)
     assert final["status"] == "max_requeues_exceeded" and final["why"] == "max_requeues=0 reached after 0 requeue(s)"
