@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -207,3 +208,24 @@ def test_a_pipeline_on_a_complete_run_submits_no_training_job(fake_slurm: Path, 
     train = chain["stages"][1]
     assert train["status"] == "completed" and "already complete" in train["detail"]
     assert "train    completed  not submitted" in format_chain(chain)
+
+
+def test_submitting_a_job_does_not_import_torch(fake_slurm: Path, tmp_path: Path, small_corpus: Path) -> None:
+    """``xirang-train`` to Slurm checks, prepares and submits without torch (seconds of import per submission):
+    the job's function goes by reference (``job.entry.train_job``) and imports the training stack in the job."""
+    probe = ("import atexit, sys\n"
+             "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+             "from xirang_hpc.launch.train_cli import main\n"
+             "sys.argv = ['xirang-train', *sys.argv[1:]]\n"
+             "main()\n")
+    out = subprocess.run([sys.executable, "-c", probe, "cluster=testbed", "requeue=testbed",
+                          f"train.runs_root={tmp_path}/runs", f"data.corpus={small_corpus}",
+                          f"data.out_dir={tmp_path}/data", "data.val_fraction=0.2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "submitted Slurm job 4242" in out.stdout, out.stdout
+    assert out.stdout.rstrip().endswith("torch imported: False"), out.stdout
+    # What was submitted names the job function by reference (read as bytes here, never unpickled).
+    pickled = list((tmp_path / "runs").glob("*/submitit/*_submitted.pkl"))
+    assert len(pickled) == 1, list((tmp_path / "runs").rglob("*"))
+    assert b"xirang_hpc.job.entry" in pickled[0].read_bytes() and b"train_job" in pickled[0].read_bytes()

@@ -26,8 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc.checkpoint.integrity import (
+    METADATA_FILE,
+    CheckpointCorruptError,
+    checksum_file,
+    fsync_path,
+    verify_file,
+)
 from xirang_hpc.checkpoint.naming import STEP_RE, committed_steps, step_dir_name
-from xirang_hpc.checkpoint.storage import METADATA_FILE, CheckpointCorruptError, checksum_file, fsync_path, verify_file
 
 MANIFEST = "manifest.json"
 STATE = "state.json"

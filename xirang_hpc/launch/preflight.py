@@ -26,6 +26,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.data.prepare import is_prepared
 from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
+from xirang_hpc.planner.formulas import model_params
 
 # Bytes per parameter in one checkpoint: fp32 weights + AdamW's two fp32 moments.
 CKPT_BYTES_PER_PARAM = 12
@@ -106,9 +107,7 @@ def check_writable(path: Path, field: str, what: str, need_bytes: int = 0, need_
 
 def checkpoint_bytes(cfg: XirangConfig) -> int:
     """Estimated size of one checkpoint: parameters + AdamW state in fp32 (12 bytes per parameter)."""
-    from xirang_hpc.models.gpt import full_model_params
-
-    return CKPT_BYTES_PER_PARAM * full_model_params(cfg.model)
+    return CKPT_BYTES_PER_PARAM * model_params(cfg.model)
 
 
 def check_paths(cfg: XirangConfig, run_dir: Path) -> None:

@@ -160,7 +160,7 @@ def _state_quota(cfg: XirangConfig, site: str | None, tasks: int) -> None:
 def _submit_group(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]], run_dirs: list[Path],
                   site: str | None, plan: dict[str, Any] | None) -> tuple[str, list[str]]:
     """One array job (on ``site`` with ``-M`` when named) for these points; (array id, task ids)."""
-    from xirang_hpc.job.training import run_training
+    from xirang_hpc.job.entry import train_job
     from xirang_hpc.launch import slurm
     from xirang_hpc.launch.rundir import make_private_dir
     from xirang_hpc.launch.train_cli import _ensure_data
@@ -177,7 +177,7 @@ def _submit_group(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]], 
     if site is not None:
         ex.update_parameters(additional_parameters={**(ex.parameters.get("additional_parameters") or {}),
                                                     "clusters": site})
-    jobs = ex.map_array(run_training, [dataclasses.asdict(c) for c in cfgs], [str(d) for d in run_dirs],
+    jobs = ex.map_array(train_job, [dataclasses.asdict(c) for c in cfgs], [str(d) for d in run_dirs],
                         [str(d) for d in data_dirs])
     array_id = str(jobs[0].job_id).split("_")[0]
     for i, (j, d, dd) in enumerate(zip(jobs, run_dirs, data_dirs)):

@@ -20,7 +20,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare_data, prepared_mismatch
-from xirang_hpc.job.training import run_training
+from xirang_hpc.job.entry import train_job
 from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
 from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
 from xirang_hpc.launch.executors import make_executor
@@ -138,19 +138,19 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
         from xirang_hpc.launch.slurm import launch_slurm
 
         if placement is None:
-            return launch_slurm(cfg, run_dir, data_dir, run_training)
+            return launch_slurm(cfg, run_dir, data_dir, train_job)
         from xirang_hpc.launch.sites import record_placement, write_site_state
 
         record_placement(run_dir, placement)
         site = placement.site.name
-        res = launch_slurm(cfg, run_dir, data_dir, run_training, site=site,
+        res = launch_slurm(cfg, run_dir, data_dir, train_job, site=site,
                            on_submit=lambda job: write_site_state(run_dir, cfg, data_dir, site, str(job.job_id)))
         return res
     executor = make_executor(cfg.cluster, run_dir / "submitit")
     executor.update_parameters(name=f"xirang-{cfg.train.name}")
     with submission_lock(run_dir):  # one job per run directory (launch/runlock.py)
         claim(run_dir, "local", cfg.train.after_active)
-        job = executor.submit(run_training, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
+        job = executor.submit(train_job, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
         record_owner(run_dir, "local", str(job.job_id), pid=int(job.job_id))
     print(f"submitted job {job.job_id} ({cfg.cluster.name}: {cfg.cluster.nodes} node(s) x "
           f"{cfg.cluster.tasks_per_node} ranks) | run dir {run_dir}", flush=True)

@@ -106,6 +106,13 @@ def total_params(sh: Shape) -> int:
     return sh.layers * layer_params(sh) + embedding_params(sh) + head_params(sh)
 
 
+def model_params(m: ModelConfig) -> int:
+    """Parameters of the whole model a ``model/`` preset builds, exactly (the final norm included), without
+    torch: what the launcher sizes a checkpoint by before it submits."""
+    final_norm = m.d_model * (2 if m.bias and m.norm == "layernorm" else 1)
+    return total_params(Shape.from_model(m)) + final_norm
+
+
 def layer_forward_flops(sh: Shape, tokens: int) -> tuple[float, float]:
     """(dense, attention-score) forward FLOPs of one layer over ``tokens`` = b*s tokens.
 

@@ -109,10 +109,10 @@ def cancel_on(site: str, job_id: str, run: Caller = call) -> Result:
 
 def _default_submit(c: XirangConfig, d: Path, data: Path, site: str,
                     handover: tuple[str, str | None] | None = None) -> Any:
-    from xirang_hpc.job.training import run_training
+    from xirang_hpc.job.entry import train_job
     from xirang_hpc.launch.slurm import submit as slurm_submit
 
-    return slurm_submit(c, d, data, run_training, dataclasses.asdict(c), str(d), str(data), site=site,
+    return slurm_submit(c, d, data, train_job, dataclasses.asdict(c), str(d), str(data), site=site,
                         handover=handover)
 
 

@@ -1,0 +1,18 @@
+"""The job's function as the launcher submits it, importable without torch.
+
+submitit sends a job's function by reference (module and name) and imports it where the job runs, so
+the launcher never needs the training stack it names. ``train_job`` is that reference: ``xirang-train``,
+sweeps and site moves submit it without importing torch (a submission takes a fraction of a second
+instead of the seconds torch's import costs), and it imports :func:`training.run_training` inside the job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def train_job(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
+    """Run :func:`xirang_hpc.job.training.run_training` on this rank (the summary on rank 0, ``{}`` elsewhere)."""
+    from xirang_hpc.job.training import run_training
+
+    return run_training(cfg_dict, run_dir, data_dir)
