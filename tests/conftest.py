@@ -39,6 +39,20 @@ def slurm_conf_env(conf: str) -> Iterator[str]:
             os.environ["SLURM_CONF"] = old
 
 
+@contextlib.contextmanager
+def testbed_held(env: dict[str, str] | None = None) -> Iterator[str]:
+    """Every CPU of the testbed's two nodes held by a ``high`` job for the block (cancelled after, however the
+    block ends): what is submitted meanwhile stays PENDING, so a test reads Slurm's view of its jobs before any
+    can run, however slow the machine is. ``env``: the testbed's environment (default: this process's)."""
+    blocker = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null",
+                              "--wrap", "sleep 600"], capture_output=True, text=True, env=env, check=True,
+                             timeout=300).stdout.strip()
+    try:
+        yield blocker
+    finally:
+        subprocess.run(["scancel", blocker], env=env, check=False, timeout=300)
+
+
 def registered_clusters(conf: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Clusters registered in the testbed's slurmdbd whose slurmctld has connected (a control port): the ones a
     job can be submitted to. Returns sacctmgr's result too, for skip messages."""

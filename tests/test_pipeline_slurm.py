@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import slurm_conf_for
+from conftest import slurm_conf_for, testbed_held
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -103,16 +103,11 @@ def test_pipeline_runs_as_four_dependent_jobs_and_a_failing_eval_stops_the_chain
     # Every CPU of both nodes held in `high` while the chains are submitted and their dependencies read, so
     # that no stage can run (and Slurm clear a fulfilled dependency) before the test has looked, however slow
     # the machine is at submitting the second chain.
-    blocker = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null",
-                              "--wrap", "sleep 600"], capture_output=True, text=True, env=ENV, check=True,
-                             timeout=300).stdout.strip()
-    try:
+    with testbed_held(ENV):
         ok_run, ok_stages = _launch(tmp_path, "chain")
         # Same data dir; the gate run is a separate experiment (its own run dir).
         bad_run, bad_stages = _launch(tmp_path, "gate", "eval.max_val_loss=0.5")
         deps = _squeue_deps([ok_stages[3]["job_id"], bad_stages[3]["job_id"]])
-    finally:
-        subprocess.run(["scancel", blocker], env=ENV, check=False, timeout=300)
 
     for stages in (ok_stages, bad_stages):
         assert [s["stage"] for s in stages] == ["prepare", "train", "eval", "serve"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import slurm_conf_env, slurm_conf_for
+from conftest import slurm_conf_env, slurm_conf_for, testbed_held
 
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.runtime.markers import rank_pid
@@ -363,12 +363,8 @@ def test_second_submission_of_a_live_run_is_refused_or_queued_behind_it(slurm, s
             "train.max_steps=400"]
     # Every CPU of both nodes held in `high` first: the run's job stays PENDING until the test is done with
     # it, so it cannot finish (and the run be complete) while a slow machine runs the next two commands.
-    blocker = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=8", "-o", "/dev/null",
-                              "--wrap", "sleep 600"], capture_output=True, text=True, check=True).stdout.strip()
-    try:
+    with testbed_held():
         _second_submission(args)
-    finally:
-        subprocess.run(["scancel", blocker], check=False)
 
 
 def _second_submission(args: list[str]) -> None:
