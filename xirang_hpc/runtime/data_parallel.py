@@ -22,7 +22,6 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -158,6 +157,10 @@ def build_optimizer(model: nn.Module, t: TrainConfig, zero_mesh: DeviceMesh | No
     if zero_mesh is not None and replicated_dtensors:
         return DpShardedOptimizer(groups, zero_mesh.get_group(), **kw)  # type: ignore[return-value]
     if zero_mesh is not None:
+        # Imported here: torch.distributed.optim scripts its functional optimizers with TorchScript when
+        # imported, CPU every rank would spend at start-up for ZeRO-1 under DDP alone.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                       process_group=zero_mesh.get_group(), weight_decay=t.weight_decay, **kw)
         opt.add_param_group(groups[1])

@@ -23,13 +23,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.gpt import GPT, lm_loss
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-MULTI_SCHEDULES = {"interleaved": ScheduleInterleaved1F1B}
+# Schedule names -> torch.distributed.pipelining's classes, imported when a pipeline is built: the
+# package costs every rank ~0.5 s of CPU at start-up, which a job without pipeline parallelism never needs.
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+MULTI_SCHEDULES = {"interleaved": "ScheduleInterleaved1F1B"}
 
 
 def layer_costs(cfg: ModelConfig) -> tuple[float, list[float], float]:
@@ -131,12 +132,16 @@ def build_schedule(module: nn.Module | list[nn.Module], stage: int | list[int], 
 
     For ``interleaved``, ``module`` and ``stage`` are lists: this rank's chunks and their stage indices.
     """
+    if schedule not in SCHEDULES and schedule not in MULTI_SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r}: choose one of {sorted(SCHEDULES | MULTI_SCHEDULES)}")
+    from torch.distributed import pipelining
+
     group = pp_mesh.get_group()
     if schedule in MULTI_SCHEDULES:
         assert isinstance(module, list) and isinstance(stage, list)
-        pstages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(module, stage)]
-        return MULTI_SCHEDULES[schedule](pstages, n_microbatches=n_microbatches, loss_fn=lm_loss, scale_grads=True)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r}: choose one of {sorted(SCHEDULES | MULTI_SCHEDULES)}")
-    pstage = PipelineStage(module, stage, n_stages, device, group=group)
-    return SCHEDULES[schedule](pstage, n_microbatches=n_microbatches, loss_fn=lm_loss, scale_grads=True)
+        pstages = [pipelining.PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(module, stage)]
+        return getattr(pipelining, MULTI_SCHEDULES[schedule])(pstages, n_microbatches=n_microbatches,
+                                                              loss_fn=lm_loss, scale_grads=True)
+    pstage = pipelining.PipelineStage(module, stage, n_stages, device, group=group)
+    return getattr(pipelining, SCHEDULES[schedule])(pstage, n_microbatches=n_microbatches, loss_fn=lm_loss,
+                                                    scale_grads=True)
