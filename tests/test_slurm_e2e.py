@@ -206,7 +206,12 @@ def test_preempted_twice_finishes_bitwise_identical(slurm, stdlib_data, tmp_path
 
 def test_preempted_at_start_up_is_requeued_and_finishes(slurm, stdlib_data, tmp_path):
     """Preempted while its ranks are still starting (no stop handler yet: Slurm's USR2 ends them): the
-    supervisor reads Slurm's PreemptTime, records the stop and requeues; the rerun finishes."""
+    supervisor reads Slurm's PreemptTime, records the stop and requeues; the rerun finishes.
+
+    On a loaded machine the batch script's supervisor may not get to run within the partition's 20 s grace
+    time: Slurm then ends the job and requeues it itself, and the rerun records that stop from sacct's
+    state (``monitor/requeues.py``). Either way the stop is a preemption read from Slurm's own record, it
+    is requeued as one, and no node is blamed."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
                         "train.max_steps=20", "checkpoint.every_steps=10", "train.priority=exploratory"])
     _wait(lambda: "JobState=RUNNING" in subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
@@ -216,9 +221,13 @@ def test_preempted_at_start_up_is_requeued_and_finishes(slurm, stdlib_data, tmp_
     assert final["status"] == "completed", read_events(run)
     assert not _ev(run, "first_step", 0), "preempted too late for this test: training had started"
     stop = _ev(run, "stop", 0)[0]
-    assert stop["reason"] == "preemption" and stop["detail"].startswith("PreemptTime="), stop
-    assert stop.get("handled_by") == "supervisor", stop
-    assert _ev(run, "requeue", 0)[0]["reason"] == "preemption"
+    assert stop["reason"] == "preemption", stop
+    by_supervisor = stop["detail"].startswith("PreemptTime=") and stop.get("handled_by") == "supervisor"
+    by_slurm = (stop["detail"] == "sacct State=PREEMPTED" and stop.get("handled_by") == "slurm"
+                and stop.get("detected_at_restart") == 1)
+    assert by_supervisor or by_slurm, stop
+    requeue = _ev(run, "requeue", 0)[0]
+    assert requeue["reason"] == "preemption" and requeue.get("source", "supervisor") == stop["handled_by"], requeue
     assert not _ev(run, "failure", 0), read_events(run)  # not blamed on a node
     assert _ev(run, "start", 1), read_events(run)
 
@@ -230,13 +239,13 @@ def test_time_limit_usr2_requeue_then_finish(slurm, stdlib_data, tmp_path):
     30 s warning): with a 10 s warning it lands 20-50 s in, after the handlers exist. 4000 tiny steps
     cannot fit in 50 s even on a machine 4x faster than this one (~19 steps/s when quiet), so the first
     run must stop on the time limit. Once it has requeued, the test lifts the limit the way a sysadmin
-    would (`scontrol update TimeLimit=`), so the rerun finishes however fast or loaded the machine is.
-    """
+    would (`scontrol update TimeLimit=UNLIMITED`), so the rerun finishes however fast or loaded the machine
+    is (a loaded machine once took over 10 minutes for the rest of the 4000 steps)."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.time_min=1",
                         "cluster.signal_delay_s=10", "train.max_steps=4000", "train.log_every=100",
                         "checkpoint.every_steps=3000", "requeue.max_requeues=8"])
     _wait(lambda: _ev(run, "requeue", 0), 600, "the time-limit requeue")
-    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True, capture_output=True)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED"], check=True, capture_output=True)
     final = _final(run, timeout=900)
     assert final["status"] == "completed" and final["step"] == 4000, read_events(run)
     stops = _ev(run, "stop")
