@@ -12,7 +12,14 @@ from typing import Any
 
 
 def train_job(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
-    """Run :func:`xirang_hpc.job.training.run_training` on this rank (the summary on rank 0, ``{}`` elsewhere)."""
+    """Run :func:`xirang_hpc.job.training.run_training` on this rank (the summary on rank 0, ``{}`` elsewhere).
+
+    Stop signals are captured first, before the seconds of importing torch and the training stack, so that a
+    preemption then is ours to record and requeue (``runtime/early_signals.py``), not submitit's.
+    """
+    from xirang_hpc.runtime.early_signals import capture_early
+
+    capture_early()
     from xirang_hpc.job.training import run_training
 
     return run_training(cfg_dict, run_dir, data_dir)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.runtime import slurmctl
+from xirang_hpc.runtime.early_signals import _early, capture_early  # noqa: F401 - capture_early re-exported
 from xirang_hpc.runtime.hooks import EventSink, NullEventSink, TrainerHook
 from xirang_hpc.runtime.markers import mark_start
 from xirang_hpc.runtime.policy import decide
@@ -45,21 +46,6 @@ EXIT_REQUEUED = 144  # submitit.local.local.LOCAL_REQUEUE_RETURN_CODE
 EXIT_STOPPED = 3
 _CODES = {"SIGUSR2": 1, "SIGTERM": 2}
 _NAMES = {v: k for k, v in _CODES.items()}
-
-
-# Stop signals received between the job function's first line and the hook's install (start-up,
-# rendezvous, checkpoint load); the hook takes them over and acts at its first step boundary.
-_early: list[tuple[str, float]] = []
-
-
-def capture_early() -> None:
-    """Record USR2/SIGTERM from now on, replacing submitit's handlers (its USR2 handler would requeue the
-    job on its own, unlogged, and SIGTERM would be ignored); :meth:`StopSignalHook.install` takes over."""
-    def record(signum: int, frame: Any) -> None:
-        _early.append((signal.Signals(signum).name, time.time()))
-
-    for sig in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(sig, record)
 
 
 def requeue_floor_tasks(cfg: XirangConfig) -> int | None:
@@ -228,7 +214,8 @@ class StopSignalHook(TrainerHook):
                 self.requeue_fn(target)
                 start, tasks = bool(verdict.start_now or verdict.backoff_s), requeue_floor_tasks(self.cfg)
                 if start or tasks:
-                    self.start_now_fn(target, verdict.backoff_s, start=start, tasks=tasks)
+                    self.start_now_fn(target, verdict.backoff_s, start=start, tasks=tasks,
+                                      margin_s=slurmctl.running_job_margin_s() if start else None)
             self._event("requeue", cause.reason, why=verdict.why, target=target, step=step,
                         start_now=verdict.start_now, backoff_s=verdict.backoff_s,
                         num_tasks=requeue_floor_tasks(self.cfg) if in_slurm else None)
