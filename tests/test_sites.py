@@ -493,7 +493,7 @@ def test_stop_handler_hands_a_preemption_over_to_the_supervisor_on_several_sites
         return StopSignalHook(cfg, topo, tmp_path, events=EventLog(tmp_path), env={"SLURM_JOB_ID": "41"},
                               exit_fn=codes.append, save_fn=lambda t: 5,
                               job_info=lambda j: {"PreemptTime": "2026-11-30T18:10:00", "JobState": "RUNNING"},
-                              requeue_fn=requeued.append, start_now_fn=lambda *a, **k: None)
+                              requeue_fn=requeued.append, start_now_fn=lambda *a: None)
 
     requeued: list[str] = []
     codes: list[int] = []

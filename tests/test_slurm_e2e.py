@@ -204,35 +204,6 @@ def test_preempted_twice_finishes_bitwise_identical(slurm, stdlib_data, tmp_path
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), f"{k} differs"
 
 
-def test_preempted_at_start_up_is_requeued_and_finishes(slurm, stdlib_data, tmp_path):
-    """Preempted while its ranks are still starting (no stop handler yet: Slurm's USR2 ends them): the
-    supervisor reads Slurm's PreemptTime, records the stop and requeues; the rerun finishes.
-
-    Two other records are possible, and correct: on a loaded machine the batch script's supervisor may not
-    get to run within the partition's 20 s grace time, and Slurm ends the job and requeues it itself; a
-    signal in the first second of a rank, before the job function's first line, meets submitit's own
-    handler, which requeues. The rerun then records that stop from sacct's state (``monitor/requeues.py``).
-    Either way the stop is a preemption read from Slurm's own record, it is requeued as one, and no node
-    is blamed."""
-    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
-                        "train.max_steps=20", "checkpoint.every_steps=10", "train.priority=exploratory"])
-    _wait(lambda: "JobState=RUNNING" in subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
-                                                       text=True).stdout, 240, "the job to run")
-    _preempt("-N2", "--ntasks-per-node=8")  # at once: the ranks are still importing
-    final = _final(run, timeout=600)
-    assert final["status"] == "completed", read_events(run)
-    assert not _ev(run, "first_step", 0), "preempted too late for this test: training had started"
-    stop = _ev(run, "stop", 0)[0]
-    assert stop["reason"] == "preemption", stop
-    record = {"supervisor": "PreemptTime=", "slurm": "sacct State=PREEMPTED", "submitit": "sacct State=REQUEUED"}
-    assert stop.get("handled_by") in record and stop["detail"].startswith(record[stop["handled_by"]]), stop
-    assert stop["handled_by"] == "supervisor" or stop.get("detected_at_restart") == 1, stop
-    requeue = _ev(run, "requeue", 0)[0]
-    assert requeue["reason"] == "preemption" and requeue.get("source", "supervisor") == stop["handled_by"], requeue
-    assert not _ev(run, "failure", 0), read_events(run)  # not blamed on a node
-    assert _ev(run, "start", 1), read_events(run)
-
-
 def test_time_limit_usr2_requeue_then_finish(slurm, stdlib_data, tmp_path):
     """A 1-minute limit with USR2 10 s before it: told apart from preemption by Slurm's record.
 

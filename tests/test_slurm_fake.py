@@ -13,7 +13,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from conftest import compose_cfg
 
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.launch.slurm import RUN_DIR_MAP
-from xirang_hpc.launch.supervise import refresh_begin_time, supervise
+from xirang_hpc.launch.supervise import supervise
 from xirang_hpc.launch.sweep import submit_array, sweep_folder
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.runtime.markers import mark_exit, mark_start
@@ -147,44 +146,6 @@ def test_requeues_stop_at_max_requeues(fake_slurm: Path, tmp_path: Path) -> None
     assert not [c for c in _calls(fake_slurm, "scontrol") if c["args"][0] == "requeue"]
     (final,) = [e for e in read_events(run) if e["kind"] == "exit"]
     assert final["status"] == "max_requeues_exceeded"
-
-
-def _stop_handler_requeued(run: Path, start_now: bool, backoff_s: int, at: float) -> None:
-    """The events a rank's stop handler leaves after ``scontrol requeue`` (runtime/signals.py)."""
-    with (run / "events.jsonl").open("a") as f:
-        for e in ({"kind": "requeue", "reason": "preemption", "restart": 0, "target": "4242_1", "start_now": start_now,
-                   "backoff_s": backoff_s, "time": at},
-                  {"kind": "exit", "reason": "requeued", "restart": 0, "final": False, "status": "requeued",
-                   "time": at}):
-            f.write(json.dumps(e) + "\n")
-
-
-def test_the_supervisor_sets_the_begin_time_of_a_job_the_stop_handler_requeued_again(
-        fake_slurm: Path, tmp_path: Path) -> None:
-    """Ranks slower to leave than the stop handler's begin-time margin would leave the rerun in Slurm's ~2 min
-    hold: the supervisor, the job's last process, sets it again (what remains of a backoff, at least the margin)."""
-    run = _run_dir(tmp_path, start_now=True)
-    _stop_handler_requeued(run, start_now=True, backoff_s=0, at=time.time() - 30)  # ranks took 30 s to go
-    assert supervise(143, run, dict(ARRAY_TASK)) == 143
-    updates = [c["args"] for c in _calls(fake_slurm, "scontrol")]
-    assert updates == [["update", "jobid=4242_1", "StartTime=now+5"]], updates  # no second requeue
-    (ev,) = [e for e in read_events(run) if e["kind"] == "requeue_update"]
-    assert ev["applied"] == ["update jobid=4242_1 StartTime=now+5"] and ev["restart"] == 0
-
-    # A backoff counts from the requeue: 60 s asked, 20 s gone -> 40 s ahead.
-    run2 = tmp_path / "backoff"
-    run2.mkdir()
-    _stop_handler_requeued(run2, start_now=False, backoff_s=60, at=1000.0)
-    assert refresh_begin_time(run2, 0, dict(ARRAY_TASK), clock=lambda: 1020.0) == [
-        "update jobid=4242_1 StartTime=now+40"]
-
-
-def test_no_begin_time_is_set_when_the_policy_asked_for_none(fake_slurm: Path, tmp_path: Path) -> None:
-    run = _run_dir(tmp_path)
-    _stop_handler_requeued(run, start_now=False, backoff_s=0, at=time.time())
-    assert supervise(143, run, dict(ARRAY_TASK)) == 143
-    assert _calls(fake_slurm) == []
-    assert not [e for e in read_events(run) if e["kind"] == "requeue_update"]
 
 
 def test_a_completed_step_is_recorded_without_asking_slurm(fake_slurm: Path, tmp_path: Path) -> None:

@@ -300,18 +300,3 @@ def test_exclusion_adds_failed_nodes_to_earlier_ones_but_never_strands_the_job(m
         raise slurmctl.SlurmCommandError("scontrol failed")
     monkeypatch.setattr(slurmctl, "run_scontrol", broken)
     assert exclusion("7", ["n1"], 1, "low") == []  # no exclusion; the requeue still happens
-
-
-def test_a_requeue_from_running_ranks_sets_the_begin_time_past_killwait():
-    """The stop handler requeues while its ranks still run: they may take up to KillWait to end, so the begin time
-    is set that much further ahead (a past one would become Slurm's ~2 min hold)."""
-    config = ("Configuration data as of 2026-12-01T14:00:00\nJobRequeue              = 1\n"
-              "KillWait                = 10 sec\n")
-    assert slurmctl.kill_wait_s(run=lambda a: config if a == ["show", "config"] else "") == 10
-    assert slurmctl.running_job_margin_s({}, run=lambda a: config) == 10 + slurmctl.START_MARGIN_S
-    assert slurmctl.running_job_margin_s({"XIRANG_REQUEUE_START_MARGIN_S": "3"}, run=lambda a: config) == 13
-
-    def down(args: list[str]) -> str:
-        raise slurmctl.SlurmCommandError("slurm_load_ctl_conf error: Unable to contact slurm controller")
-    assert slurmctl.kill_wait_s(run=down) == slurmctl.DEFAULT_KILL_WAIT_S == 30  # Slurm's own default
-    assert slurmctl.kill_wait_s(run=lambda a: "no such line") == 30

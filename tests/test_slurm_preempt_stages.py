@@ -84,6 +84,7 @@ def _assert_preempted_and_requeued(run: Path, restart: int) -> None:
     evidence = [s.get("detail", "") for s in stops] + [f"sacct State={r.get('slurm_state')}" for r in requeues]
     assert any(d.startswith("PreemptTime=") or d == "sacct State=PREEMPTED" for d in evidence), read_events(run)
     assert {r["reason"] for r in requeues} == {"preemption"}, requeues
+    assert not _ev(run, "failure", restart), read_events(run)  # a preemption, never blamed on a node
 
 
 def _assert_bitwise(run: Path, ref: Path) -> None:

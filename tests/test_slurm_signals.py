@@ -148,7 +148,7 @@ def test_a_preemption_past_max_requeues_makes_the_job_non_requeueable(tmp_path):
         hook = StopSignalHook(load_config(compose_cfg(["requeue.max_requeues=0"])), topo, run, events=EventLog(run),
                               env={"SLURM_JOB_ID": "41"}, exit_fn=codes.append, save_fn=lambda t: 5,
                               job_info=lambda j, i=info: i, requeue_fn=requeued.append,
-                              start_now_fn=lambda *a, **k: None, no_requeue_fn=pinned.append)
+                              start_now_fn=lambda *a: None, no_requeue_fn=pinned.append)
         hook.stop(trainer, "SIGUSR2")
         assert codes == [EXIT_STOPPED] and requeued == [] and pinned == pinned_expected
         final = [e for e in read_events(run) if e["kind"] == "exit"]

@@ -21,8 +21,6 @@ import os
 import signal
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from xirang_hpc.config.schema import RequeueConfig
@@ -49,39 +47,6 @@ def _since_arrival(run_dir: Path) -> list[dict]:
 def already_handled(run_dir: Path, restart: int) -> bool:
     """The job itself logged an exit (completed, requeued or final) for this restart."""
     return any(e.get("kind") == "exit" and e.get("restart") == restart for e in _since_arrival(run_dir))
-
-
-def refresh_begin_time(run_dir: Path, restart: int, env: dict[str, str],
-                       clock: Callable[[], float] = time.time) -> list[str]:
-    """Set the begin time of a job its stop handler requeued again, now that its ranks are gone.
-
-    The stop handler sets ``StartTime`` a few seconds ahead right after ``scontrol requeue``
-    (``requeue.start_now`` or a backoff): Slurm keeps a begin time still in the future when the job
-    leaves its nodes, and replaces one already past by its own ~2 min hold. Ranks slow to leave (a
-    loaded node, a long teardown) outlive that margin: on a loaded testbed the reruns waited 150-200 s
-    instead of seconds. The supervisor is the job's last process, so the margin set here (what remains
-    of a backoff, at least ``slurmctl.start_margin_s()``) outlives the job. Returns the updates applied
-    ([] when the stop handler asked for no early start); a refused update is reported, never raised:
-    the job is requeued either way.
-    """
-    reqs = [e for e in _since_arrival(run_dir) if e.get("kind") == "requeue" and e.get("restart") == restart
-            and not e.get("source")]  # ours, not one recorded from Slurm's own
-    if not reqs or not (reqs[-1].get("start_now") or reqs[-1].get("backoff_s")):
-        return []
-    req = reqs[-1]
-    now = clock()
-    left = max(0, int(float(req.get("backoff_s") or 0) - (now - float(req.get("time", now)))))
-    job_id = str(req.get("target") or slurmctl.requeue_target(env))
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the requeue's SIGTERM to the job may still be on its way
-    try:
-        applied = slurmctl.after_requeue(job_id, left, start=True)
-    except slurmctl.SlurmCommandError as exc:
-        print(f"xirang: warning: could not set the requeued job's begin time again: {exc}", file=sys.stderr,
-              flush=True)
-        return []
-    append_event(run_dir, "requeue_update", "begin time set again as the job ends", job=job_id, restart=restart,
-                 applied=applied)
-    return applied
 
 
 def handed_over(run_dir: Path, restart: int) -> bool:
@@ -186,7 +151,6 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
     """Apply the policy after a step that exited with ``rc``; returns the batch script's exit code."""
     restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     if already_handled(run_dir, restart):
-        refresh_begin_time(run_dir, restart, env)
         return rc
     job = json.loads((run_dir / "slurm_job.json").read_text())
     policy = RequeueConfig(**job["requeue"])

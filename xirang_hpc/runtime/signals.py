@@ -214,8 +214,7 @@ class StopSignalHook(TrainerHook):
                 self.requeue_fn(target)
                 start, tasks = bool(verdict.start_now or verdict.backoff_s), requeue_floor_tasks(self.cfg)
                 if start or tasks:
-                    self.start_now_fn(target, verdict.backoff_s, start=start, tasks=tasks,
-                                      margin_s=slurmctl.running_job_margin_s() if start else None)
+                    self.start_now_fn(target, verdict.backoff_s, start=start, tasks=tasks)
             self._event("requeue", cause.reason, why=verdict.why, target=target, step=step,
                         start_now=verdict.start_now, backoff_s=verdict.backoff_s,
                         num_tasks=requeue_floor_tasks(self.cfg) if in_slurm else None)

@@ -154,29 +154,6 @@ def start_margin_s(env: Mapping[str, str] | None = None) -> int:
     return int(raw)
 
 
-# Slurm's default KillWait: what a requeue made from inside a running job allows its processes to end.
-DEFAULT_KILL_WAIT_S = 30
-
-
-def kill_wait_s(run: Callable[[list[str]], str] | None = None) -> int:
-    """slurmctld's ``KillWait`` (seconds from the SIGTERM of a requeue or cancel to the SIGKILL of what is
-    left), or :data:`DEFAULT_KILL_WAIT_S` when ``scontrol show config`` does not say."""
-    try:
-        out = (run_scontrol if run is None else run)(["show", "config"])
-    except SlurmCommandError:
-        return DEFAULT_KILL_WAIT_S
-    m = re.search(r"^KillWait\s*=\s*(\d+)", out, re.M)
-    return int(m.group(1)) if m else DEFAULT_KILL_WAIT_S
-
-
-def running_job_margin_s(env: Mapping[str, str] | None = None, run: Callable[[list[str]], str] | None = None) -> int:
-    """The begin-time margin for a requeue made while the job's processes still run (a rank's stop handler):
-    they may take up to ``KillWait`` to end (Slurm kills what is left then), and a begin time already past
-    when the job leaves its nodes becomes Slurm's ~2 min hold. The batch script's supervisor, the job's last
-    process, sets it again to the plain :func:`start_margin_s` when the ranks end sooner."""
-    return kill_wait_s(run) + start_margin_s(env)
-
-
 def floor_tasks(min_nodes: int, alloc_nodes: int, tasks_per_node: int) -> int | None:
     """``NumTasks`` a requeued job must ask for to start on as few as ``min_nodes`` nodes, or None.
 
