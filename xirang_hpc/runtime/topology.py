@@ -50,8 +50,15 @@ class Topology:
             )
 
 
+# Rendezvous ports are derived in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's default ephemeral range
+# (net.ipv4.ip_local_port_range, 32768-60999), where any outgoing connection (gloo's pairs, store clients)
+# may hold the very port a job derives and make its rank 0 fail to host the rendezvous (EADDRINUSE, seen
+# on a busy node with a derived port of 38843).
+PORT_BASE, PORT_SPAN = 20000, 12000
+
+
 def rendezvous_port(job_id: str, cluster: str = "") -> int:
-    """A port derived deterministically from the job id, in [20000, 40000).
+    """A port derived deterministically from the job id, in [20000, 32000) (:data:`PORT_BASE`, :data:`PORT_SPAN`).
 
     ``cluster`` (Slurm's ``SLURM_CLUSTER_NAME``) is part of the key: several Slurm clusters can run on
     one host (or share nodes) and each numbers its jobs from 1, so job 5 of ``alpha`` and job 5 of
@@ -60,14 +67,14 @@ def rendezvous_port(job_id: str, cluster: str = "") -> int:
     coincide (checked for the names at hand by :func:`cluster_offset`).
     """
     base = int(hashlib.sha256(job_id.encode()).hexdigest()[:8], 16)
-    return 20000 + (base + cluster_offset(cluster)) % 20000
+    return PORT_BASE + (base + cluster_offset(cluster)) % PORT_SPAN
 
 
 def cluster_offset(cluster: str) -> int:
     """The port offset of a Slurm cluster name (0 without a name: the single-cluster ports are unchanged)."""
     if not cluster:
         return 0
-    return int(hashlib.sha256(f"cluster:{cluster}".encode()).hexdigest()[:8], 16) % 20000
+    return int(hashlib.sha256(f"cluster:{cluster}".encode()).hexdigest()[:8], 16) % PORT_SPAN
 
 
 def first_host(nodelist: str) -> str:
