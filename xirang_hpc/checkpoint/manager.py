@@ -31,10 +31,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.collectives import GroupCollectives
 from xirang_hpc.checkpoint.errors import CheckpointWriteError, write_error
+from xirang_hpc.checkpoint.integrity import METADATA_FILE, verify_file
 from xirang_hpc.checkpoint.memory import MemoryRecord, MemoryStore, Prepared
 from xirang_hpc.checkpoint.retention import RetentionPolicy, prune
 from xirang_hpc.checkpoint.snapshot import HostSnapshot
-from xirang_hpc.checkpoint.storage import METADATA_FILE, HDF5StorageReader, HDF5StorageWriter, verify_file
+from xirang_hpc.checkpoint.storage import HDF5StorageReader, HDF5StorageWriter
 from xirang_hpc.runtime import testpoint
 
 log = logging.getLogger(__name__)

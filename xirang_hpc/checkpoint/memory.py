@@ -42,7 +42,8 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 
 from xirang_hpc.checkpoint.collectives import GroupCollectives
-from xirang_hpc.checkpoint.storage import METADATA_FILE, HDF5StorageWriter, checksum_file
+from xirang_hpc.checkpoint.integrity import METADATA_FILE, checksum_file
+from xirang_hpc.checkpoint.storage import HDF5StorageWriter
 from xirang_hpc.files import write_bytes_atomic
 
 log = logging.getLogger(__name__)

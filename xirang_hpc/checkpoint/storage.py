@@ -58,11 +58,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from xirang_hpc.checkpoint.integrity import (  # noqa: F401 - re-exported: the storage's own names
+from xirang_hpc.checkpoint.integrity import (
     METADATA_FILE,
-    CheckpointCorruptError,
     CheckpointFormatError,
-    checksum_file,
     fsync_path,
     sync_and_checksum,
     verify_file,

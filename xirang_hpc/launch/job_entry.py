@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from xirang_hpc.job.training import run_training
+from xirang_hpc.job.entry import train_job
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", type=Path, required=True)
     a = ap.parse_args(argv)
     payload = json.loads(a.config.read_text())
-    run_training(payload["config"], payload["run_dir"], payload["data_dir"])
+    train_job(payload["config"], payload["run_dir"], payload["data_dir"])
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def _layout() -> Any:
 
 
 def _corrupt() -> type[Exception]:
-    from xirang_hpc.checkpoint.storage import CheckpointCorruptError
+    from xirang_hpc.checkpoint.integrity import CheckpointCorruptError
 
     return CheckpointCorruptError
 
