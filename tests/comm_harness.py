@@ -18,7 +18,7 @@ from typing import Any
 import h5py
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import rank_context
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -207,7 +207,7 @@ def _worker(rank: int, nodes: int, per_node: int, store: str, names: list[str], 
 def run(names: list[str], nodes: int = 2, per_node: int = 2, interleaved: bool = False,
         timeout_s: float = 240) -> dict[str, list[dict[str, Any]]]:
     """Run scenarios on every rank; returns name -> per-rank results. Raises on any rank's error."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     world = nodes * per_node
     tmp = tempfile.mkdtemp(prefix="xirang-comm-test-")

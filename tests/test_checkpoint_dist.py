@@ -3,7 +3,6 @@ asynchronous save on its own gloo group commits while training collectives run o
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from parallel_harness import free_port
+from ranks import rank_context
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str, step: int, e
 
 
 def _run(world: int, root: Path, mode: str, step: int) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     errq = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, str(root), mode, step, errq)) for r in range(world)]

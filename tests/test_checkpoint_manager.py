@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import rank_context
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.manager import CheckpointManager
@@ -49,8 +49,7 @@ def _saver(root: str, start: int, started) -> None:
 def test_kill_minus_9_at_random_moments_never_leaves_a_bad_latest(tmp_path):
     """>= 50 trials: kill -9 the saver at a random moment; the newest committed checkpoint always verifies
     and loads exactly, leftovers are cleaned, and steps only move forward."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "h5py", "xirang_hpc.checkpoint.manager"])
+    ctx = rank_context()
     rng = random.Random(5)
     root = tmp_path / "ckpt"
     last, mid_write, trials = 0, 0, 50

@@ -5,7 +5,6 @@ nothing (the bundles move over the new process group) -- bitwise equal to the fi
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from parallel_harness import free_port
+from ranks import rank_context
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -73,7 +73,7 @@ def _worker(rank: int, nodes: list[str], port: int, root: str, shm: str, mode: s
 
 
 def _run(nodes: list[str], root: Path, shm: Path, mode: str) -> tuple[list[int | None], list]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     errq, outq = ctx.Queue(), ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, nodes, port, str(root), str(shm), mode, errq, outq))
@@ -153,7 +153,7 @@ def _job(cfg: dict, run_dir: Path, data_dir: Path, kill_at: int = 0) -> list[int
     from xirang_hpc.launch.rundir import make_private_dir
 
     make_private_dir(run_dir)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     job = f"mem-test-{os.getpid()}-{kill_at}"
     procs = [ctx.Process(target=_job_rank, args=(r, 4, job, cfg, str(run_dir), str(data_dir), kill_at))
              for r in range(4)]

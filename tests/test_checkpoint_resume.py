@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import multiprocessing as mp
 import os
 import uuid
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import compose_cfg
+from ranks import rank_context
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.rollback import fork_run
@@ -70,7 +70,7 @@ def _rank_main(rank: int, world: int, job: str, cfg: dict, run_dir: str, data_di
 def run_job(cfg: dict, run_dir: Path, data_dir: Path, world: int = 4, stop_at: int = 0) -> None:
     """Run the job function on ``world`` local ranks (spawned processes); fail if any rank fails."""
     make_private_dir(run_dir)  # as the launcher does before submitting
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     job = f"ckpt-test-{uuid.uuid4().hex[:8]}"
     procs = [ctx.Process(target=_rank_main, args=(r, world, job, cfg, str(run_dir), str(data_dir), stop_at))
              for r in range(world)]

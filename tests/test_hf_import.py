@@ -22,6 +22,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from ranks import rank_context  # noqa: E402
+
 from xirang_hpc.config.errors import ConfigError  # noqa: E402
 from xirang_hpc.config.hf import apply_hf_model  # noqa: E402
 from xirang_hpc.serve.hf_import import HFImportError  # noqa: E402
@@ -336,10 +338,9 @@ def _worker(rank: int, world: int, port: int, layout: str, hf_dir: str, queue: A
 
 
 def _run(world: int, layout: str, hf_dir: Path) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
     from parallel_harness import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, layout, str(hf_dir), q)) for r in range(world)]

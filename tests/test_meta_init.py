@@ -19,7 +19,7 @@ import parallel_harness as H
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import rank_context
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -153,7 +153,7 @@ def _worker(rank: int, world: int, port: int, queue: Any) -> None:
 
 
 def _run(world: int) -> dict[str, list[Any]]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.SimpleQueue()
     port = H.free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]

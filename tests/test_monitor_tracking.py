@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import compose_cfg
+from ranks import rank_context
 
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.launch.rundir import make_private_dir
@@ -57,7 +57,7 @@ def _rank_main(rank: int, world: int, job: str, cfg: dict, run_dir: str, data_di
 def run_session(cfg: dict, run_dir: Path, data_dir: Path, world: int = 2, **act) -> list[int]:
     """One job session on ``world`` spawned ranks; returns their exit codes."""
     make_private_dir(run_dir)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     job = f"track-test-{uuid.uuid4().hex[:8]}"
     procs = [ctx.Process(target=_rank_main, args=(r, world, job, cfg, str(run_dir), str(data_dir), act))
              for r in range(world)]

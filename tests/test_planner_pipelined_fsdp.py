@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import rank_context
 from torch import nn
 
 pytestmark = pytest.mark.slow
@@ -84,7 +84,7 @@ def _run(zero: int) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, zero, q)) for r in range(DP)]
     for p in procs:

@@ -15,9 +15,9 @@ import types
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 from conftest import compose_cfg
 from parallel_harness import free_port
+from ranks import rank_context
 
 
 class _Exit(Exception):
@@ -71,9 +71,19 @@ def _run(tmp_path: Path, overrides: list[str], source: str = "local", sig_rank: 
          sig: int = signal.SIGUSR2, sig_step: int = 3) -> dict:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    out = mp.Manager().dict()
-    mp.spawn(_worker, args=(free_port(), str(run_dir), overrides, source, sig_rank, sig, sig_step, out),
-             nprocs=2, join=True)
+    ctx = rank_context()
+    out, port = ctx.Manager().dict(), free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, str(run_dir), overrides, source, sig_rank, sig, sig_step, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0, 0], f"ranks exited with {codes}"
     return dict(out)
 
 
