@@ -119,6 +119,22 @@ def test_finished_rank_that_exits_is_not_dead() -> None:
     assert assess(beats, {0: GONE, 1: GONE}, NOW, TH, WatchState()) == []
 
 
+def test_ranks_leaving_on_an_agreed_stop_are_neither_hung_nor_dead() -> None:
+    """After a requeue/time-limit stop every rank is in phase ``exit``: a teardown that outlasts every bound on
+    a loaded node (heartbeat thread silent, no progress) is no hang, and Slurm killing it is no death.
+    The same snapshot in the consensus phase is a hang, so the phase is what tells them apart."""
+    th = Thresholds(hang_s=300, stale_s=5, hang_k=20, hang_min_s=10)
+    timed = {"step_s": 0.2, "timed_steps": 5, "local_s": 0.01}
+    stale = {r: beat(r, phase="exit", progress=NOW - 60, last=NOW - 60, **timed) for r in range(2)}
+    for hb in stale.values():
+        hb["beat"] = NOW - 60
+    assert assess(stale, {0: ALIVE, 1: ALIVE}, NOW, th, WatchState()) == []
+    assert assess(stale, {0: GONE, 1: ALIVE}, NOW, th, WatchState()) == []  # killed without an exit record
+    in_comm = {r: dict(hb, phase="comm") for r, hb in stale.items()}
+    assert [f.kind for f in assess(in_comm, {0: ALIVE, 1: ALIVE}, NOW, th, WatchState())] == ["hang", "hang"]
+    assert [f.kind for f in assess(in_comm, {0: GONE, 1: ALIVE}, NOW, th, WatchState())] == ["dead"]
+
+
 def test_hang_names_stopped_rank_then_lagging_then_odd_phase_then_first_stalled() -> None:
     stalled = NOW - 40
     base = {r: beat(r, progress=stalled) for r in range(4)}

@@ -91,8 +91,10 @@ def _base(data: Path, runs: Path) -> list[str]:
             "parallel.pp=1", "parallel.tp=1"]
 
 
-def _submit(args: list[str]) -> tuple[str, Path]:
-    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
+def _submit(args: list[str], env: dict[str, str] | None = None) -> tuple[str, Path]:
+    """Submit with ``xirang-train``; ``env`` adds to the submitting environment (sbatch exports it to the job)."""
+    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env} if env else None)
     assert out.returncode == 0, out.stdout + out.stderr
     m = re.search(r"submitted Slurm job (\d+) .*\| run dir (\S+)", out.stdout)
     assert m, out.stdout
@@ -208,18 +210,19 @@ def test_time_limit_usr2_requeue_then_finish(slurm, stdlib_data, tmp_path):
     """A 1-minute limit with USR2 10 s before it: told apart from preemption by Slurm's record.
 
     slurmctld acts on a ~30 s tick, so USR2 lands up to 30 s early (seen: 14 s into a 1-minute job with a
-    30 s warning): with a 10 s warning it lands 20-50 s in, after the handlers exist. 4000 tiny steps
-    cannot fit in 50 s even on a machine 4x faster than this one (~19 steps/s when quiet), so the first
-    run must stop on the time limit. Once it has requeued, the test lifts the limit the way a sysadmin
-    would (`scontrol update TimeLimit=UNLIMITED`), so the rerun finishes however fast or loaded the machine
-    is (a loaded machine once took over 10 minutes for the rest of the 4000 steps)."""
+    30 s warning): with a 10 s warning it lands 20-50 s in, after the handlers exist. The first run pauses
+    0.5 s after every step (the ``step`` test point, restart 0 only), so its 300 steps last at least 150 s on
+    any machine and it must stop on the time limit, without training thousands of steps to get there. Once
+    it has requeued, the test lifts the limit the way a sysadmin would (`scontrol update
+    TimeLimit=UNLIMITED`), so the rerun (no pause) finishes however fast or loaded the machine is."""
+    env = {"XIRANG_TESTPOINT": "step@0=0.5"}
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.time_min=1",
-                        "cluster.signal_delay_s=10", "train.max_steps=4000", "train.log_every=100",
-                        "checkpoint.every_steps=3000", "requeue.max_requeues=8"])
+                        "cluster.signal_delay_s=10", "train.max_steps=300", "train.log_every=50",
+                        "checkpoint.every_steps=250", "requeue.max_requeues=8"], env=env)
     _wait(lambda: _ev(run, "requeue", 0), 600, "the time-limit requeue")
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED"], check=True, capture_output=True)
     final = _final(run, timeout=900)
-    assert final["status"] == "completed" and final["step"] == 4000, read_events(run)
+    assert final["status"] == "completed" and final["step"] == 300, read_events(run)
     stops = _ev(run, "stop")
     assert len(stops) == 1 and stops[0]["reason"] == "timeout", stops
     assert stops[0]["signal"] == "SIGUSR2" and "TimeLimit=00:01:00" in stops[0]["detail"], stops

@@ -146,7 +146,9 @@ def test_a_preemption_past_max_requeues_makes_the_job_non_requeueable(tmp_path):
 
     topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
                     node_name="n1", master_addr="127.0.0.1", master_port=20001, job_id="41", source="slurm")
-    trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=5), stop_requested=False)
+    phases: list[str] = []
+    trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=5), stop_requested=False,
+                                    _phase=phases.append)
     for info, pinned_expected in (({"PreemptTime": "2026-11-30T18:10:00", "JobState": "RUNNING"}, ["41"]),
                                   ({"PreemptTime": "None", "TimeLimit": "00:01:00", "RunTime": "00:00:55",
                                     "JobState": "RUNNING"}, [])):
@@ -159,7 +161,9 @@ def test_a_preemption_past_max_requeues_makes_the_job_non_requeueable(tmp_path):
                               env={"SLURM_JOB_ID": "41"}, exit_fn=codes.append, save_fn=lambda t: 5,
                               job_info=lambda j, i=info: i, requeue_fn=requeued.append,
                               start_now_fn=lambda *a: None, no_requeue_fn=pinned.append)
+        phases.clear()
         hook.stop(trainer, "SIGUSR2")
         assert codes == [EXIT_STOPPED] and requeued == [] and pinned == pinned_expected
+        assert phases[-1] == "exit"  # the monitor knows the rank is leaving: its teardown is no hang
         final = [e for e in read_events(run) if e["kind"] == "exit"]
         assert final[-1]["final"] and final[-1]["status"] == "max_requeues_exceeded", final

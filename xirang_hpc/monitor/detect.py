@@ -142,8 +142,15 @@ def _finding(kind: str, hb: dict[str, Any], cause: str, **extra: Any) -> Finding
                    int(hb.get("step", 0)), cause, dict(extra))
 
 
+def leaving(hb: dict[str, Any]) -> bool:
+    """The rank has finished (``done``) or is leaving on a stop it agreed on with every rank (phase ``exit``:
+    requeue, time limit, stop). Neither its silence nor its end is a fault: a process that takes long to
+    tear down on a loaded node is not hung, and Slurm's own kill after its grace time is not a death."""
+    return bool(hb.get("done")) or hb.get("phase") == "exit"
+
+
 def _dead(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], st: WatchState) -> list[Finding]:
-    new = [r for r, hb in beats.items() if probes.get(r) == GONE and not hb.get("done") and r not in st.gone]
+    new = [r for r, hb in beats.items() if probes.get(r) == GONE and not leaving(hb) and r not in st.gone]
     if not new:
         return []
     st.gone.update(new)
@@ -203,7 +210,7 @@ def _culprits(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], n
 
 def _stragglers(beats: dict[int, dict[str, Any]], th: Thresholds, st: WatchState) -> list[Finding]:
     timed = {r: hb["local_s"] for r, hb in beats.items()
-             if hb.get("timed_steps", 0) >= th.straggler_window and not hb.get("done")}
+             if hb.get("timed_steps", 0) >= th.straggler_window and not leaving(hb)}
     if len(timed) < 2:
         return []
     med = statistics.median(timed.values())
@@ -229,7 +236,7 @@ def assess(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], now:
     out = _dead(beats, probes, st)
     if st.dead_primary is not None or st.hang:
         return out
-    live = {r: hb for r, hb in beats.items() if not hb.get("done") and probes.get(r) != GONE}
+    live = {r: hb for r, hb in beats.items() if not leaving(hb) and probes.get(r) != GONE}
     for r, hb in live.items():
         if probes.get(r) is None and now - hb["beat"] > th.stale_s and r not in st.unresponsive:
             st.unresponsive.add(r)

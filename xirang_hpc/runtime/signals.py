@@ -174,6 +174,10 @@ class StopSignalHook(TrainerHook):
             code = int(buf.item())
         print(f"rank {self.topo.rank}: stopping at step {step} after {signame} "
               f"({'requeued' if code == EXIT_REQUEUED else 'not requeued'}); exit {code}", flush=True)
+        # Tell the monitor this rank is leaving: its teardown (slow on a loaded node) is not a hang.
+        mark = getattr(trainer, "_phase", None)
+        if callable(mark):
+            mark("exit")
         self.exit_fn(code)
 
     def _decide_and_requeue(self, signame: str, step: int, saved: int | None, t_signal: float,

@@ -6,7 +6,8 @@ every) arrival at ``STAGE`` in a process of the run's ``RESTART``-th start (``SL
 On arrival the process first touches ``$XIRANG_TESTPOINT_DIR/STAGE@RESTART.<pid>``, so the test knows
 the job is there. Stages: ``rendezvous`` (ranks > 0 before checking in: rank 0 waits in the
 rendezvous), ``load`` (before a checkpoint's tensors are read), ``save`` (in the background save,
-files written but the step not yet committed).
+files written but the step not yet committed), ``step`` (after each training step and its hooks:
+a run that lasts long without more work, e.g. one that must meet its time limit).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.data.dataset import TokenWindows
 from xirang_hpc.models.gpt import full_model_params, lm_loss
-from xirang_hpc.runtime import liveness
+from xirang_hpc.runtime import liveness, testpoint
 from xirang_hpc.runtime.data_parallel import build_optimizer
 from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims
@@ -240,6 +240,7 @@ class Trainer:
                     self.log(f"step {self.state.step:>5}/{t.max_steps} | val loss {val:.4f}")
             for h in self.hooks:
                 h.on_step_end(self, {"loss": loss, "grad_norm": gnorm})
+            testpoint.pause("step")  # tests only: a run that takes long without more work
         elapsed = now() - t0
         self._phase("eval")
         final_val = self.evaluate()
