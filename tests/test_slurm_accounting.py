@@ -13,11 +13,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from conftest import slurm_conf_env, slurm_conf_for
+from test_slurm_e2e import _wait  # progress-aware: the limit counts from the testbed's last change
 
 from xirang_hpc.monitor.events import append_event
 from xirang_hpc.monitor.slurmdb import SlurmDB
@@ -59,17 +59,6 @@ def quota(slurm):
     if jobs:
         subprocess.run(["scancel", *jobs], check=False)
     _sh("sacctmgr", "-i", "modify", "account", ACCOUNT, "set", f"GrpTRES=cpu={old if old is not None else -1}")
-
-
-def _wait(pred, timeout: float, what: str, poll: float = 1.0):
-    deadline = time.monotonic() + timeout
-    got = None
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {got!r}")
 
 
 def _train(args: list[str]) -> subprocess.CompletedProcess:

@@ -103,19 +103,40 @@ def _submit(args: list[str], env: dict[str, str] | None = None) -> tuple[str, Pa
 
 def _wait(pred, timeout: float, what: str, poll: float = 0.5, progress=None):
     """Poll ``pred`` until it returns something true; ``timeout`` is a safety net against a hang (minutes),
-    never a speed requirement: the wait ends as soon as the awaited progress shows. With ``progress`` (a
-    function whose value changes while the awaited work advances) the limit counts from the last change:
-    a loaded machine that trains slowly is waited for, a stalled one is not."""
-    deadline, last = time.monotonic() + timeout, progress() if progress else None
-    while time.monotonic() < deadline:
+    never a speed requirement: the wait ends as soon as the awaited progress shows. The limit counts from
+    the last change of ``progress`` (a function whose value changes while the awaited work advances; by
+    default :func:`_activity`, the testbed's queue and the files its jobs write): a loaded machine that
+    trains slowly is waited for, a stalled one is not. Six times ``timeout`` in all ends even a wait that
+    keeps seeing changes (a job looping on requeues)."""
+    progress = progress or _activity
+    start = time.monotonic()
+    deadline, last = start + timeout, progress()
+    while time.monotonic() < min(deadline, start + 6 * timeout):
         got = pred()
         if got:
             return got
         time.sleep(poll)
-        if progress and (now := progress()) != last:
+        if (now := progress()) != last:
             deadline, last = time.monotonic() + timeout, now
     what = what() if callable(what) else what  # e.g. the events as they are now
-    raise AssertionError(f"{timeout:.0f}s without {'progress' if progress else 'it'} waiting for {what}")
+    raise AssertionError(f"{timeout:.0f}s without progress waiting for {what}\n{_queue()}")
+
+
+def _activity() -> tuple:
+    """What changes while the testbed works: every job's state, and the sizes of the files its run writes
+    (events, metrics, the ranks' logs next to the job's stdout in the run's ``submitit`` folder)."""
+    out = subprocess.run(["squeue", "-h", "-O", "JobID:40,State:24,StdOut:1000"], capture_output=True,
+                         text=True).stdout
+    sizes = []
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        logs = Path(parts[2]).parent
+        files = [*logs.glob("*_log.*"), logs.parent / "events.jsonl", logs.parent / "metrics.jsonl"] \
+            if logs.is_dir() else []
+        sizes += [(p.name, p.stat().st_size) for p in files if p.exists()]
+    return out, tuple(sizes)
 
 
 def _run_progress(run_dir: Path) -> tuple[int, ...]:
