@@ -238,6 +238,20 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, source_data: Path) -> 
     assert _snapshot(run) == before, "a test wrote into the session's trained_run: use trained_run_copy"
 
 
+@pytest.fixture(scope="session")
+def calibrated_preset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The preset ``xirang-plan --calibrate`` writes for this machine, measured once per session (the CLI's
+    own checks in ``test_planner_cli.py``, the predictions it gives in ``test_planner_local.py``)."""
+    def calibrate(tmp: Path) -> None:
+        # No kill timer on the measurement itself: only a 30-minute net against a hang.
+        r = subprocess.run([str(Path(sys.executable).parent / "xirang-plan"), "--calibrate", "--out",
+                            str(tmp / "local-calibrated.yaml"), f"train.runs_root={tmp}/runs"],
+                           cwd=tmp, capture_output=True, text=True, timeout=1800)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+    return shared_dir(tmp_path_factory, "calibrated", calibrate) / "local-calibrated.yaml"
+
+
 @pytest.fixture
 def trained_run_copy(trained_run: TrainedRun, tmp_path: Path) -> TrainedRun:
     """A private copy of the session's trained run (same directory name) for a test that writes into it."""

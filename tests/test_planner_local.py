@@ -8,6 +8,7 @@ assume a quiet machine, as CI has; on a machine shared with other jobs step time
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,23 +16,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from xirang_hpc.config.schema import ModelConfig, TrainConfig, XirangConfig
+from xirang_hpc.config.schema import ClusterConfig, ModelConfig, TrainConfig, XirangConfig
 from xirang_hpc.config.validate import validate
+from xirang_hpc.planner.hardware import hardware_for
 from xirang_hpc.planner.local_check import candidates, load_cluster, measure
 
 BIN = Path(sys.executable).parent
 TINY = {"name": "tiny", "n_layer": 4, "n_head": 4, "d_model": 64, "d_ff": 256, "seq_len": 64}
 
 
-@pytest.fixture(scope="module")
-def calibrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("cal")
-    out = tmp / "local-calibrated.yaml"
-    r = subprocess.run([str(BIN / "xirang-plan"), "--calibrate", "--out", str(out), f"train.runs_root={tmp}/runs"],
-                       cwd=tmp, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return out
+@pytest.fixture
+def calibrated(calibrated_preset: Path) -> Path:
+    """``xirang-plan --calibrate`` of this machine (conftest: measured once per session)."""
+    return calibrated_preset
 
 
 @pytest.mark.slow
@@ -222,3 +221,18 @@ def test_fit_memory_recovers_footprint_and_fsdp_buffers() -> None:
     assert got["reserved_gb"] == pytest.approx(0.35, rel=1e-6)
     assert got["fsdp_buffer_factor"] == pytest.approx(6.0, rel=1e-6)
     assert peaks["dp"] / GiB > 0.35
+
+
+@pytest.mark.slow
+def test_calibrate_local_cluster_writes_usable_preset(calibrated: Path) -> None:
+    out = calibrated  # the preset `xirang-plan --calibrate --out ...` wrote
+    data = OmegaConf.to_container(OmegaConf.load(out))
+    assert data["name"] == "local-calibrated" and data["gpu"] == "cpu"
+    hw = data["hardware"]
+    for key in ("peak_tflops", "mem_bw_gbs", "intra_bw_gbs", "intra_latency_us", "inter_bw_gbs", "inter_latency_us"):
+        assert hw[key] > 0, key
+    fields = {f.name for f in dataclasses.fields(ClusterConfig)}
+    cluster = ClusterConfig(**{k: v for k, v in data.items() if k in fields})
+    measured = hardware_for(cluster)
+    assert measured.peak_tflops == pytest.approx(hw["peak_tflops"])
+    assert measured.intra_bw_gbs == pytest.approx(hw["intra_bw_gbs"])
