@@ -124,6 +124,19 @@ def test_memory_save_and_restore_in_one_process(tmp_path) -> None:
     assert torch.equal(got["model"]["w"], want["model"]["w"]) and torch.equal(got["model"]["b"], want["model"]["b"])
 
 
+def test_a_save_removes_only_older_steps_never_one_a_faster_rank_has_begun(tmp_path) -> None:
+    """Two ranks of a node share its directory: the one that finishes step 7 later must not remove the
+    step 8 the faster one is already writing (a loaded in-job restart test lost a rank to that race)."""
+    mgr = _mgr(tmp_path)
+    d = tmp_path / "shm" / "xirang-job" / "n1"
+    mgr.save(5, _state(5), state={"step": 5}, rank_state={"rank": 0}, to_disk=False, to_memory=True)
+    (d / "step_8").mkdir()
+    (d / "step_8" / "rank_1.h5").write_bytes(b"being written")
+    mgr.save(7, _state(7), state={"step": 7}, rank_state={"rank": 0}, to_disk=False, to_memory=True)
+    assert sorted(p.name for p in d.iterdir()) == ["step_7", "step_8"]
+    assert (d / "step_8" / "rank_1.h5").read_bytes() == b"being written"
+
+
 def test_memory_older_than_the_filesystem_is_not_used(tmp_path) -> None:
     mgr = _mgr(tmp_path)
     mgr.save(5, _state(5), state={"step": 5}, to_disk=False, to_memory=True)

@@ -275,7 +275,10 @@ class MemoryStore(GroupCollectives):
         write_bytes_atomic(d / BUNDLE.format(self.rank), json.dumps(manifest).encode())
         self._barrier()  # step N is complete on every node: older steps may go
         for old in self.dir.glob("step_*"):
-            if old != d:
+            # Older steps only: a faster rank of this node may already be writing step N+1 here. (Stale
+            # copies from before a restart are removed by prune() after the restore.)
+            n = old.name.removeprefix("step_")
+            if n.isdigit() and int(n) < step:
                 shutil.rmtree(old, ignore_errors=True)
         rec.seconds = self.clock() - t0
         return rec
