@@ -38,11 +38,29 @@ def two_sites() -> str:
         yield conf
 
 
-def _fill(site: str) -> str:
-    """A `high` job on every node of ``site`` for 30 minutes: `low` jobs there wait (or are preempted)."""
+def _state(site: str, job: str) -> str:
+    """The job's state on ``site`` ('' once it has left the queue)."""
+    out = subprocess.run(["squeue", "-M", site, "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout
+    states = [ln.strip() for ln in out.splitlines() if ln.strip() and not ln.startswith("CLUSTER")]
+    return states[-1] if states else ""
+
+
+def _fill(site: str, running: bool = True) -> str:
+    """A `high` job on every node of ``site`` for 30 minutes: `low` jobs there wait (or are preempted).
+    With ``running``, returns once it runs: a placement asked while it is still pending sees a free site."""
     out = subprocess.run(["sbatch", "--parsable", "-M", site, "-p", "high", "-N2", "--exclusive", "-t", "30",
                           "-o", "/dev/null", "--wrap", "sleep 1800"], capture_output=True, text=True, check=True)
-    return out.stdout.strip().split(";")[0]
+    job = out.stdout.strip().split(";")[0]
+    if running:
+        _wait(lambda: _state(site, job) == "RUNNING", 300, f"the filler {job} to run on {site}")
+    return job
+
+
+def _cancel(site: str, job: str) -> None:
+    """Cancel ``job`` and wait until it has left ``site``'s queue (a later test's preemption names the jobs
+    on the nodes: a filler still completing would be among them)."""
+    subprocess.run(["scancel", "-M", site, job], check=False)
+    _wait(lambda: _state(site, job) in ("", "CANCELLED", "COMPLETED"), 300, f"job {job} to leave {site}")
 
 
 def _args(data: Path, root: Path, steps: int) -> list[str]:
@@ -98,7 +116,7 @@ def test_site_a_full_the_job_runs_on_b(two_sites, stdlib_data, tmp_path):
         assert _final(run)["status"] == "completed"
         assert read_site_state(run)["site"] == "beta"
     finally:
-        subprocess.run(["scancel", "-M", "alpha", filler], check=False)
+        _cancel("alpha", filler)
 
 
 def test_run_preempted_on_a_migrates_to_b_and_finishes_bitwise_identical(two_sites, stdlib_data, tmp_path):
@@ -118,7 +136,7 @@ def test_run_preempted_on_a_migrates_to_b_and_finishes_bitwise_identical(two_sit
     # The move must fit the preemption's grace time plus KillWait; the testbed's 20 s grace is short for a
     # heavily loaded 2-core box (a site would give 60 s or more), so alpha's `low` gets 60 s here.
     subprocess.run(["scontrol", "-M", "alpha", "update", "PartitionName=low", "GraceTime=60"], check=True)
-    filler = _fill("alpha")  # preempts the run; its requeue would wait 30 minutes behind the filler
+    filler = _fill("alpha", running=False)  # preempts the run; its requeue would wait 30 minutes behind the filler
     moved = tmp_path / "beta" / run.name
     try:
         # Nobody intervenes: the job itself (its supervisor, at the preemption) copies the run to beta's run
@@ -141,7 +159,7 @@ def test_run_preempted_on_a_migrates_to_b_and_finishes_bitwise_identical(two_sit
         left = subprocess.run(["squeue", "-M", "alpha", "-h", "-j", job], capture_output=True, text=True).stdout
         assert not left.strip(), left
     finally:
-        subprocess.run(["scancel", "-M", "alpha", filler], check=False)
+        _cancel("alpha", filler)
         grace = os.environ.get("XIRANG_SLURM_GRACE", "20")
         subprocess.run(["scontrol", "-M", "alpha", "update", "PartitionName=low", f"GraceTime={grace}"], check=False)
     ref_out = ref_proc.communicate(timeout=600)[0]
