@@ -6,7 +6,10 @@ job id, ``Restarts=0`` in Slurm, no requeue event -- and finish:
 
 - on a spare node (``cluster.spare_nodes=1``) with bitwise the weights of an uninterrupted run;
 - without a spare, on the remaining node with the layout shrunk (dp 4 -> 2, twice the gradient
-  accumulation), the loss within rtol 1e-5 of the uninterrupted run at every step.
+  accumulation), the loss within rtol 1e-4 of the uninterrupted run at every step. The shrunk layout
+  sums the gradients in another order, and the difference grows with every step trained after the
+  restart, so with how many that is (where the fault lands): 1.6e-5 seen 60 steps on. A restore from a
+  wrong step or with a wrong layout is off by 1e-3 or more.
 
 The uninterrupted reference runs meanwhile on the local executor with the same layout and threads.
 """
@@ -102,11 +105,12 @@ def _lose_node_and_go_on_shrunk(job: str, run: Path, first: str, second: str) ->
 
 
 def _same_losses_after(run: Path, ref: subprocess.Popen, resumed: int, steps: int) -> None:
-    """Every step after ``resumed`` up to ``steps`` has the uninterrupted reference's loss (rtol 1e-5)."""
+    """Every step after ``resumed`` up to ``steps`` has the uninterrupted reference's loss (rtol 1e-4: see the
+    module docstring)."""
     ours, theirs = _losses(run), _losses(_reference_dir(ref))
     after = [s for s in ours if s > resumed]
     assert after and after[-1] == steps, sorted(ours)
-    np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-5)
+    np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-4)
 
 
 
@@ -213,7 +217,7 @@ def test_requeued_job_with_a_drained_node_continues_shrunk(stdlib_data, tmp_path
     ours, theirs = _losses(run), _losses(_reference_dir(ref))
     after = [s for s in ours if s > rerun["step"]]
     assert rerun["step"] >= 10 and after and after[-1] == steps, (rerun, sorted(ours))
-    np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-5)
+    np.testing.assert_allclose([ours[s] for s in after], [theirs[s] for s in after], rtol=1e-4)
 
 
 
