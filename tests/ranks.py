@@ -60,3 +60,17 @@ def rank_context() -> RankContext:
     """The context to start test ranks with (``ctx.Process``, ``ctx.Queue``, ``ctx.Event`` ...)."""
     mp.set_forkserver_preload(PRELOAD)  # before this process's server starts; later calls change nothing
     return RankContext()
+
+
+def run_ranks(procs: list[mp.process.BaseProcess], timeout_s: float = 300) -> list[int | None]:
+    """Start ``procs``, wait for each (``timeout_s`` a safety net against a hang), kill any still alive;
+    returns their exit codes (None for one that was still running)."""
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return codes

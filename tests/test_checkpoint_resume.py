@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import compose_cfg
-from ranks import rank_context
+from ranks import rank_context, run_ranks
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.rollback import fork_run
@@ -74,14 +74,7 @@ def run_job(cfg: dict, run_dir: Path, data_dir: Path, world: int = 4, stop_at: i
     job = f"ckpt-test-{uuid.uuid4().hex[:8]}"
     procs = [ctx.Process(target=_rank_main, args=(r, world, job, cfg, str(run_dir), str(data_dir), stop_at))
              for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    codes = run_ranks(procs)
     assert codes == [0] * world, f"ranks exited with {codes}"
 
 

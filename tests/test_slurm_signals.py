@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import compose_cfg
 from parallel_harness import free_port
-from ranks import rank_context
+from ranks import rank_context, run_ranks
 
 
 class _Exit(Exception):
@@ -75,14 +75,7 @@ def _run(tmp_path: Path, overrides: list[str], source: str = "local", sig_rank: 
     out, port = ctx.Manager().dict(), free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, str(run_dir), overrides, source, sig_rank, sig, sig_step, out))
              for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    codes = run_ranks(procs)
     assert codes == [0, 0], f"ranks exited with {codes}"
     return dict(out)
 
