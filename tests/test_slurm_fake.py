@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -47,6 +48,15 @@ elif name == "scontrol" and args[:2] == ["show", "node"]:
     for n in ("n1", "n2", "n3"):
         print(f"NodeName={{n}} State=IDLE")
 '''
+
+
+@pytest.fixture(autouse=True)
+def _sigterm_restored():
+    """The supervisor ignores SIGTERM before it requeues (in the batch script it must outlive the requeue's);
+    here it runs in the test process, whose later children would inherit the ignore: put it back."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
 
 
 @pytest.fixture
@@ -88,6 +98,8 @@ def test_a_sweep_is_one_array_job_with_a_run_dir_per_task(fake_slurm: Path, tmp_
     assert "#SBATCH --requeue" in script
     assert f"#SBATCH --nodes={cfgs[0].cluster.nodes}" in script
     assert "xirang_hpc.launch.supervise" in script  # the requeue supervisor runs after srun
+    # ... and the ranks know it (they leave a preemption's requeue to it): exported before srun.
+    assert -1 < script.index("export XIRANG_SUPERVISED=1") < script.index("srun") < script.index("supervise")
     # One deterministic, private run directory per point, each knowing its policy and its task id.
     assert len(set(run_dirs)) == 3
     mapping = json.loads((sweep_folder(cfgs, overrides) / "submitit" / RUN_DIR_MAP).read_text())
@@ -146,6 +158,28 @@ def test_requeues_stop_at_max_requeues(fake_slurm: Path, tmp_path: Path) -> None
     assert not [c for c in _calls(fake_slurm, "scontrol") if c["args"][0] == "requeue"]
     (final,) = [e for e in read_events(run) if e["kind"] == "exit"]
     assert final["status"] == "max_requeues_exceeded"
+
+
+def test_a_handed_over_preemption_is_requeued_by_the_supervisor_with_its_begin_time(
+        fake_slurm: Path, tmp_path: Path) -> None:
+    # The ranks saved step 30 and left; the supervisor requeues now that they are gone, then sets the begin
+    # time ahead (start_now), and the requeue carries the step they stopped at.
+    from xirang_hpc.monitor.events import append_event
+
+    run = _run_dir(tmp_path, start_now=True)
+    for rank in range(2):
+        mark_start(run, 0, rank, "n1")
+        mark_exit(run, 0, rank)
+    append_event(run, "stop", "preemption", restart=0, step=30)
+    append_event(run, "handover", "preemption", restart=0, step=30, target="4242_1")
+    assert supervise(144, run, dict(ARRAY_TASK)) == 144
+    acts = [c["args"] for c in _calls(fake_slurm, "scontrol") if c["args"][0] in ("requeue", "update")]
+    assert acts[0] == ["requeue", "4242_1"] and acts[1][:2] == ["update", "jobid=4242_1"]
+    assert acts[1][2].startswith("StartTime=now+"), acts
+    (requeue,) = [e for e in read_events(run) if e["kind"] == "requeue"]
+    assert (requeue["reason"], requeue["step"]) == ("preemption", 30)
+    assert [e["status"] for e in read_events(run) if e["kind"] == "exit"] == ["requeued"]
+    assert not [e for e in read_events(run) if e["kind"] == "failure"]  # a preemption blames no node
 
 
 def test_a_completed_step_is_recorded_without_asking_slurm(fake_slurm: Path, tmp_path: Path) -> None:

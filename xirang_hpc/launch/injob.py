@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from xirang_hpc.checkpoint.memory import memory_root
-from xirang_hpc.launch.supervise import already_handled, hostnames, preempt_time, run_dir_for_task, supervise
+from xirang_hpc.launch.supervise import (
+    already_handled,
+    handed_over,
+    hostnames,
+    preempt_time,
+    run_dir_for_task,
+    supervise,
+)
 from xirang_hpc.monitor.events import EventTail, append_event, failed_nodes, read_events
 from xirang_hpc.runtime.markers import missing_ranks
 
@@ -157,7 +164,7 @@ def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys
         since = time.time()
         step_env = {**env, "SUBMITIT_EXECUTOR": "slurm", NODES_ENV: str(len(plan.nodes)), ATTEMPT_ENV: str(attempt)}
         rc = step(srun_command(job, folder, plan.nodes, attempt, python, env), step_env, run_dir, since)
-        if rc == 0 or already_handled(run_dir, restart):
+        if rc == 0 or already_handled(run_dir, restart) or handed_over(run_dir, restart):
             return rc  # finished, or the job itself stopped (preemption, time limit): not ours to restart
         if job_id and preempted(job_id):
             return rc  # preempted before the ranks' own handler could act: Slurm takes the job; the supervisor says so

@@ -49,9 +49,11 @@ def already_handled(run_dir: Path, restart: int) -> bool:
     return any(e.get("kind") == "exit" and e.get("restart") == restart for e in _since_arrival(run_dir))
 
 
-def handed_over(run_dir: Path, restart: int) -> bool:
-    """The job's stop handler left a preemption to this supervisor (a run on several sites may move)."""
-    return any(e.get("kind") == "handover" and e.get("restart") == restart for e in _since_arrival(run_dir))
+def handed_over(run_dir: Path, restart: int) -> dict | None:
+    """The ``handover`` event of ``restart``: the job's stop handler saved and left the preemption to this
+    supervisor (to requeue once the ranks are gone; a run on several sites may move instead). None if not."""
+    return next((e for e in reversed(_since_arrival(run_dir))
+                 if e.get("kind") == "handover" and e.get("restart") == restart), None)
 
 
 def cancel_self(job_id: str, cluster: str | None) -> None:
@@ -203,8 +205,10 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
         excluded = exclusion(job_id, nodes, int(job.get("min_alloc_nodes") or job["nodes"]), job.get("partition"))
     # Record the decision before acting: `scontrol requeue` makes Slurm end this batch script, and
     # anything after it may never run (the events would then miss the requeue).
+    # The step the ranks saved and stopped at, when they handed the preemption over.
+    at = {"step": handover["step"]} if handover and isinstance(handover.get("step"), int) else {}
     append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, restart=restart, excluded=excluded,
-                 nodes=nodes)
+                 nodes=nodes, **at)
     append_event(run_dir, "exit", "requeued", final=False, status="requeued", job=job_id, restart=restart)
     # `scontrol requeue` sends SIGTERM to every process of the job; this one must live on for the
     # updates below (the batch script ignores SIGTERM around it for the same reason).
