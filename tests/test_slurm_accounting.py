@@ -138,11 +138,18 @@ def test_sacct_history_of_a_requeued_finished_job(slurm, tmp_path, caplog):
     run.mkdir()
     append_event(run, "submit", "submitted", job=job, cluster="testbed")
 
+    seen: list[dict] = [{}]
+
     def status() -> dict:
         s = json.loads(subprocess.run([*STATUS, str(run), "--json"], capture_output=True, text=True,
                                       timeout=120).stdout)
+        seen[0] = s
         return s if s["state"] == "COMPLETED" and s["state_source"] == "sacct" else {}
-    s = _wait(status, 120, "sacct to record the end")
+
+    def recorded() -> str:  # what slurmdbd holds for the job: it changes while the end is being recorded
+        return _sh("sacct", "-n", "-P", "-D", "-j", job, "-o", "JobID,State,End")
+    s = _wait(status, 300, lambda: f"sacct to record the end; sacct: {recorded()!r}; xirang-status: {seen[0]}",
+              progress=recorded)
     assert "exit code 0:0" in s["state_reason"] and "1 restart(s)" in s["state_reason"], s
     assert "2 node(s)" in s["state_reason"] and "CPU time" in s["state_reason"]
     text = subprocess.run([*STATUS, str(run)], capture_output=True, text=True, timeout=120).stdout
