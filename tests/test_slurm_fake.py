@@ -177,7 +177,7 @@ def test_a_handed_over_preemption_is_requeued_by_the_supervisor_with_its_begin_t
     assert acts[0] == ["requeue", "4242_1"] and acts[1][:2] == ["update", "jobid=4242_1"]
     assert acts[1][2].startswith("StartTime=now+"), acts
     (requeue,) = [e for e in read_events(run) if e["kind"] == "requeue"]
-    assert (requeue["reason"], requeue["step"]) == ("preemption", 30)
+    assert (requeue["reason"], requeue["step"], requeue["target"]) == ("preemption", 30, "4242_1")
     assert [e["status"] for e in read_events(run) if e["kind"] == "exit"] == ["requeued"]
     assert not [e for e in read_events(run) if e["kind"] == "failure"]  # a preemption blames no node
 

@@ -207,8 +207,8 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
     # anything after it may never run (the events would then miss the requeue).
     # The step the ranks saved and stopped at, when they handed the preemption over.
     at = {"step": handover["step"]} if handover and isinstance(handover.get("step"), int) else {}
-    append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, restart=restart, excluded=excluded,
-                 nodes=nodes, **at)
+    append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, target=job_id, restart=restart,
+                 excluded=excluded, nodes=nodes, **at)
     append_event(run_dir, "exit", "requeued", final=False, status="requeued", job=job_id, restart=restart)
     # `scontrol requeue` sends SIGTERM to every process of the job; this one must live on for the
     # updates below (the batch script ignores SIGTERM around it for the same reason).

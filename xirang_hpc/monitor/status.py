@@ -173,8 +173,9 @@ def _nodes(beats: dict[int, dict[str, Any]], now: float) -> list[dict[str, Any]]
 
 
 def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_cmd,
-               n_events: int = 8) -> dict[str, Any]:
-    """Everything ``xirang-status`` shows for one run directory."""
+               n_events: int = 12) -> dict[str, Any]:
+    """Everything ``xirang-status`` shows for one run directory (the last ``n_events`` events: enough for one
+    preemption from the stop to the rerun's first step, ~10 events)."""
     run_dir = Path(run_dir).absolute()
     now = time.time() if now is None else now
     hdir = run_dir / HEARTBEAT_DIR
