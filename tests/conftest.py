@@ -69,9 +69,9 @@ SLURM_FILES = {"test_injob_slurm.py", "test_monitor_slurm.py", "test_pipeline_sl
                "test_slurm_clusters.py", "test_slurm_e2e.py", "test_slurm_preempt_stages.py", "test_slurm_sched.py",
                "test_slurm_sites.py"}
 # With a second testbed (``XIRANG_SLURM_CONF_B``, which CI starts), these files run on it, on their own worker,
-# beside the others on the first: the two halves of the slurm tier take about the same time.
-SLURM_FILES_B = {"test_injob_slurm.py", "test_monitor_slurm.py", "test_pipeline_slurm.py",
-                 "test_slurm_preempt_stages.py"}
+# beside the others on the first: the two halves of the slurm tier take about the same time (estimated from
+# the last CI's durations, ~13 min each once preemptions no longer met Slurm's 2-minute requeue hold).
+SLURM_FILES_B = {"test_injob_slurm.py", "test_monitor_slurm.py", "test_slurm_preempt_stages.py"}
 
 
 def slurm_conf_for(test_file: str | Path) -> str | None:
