@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -218,6 +219,9 @@ def release_memory(run_dir: Path, env: Mapping[str, str], allocation: Callable[[
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point in the batch script: the attempts, then the requeue supervisor on the last exit code."""
+    # The batch script ignores SIGTERM so that it outlives a requeue (launch/slurm.injob_lines); this process,
+    # and the srun steps it starts, take SIGTERM as usual until the supervisor ignores it before requeuing.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--map", type=Path, required=True, help="task id -> run dir JSON")
     ap.add_argument("--folder", type=Path, required=True, help="the submitit folder of the job")

@@ -132,7 +132,10 @@ def injob_lines(folder: Path) -> list[str]:
     """
     cmd = [sys.executable, "-m", "xirang_hpc.launch.injob", "--map", str(folder / RUN_DIR_MAP),
            "--folder", str(folder)]
-    return ["# in-job restart: the driver runs every srun step (requeue.max_restarts_in_job)",
+    # `trap '' TERM`: the driver ends with the supervisor, which may requeue the job; the requeue SIGTERMs all
+    # of it, and the script must outlive that (when the script ends, Slurm kills what is left of the job,
+    # the supervisor's StartTime update included). The driver sets SIGTERM back to its default for itself.
+    return ["# in-job restart: the driver runs every srun step (requeue.max_restarts_in_job)", "trap '' TERM",
             " ".join(shlex.quote(a) for a in cmd), "exit $?"]
 
 

@@ -207,8 +207,12 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
     # anything after it may never run (the events would then miss the requeue).
     # The step the ranks saved and stopped at, when they handed the preemption over.
     at = {"step": handover["step"]} if handover and isinstance(handover.get("step"), int) else {}
+    # A job that may start shrunk asks for its floor's task count (a requeued job keeps its first one).
+    alloc = int(job["nodes"]) + int(job.get("spare_nodes", 0))
+    tasks = slurmctl.floor_tasks(int(job.get("min_alloc_nodes") or job["nodes"]), alloc,
+                                 int(job.get("tasks_per_node", 1)))
     append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, target=job_id, restart=restart,
-                 excluded=excluded, nodes=nodes, **at)
+                 excluded=excluded, nodes=nodes, num_tasks=tasks, **at)
     append_event(run_dir, "exit", "requeued", final=False, status="requeued", job=job_id, restart=restart)
     # `scontrol requeue` sends SIGTERM to every process of the job; this one must live on for the
     # updates below (the batch script ignores SIGTERM around it for the same reason).
@@ -216,9 +220,6 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
     try:
         slurmctl.requeue(job_id)
         start = bool(verdict.start_now or verdict.backoff_s)
-        alloc = int(job["nodes"]) + int(job.get("spare_nodes", 0))
-        tasks = slurmctl.floor_tasks(int(job.get("min_alloc_nodes") or job["nodes"]), alloc,
-                                     int(job.get("tasks_per_node", 1)))
         if start or excluded or tasks:
             applied = slurmctl.after_requeue(job_id, verdict.backoff_s, exclude=excluded, start=start, tasks=tasks)
             append_event(run_dir, "requeue_update", reason, job=job_id, restart=restart, applied=applied)
