@@ -507,34 +507,34 @@ def test_stop_handler_hands_a_preemption_over_to_the_supervisor_on_several_sites
     assert requeued == ["41"]
 
 
-def test_under_the_supervisor_a_preemption_is_handed_over_and_a_time_limit_is_not(tmp_path):
-    # A batch script that ends with the supervisor exports XIRANG_SUPERVISED=1: a preempted job's ranks leave
-    # the requeue to it (it acts once they are gone). A time limit is requeued at once by rank 0: the limit
-    # would kill the job before a late requeue.
+def test_on_one_site_rank_0_requeues_at_once_with_the_ranks_leaving_margin(tmp_path):
+    # A preemption and a time limit are requeued by rank 0 right after the save (the grace time or the limit
+    # would otherwise end the job first); the begin time is set ahead by the ranks-leaving margin, since the
+    # job leaves its nodes only once its last rank has exited.
     import types
 
     from xirang_hpc.monitor.events import EventLog
+    from xirang_hpc.runtime import slurmctl
     from xirang_hpc.runtime.signals import EXIT_REQUEUED, StopSignalHook
     from xirang_hpc.runtime.topology import Topology
 
     topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
                     node_name="n1", master_addr="127.0.0.1", master_port=20001, job_id="41", source="slurm")
     trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=5), stop_requested=False)
-    one_site = load_config(compose_cfg(["cluster=testbed"]))
-    for run_time, kind in (("00:01:00", "handover"), ("00:09:30", "requeue")):
-        run, requeued, codes = tmp_path / kind, [], []
+    one_site = load_config(compose_cfg(["cluster=testbed", "requeue=testbed"]))
+    for run_time, reason in (("00:01:00", "preemption"), ("00:09:30", "timeout")):
+        run, requeued, updates, codes = tmp_path / reason, [], [], []
         run.mkdir()
         info = {"JobState": "RUNNING", "RunTime": run_time, "TimeLimit": "00:10:00"}
-        if kind == "handover":
-            info["PreemptTime"] = "2026-11-30T18:10:00"
-        hook = StopSignalHook(one_site, topo, run, events=EventLog(run),
-                              env={"SLURM_JOB_ID": "41", "XIRANG_SUPERVISED": "1"}, exit_fn=codes.append,
-                              save_fn=lambda t: 5, job_info=lambda j, i=info: i, requeue_fn=requeued.append,
-                              start_now_fn=lambda *a, **k: None)
+        hook = StopSignalHook(one_site, topo, run, events=EventLog(run), env={"SLURM_JOB_ID": "41"},
+                              exit_fn=codes.append, save_fn=lambda t: 5, job_info=lambda j, i=info: i,
+                              requeue_fn=requeued.append, start_now_fn=lambda *a, u=updates, **k: u.append(k))
         hook.stop(trainer, "SIGUSR2")
-        kinds = [e["kind"] for e in read_events(run)]
-        assert codes == [EXIT_REQUEUED] and kind in kinds, kinds
-        assert requeued == ([] if kind == "handover" else ["41"]), (kind, requeued)
+        events = read_events(run)
+        assert codes == [EXIT_REQUEUED] and requeued == ["41"], (reason, events)
+        assert [e["reason"] for e in events if e["kind"] == "requeue"] == [reason]
+        assert not [e for e in events if e["kind"] == "handover"]
+        assert updates[0]["margin_s"] == slurmctl.RANKS_LEAVING_MARGIN_S > slurmctl.START_MARGIN_S, updates
 
 
 def test_supervisor_ignores_the_old_sites_events_after_a_move(tmp_path):

@@ -149,8 +149,6 @@ def make_slurm_executor(c: ClusterConfig, folder: Path, priority: str = "normal"
     check_site_qos(c, priority, site_qos_names())
     ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
     params = sbatch_parameters(c, priority)
-    # This script ends with the supervisor (supervisor_lines): a preempted job's ranks leave the requeue to it.
-    params["setup"] = [f"export {slurmctl.SUPERVISED_ENV}=1", *params.get("setup", [])]
     if requeue is not None and requeue.max_restarts_in_job > 0:
         params["setup"] = [*params.get("setup", []), *injob_lines(Path(folder))]
         extra = {**params["additional_parameters"], "no_kill": True}

@@ -208,17 +208,15 @@ class StopSignalHook(TrainerHook):
                 print(f"xirang: not requeued: {verdict.why} (final status {verdict.final_status})", flush=True)
                 return EXIT_STOPPED
             multi_site = bool(self.cfg.cluster.sites) and self.cfg.cluster.site_auto_migrate
-            supervised = self.env.get(slurmctl.SUPERVISED_ENV) == "1"
-            if in_slurm and cause.reason == "preemption" and (multi_site or supervised):
-                # The batch script's supervisor (launch/supervise.py) acts once the ranks are gone: on several
-                # sites it decides whether the run moves or is requeued here; on one it requeues. A requeue from
-                # here would end srun under the ranks still leaving (the step then takes seconds more to end),
-                # and a job that leaves its nodes after its new begin time meets Slurm's 2-minute hold.
-                # A time limit is not handed over: the job must be requeued before the limit kills it.
-                why = ("the supervisor places the run again (cluster.sites)" if multi_site
-                       else "the supervisor requeues once every rank has left")
-                self._event("handover", cause.reason, why=why, target=target, step=step)
+            if in_slurm and cause.reason == "preemption" and multi_site:
+                # Several sites: the batch script's supervisor (launch/supervise.py) decides after the ranks
+                # are gone whether the run moves to another site or is requeued here; it alone acts.
+                self._event("handover", cause.reason, why="the supervisor places the run again (cluster.sites)",
+                            target=target, step=step)
                 return EXIT_REQUEUED
+            # Requeued from here, at once: a preemption's grace time or the time limit ends the job soon, and a
+            # loaded node's ranks can take longer than that to leave. The begin time is set ahead by the
+            # ranks-leaving margin, since the job leaves its nodes only when its last rank has exited.
             if in_slurm:
                 self.requeue_fn(target)
                 start, tasks = bool(verdict.start_now or verdict.backoff_s), requeue_floor_tasks(self.cfg)

@@ -94,12 +94,6 @@ def cluster_args(cluster: str | None) -> list[str]:
     return ["-M", cluster] if cluster else []
 
 
-# Set (to "1") by the batch scripts that end with the requeue supervisor (launch/slurm.py): a preempted
-# job's ranks then leave the requeue to it (runtime/signals.py), so that it runs once every rank has
-# exited and the job leaves its nodes within a second of the StartTime update.
-SUPERVISED_ENV = "XIRANG_SUPERVISED"
-
-
 def requeue(job_id: str) -> None:
     """``scontrol requeue JOB_ID``; Slurm then ends every task of the job."""
     run_scontrol(["requeue", job_id])
@@ -147,9 +141,10 @@ def classify_stop(info: Mapping[str, str], signal_name: str, signal_delay_s: flo
 # margin costs two minutes. A site with a long epilog raises both (``XIRANG_REQUEUE_START_MARGIN_S``).
 # From the supervisor, after every rank has exited: the job leaves within a second (0.1 s on the testbed).
 START_MARGIN_S = 5
-# From rank 0 (a time limit, or a script without the supervisor): the job has left only when its last rank
-# has, and a requeue ends srun under them. Measured on the testbed (Slurm 22.05, proctrack/cgroup, 2 nodes
-# x 2 ranks on 2 cores): 7-17 s after the update, so 5 s met the two-minute hold there.
+# From rank 0 (a preemption or a time limit, requeued at once so that the grace time or the limit cannot
+# end the job first): the job has left only when its last rank has, and the requeue ends srun under them.
+# Measured on the testbed (Slurm 22.05, proctrack/cgroup, 2 nodes x 2 ranks on 2 cores): 7-17 s after the
+# update, so 5 s met the two-minute hold there.
 RANKS_LEAVING_MARGIN_S = 20
 
 
