@@ -217,15 +217,15 @@ class StopSignalHook(TrainerHook):
             # Requeued from here, at once: a preemption's grace time or the time limit ends the job soon, and a
             # loaded node's ranks can take longer than that to leave. The begin time is set ahead by the
             # ranks-leaving margin, since the job leaves its nodes only when its last rank has exited.
+            tasks = requeue_floor_tasks(self.cfg) if in_slurm else None
             if in_slurm:
                 self.requeue_fn(target)
-                start, tasks = bool(verdict.start_now or verdict.backoff_s), requeue_floor_tasks(self.cfg)
+                start = bool(verdict.start_now or verdict.backoff_s)
                 if start or tasks:
                     self.start_now_fn(target, verdict.backoff_s, start=start, tasks=tasks,
                                       margin_s=slurmctl.start_margin_s(self.env, ranks_leaving=True))
             self._event("requeue", cause.reason, why=verdict.why, target=target, step=step,
-                        start_now=verdict.start_now, backoff_s=verdict.backoff_s,
-                        num_tasks=requeue_floor_tasks(self.cfg) if in_slurm else None)
+                        start_now=verdict.start_now, backoff_s=verdict.backoff_s, num_tasks=tasks)
             self._event("exit", "requeued", final=False, status="requeued", step=step)
             return EXIT_REQUEUED
         except slurmctl.SlurmCommandError as exc:

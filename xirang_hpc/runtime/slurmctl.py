@@ -156,8 +156,9 @@ def start_margin_s(env: Mapping[str, str] | None = None, ranks_leaving: bool = F
     if not raw:
         return RANKS_LEAVING_MARGIN_S if ranks_leaving else START_MARGIN_S
     if not raw.isdigit() or int(raw) < 1:
-        raise SlurmCommandError(f"XIRANG_REQUEUE_START_MARGIN_S={raw!r}: use whole seconds >= 1 (default "
-                                f"{START_MARGIN_S}), longer than the site's epilog")
+        raise SlurmCommandError(f"XIRANG_REQUEUE_START_MARGIN_S={raw!r}: use whole seconds >= 1 (defaults: "
+                                f"{START_MARGIN_S} from the supervisor, {RANKS_LEAVING_MARGIN_S} from rank 0), "
+                                f"longer than the site's epilog")
     return int(raw)
 
 
