@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import rank_context
 from torch.distributed.tensor import DTensor
 
 from xirang_hpc.config.schema import (
@@ -158,7 +158,7 @@ def free_port() -> int:
 def run_group(world: int, jobs: list[tuple[str, XirangConfig]], data_dir: Path, steps: int = 10,
               threads: int = 1, timeout_s: float = 600) -> dict[str, list[dict[str, Any]]]:
     """Spawn ``world`` ranks once and run every job in it; returns name -> per-rank results."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, jobs, str(data_dir), steps, queue, threads))
