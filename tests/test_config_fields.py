@@ -35,6 +35,7 @@ from xirang_hpc.checkpoint.retention import RetentionPolicy, steps_to_keep
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import GROUPS, XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.launch.executors import local_python
 from xirang_hpc.launch.rundir import run_dir_for
 from xirang_hpc.launch.slurm import sbatch_parameters
 from xirang_hpc.monitor.watchdog import thresholds_for
@@ -133,6 +134,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "cluster.high_qos": ("top", sbatch, ["train.priority=high", "cluster.high_partition=urgent"]),
     "cluster.qos_names": (["normal"], REFUSED, ["cluster.qos=high"]),  # high is not one of the site's QOS
     "cluster.threads_per_rank": (3, threads, []),
+    "cluster.preload": (False, lambda cfg: local_python(cfg.cluster), []),  # the local executor's task command
     "cluster.backend": ("nccl", backend, []),
     "cluster.gpu": ("h100", hardware, []),
     "cluster.hardware": ({"peak_tflops": 123.0}, hardware, []),

@@ -7,13 +7,20 @@ from pathlib import Path
 import submitit
 
 from xirang_hpc.config.schema import ClusterConfig
+from xirang_hpc.launch import preload
 from xirang_hpc.launch.slurm import make_slurm_executor
+
+
+def local_python(c: ClusterConfig) -> str | None:
+    """The command the local executor starts each task with: through the job's fork server when
+    ``cluster.preload``, else None (submitit's default, this interpreter)."""
+    return preload.command() if c.preload else None
 
 
 def make_executor(c: ClusterConfig, folder: Path) -> submitit.Executor:
     """A submitit executor for ``c`` that keeps its files under ``folder``."""
     if c.executor == "local":
-        ex = submitit.LocalExecutor(folder=folder)
+        ex = submitit.LocalExecutor(folder=folder, python=local_python(c))
         # The local executor runs one node; virtual nodes are carved out inside the job.
         ex.update_parameters(tasks_per_node=c.world_size, timeout_min=c.time_min,
                              signal_delay_s=min(c.signal_delay_s, 60 * c.time_min // 2))
