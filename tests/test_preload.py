@@ -45,8 +45,11 @@ TASK = textwrap.dedent('''
     if mode == "raise":
         raise RuntimeError("task failed")
     report()
-    while True:
-        time.sleep(0.05)
+    try:
+        while True:
+            time.sleep(0.05)
+    finally:  # runs when SIGINT raises KeyboardInterrupt, as in a fresh interpreter
+        open(os.path.join(folder, f"finally-{k}"), "w").close()
 ''')
 
 
@@ -151,6 +154,14 @@ def test_signals_go_to_the_rank_and_the_client_shares_its_fate(job) -> None:
     c.send_signal(signal.SIGTERM)
     assert c.wait(timeout=300) == -signal.SIGTERM
     assert _gone(rank)
+    # SIGINT (the controller's first step of a cancel) raises KeyboardInterrupt in the rank: its cleanup runs,
+    # and it dies of SIGINT, as a fresh interpreter does.
+    c = client("sleep", 3, job_id="4")
+    _wait_for(folder / "report-3.json", "rank start")
+    c.send_signal(signal.SIGINT)
+    assert c.wait(timeout=300) == -signal.SIGINT
+    assert (folder / "finally-3").exists()
+    assert "KeyboardInterrupt" in (folder / "3.err").read_text()
     # A rank killed from outside (kill -9 of its pid, as a test or the hang watchdog does): the client too.
     c = client("sleep", 2, job_id="3")
     rank = _wait_for(folder / "report-2.json", "rank start")["pid"]

@@ -185,8 +185,11 @@ def client(argv: list[str]) -> None:
     os.umask(umask)
     request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "umask": umask,
                "cpus": sorted(os.sched_getaffinity(0))}
-    _send(sock, request, [0, 1, 2])
-    reply, _ = _recv(sock)
+    try:
+        _send(sock, request, [0, 1, 2])
+        reply, _ = _recv(sock)
+    except OSError:  # the server went away before it forked the rank
+        reply = None
     if reply is None or "pid" not in reply:  # the server refused or died before forking: nothing ran yet
         why = (reply or {}).get("error", "the fork server closed the connection")
         print(f"xirang preload: {why}; starting this rank plainly", file=sys.stderr, flush=True)
@@ -198,12 +201,10 @@ def client(argv: list[str]) -> None:
     rank.append(int(reply["pid"]))
     for sig in early:
         forward(sig, None)
-    while True:
-        try:
-            done, _ = _recv(sock)
-            break
-        except InterruptedError:
-            continue
+    try:
+        done, _ = _recv(sock)
+    except OSError:
+        done = None
     code = 1 if done is None else int(done["returncode"])  # None: the server died with the rank unreported
     if code < 0:  # killed by a signal: so is its client
         if -code not in (signal.SIGKILL, signal.SIGSTOP):  # these two always have their default action
@@ -238,8 +239,12 @@ def _run_child(request: dict[str, Any], fds: list[int], keep_closed: list[int]) 
         for fd in keep_closed:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        for sig in (*FORWARDED, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
+        # The dispositions a fresh interpreter starts with: SIGINT raises KeyboardInterrupt (so a controller's
+        # SIGINT still runs the rank's cleanup), SIGPIPE is ignored, the rest default.
+        for sig in (*FORWARDED, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
             os.close(fd)
@@ -267,9 +272,15 @@ def _run_child(request: dict[str, Any], fds: list[int], keep_closed: list[int]) 
         import runpy
 
         sys.argv = [module, *args]
+        interrupted = False
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
+        except KeyboardInterrupt:  # the interpreter prints it, cleans up, and dies of SIGINT
+            import traceback
+
+            traceback.print_exc()
+            code, interrupted = 1, True
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             if exc.code is not None and not isinstance(exc.code, int):
@@ -287,6 +298,9 @@ def _run_child(request: dict[str, Any], fds: list[int], keep_closed: list[int]) 
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        if interrupted:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
     finally:
         os._exit(code)
 
@@ -339,10 +353,12 @@ def serve(path: Path, ntasks: int) -> None:
                 assert isinstance(conn, socket.socket)
                 if conn in pending:
                     pending.discard(conn)
+                    conn.settimeout(30)  # a client sends its request at once: one that stalls is dropped
                     try:
                         request, fds = _recv(conn, with_fds=3)
                     except OSError:
                         request, fds = None, []
+                    conn.settimeout(None)
                     if request is None or len(fds) != 3 or _python_args(request.get("argv", [])) is None:
                         for fd in fds:
                             os.close(fd)
@@ -360,7 +376,10 @@ def serve(path: Path, ntasks: int) -> None:
                     for fd in fds:
                         os.close(fd)
                     children[pid] = conn
-                    _send(conn, {"pid": pid})
+                    try:
+                        _send(conn, {"pid": pid})
+                    except OSError:  # the client is gone already: so is its rank
+                        os.kill(pid, signal.SIGKILL)
                 else:  # a client with a rank: readable means it is gone (killed): so is its rank
                     for pid, c in list(children.items()):
                         if c is conn:
