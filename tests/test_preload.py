@@ -23,14 +23,14 @@ import pytest
 from xirang_hpc.launch import preload
 
 TASK = textwrap.dedent('''
-    import json, os, random, signal, sys, time
+    import gc, json, os, random, signal, sys, time
     mode, folder = sys.argv[1], sys.argv[-1]
     k = os.environ.get("SUBMITIT_LOCAL_LOCALID", "0")
     def report(**extra):
         with open(os.path.join(folder, f"report-{k}.json"), "w") as f:
             mask = os.umask(0); os.umask(mask)
             json.dump({"pid": os.getpid(), "ppid": os.getppid(), "random": random.random(), "cwd": os.getcwd(),
-                       "umask": mask, "cpus": sorted(os.sched_getaffinity(0)),
+                       "umask": mask, "cpus": sorted(os.sched_getaffinity(0)), "gc": gc.isenabled(),
                        "argv": sys.argv[1:], "localid": k, **extra}, f)
     if mode == "report":
         print("hello from", k)
@@ -123,6 +123,7 @@ def test_the_ranks_of_a_job_are_forked_by_one_server_and_run_as_the_interpreter_
     assert len({r["random"] for r in reports}) == 3  # fresh random state, not the server's
     assert {r["cwd"] for r in reports} == {str(folder.parent)}
     assert all(r["argv"] == ["report", str(folder)] for r in reports)
+    assert all(r["gc"] for r in reports)  # collections on, as in a fresh interpreter (the server froze its own)
     assert [r["umask"] for r in reports] == [0o022, 0o027, 0o022]  # each rank has its client's umask
     assert reports[2]["cpus"] == [0] and reports[0]["cpus"] == sorted(os.sched_getaffinity(0))  # and CPUs
     for k in range(3):  # the client's standard streams

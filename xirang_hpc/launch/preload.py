@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import json
 import os
 import selectors
@@ -264,6 +265,7 @@ def _run_child(request: dict[str, Any], fds: list[int], keep_closed: list[int]) 
             stream = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), write_through=unbuffered,
                                       line_buffering=not unbuffered and os.isatty(fd), errors="backslashreplace")
             setattr(sys, name, stream)
+        gc.enable()
         import random
 
         random.seed()  # a fresh interpreter seeds from the OS, not from its parent's state
@@ -315,6 +317,9 @@ def serve(path: Path, ntasks: int) -> None:
     report its exit code to its client; leave when idle."""
     import importlib
 
+    # The recipe of Python's gc.freeze() for a pre-fork server: no collection while importing (no freed holes
+    # in the shared pages), freeze before forking, collections again in each rank.
+    gc.disable()
     # XIRANG_PRELOAD_MODULES (comma-separated) replaces the list, e.g. to add the module of one's own model.
     names = [m for m in os.environ.get("XIRANG_PRELOAD_MODULES", ",".join(PRELOAD)).split(",") if m]
     for name in names:
@@ -322,6 +327,7 @@ def serve(path: Path, ntasks: int) -> None:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - the rank imports it itself, and reports a real failure
             print(f"xirang preload: cannot preload {name}: {exc}", file=sys.stderr, flush=True)
+    gc.freeze()  # what was imported stays out of the ranks' collections (and their copy-on-write pages)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA: do not serve
         print("xirang preload: CUDA is initialized in the fork server; ranks start plainly", file=sys.stderr)

@@ -1,0 +1,7 @@
+"""Imported last by the test ranks' fork server (``tests/ranks.py``, ``PRELOAD``): every object the server has
+imported goes to the permanent generation, so the ranks' garbage collections skip it (and leave its shared
+pages alone), as Python's ``gc.freeze()`` documentation advises for a pre-fork server."""
+
+import gc
+
+gc.freeze()
