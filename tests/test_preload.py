@@ -211,3 +211,12 @@ def test_a_folder_too_long_for_a_socket_gets_a_private_directory(tmp_path: Path)
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700 and path.parent.stat().st_uid == os.getuid()
     assert preload.socket_path(str(deep), "123") == path  # every task of the job finds the same one
     assert preload.socket_path(str(tmp_path), "123") == tmp_path.resolve() / ".preload-123.sock"
+
+
+def test_the_local_executor_uses_the_fork_server_for_jobs_of_more_than_one_rank() -> None:
+    from xirang_hpc.config.schema import ClusterConfig
+    from xirang_hpc.launch.executors import local_python
+
+    assert local_python(ClusterConfig(name="l", nodes=2, tasks_per_node=2)) == preload.command()
+    assert local_python(ClusterConfig(name="l", nodes=2, tasks_per_node=2, preload=False)) is None
+    assert local_python(ClusterConfig(name="l", nodes=1, tasks_per_node=1)) is None  # one rank starts plainly

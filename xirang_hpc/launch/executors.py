@@ -13,8 +13,10 @@ from xirang_hpc.launch.slurm import make_slurm_executor
 
 def local_python(c: ClusterConfig) -> str | None:
     """The command the local executor starts each task with: through the job's fork server when
-    ``cluster.preload``, else None (submitit's default, this interpreter)."""
-    return preload.command() if c.preload else None
+    ``cluster.preload`` and the job has more than one rank, else None (submitit's default, this interpreter).
+    One rank gains nothing from it (the server imports what the rank would), and single-rank runs with two
+    intra-op threads were seen to take more CPU forked than fresh on a loaded machine."""
+    return preload.command() if c.preload and c.world_size > 1 else None
 
 
 def make_executor(c: ClusterConfig, folder: Path) -> submitit.Executor:

@@ -66,8 +66,9 @@ class ClusterConfig:
     srun_args: list[str] = field(default_factory=list)
     # Torch intra-op threads per rank; 0 = cores / ranks on this node.
     threads_per_rank: int = 0
-    # Local executor: ranks are forked from one process per job that has imported torch and the package
-    # (launch/preload.py), instead of each starting a fresh interpreter (~4 s of CPU per rank). false: plain.
+    # Local executor, jobs of more than one rank: ranks are forked from one process per job that has imported
+    # torch and the package (launch/preload.py), instead of each starting a fresh interpreter (~4 s of CPU per
+    # rank). false: plain.
     preload: bool = True
     # Scheduling classes (train.priority): normal uses partition/qos above; exploratory the preemptible
     # scavenger partition/QOS (requeued on preemption); high the site's urgent partition/QOS. Each
