@@ -12,6 +12,8 @@ job id, ``Restarts=0`` in Slurm, no requeue event -- and finish:
   wrong step or with a wrong layout is off by 1e-3 or more.
 
 The uninterrupted reference runs meanwhile on the local executor with the same layout and threads.
+The jobs pause 0.2 s after each step (``test_slurm_e2e.PACED``: a fault injected after the first checkpoint
+meets a run with steps left on a fast machine, in 40 steps instead of 80); the reference does not pause.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 import psutil
 import pytest
 from test_slurm_e2e import (
+    PACED,
     TRAIN,
     _ev,
     _final,
@@ -116,11 +119,11 @@ def _same_losses_after(run: Path, ref: subprocess.Popen, resumed: int, steps: in
 
 def test_kill9_recovered_on_the_spare_node_bitwise(stdlib_data, tmp_path):
     """1 node x 2 ranks + 1 spare; kill -9 of rank 1: the ranks restart on the spare, same weights."""
-    steps = 80
+    steps = 40
     args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "cluster.spare_nodes=1",
                  f"train.max_steps={steps}", "checkpoint.every_steps=10")
     ref = _reference(args, tmp_path / "ref")
-    job, run = _submit(args)
+    job, run = _submit(args, env=PACED)
     _after_checkpoint(run)
     first = _ev(run, "start")[0]["node"]
     os.kill(_wait(lambda: rank_pid(run, 0, 1), 30, "rank 1's pid"), signal.SIGKILL)
@@ -136,9 +139,9 @@ def test_kill9_recovered_on_the_spare_node_bitwise(stdlib_data, tmp_path):
 
 def test_hung_rank_recovered_after_the_watchdog_names_it(stdlib_data, tmp_path):
     """SIGSTOP of rank 1 (1 node + 1 spare): the watchdog names the hang, the ranks restart on the spare."""
-    args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "cluster.spare_nodes=1", "train.max_steps=80",
+    args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "cluster.spare_nodes=1", "train.max_steps=40",
                  "checkpoint.every_steps=10", "monitor.hang_s=8")
-    job, run = _submit(args)
+    job, run = _submit(args, env=PACED)
     _after_checkpoint(run)
     first = _ev(run, "start")[0]["node"]
     os.kill(_wait(lambda: rank_pid(run, 0, 1), 30, "rank 1's pid"), signal.SIGSTOP)
@@ -175,10 +178,10 @@ def _revive_node(node: str) -> None:
 def test_node_loss_continues_shrunk_with_the_same_loss_curve(stdlib_data, tmp_path):
     """2 nodes x 2 ranks, the second node lost: the job goes on on the first alone (dp 2, grad_accum 2), same losses."""
     first, second = _nodes()[:2]
-    steps = 80
+    steps = 40
     args = _args(stdlib_data, tmp_path / "runs", f"train.max_steps={steps}", "checkpoint.every_steps=10")
     ref = _reference(args, tmp_path / "ref")
-    job, run = _submit(args)
+    job, run = _submit(args, env=PACED)
     _after_checkpoint(run)
     restart, start = _lose_node_and_go_on_shrunk(job, run, first, second)
     _same_losses_after(run, ref, start["step"], steps)
@@ -190,10 +193,10 @@ def test_requeued_job_with_a_drained_node_continues_shrunk(stdlib_data, tmp_path
     itself sets NumTasks=2 at its requeue: the rerun starts on the first node alone, with the layout shrunk,
     and the loss curve goes on as the uninterrupted run's."""
     first, second = _nodes()[:2]
-    steps = 80
+    steps = 40
     common = _args(stdlib_data, tmp_path / "runs", f"train.max_steps={steps}", "checkpoint.every_steps=10")
     ref = _reference(common, tmp_path / "ref")
-    job, run = _submit([*common, "requeue.min_nodes=1", "train.priority=exploratory"])
+    job, run = _submit([*common, "requeue.min_nodes=1", "train.priority=exploratory"], env=PACED)
     assert "#SBATCH --nodes=1-2" in (run / "submitit" / f"{job}_submission.sh").read_text()
     _after_checkpoint(run)
     # A `high` job needing both nodes preempts ours; the second node is drained while it runs.
@@ -226,11 +229,11 @@ def test_node_loss_restarts_from_the_newest_memory_copy(stdlib_data, tmp_path):
     reloads the newest step from its node's memory (its own shards + the replicas of the lost node's),
     newer than the filesystem checkpoint; the job finishes shrunk with the reference's losses and weights."""
     first, second = _nodes()[:2]
-    steps = 80
+    steps = 40
     args = _args(stdlib_data, tmp_path / "runs", f"train.max_steps={steps}", "checkpoint.every_steps=10",
                  "checkpoint.in_memory=true", "checkpoint.memory_every_steps=1")
     ref = _reference(args, tmp_path / "ref")
-    job, run = _submit(args)
+    job, run = _submit(args, env=PACED)
     _after_checkpoint(run)
     _wait(lambda: _losses(run) and max(_losses(run)) >= 15, 300, "step 15")
     reached = max(_losses(run))

@@ -30,6 +30,12 @@ from xirang_hpc.runtime.markers import rank_pid
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()"]
+# The first start of a job pauses 0.2 s after each step (the ``step`` test point): a run the test kills or stops
+# after its first steps or checkpoint still has steps left then on a fast machine, without training many more
+# steps than the test needs (restarts do not pause).
+PACED = {"XIRANG_TESTPOINT": "step@0=0.2"}
+# How often a wait looks at the testbed's progress (see _wait).
+PROGRESS_EVERY_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -107,17 +113,21 @@ def _wait(pred, timeout: float, what: str, poll: float = 0.5, progress=None):
     the last change of ``progress`` (a function whose value changes while the awaited work advances; by
     default :func:`_activity`, the testbed's queue and the files its jobs write): a loaded machine that
     trains slowly is waited for, a stalled one is not. Six times ``timeout`` in all ends even a wait that
-    keeps seeing changes (a job looping on requeues)."""
+    keeps seeing changes (a job looping on requeues). ``progress`` (squeue, sinfo: processes and slurmctld
+    calls) is looked at every ``PROGRESS_EVERY_S`` only: it moves a minutes-long limit, ``pred`` ends the wait."""
     progress = progress or _activity
     start = time.monotonic()
     deadline, last = start + timeout, progress()
+    looked = start
     while time.monotonic() < min(deadline, start + 6 * timeout):
         got = pred()
         if got:
             return got
         time.sleep(poll)
-        if (now := progress()) != last:
-            deadline, last = time.monotonic() + timeout, now
+        if time.monotonic() - looked >= PROGRESS_EVERY_S:
+            looked = time.monotonic()
+            if (now := progress()) != last:
+                deadline, last = looked + timeout, now
     what = what() if callable(what) else what  # e.g. the events as they are now
     raise AssertionError(f"{timeout:.0f}s without progress waiting for {what}\n{_queue()}")
 
@@ -198,15 +208,20 @@ def _weights(run_dir: Path, step: int) -> dict[str, np.ndarray]:
 
 
 def test_preempted_twice_finishes_bitwise_identical(slurm, stdlib_data, tmp_path):
-    """2 nodes x 2 ranks, tp=2 x dp=2, preempted twice by `high` jobs: same final weights as no preemption."""
-    steps = 60
+    """2 nodes x 2 ranks, tp=2 x dp=2, preempted twice by `high` jobs: same final weights as no preemption.
+
+    The first two starts pause 1 s after each step (the ``step`` test point), so the preemption, which lands a
+    few seconds after the test sees training, meets a run that has steps left on any machine; the final start
+    trains the rest at full speed (the uninterrupted reference never pauses)."""
+    steps = 30
     common = [*_base(stdlib_data, tmp_path / "runs"), f"train.max_steps={steps}", "checkpoint.every_steps=25",
               "parallel.tp=2"]
     # The uninterrupted reference: the same 2 x 2 layout and threads on the local executor, meanwhile.
     ref_cmd = [*TRAIN, *[a for a in common if not a.startswith(("cluster=", "train.runs_root="))], "cluster=local",
                "cluster.threads_per_rank=1", f"train.runs_root={tmp_path / 'ref'}", "train.wait=true"]
     ref_proc = subprocess.Popen(ref_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    job, run = _submit([*common, "train.priority=exploratory"])  # `low`: preemptible
+    job, run = _submit([*common, "train.priority=exploratory"],  # `low`: preemptible
+                       env={"XIRANG_TESTPOINT": "step@0=1,step@1=1"})
     for restart in (0, 1):
         _training(run, restart)
         # All 8 CPUs of both nodes in `high`: they only fit once the `low` job is preempted.
@@ -232,18 +247,18 @@ def test_time_limit_usr2_requeue_then_finish(slurm, stdlib_data, tmp_path):
 
     slurmctld acts on a ~30 s tick, so USR2 lands up to 30 s early (seen: 14 s into a 1-minute job with a
     30 s warning): with a 10 s warning it lands 20-50 s in, after the handlers exist. The first run pauses
-    0.5 s after every step (the ``step`` test point, restart 0 only), so its 300 steps last at least 150 s on
+    1.5 s after every step (the ``step`` test point, restart 0 only), so its 100 steps last at least 150 s on
     any machine and it must stop on the time limit, without training thousands of steps to get there. Once
     it has requeued, the test lifts the limit the way a sysadmin would (`scontrol update
     TimeLimit=UNLIMITED`), so the rerun (no pause) finishes however fast or loaded the machine is."""
-    env = {"XIRANG_TESTPOINT": "step@0=0.5"}
+    env = {"XIRANG_TESTPOINT": "step@0=1.5"}
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.time_min=1",
-                        "cluster.signal_delay_s=10", "train.max_steps=300", "train.log_every=50",
-                        "checkpoint.every_steps=250", "requeue.max_requeues=8"], env=env)
+                        "cluster.signal_delay_s=10", "train.max_steps=100", "train.log_every=50",
+                        "checkpoint.every_steps=90", "requeue.max_requeues=8"], env=env)
     _wait(lambda: _ev(run, "requeue", 0), 600, "the time-limit requeue")
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED"], check=True, capture_output=True)
     final = _final(run, timeout=900)
-    assert final["status"] == "completed" and final["step"] == 300, read_events(run)
+    assert final["status"] == "completed" and final["step"] == 100, read_events(run)
     stops = _ev(run, "stop")
     assert len(stops) == 1 and stops[0]["reason"] == "timeout", stops
     assert stops[0]["signal"] == "SIGUSR2" and "TimeLimit=00:01:00" in stops[0]["detail"], stops
@@ -253,11 +268,15 @@ def test_time_limit_usr2_requeue_then_finish(slurm, stdlib_data, tmp_path):
 
 
 def test_array_sweep_only_the_preempted_task_reruns(slurm, stdlib_data, tmp_path):
-    """4 tasks of one array (4 CPUs each: 2 per node); a `high` job on the second node preempts exactly one."""
+    """4 tasks of one array (4 CPUs each: 2 per node); a `high` job on the second node preempts exactly one.
+
+    The first start of each task pauses 0.5 s after each step (the ``step`` test point): its 80 steps last at
+    least 40 s on any machine, so the second node's two tasks are still running when the preemption lands."""
     args = ["-m", "train.seed=1,2,3,4", *_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1",
             "cluster.tasks_per_node=1", "cluster.cpus_per_task=4", "train.priority=exploratory",
-            "train.max_steps=300", "checkpoint.every_steps=50"]
-    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
+            "train.max_steps=80", "checkpoint.every_steps=50"]
+    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "XIRANG_TESTPOINT": "step@0=0.5"})
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"submitted Slurm array job (\d+): 4 task\(s\)", out.stdout), out.stdout
     runs = [Path(p) for p in re.findall(r"-> (\S+)", out.stdout)]
@@ -280,7 +299,8 @@ def test_array_sweep_only_the_preempted_task_reruns(slurm, stdlib_data, tmp_path
 
 def test_kill9_rank_policy_requeue_resumes_from_periodic_checkpoint(slurm, stdlib_data, tmp_path):
     """kill -9 of rank 3 (the second node): the supervisor requeues, the rerun resumes at a periodic checkpoint."""
-    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "train.max_steps=100", "checkpoint.every_steps=10"])
+    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "train.max_steps=40", "checkpoint.every_steps=10"],
+                       env=PACED)
     latest = run / "checkpoints" / "latest"
     _wait(lambda: latest.exists() and int(latest.read_text().split("_")[-1]) >= 10, 600, "a periodic checkpoint")
     pid = _wait(lambda: rank_pid(run, 0, 3), 600, "rank 3's pid")
@@ -297,7 +317,7 @@ def test_kill9_rank_policy_requeue_resumes_from_periodic_checkpoint(slurm, stdli
 def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path):
     """1 node x 2 ranks, kill -9 of rank 1: the requeued job excludes that node and reruns on the other."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
-                        "train.max_steps=60", "checkpoint.every_steps=10"])
+                        "train.max_steps=30", "checkpoint.every_steps=10"], env=PACED)
     first = _training(run)[0]
     node = _ev(run, "start", 0)[0]["node"]
     assert node in _nodes(), first
@@ -323,7 +343,7 @@ def test_kill9_requeue_excludes_the_failed_node(slurm, stdlib_data, tmp_path):
 def test_hang_is_aborted_and_the_requeue_excludes_the_hung_node(slurm, stdlib_data, tmp_path):
     """SIGSTOP of rank 1 in a 1-node job: the watchdog names it, aborts, and the rerun avoids that node."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=2",
-                        "train.max_steps=60", "checkpoint.every_steps=10", "monitor.hang_s=20"])
+                        "train.max_steps=30", "checkpoint.every_steps=10", "monitor.hang_s=20"], env=PACED)
     _training(run)
     node = _ev(run, "start", 0)[0]["node"]
     os.kill(_wait(lambda: rank_pid(run, 0, 1), 600, "rank 1's pid"), signal.SIGSTOP)
