@@ -55,6 +55,14 @@ def test_plan_cli_text_and_bad_hardware_key(tmp_path: Path) -> None:
     assert "cluster.hardware.bogus" in r.stderr and "unknown field" in r.stderr
 
 
+def test_calibrate_rounds_must_be_positive_and_go_with_calibrate(tmp_path: Path) -> None:
+    r = _plan_cli(["--calibrate", "--rounds", "0", "cluster=local"], tmp_path)
+    assert r.returncode == 2 and "argument --rounds: must be a whole number >= 1, got '0'" in r.stderr, r.stderr
+    r = _plan_cli(["--rounds", "2", "model=tiny"], tmp_path)
+    assert r.returncode == 2 and "--rounds applies to --calibrate only" in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir()), "nothing written"
+
+
 def test_runtime_allows_only_expressible_runnable_plans() -> None:
     cfg = load_config(compose_cfg())
     ok = runtime_allows(cfg)

@@ -115,6 +115,26 @@ def test_fit_overheads_recovers_the_terms_it_is_given() -> None:
         assert got[k] == pytest.approx(v, rel=1e-6), k
 
 
+def test_calibration_rounds_are_the_probe_runs_per_layout(monkeypatch, tmp_path) -> None:
+    """``xirang-plan --calibrate --rounds N``: each probe layout is trained N times (the median is kept)."""
+    from types import SimpleNamespace
+
+    from xirang_hpc.planner import probe
+    from xirang_hpc.planner.hardware import PRESETS
+
+    calls: list[str] = []
+    monkeypatch.setattr(probe, "layer_times", lambda model, reps: (1e-3, 2e-3))
+    monkeypatch.setattr(probe, "ensure_data", lambda folder, rank: tmp_path)
+    monkeypatch.setattr(probe, "time_layout",
+                        lambda cfg, topo, data, steps: calls.append(cfg.model.name) or (0.01, 2.0**28))
+    topo = SimpleNamespace(num_nodes=2, local_world_size=2, world_size=4, rank=0)
+    said: list[str] = []
+    for rounds in (1, 2):
+        calls.clear()
+        probe.measure_overheads(PRESETS["cpu"], topo, tmp_path, say=said.append, rounds=rounds)
+        assert len(calls) == rounds * len(probe.probe_layouts(4, 2)), calls
+
+
 def test_fit_overheads_pair_falls_back_to_one_non_negative_term() -> None:
     """When the exact solution would need a negative part, the others explain the residuals instead."""
     from xirang_hpc.planner.calibrate import bubble_exposed
@@ -225,7 +245,9 @@ def test_fit_memory_recovers_footprint_and_fsdp_buffers() -> None:
 
 @pytest.mark.slow
 def test_calibrate_local_cluster_writes_usable_preset(calibrated: Path) -> None:
-    out = calibrated  # the preset `xirang-plan --calibrate --out ...` wrote
+    out = calibrated  # the preset `xirang-plan --calibrate --out ... --rounds 1` wrote
+    assert out.read_text().startswith("# Measured by `xirang-plan --calibrate` on ") and ", --rounds 1)" in \
+        out.read_text().splitlines()[0]
     data = OmegaConf.to_container(OmegaConf.load(out))
     assert data["name"] == "local-calibrated" and data["gpu"] == "cpu"
     hw = data["hardware"]

@@ -84,7 +84,7 @@ COMMANDS: dict[str, CommandHelp] = {
     "xirang-plan": CommandHelp(
         usage="xirang-plan [--json] [--top N] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
               "       xirang-plan --layout SPEC|config [--json] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
-              "       xirang-plan --calibrate [--out FILE] cluster=OPTION",
+              "       xirang-plan --calibrate [--out FILE] [--rounds N] cluster=OPTION",
         about=(
             "Rank parallel layouts (dp x tp x pp, ZeRO-1/2/3 with any tp and pp, recomputation, microbatches) for a "
             "model on "
@@ -104,6 +104,8 @@ COMMANDS: dict[str, CommandHelp] = {
                               "runs it"),
             ("--calibrate", "measure the cluster (runs a short job) and write a preset"),
             ("--out FILE", "where --calibrate writes the preset (default conf/cluster/<cluster>-calibrated.yaml)"),
+            ("--rounds N", "rounds of --calibrate's probe training runs on CPU clusters, median kept (default 3; "
+                           "1 is three times faster and noisier)"),
             *_HYDRA_FLAGS,
         ],
         examples=[

@@ -2,7 +2,7 @@
 
     xirang-plan model=gpt-175b cluster=a100-80gb-ib cluster.nodes=192 train.global_batch=1536
     xirang-plan --json --top 3 model=gpt-7b cluster=h100-ib
-    xirang-plan --calibrate cluster=local [--out conf/cluster/local-calibrated.yaml]
+    xirang-plan --calibrate cluster=local [--out conf/cluster/local-calibrated.yaml] [--rounds N]
     xirang-plan --layout tp=8,pp=16,dp=64,mbs=1,v=4,zero=1,recompute=selective,sp=true model=llama3-405b ...
     xirang-plan --layout config parallel=dp2xtp2    # the layout of the parallel group, as xirang-train runs it
 
@@ -28,7 +28,8 @@ from xirang_hpc.config.schema import ClusterConfig, XirangConfig
 from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs
 
-_OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="", layout="")
+_OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="", layout="",
+                                               rounds=None)
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -73,8 +74,9 @@ def evaluate_layout(cfg: XirangConfig, spec: str, as_json: bool) -> str:
     return render_evaluation(ev)
 
 
-def calibrate(cfg: XirangConfig, out: str) -> Path:
-    """Measure the cluster and save a preset; returns its path."""
+def calibrate(cfg: XirangConfig, out: str, rounds: int | None = None) -> Path:
+    """Measure the cluster and save a preset; returns its path. ``rounds``: rounds of probe runs (CPU
+    clusters; default ``probe.PROBE_ROUNDS``)."""
     from xirang_hpc.launch.rundir import make_private_dir
     from xirang_hpc.planner.calibrate import write_preset
 
@@ -83,22 +85,22 @@ def calibrate(cfg: XirangConfig, out: str) -> Path:
     work = make_private_dir(Path(cfg.train.runs_root).expanduser().absolute() / "calibrate")
     print(f"calibrating {cfg.cluster.name}: {cfg.cluster.nodes} node(s) x {cfg.cluster.tasks_per_node} ranks ...",
           flush=True)
-    fields = run_calibration(cfg.cluster, work / "submitit")
+    fields = run_calibration(cfg.cluster, work / "submitit", rounds)
     for k, v in sorted(fields.items()):
         print(f"  {k:20s} {v:.6g}")
-    write_preset(cfg.cluster, fields, path, path.stem)
+    write_preset(cfg.cluster, fields, path, path.stem, rounds=rounds)
     print(f"wrote {path}; use it with cluster={path.stem}", flush=True)
     return path
 
 
-def run_calibration(cluster: ClusterConfig, folder: Path) -> dict[str, float]:
+def run_calibration(cluster: ClusterConfig, folder: Path, rounds: int | None = None) -> dict[str, float]:
     """Submit :func:`~xirang_hpc.planner.calibrate.calibration_job` to the cluster; rank 0's figures."""
     from xirang_hpc.launch.executors import make_executor
     from xirang_hpc.planner.calibrate import calibration_job
 
     ex = make_executor(cluster, folder)
     ex.update_parameters(name="xirang-calibrate")
-    job = ex.submit(calibration_job, dataclasses.asdict(cluster), str(folder), cluster.gpus_per_node == 0)
+    job = ex.submit(calibration_job, dataclasses.asdict(cluster), str(folder), cluster.gpus_per_node == 0, rounds)
     return job.results()[0]
 
 
@@ -107,7 +109,7 @@ def _app(dcfg: DictConfig) -> None:
     try:
         cfg = typed_config(dcfg)
         if _OPTS.calibrate:
-            calibrate(cfg, _OPTS.out)
+            calibrate(cfg, _OPTS.out, _OPTS.rounds)
         elif _OPTS.layout:
             print(evaluate_layout(cfg, _OPTS.layout, _OPTS.json), flush=True)
         else:
@@ -125,7 +127,19 @@ def parse_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--calibrate", action="store_true")
     ap.add_argument("--out", default="")
     ap.add_argument("--layout", default="")
+    ap.add_argument("--rounds", type=_positive, default=None)
     return ap.parse_known_args(argv)
+
+
+def _positive(text: str) -> int:
+    """``--rounds``: a whole number >= 1 (argparse reports the error with the flag's name)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return n
 
 
 def main() -> None:
@@ -133,6 +147,8 @@ def main() -> None:
     global _OPTS
     maybe_print_help("xirang-plan", sys.argv[1:])
     _OPTS, rest = parse_flags(sys.argv[1:])
+    if _OPTS.rounds is not None and not _OPTS.calibrate:
+        _fail("--rounds applies to --calibrate only")
     sys.argv = [sys.argv[0], *rest]
     register_configs()
     _app()

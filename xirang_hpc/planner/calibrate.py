@@ -196,11 +196,13 @@ def measure(rank: int, world: int, per_node: int) -> dict[str, float]:
     return out
 
 
-def calibration_job(cluster: dict[str, Any], folder: str = "", overheads: bool = True) -> dict[str, float]:
+def calibration_job(cluster: dict[str, Any], folder: str = "", overheads: bool = True,
+                    rounds: int | None = None) -> dict[str, float]:
     """Job entry function: every rank measures; rank 0 returns the fitted fields.
 
     With ``overheads`` (CPU clusters) the runtime's fixed costs are probed too (planner/probe.py),
-    using ``folder`` for a small prepared corpus.
+    using ``folder`` for a small prepared corpus, in ``rounds`` rounds of probe runs (default
+    ``probe.PROBE_ROUNDS``).
     """
     from xirang_hpc.runtime import dist as xdist
 
@@ -215,26 +217,29 @@ def calibration_job(cluster: dict[str, Any], folder: str = "", overheads: bool =
             fields["bubble_exposed"] = bubble_exposed(topo.local_world_size, max(1, cores // local_nodes))
         if overheads:
             from xirang_hpc.planner.hardware import PRESETS
-            from xirang_hpc.planner.probe import measure_overheads
+            from xirang_hpc.planner.probe import PROBE_ROUNDS, measure_overheads
 
             base = PRESETS[cluster.get("gpu") or "cpu"]
             hw = base.scaled(**{k: type(getattr(base, k))(v) for k, v in fields.items()})
-            fields.update(measure_overheads(hw, topo, Path(folder)))
+            fields.update(measure_overheads(hw, topo, Path(folder), rounds=rounds or PROBE_ROUNDS))
         dist.barrier()
     finally:
         xdist.shutdown()
     return fields if topo.rank == 0 else {}
 
 
-def write_preset(cluster: ClusterConfig, fields: dict[str, float], path: Path, name: str) -> Path:
-    """Save ``cluster`` with the measured ``hardware`` block as a ``cluster/`` preset YAML."""
+def write_preset(cluster: ClusterConfig, fields: dict[str, float], path: Path, name: str,
+                 rounds: int | None = None) -> Path:
+    """Save ``cluster`` with the measured ``hardware`` block as a ``cluster/`` preset YAML (``rounds``: the
+    rounds of probe runs it was measured with, when not the default, said in the header)."""
     data = dataclasses.asdict(cluster)
     data["name"] = name
     data["gpu"] = cluster.gpu or ("cpu" if cluster.gpus_per_node == 0 else "a100-80gb")
     data["hardware"] = {k: float(round(v, 6)) for k, v in sorted(fields.items())}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    how = f", --rounds {rounds}" if rounds else ""
     header = (f"# Measured by `xirang-plan --calibrate` on {time.strftime('%Y-%m-%d %H:%M')} "
-              f"({cluster.nodes} node(s) x {cluster.tasks_per_node} ranks). Use: cluster={name}\n")
+              f"({cluster.nodes} node(s) x {cluster.tasks_per_node} ranks{how}). Use: cluster={name}\n")
     path.write_text(header + OmegaConf.to_yaml(OmegaConf.create(data)))
     return path

@@ -324,8 +324,9 @@ def ensure_data(folder: Path, rank: int) -> Path:
 
 
 def measure_overheads(hw: Hardware, topo: Any, folder: Path, say: Callable[[str], None] = print,
-                      ) -> dict[str, float]:
-    """Steps 1-3 of the module docstring, on this rank (process group up); same result on every rank."""
+                      rounds: int = PROBE_ROUNDS) -> dict[str, float]:
+    """Steps 1-3 of the module docstring, on this rank (process group up); same result on every rank.
+    ``rounds``: interleaved rounds of the twelve probe runs (the median is kept; fewer is faster and noisier)."""
     nodes, per_node = topo.num_nodes, topo.local_world_size
     models = ((DISPATCH_MODEL, 20), (PROBE_MODEL, 12), (ATTN_MODEL, 10), (LAYER_MODEL, 8))
     t = torch.tensor([layer_times(m, reps) for m, reps in models], dtype=torch.float64)
@@ -336,7 +337,7 @@ def measure_overheads(hw: Hardware, topo: Any, folder: Path, say: Callable[[str]
     data = ensure_data(folder, topo.rank)
     runs: dict[str, list[tuple[float, float]]] = {}
     layouts = probe_layouts(topo.world_size, per_node)
-    for _ in range(PROBE_ROUNDS):  # rounds interleave the layouts, so load drift hits all of them
+    for _ in range(rounds):  # rounds interleave the layouts, so load drift hits all of them
         for name, par in layouts.items():
             runs.setdefault(name, []).append(time_layout(probe_config(par, nodes, per_node, probe_model(name)),
                                                          topo, data, PROBE_STEPS))
