@@ -105,8 +105,10 @@ def test_pipeline_runs_as_four_dependent_jobs_and_a_failing_eval_stops_the_chain
     # the machine is at submitting the second chain.
     with testbed_held(ENV):
         ok_run, ok_stages = _launch(tmp_path, "chain")
-        # Same data dir; the gate run is a separate experiment (its own run dir).
-        bad_run, bad_stages = _launch(tmp_path, "gate", "eval.max_val_loss=0.5")
+        # Same data dir; the gate run is a separate experiment (its own run dir), on one rank: it only has to
+        # reach its eval gate (the chain above runs the testbed's 2 nodes x 2 ranks).
+        bad_run, bad_stages = _launch(tmp_path, "gate", "eval.max_val_loss=0.5", "cluster.nodes=1",
+                                      "cluster.tasks_per_node=1", "parallel.pp=1")
         deps = _squeue_deps([ok_stages[3]["job_id"], bad_stages[3]["job_id"]])
 
     for stages in (ok_stages, bad_stages):
