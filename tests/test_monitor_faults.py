@@ -24,6 +24,7 @@ from xirang_hpc.launch.status_cli import main as status_main
 from xirang_hpc.monitor.events import failed_nodes, read_events
 from xirang_hpc.monitor.heartbeat import read_heartbeats
 from xirang_hpc.monitor.status import run_status
+from xirang_hpc.runtime.process_identity import start_ticks
 
 pytestmark = pytest.mark.slow
 
@@ -180,6 +181,9 @@ def test_sigstop_hang_is_localized_stacks_dumped_job_aborted(launch, capsys) -> 
 
 def test_kill9_rank_is_named(launch) -> None:
     run, hb = launch.running()
+    # Each rank records its start since boot beside its pid: what tells it from a later process with that pid,
+    # whatever the wall clock does meanwhile.
+    assert all(h["start_ticks"] == start_ticks(h["pid"]) for h in hb.values()), hb
     t_kill = time.time()
     os.kill(hb[1]["pid"], signal.SIGKILL)
     ev = run.wait_event("dead", 300)  # a safety net; the detection latency is printed, not required

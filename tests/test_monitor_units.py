@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +33,8 @@ from xirang_hpc.monitor.heartbeat import (
 from xirang_hpc.monitor.jobstate import slurm_state
 from xirang_hpc.monitor.plot import plot_run
 from xirang_hpc.monitor.status import run_status
+from xirang_hpc.monitor.watchdog import probe
+from xirang_hpc.runtime.process_identity import identity
 
 TH = Thresholds(hang_s=30, stale_s=5, straggler_k=2.0, straggler_min_s=0.05, straggler_window=3)
 NOW = 1000.0
@@ -518,3 +523,29 @@ def test_event_tail_reads_each_appended_event_once_and_waits_for_a_torn_line(tmp
     append_event(tmp_path, "requeue", "y")
     assert [e["kind"] for e in tail.read()] == ["requeue"]
     assert [e["kind"] for e in read_events(tmp_path)] == ["start", "dead", "abort", "requeue"]
+
+
+def test_probe_tells_a_rank_by_its_start_since_boot_whatever_the_wall_clock_does() -> None:
+    """The watchdog's look at a rank's process: alive, stopped, gone, elsewhere. A reused pid (another start since
+    boot) is gone; a wall-clock step since the rank recorded itself (+31 s, as when a paused VM resumes: psutil's
+    create_time then reads 31 s after the rank's start) is not, where it used to make every rank look dead."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    host = socket.gethostname()
+    try:
+        ident = identity(proc.pid)
+        hb = {"pid": proc.pid, "host": host, "started": ident["create_time"] + 0.5, "start_ticks": ident["start_ticks"]}
+        assert probe(hb, host) == ALIVE and probe(hb, "another-host") is None
+        stepped = dict(hb, started=ident["create_time"] - 31.0)
+        assert probe(stepped, host) == ALIVE
+        assert probe(dict(stepped, start_ticks=None), host) == GONE  # no ticks recorded: the wall-clock check
+        assert probe(dict(hb, start_ticks=ident["start_ticks"] - 1), host) == GONE  # the pid of another process
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60  # the stop is delivered asynchronously; a safety net, not a bound
+        while probe(hb, host) != STOPPED and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert probe(hb, host) == STOPPED
+        os.kill(proc.pid, signal.SIGCONT)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert probe(hb, host) == GONE

@@ -3,6 +3,7 @@ on PATH here; the real testbed in test_slurm_e2e.py) or the local process, and r
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -104,11 +105,33 @@ def test_local_owner_dies_and_frees_the_directory(tmp_path: Path) -> None:
     assert live_owner(tmp_path) is None and claim(tmp_path, "local", after_active=False) is None
 
 
+def _rewrite_owner(run_dir: Path, **fields: object) -> None:
+    owner = json.loads((run_dir / "job.json").read_text())
+    owner.update(fields)
+    for k in [k for k, v in fields.items() if v is None]:
+        del owner[k]
+    (run_dir / "job.json").write_text(json.dumps(owner))
+
+
 def test_a_reused_pid_is_not_the_owner(tmp_path: Path) -> None:
     record_owner(tmp_path, "local", str(os.getpid()), pid=os.getpid())
-    owner = (tmp_path / "job.json").read_text().replace('"pid_started": ', '"pid_started": 1000 + ')
-    (tmp_path / "job.json").write_text(re.sub(r'"pid_started": 1000 \+ [0-9.]+', '"pid_started": 1.0', owner))
-    assert live_owner(tmp_path) is None  # same pid, other start time: another process
+    ticks = json.loads((tmp_path / "job.json").read_text())["pid_start_ticks"]
+    assert live_owner(tmp_path)["state"] == "RUNNING"
+    _rewrite_owner(tmp_path, pid_start_ticks=ticks - 1)
+    assert live_owner(tmp_path) is None  # same pid, other start since boot: another process
+    _rewrite_owner(tmp_path, pid_start_ticks=None, pid_started=1.0)
+    assert live_owner(tmp_path) is None  # a record without ticks (older, or no /proc): the wall-clock start
+
+
+def test_a_wall_clock_step_keeps_the_owner(tmp_path: Path) -> None:
+    """The wall clock stepped 31 s since the record (NTP, a paused VM resumed): psutil's create_time moves with
+    it, the start since boot does not, so the live owner is still seen and a second launch refused."""
+    record_owner(tmp_path, "local", str(os.getpid()), pid=os.getpid())
+    started = json.loads((tmp_path / "job.json").read_text())["pid_started"]
+    _rewrite_owner(tmp_path, pid_started=started - 31.0)
+    assert live_owner(tmp_path)["state"] == "RUNNING"
+    with pytest.raises(RunBusyError):
+        claim(tmp_path, "local", after_active=False)
 
 
 def test_submission_lock_serialises_check_and_record(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 
 from xirang_hpc.files import write_json_atomic
+from xirang_hpc.runtime.process_identity import identity, is_same
 
 OWNER_FILE = "job.json"
 SUBMIT_LOCK = ".submit.lock"
@@ -45,10 +46,11 @@ def _slurm_state(job_id: str, cluster: str | None = None) -> str:
     return job_state(job_id, cluster)
 
 
-def _local_alive(pid: int, started: float) -> bool:
+def _local_alive(pid: int, started: float, ticks: int | None = None) -> bool:
+    """``pid`` runs and is the recorded process (start ``ticks`` since boot, else created at ``started``)."""
     try:
         proc = psutil.Process(pid)
-        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+        return is_same(proc, ticks, started, exact=True) and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
@@ -76,7 +78,8 @@ def live_owner(run_dir: Path, slurm_state: Callable[[str, str | None], str] = _s
         state = slurm_state(jid, owner.get("cluster") or None).split()[0] if jid else "UNKNOWN"
         return dict(owner, state=state) if state in LIVE_STATES else None
     pid, started = owner.get("pid"), owner.get("pid_started")
-    if isinstance(pid, int) and isinstance(started, (int, float)) and _local_alive(pid, float(started)):
+    if isinstance(pid, int) and isinstance(started, (int, float)) \
+            and _local_alive(pid, float(started), owner.get("pid_start_ticks")):
         return dict(owner, state="RUNNING")
     return None
 
@@ -115,8 +118,11 @@ def record_owner(run_dir: Path, executor: str, job_id: str, pid: int | None = No
                              "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": os.uname().nodename}
     if pid is not None:
         owner["pid"] = pid
-        with contextlib.suppress(psutil.Error):
-            owner["pid_started"] = psutil.Process(pid).create_time()
+        ident = identity(pid)
+        if "create_time" in ident:
+            owner["pid_started"] = ident["create_time"]
+        if "start_ticks" in ident:
+            owner["pid_start_ticks"] = ident["start_ticks"]
     if after:
         owner["after"] = after
     if cluster:

@@ -22,6 +22,7 @@ from xirang_hpc.monitor.events import FAULT_KINDS, read_events, read_jsonl
 from xirang_hpc.monitor.flops import mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import HEARTBEAT_DIR, SESSION_FILE, SESSIONS_LOG, read_heartbeats, read_json
 from xirang_hpc.monitor.jobstate import Runner, run_cmd, slurm_state
+from xirang_hpc.runtime.process_identity import is_same
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
 
@@ -92,10 +93,11 @@ def checkpoints(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _alive(pid: int, started: float) -> bool:
+def _alive(pid: int, started: float, ticks: int | None = None) -> bool:
+    """``pid`` runs and is the process recorded (start ``ticks`` since boot, else created by ``started``)."""
     try:
         p = psutil.Process(pid)
-        return p.create_time() <= started + 1.0 and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        return is_same(p, ticks, started) and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except (psutil.Error, ValueError):
         return False
 
@@ -112,9 +114,9 @@ def _job_state(session: dict[str, Any], beats: dict[int, dict[str, Any]], events
     local = [hb for hb in beats.values() if hb.get("host") == here]
     started = float(session.get("started", 0))
     if session.get("source") == "local" and session.get("host") == here and job.isdigit() \
-            and _alive(int(job), started):
+            and _alive(int(job), started, session.get("job_start_ticks")):
         return {"state": "RUNNING", "source": "process table"}
-    if any(_alive(int(hb["pid"]), float(hb.get("started", 0))) for hb in local):
+    if any(_alive(int(hb["pid"]), float(hb.get("started", 0)), hb.get("start_ticks")) for hb in local):
         return {"state": "RUNNING", "source": "process table"}
     # Ranks on other hosts: a fresh heartbeat means running (their thread beats every second or so).
     if any(now - hb.get("beat", 0) < 30 for hb in beats.values() if hb.get("host") != here):

@@ -35,6 +35,7 @@ from xirang_hpc.monitor.resources import ProcessSampler
 from xirang_hpc.monitor.watchdog import spawn
 from xirang_hpc.runtime import liveness
 from xirang_hpc.runtime.hooks import TrainerHook
+from xirang_hpc.runtime.process_identity import start_ticks
 from xirang_hpc.runtime.topology import Topology
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class MonitorHook(TrainerHook):
             "devices": t.world_size if c.cluster.gpus_per_node else 0, "peak_tflops": self.m.peak_tflops,
             "train_name": c.train.name, "host": socket.gethostname(), "pid": os.getpid(),
         }
+        if t.source == "local" and str(t.job_id).isdigit():  # the local job's id is its controller's pid
+            row["job_start_ticks"] = start_ticks(int(t.job_id))
         hdir = heartbeat_dir(self.run_dir)
         write_json_atomic(hdir / SESSION_FILE, row)
         with (hdir / SESSIONS_LOG).open("a") as f:
@@ -93,7 +96,7 @@ class MonitorHook(TrainerHook):
         self._register_stacks(session)
         ident = {"rank": t.rank, "world_size": t.world_size, "local_rank": t.local_rank, "node": t.node_name,
                  "node_id": t.node_id, "pid": os.getpid(), "host": socket.gethostname(), "session": session,
-                 "job_id": t.job_id, "started": time.time()}
+                 "job_id": t.job_id, "started": time.time(), "start_ticks": start_ticks(os.getpid())}
         if t.local_rank == 0:
             ident["watchdog_pid"] = spawn(self.run_dir, session, t.node_name, t.node_id == 0, _watchdog_cfg(self.m))
         gpu = t.local_rank if self.cfg.cluster.gpus_per_node else None

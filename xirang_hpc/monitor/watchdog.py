@@ -37,6 +37,7 @@ from xirang_hpc.files import write_json_atomic
 from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess
 from xirang_hpc.monitor.events import append_event
 from xirang_hpc.monitor.heartbeat import ABORT_FILE, HEARTBEAT_DIR, read_heartbeats, read_json
+from xirang_hpc.runtime.process_identity import is_same
 
 ABORT_KINDS = {"hang": "abort_on_hang", "dead": "abort_on_dead"}
 
@@ -47,8 +48,9 @@ def probe(hb: dict[str, Any], host: str) -> str | None:
         return None
     try:
         p = psutil.Process(int(hb["pid"]))
-        # A recycled pid belongs to a process started after the rank's heartbeat began.
-        if p.create_time() > float(hb.get("started", 0)) + 1.0:
+        # A recycled pid belongs to another process: told by its start since boot, which a wall-clock step
+        # does not move (runtime/process_identity.py).
+        if not is_same(p, hb.get("start_ticks"), float(hb.get("started", 0))):
             return GONE
         status = p.status()
     except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
