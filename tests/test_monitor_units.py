@@ -549,3 +549,30 @@ def test_probe_tells_a_rank_by_its_start_since_boot_whatever_the_wall_clock_does
         proc.kill()
         proc.wait()
     assert probe(hb, host) == GONE
+
+
+def test_a_watchdog_that_did_not_run_for_a_while_judges_again_only_after_fresh_beats(tmp_path: Path) -> None:
+    """Rounds 31 s apart (the machine paused the watchdog, or the wall clock stepped): every heartbeat reads 31 s
+    old, which is not the ranks' doing. No hang is called then; one is, RESYNC_S later, if they still have not
+    moved (a real hang)."""
+    import dataclasses
+
+    from xirang_hpc.monitor.heartbeat import HEARTBEAT_DIR
+    from xirang_hpc.monitor.watchdog import RESYNC_S, Watchdog
+
+    cfg = dict(dataclasses.asdict(MonitorConfig()), hang_s=12.0, hang_min_s=5.0, abort_on_hang=False)
+    t0 = time.time()
+    ident = identity(os.getpid())
+    (tmp_path / HEARTBEAT_DIR).mkdir()
+    for rank in (0, 1):  # live processes of this host, on a node that is not the watchdog's (nothing to kill)
+        write_json_atomic(tmp_path / HEARTBEAT_DIR / f"rank-{rank}.json",
+                          {"rank": rank, "session": "s", "node": "vnode0", "host": socket.gethostname(),
+                           "pid": os.getpid(), "start_ticks": ident["start_ticks"], "started": t0 - 60,
+                           "beat": t0, "progress": t0, "active": t0, "step": 7, "phase": "forward", "step_s": 0.1})
+    wd = Watchdog(tmp_path, "s", "vnode1", leader=True, cfg=cfg)
+    wd.check(t0)
+    wd.check(t0 + 31)  # heartbeats 31 s old: a naive watchdog calls a hang here
+    assert [e["kind"] for e in read_events(tmp_path)] == []
+    for i in range(1, int(2 * RESYNC_S) + 2):  # rounds every 0.5 s again; RESYNC_S on, no rank has moved: a hang
+        wd.check(t0 + 31 + 0.5 * i)
+    assert [e["kind"] for e in read_events(tmp_path)] == ["hang", "hang"], read_events(tmp_path)

@@ -40,6 +40,11 @@ from xirang_hpc.monitor.heartbeat import ABORT_FILE, HEARTBEAT_DIR, read_heartbe
 from xirang_hpc.runtime.process_identity import is_same
 
 ABORT_KINDS = {"hang": "abort_on_hang", "dead": "abort_on_dead"}
+# A gap this long between two rounds of a loop that polls every ``poll_s`` means the watchdog itself did not run
+# (the machine paused or starved it, or the wall clock stepped): the heartbeats it now reads are stale by that
+# gap for reasons that are not the ranks'. It judges again only after ``RESYNC_S``, when they have beaten anew.
+PAUSE_GAP_S = 5.0
+RESYNC_S = 5.0
 
 
 def probe(hb: dict[str, Any], host: str) -> str | None:
@@ -111,6 +116,8 @@ class Watchdog:
         self.stack_sig = int(getattr(signal, cfg.get("stack_signal", "SIGQUIT")))
         self.abort_path = run_dir / HEARTBEAT_DIR / ABORT_FILE
         self.aborted = False
+        self._last_round: float | None = None
+        self._judge_after = 0.0
 
     def _log(self, msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} watchdog[{self.node}]: {msg}", flush=True)
@@ -122,8 +129,13 @@ class Watchdog:
         abort = read_json(self.abort_path)
         if abort is not None and abort.get("session") != self.session:
             abort = None  # left by an earlier attempt
+        if self._last_round is not None and abs(now - self._last_round) > max(PAUSE_GAP_S, 10 * self.poll_s):
+            self._log(f"no round for {now - self._last_round:.0f}s (this machine paused or starved us, or the clock "
+                      f"stepped): judging again in {RESYNC_S:.0f}s, once the ranks have beaten anew")
+            self._judge_after = now + RESYNC_S
+        self._last_round = now
         # Once an abort is under way the deaths are ours: stop assessing.
-        if self.leader and abort is None:
+        if self.leader and abort is None and now >= self._judge_after:
             for f in assess(beats, probes, now, self.th, self.state):
                 ev = append_event(self.run_dir, f.kind, f.reason, rank=f.rank, node=f.node, phase=f.phase,
                                   step=f.step, cause=f.cause, session=self.session, **f.extra)
