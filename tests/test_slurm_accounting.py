@@ -130,9 +130,12 @@ def test_sacct_history_of_a_requeued_finished_job(slurm, tmp_path, caplog):
               "-o", "/dev/null", "--wrap", "sleep 8").strip()
     _wait(lambda: _sh("squeue", "-h", "-j", job, "-o", "%T").strip() == "RUNNING", 120, "the job to run")
     _sh("scontrol", "requeue", job)
-    # A requeued job sits in BeginTime for ~2 minutes: make it eligible at once.
+    # A requeued job sits in BeginTime for ~2 minutes: make it eligible 2 s ahead, as the product's requeue
+    # does (runtime/slurmctl.after_requeue). Not "now": a relaunch in the second of the requeue meets the
+    # credential the requeue revoked (slurmd compares whole seconds), and the batch step fails at once (exit 1,
+    # elapsed 0), as once seen under CI load.
     _wait(lambda: _sh("squeue", "-h", "-j", job, "-o", "%T").strip() == "PENDING", 120, "the requeued job to pend")
-    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now+2"], check=False)
     _wait(lambda: not _sh("squeue", "-h", "-j", job, "-o", "%T").strip(), 240, "the job to leave squeue")
     run = tmp_path / "run"
     run.mkdir()
@@ -144,6 +147,9 @@ def test_sacct_history_of_a_requeued_finished_job(slurm, tmp_path, caplog):
         s = json.loads(subprocess.run([*STATUS, str(run), "--json"], capture_output=True, text=True,
                                       timeout=120).stdout)
         seen[0] = s
+        if s["state_source"] == "sacct" and s["state"] in ("FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT"):
+            raise AssertionError(f"the job did not complete: {s['state']} ({s['state_reason']}); "
+                                 f"sacct: {recorded()!r}")
         return s if s["state"] == "COMPLETED" and s["state_source"] == "sacct" else {}
 
     def recorded() -> str:  # what slurmdbd holds for the job: it changes while the end is being recorded
