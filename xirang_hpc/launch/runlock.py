@@ -24,10 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from xirang_hpc.files import write_json_atomic
-from xirang_hpc.runtime.process_identity import identity, is_same
+from xirang_hpc.runtime.process_identity import identity, is_running
 
 OWNER_FILE = "job.json"
 SUBMIT_LOCK = ".submit.lock"
@@ -44,15 +42,6 @@ def _slurm_state(job_id: str, cluster: str | None = None) -> str:
     from xirang_hpc.launch.slurm import job_state
 
     return job_state(job_id, cluster)
-
-
-def _local_alive(pid: int, started: float, ticks: int | None = None) -> bool:
-    """``pid`` runs and is the recorded process (start ``ticks`` since boot, else created at ``started``)."""
-    try:
-        proc = psutil.Process(pid)
-        return is_same(proc, ticks, started, exact=True) and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def read_owner(run_dir: Path) -> dict[str, Any] | None:
@@ -79,7 +68,7 @@ def live_owner(run_dir: Path, slurm_state: Callable[[str, str | None], str] = _s
         return dict(owner, state=state) if state in LIVE_STATES else None
     pid, started = owner.get("pid"), owner.get("pid_started")
     if isinstance(pid, int) and isinstance(started, (int, float)) \
-            and _local_alive(pid, float(started), owner.get("pid_start_ticks")):
+            and is_running(pid, owner.get("pid_start_ticks"), float(started), exact=True):
         return dict(owner, state="RUNNING")
     return None
 

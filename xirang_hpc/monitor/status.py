@@ -14,15 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from xirang_hpc.checkpoint.naming import committed_steps, step_dir_name
 from xirang_hpc.monitor.chain import PIPELINE_FILE, chain_status
 from xirang_hpc.monitor.events import FAULT_KINDS, read_events, read_jsonl
 from xirang_hpc.monitor.flops import mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import HEARTBEAT_DIR, SESSION_FILE, SESSIONS_LOG, read_heartbeats, read_json
 from xirang_hpc.monitor.jobstate import Runner, run_cmd, slurm_state
-from xirang_hpc.runtime.process_identity import is_same
+from xirang_hpc.runtime.process_identity import is_running
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
 
@@ -93,15 +91,6 @@ def checkpoints(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _alive(pid: int, started: float, ticks: int | None = None) -> bool:
-    """``pid`` runs and is the process recorded (start ``ticks`` since boot, else created by ``started``)."""
-    try:
-        p = psutil.Process(pid)
-        return is_same(p, ticks, started) and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-    except (psutil.Error, ValueError):
-        return False
-
-
 def _job_state(session: dict[str, Any], beats: dict[int, dict[str, Any]], events: list[dict[str, Any]],
                now: float, run: Runner) -> dict[str, Any]:
     """State from the scheduler when it answers, else derived from the run's own files."""
@@ -114,9 +103,9 @@ def _job_state(session: dict[str, Any], beats: dict[int, dict[str, Any]], events
     local = [hb for hb in beats.values() if hb.get("host") == here]
     started = float(session.get("started", 0))
     if session.get("source") == "local" and session.get("host") == here and job.isdigit() \
-            and _alive(int(job), started, session.get("job_start_ticks")):
+            and is_running(int(job), session.get("job_start_ticks"), started):
         return {"state": "RUNNING", "source": "process table"}
-    if any(_alive(int(hb["pid"]), float(hb.get("started", 0)), hb.get("start_ticks")) for hb in local):
+    if any(is_running(int(hb["pid"]), hb.get("start_ticks"), float(hb.get("started", 0))) for hb in local):
         return {"state": "RUNNING", "source": "process table"}
     # Ranks on other hosts: a fresh heartbeat means running (their thread beats every second or so).
     if any(now - hb.get("beat", 0) < 30 for hb in beats.values() if hb.get("host") != here):

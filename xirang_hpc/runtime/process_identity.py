@@ -48,14 +48,22 @@ def identity(pid: int) -> dict[str, Any]:
     return out
 
 
-def is_same(proc: psutil.Process, ticks: int | None, started: float | None, exact: bool = False) -> bool:
+def is_same(proc: psutil.Process, ticks: int | None, started: float, exact: bool = False) -> bool:
     """``proc`` is the process recorded with start ``ticks`` (exact) or, when no ticks were recorded or none
     can be read now, one created no later than ``started`` (wall clock, +1 s; ``exact``: within 1 s of it)."""
     if ticks is not None:
         now = start_ticks(proc.pid)
         if now is not None:
             return now == ticks
-    if started is None:
-        return True
     created = proc.create_time()
     return abs(created - started) < WALL_SLACK_S if exact else created <= started + WALL_SLACK_S
+
+
+def is_running(pid: int, ticks: int | None, started: float, exact: bool = False) -> bool:
+    """``pid`` is the recorded process (:func:`is_same`) and still runs (not gone, not a zombie)."""
+    try:
+        proc = psutil.Process(pid)
+        return is_same(proc, ticks, started, exact) and proc.status() not in (psutil.STATUS_ZOMBIE,
+                                                                              psutil.STATUS_DEAD)
+    except psutil.Error:
+        return False
