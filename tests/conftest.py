@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import subprocess
@@ -146,11 +147,21 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     return out
 
 
+_COMPOSED: dict[tuple[str, ...], DictConfig] = {}
+
+
 def compose_cfg(overrides: list[str] | None = None) -> DictConfig:
-    """Compose the root config exactly as xirang-train does."""
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides or [])
+    """Compose the root config exactly as xirang-train does.
+
+    Composed once per list of overrides in a test process (Hydra's compose reads every YAML group again:
+    ~0.1 s of CPU, and the suite composes the same lists hundreds of times); each call gets its own deep
+    copy, so a test that changes its config changes nobody else's."""
+    key = tuple(overrides or ())
+    if key not in _COMPOSED:
+        register_configs()
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            _COMPOSED[key] = compose(config_name="config", overrides=list(key))
+    return copy.deepcopy(_COMPOSED[key])
 
 
 @pytest.fixture
