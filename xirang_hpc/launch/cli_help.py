@@ -14,6 +14,8 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xirang_hpc.planner.defaults import PROBE_ROUNDS
+
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 WIDTH = 100
 
@@ -104,8 +106,8 @@ COMMANDS: dict[str, CommandHelp] = {
                               "runs it"),
             ("--calibrate", "measure the cluster (runs a short job) and write a preset"),
             ("--out FILE", "where --calibrate writes the preset (default conf/cluster/<cluster>-calibrated.yaml)"),
-            ("--rounds N", "rounds of --calibrate's probe training runs on CPU clusters, median kept (default 3; "
-                           "1 is three times faster and noisier)"),
+            ("--rounds N", "rounds of --calibrate's probe training runs on CPU clusters, median kept (default "
+                           f"{PROBE_ROUNDS}; 1 is the fastest and noisiest)"),
             *_HYDRA_FLAGS,
         ],
         examples=[

@@ -76,7 +76,7 @@ def evaluate_layout(cfg: XirangConfig, spec: str, as_json: bool) -> str:
 
 def calibrate(cfg: XirangConfig, out: str, rounds: int | None = None) -> Path:
     """Measure the cluster and save a preset; returns its path. ``rounds``: rounds of probe runs (CPU
-    clusters; default ``probe.PROBE_ROUNDS``)."""
+    clusters; default ``planner.defaults.PROBE_ROUNDS``)."""
     from xirang_hpc.launch.rundir import make_private_dir
     from xirang_hpc.planner.calibrate import write_preset
 

@@ -202,7 +202,7 @@ def calibration_job(cluster: dict[str, Any], folder: str = "", overheads: bool =
 
     With ``overheads`` (CPU clusters) the runtime's fixed costs are probed too (planner/probe.py),
     using ``folder`` for a small prepared corpus, in ``rounds`` rounds of probe runs (default
-    ``probe.PROBE_ROUNDS``).
+    ``planner.defaults.PROBE_ROUNDS``).
     """
     from xirang_hpc.runtime import dist as xdist
 
@@ -216,8 +216,9 @@ def calibration_job(cluster: dict[str, Any], folder: str = "", overheads: bool =
             # Virtual nodes of the local executor share this machine's cores; a Slurm node has its own.
             fields["bubble_exposed"] = bubble_exposed(topo.local_world_size, max(1, cores // local_nodes))
         if overheads:
+            from xirang_hpc.planner.defaults import PROBE_ROUNDS
             from xirang_hpc.planner.hardware import PRESETS
-            from xirang_hpc.planner.probe import PROBE_ROUNDS, measure_overheads
+            from xirang_hpc.planner.probe import measure_overheads
 
             base = PRESETS[cluster.get("gpu") or "cpu"]
             hw = base.scaled(**{k: type(getattr(base, k))(v) for k, v in fields.items()})

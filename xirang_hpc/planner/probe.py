@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from xirang_hpc.config.schema import ClusterConfig, ModelConfig, ParallelConfig, TrainConfig, XirangConfig
 from xirang_hpc.planner.cost import Plan, Problem, estimate
+from xirang_hpc.planner.defaults import PROBE_ROUNDS
 from xirang_hpc.planner.formulas import Shape, layer_activation_bytes, layer_forward_flops, logits_flops
 from xirang_hpc.planner.hardware import Hardware
 
@@ -62,7 +63,6 @@ LAYER_MODEL = {"name": "layer", "n_layer": 2, "n_head": 4, "d_model": 320, "d_ff
 ATTN_MODEL = {"name": "attn", "n_layer": 2, "n_head": 4, "d_model": 96, "d_ff": 384, "seq_len": 128}
 PROBE_BATCH = 8
 PROBE_STEPS = 10  # timed steps after 2 warm-up steps
-PROBE_ROUNDS = 3  # median over rounds: one round's figures swung up to 2x between calibrations
 
 
 # Probes on another shape than PROBE_MODEL: two TP probes separate TP's fixed cost per layer from its
