@@ -131,9 +131,9 @@ def test_sacct_history_of_a_requeued_finished_job(slurm, tmp_path, caplog):
     _wait(lambda: _sh("squeue", "-h", "-j", job, "-o", "%T").strip() == "RUNNING", 120, "the job to run")
     _sh("scontrol", "requeue", job)
     # A requeued job sits in BeginTime for ~2 minutes: make it eligible 2 s ahead, as the product's requeue
-    # does (runtime/slurmctl.after_requeue). Not "now": a relaunch in the second of the requeue meets the
-    # credential the requeue revoked (slurmd compares whole seconds), and the batch step fails at once (exit 1,
-    # elapsed 0), as once seen under CI load.
+    # does (runtime/slurmctl.after_requeue). Not "now": once, under CI load, Slurm relaunched the job in the
+    # second of the requeue and its batch step failed at once (exit 1, elapsed 0), most likely on the job
+    # credential that the requeue revoked (slurmd compares whole seconds).
     _wait(lambda: _sh("squeue", "-h", "-j", job, "-o", "%T").strip() == "PENDING", 120, "the requeued job to pend")
     subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now+2"], check=False)
     _wait(lambda: not _sh("squeue", "-h", "-j", job, "-o", "%T").strip(), 240, "the job to leave squeue")
