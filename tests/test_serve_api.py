@@ -214,3 +214,41 @@ def test_kv_cache_decoding_equals_full_recompute_past_the_context_window(pos: st
                 seq.append(int(model(torch.tensor([seq[-16:]]))[0, -1].argmax()))
         ref.append(seq[len(p):])
     assert outs[(True, 4)] == outs[(True, 1)] == outs[(False, 4)] == ref
+
+
+def test_the_info_file_is_never_seen_torn(tmp_path) -> None:
+    # A client (a script, `xirang-status`, the tests) waits for the info file to appear and reads it at once:
+    # each write must replace the file whole, never leave it empty or half-written (once seen under load).
+    import os
+    import stat
+    import threading
+
+    from xirang_hpc.serve.run import write_info
+
+    info = tmp_path / "serve.json"
+    body = {"url": "http://127.0.0.1:1", "status": "serving", "pad": "x" * 200_000}
+    done, torn, reads = threading.Event(), [], [0]
+
+    def reader() -> None:
+        while not done.is_set():
+            try:
+                text = info.read_text()
+            except FileNotFoundError:
+                continue
+            reads[0] += 1
+            try:
+                json.loads(text)
+            except ValueError:
+                torn.append(len(text))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(300):
+            write_info(info, {**body, "i": i})
+    finally:
+        done.set()
+        t.join()
+    assert reads[0] > 0 and not torn, f"{len(torn)} of {reads[0]} reads saw a torn file"
+    assert json.loads(info.read_text())["i"] == 299
+    assert stat.S_IMODE(os.stat(info).st_mode) == 0o600  # it may name the endpoint: the owner's only

@@ -12,6 +12,8 @@ import atexit
 import os
 from pathlib import Path
 
+from xirang_hpc.files import write_bytes_atomic
+
 
 def _dir(run_dir: Path, restart: int) -> Path:
     return Path(run_dir) / "ranks" / f"r{restart}"
@@ -21,7 +23,8 @@ def mark_start(run_dir: Path, restart: int, rank: int, node: str) -> None:
     """Record that ``rank`` started on ``node`` (file text: ``node pid``); arrange for its exit marker."""
     d = _dir(run_dir, restart)
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"{rank}.start").write_text(f"{node} {os.getpid()}")
+    # Whole or absent (a rank killed while writing it leaves no empty marker for the supervisor to misread).
+    write_bytes_atomic(d / f"{rank}.start", f"{node} {os.getpid()}".encode())
     atexit.register(mark_exit, run_dir, restart, rank)
 
 

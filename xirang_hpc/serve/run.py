@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from xirang_hpc.config.schema import ServeConfig
+from xirang_hpc.files import write_json_atomic
 from xirang_hpc.serve.engine import Engine
 from xirang_hpc.serve.server import Limits, Server
 from xirang_hpc.serve.weights import LoadedModel
@@ -25,11 +25,10 @@ def limits_for(scfg: ServeConfig, seq_len: int) -> Limits:
     return Limits(max_prompt_tokens=scfg.max_prompt_tokens or seq_len, max_new_tokens=scfg.max_new_tokens)
 
 
-def write_private_json(path: Path, obj: dict[str, Any]) -> None:
-    """Write JSON readable by the owner only (it may name a token env var and the endpoint)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
+def write_info(path: Path, obj: dict[str, Any]) -> None:
+    """Write the server's info file: readable by the owner only (it names the endpoint), and replaced whole,
+    so a client that sees the file appear reads it complete."""
+    write_json_atomic(path, obj, indent=1)
 
 
 def model_id_for(loaded: LoadedModel, scfg: ServeConfig) -> str:
@@ -94,7 +93,7 @@ async def _serve(loaded: LoadedModel, scfg: ServeConfig, info_path: Path | None,
     info = {"url": running.url, "host": host, "port": port, "pid": os.getpid(), "source": loaded.source,
             "step": loaded.step, "model": running.server.model_id, "auth": bool(token), "status": "serving"}
     if info_path is not None:
-        write_private_json(info_path, info)
+        write_info(info_path, info)
     log(f"serving {loaded.source} as model {running.server.model_id!r} on {info['url']} (POST /v1/generate, "
         "/v1/completions, /v1/chat/completions; GET /v1/models, /v1/model, /metrics, /health"
         f"{'; bearer token required' if token else ''})")
@@ -117,7 +116,7 @@ async def _serve(loaded: LoadedModel, scfg: ServeConfig, info_path: Path | None,
         await running.stop()
     info.update(status="stopped", stats=dict(engine.stats))
     if info_path is not None:
-        write_private_json(info_path, info)
+        write_info(info_path, info)
     return info
 
 
