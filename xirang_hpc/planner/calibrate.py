@@ -25,6 +25,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from xirang_hpc.config.schema import ClusterConfig
+from xirang_hpc.planner.defaults import PROBE_ROUNDS
 
 TOKENS = 512
 WIDTHS = (32, 256)
@@ -216,7 +217,6 @@ def calibration_job(cluster: dict[str, Any], folder: str = "", overheads: bool =
             # Virtual nodes of the local executor share this machine's cores; a Slurm node has its own.
             fields["bubble_exposed"] = bubble_exposed(topo.local_world_size, max(1, cores // local_nodes))
         if overheads:
-            from xirang_hpc.planner.defaults import PROBE_ROUNDS
             from xirang_hpc.planner.hardware import PRESETS
             from xirang_hpc.planner.probe import measure_overheads
 

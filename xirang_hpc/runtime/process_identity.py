@@ -65,5 +65,5 @@ def is_running(pid: int, ticks: int | None, started: float, exact: bool = False)
         proc = psutil.Process(pid)
         return is_same(proc, ticks, started, exact) and proc.status() not in (psutil.STATUS_ZOMBIE,
                                                                               psutil.STATUS_DEAD)
-    except psutil.Error:
+    except (psutil.Error, ValueError):  # ValueError: not a valid pid (e.g. negative) in a record
         return False
