@@ -74,26 +74,60 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, grace_s: float = 1.0,
-                  send: Callable[[int, int], None] = _signal) -> list[int]:
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, stacks_dir: Path | None = None,
+                  grace_s: float = 1.0, settle_s: float = 0.5, max_wait_s: float = 15.0,
+                  send: Callable[[int, int], None] = _signal,
+                  look: Callable[[dict[str, Any]], str | None] | None = None,
+                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                  ) -> list[int]:
     """Make each live local rank dump its stacks, resume stopped ones so they can, then SIGKILL all.
 
-    Returns the ranks that were signalled.
+    The kill waits for the dumps, not for a fixed time: faulthandler writes from the rank's signal handler,
+    which runs only when the rank is next scheduled (a stopped rank after its SIGCONT), and on a loaded machine
+    that can be seconds away; a kill in the middle of the dump leaves a stack file cut after a frame or two.
+    So after ``grace_s`` the watchdog waits until each signalled rank's ``stacks_dir/rank-N.txt`` has grown and
+    then not changed for ``settle_s``, or the rank is gone, for at most ``max_wait_s`` in all. Without
+    ``stacks_dir`` it waits ``grace_s``. Returns the ranks that were signalled.
     """
-    hit = []
+    look = look or (lambda hb: probe(hb, host))
+    hit: dict[int, dict[str, Any]] = {}
+    files = {}
     for hb in ranks:
-        state = probe(hb, host)
+        state = look(hb)
         if state in (ALIVE, STOPPED):
+            rank = int(hb["rank"])
+            if stacks_dir is not None:
+                path = stacks_dir / f"rank-{rank}.txt"
+                files[rank] = (path, _size(path))  # what an earlier dump (or the header) left there
             send(int(hb["pid"]), stack_sig)
             if state == STOPPED:
                 send(int(hb["pid"]), signal.SIGCONT)  # the pending dump signal runs on resume
-            hit.append(int(hb["rank"]))
+            hit[rank] = hb
     if hit:
-        time.sleep(grace_s)
-    for hb in ranks:
-        if int(hb["rank"]) in hit:
-            send(int(hb["pid"]), signal.SIGKILL)
-    return hit
+        t0 = clock()
+        sleep(grace_s)
+        last = {rank: (size, clock()) for rank, (_, size) in files.items()}
+        pending = set(files)
+        while pending and clock() - t0 < max_wait_s:
+            for rank in sorted(pending):
+                path, before = files[rank]
+                size, now = _size(path), clock()
+                if size != last[rank][0]:
+                    last[rank] = (size, now)  # still writing
+                elif (size > before and now - last[rank][1] >= settle_s) or look(hit[rank]) == GONE:
+                    pending.discard(rank)  # written and quiet since, or nothing left to wait for
+            if pending:
+                sleep(0.1)
+    for hb in hit.values():
+        send(int(hb["pid"]), signal.SIGKILL)
+    return list(hit)
 
 
 def thresholds_for(cfg: Mapping[str, Any]) -> Thresholds:
@@ -148,7 +182,7 @@ class Watchdog:
         if abort is not None and not self.aborted:
             self.aborted = True
             mine = [hb for hb in beats.values() if hb.get("node") == self.node]
-            hit = dump_and_kill(mine, self.stack_sig, self.host)
+            hit = dump_and_kill(mine, self.stack_sig, self.host, self.run_dir / "stacks")
             self._log(f"abort ({abort.get('kind')}: rank {abort.get('rank')}): dumped stacks of and killed ranks {hit}")
             if self.leader:
                 append_event(self.run_dir, "abort", f"job aborted after {abort.get('kind')} of rank "
