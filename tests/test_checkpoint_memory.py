@@ -14,10 +14,10 @@ from xirang_hpc.checkpoint.memory import (
     MemoryStore,
     decide,
     holders,
-    memory_root,
     replica_partners,
     transfers,
 )
+from xirang_hpc.checkpoint.naming import memory_root
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import CheckpointConfig
 

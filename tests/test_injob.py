@@ -191,7 +191,7 @@ def test_min_nodes_lets_a_drained_job_start_shrunk_and_a_floor_the_layout_misses
 
 
 def test_the_driver_removes_the_jobs_memory_copies_here_and_on_the_healthy_nodes(tmp_path):
-    from xirang_hpc.checkpoint.memory import memory_root
+    from xirang_hpc.checkpoint.naming import memory_root
     from xirang_hpc.launch.injob import release_memory
 
     run = _run_dir(tmp_path, "requeue.max_restarts_in_job=1", "checkpoint.in_memory=true",
@@ -226,3 +226,18 @@ def test_a_step_that_outlives_a_dead_rank_is_ended_and_older_faults_are_ignored(
     t0 = time.monotonic()
     rc = run_step([*sleeper, "600"], {}, tmp_path, since, grace_s=0.2, poll_s=0.05)
     assert rc == -15 and time.monotonic() - t0 < 60  # SIGTERM'd after the grace, not after 600 s
+
+
+def test_the_batch_steps_own_processes_do_not_import_torch() -> None:
+    """The in-job restart driver, the requeue supervisor, the node watchdog, the rank entry and the fork-server
+    client run beside (or before) the ranks on every start of a job: none of them pays torch's ~2 s of import
+    CPU, which would also delay a restart inside the allocation."""
+    import subprocess
+
+    mods = ["xirang_hpc.launch.injob", "xirang_hpc.launch.supervise", "xirang_hpc.monitor.watchdog",
+            "xirang_hpc.launch.job_entry", "xirang_hpc.launch.preload"]
+    code = (f"import sys\nfor m in {mods!r}: __import__(m)\n"
+            "print(sorted(m for m in ('torch', 'h5py') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

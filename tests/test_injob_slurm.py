@@ -42,7 +42,7 @@ from test_slurm_e2e import (
     slurm,  # noqa: F401 - the testbed fixture, used through pytestmark
 )
 
-from xirang_hpc.checkpoint.memory import memory_root
+from xirang_hpc.checkpoint.naming import memory_root
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.runtime.markers import rank_pid
 

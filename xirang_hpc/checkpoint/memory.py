@@ -24,8 +24,6 @@ copy is incomplete, older than the newest filesystem step, or fails its checksum
 
 from __future__ import annotations
 
-import getpass
-import hashlib
 import json
 import logging
 import os
@@ -51,12 +49,6 @@ log = logging.getLogger(__name__)
 STATE = "state.json"  # same name as checkpoint.layout.STATE (layout imports storage only; kept local)
 BUNDLE = "bundle_{}.json"
 CHECKSUM = "xxh3_128"
-
-
-def memory_root(job_id: str, run_dir: Path, base: str = "") -> Path:
-    """``<base or /dev/shm>/xirang-<user>-<job>``: per job (a Slurm job id), or per run dir outside Slurm."""
-    job = job_id if job_id.isdigit() else "local-" + hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
-    return Path(base or "/dev/shm") / f"xirang-{getpass.getuser()}-{job}"
 
 
 # ---- where the replicas go (pure) ------------------------------------------------------------

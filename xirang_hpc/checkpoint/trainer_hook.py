@@ -20,7 +20,8 @@ from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint import state as ckpt_state
 from xirang_hpc.checkpoint.identity import read_identity, write_identity
 from xirang_hpc.checkpoint.manager import CheckpointManager, LoadResult, SaveRecord
-from xirang_hpc.checkpoint.memory import MemoryRecord, MemoryStore, memory_root
+from xirang_hpc.checkpoint.memory import MemoryRecord, MemoryStore
+from xirang_hpc.checkpoint.naming import memory_root
 from xirang_hpc.checkpoint.retention import RetentionPolicy
 from xirang_hpc.checkpoint.rollback import fork_for_resume
 from xirang_hpc.checkpoint.snapshot import restore_rng

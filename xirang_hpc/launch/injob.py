@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xirang_hpc.checkpoint.memory import memory_root
+from xirang_hpc.checkpoint.naming import memory_root
 from xirang_hpc.launch.supervise import (
     already_handled,
     handed_over,
