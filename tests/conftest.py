@@ -269,6 +269,8 @@ def calibrated_preset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def trained_run_copy(trained_run: TrainedRun, tmp_path: Path) -> TrainedRun:
     """A private copy of the session's trained run (same directory name) for a test that writes into it."""
     dst = tmp_path / "runs" / trained_run.run.name
-    shutil.copytree(trained_run.run, dst, symlinks=True)
+    # Not the socket of the job's fork server (launch/preload.py), which stays in the run's submitit folder until
+    # the server's idle exit, ~30 s after the run: a socket cannot be copied, and it is no part of the run.
+    shutil.copytree(trained_run.run, dst, symlinks=True, ignore=shutil.ignore_patterns(".preload-*.sock"))
     dst.chmod(trained_run.run.stat().st_mode)
     return TrainedRun(dst, trained_run.data, trained_run.stdout, trained_run.stderr)

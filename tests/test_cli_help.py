@@ -60,9 +60,14 @@ def test_help_matches_golden(cmd: str, monkeypatch: pytest.MonkeyPatch, capsys: 
 @pytest.mark.slow
 @pytest.mark.parametrize("cmd", sorted(COMMANDS))
 def test_installed_command_prints_the_same_help(cmd: str) -> None:
-    r = _run(cmd, "--help")
-    assert r.returncode == 0, r.stderr
+    """... and answers without importing torch (seconds of CPU): Python's own import log (-X importtime, on
+    stderr) lists every module the command imported."""
+    r = subprocess.run([str(BIN / cmd), "--help"], capture_output=True, text=True, timeout=300,
+                       env={**ENV, "PYTHONPROFILEIMPORTTIME": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout == (GOLDEN / f"help_{cmd.removeprefix('xirang-')}.txt").read_text()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "xirang_hpc" in imported and "torch" not in imported, sorted(m for m in imported if "torch" in m)[:5]
 
 
 @pytest.mark.slow

@@ -2,6 +2,9 @@
 
 Each runs inside the stage's Slurm job, or in-process on the local executor, and records its
 status through :mod:`xirang_hpc.monitor.chain` (``<run>/pipeline/<stage>.json``).
+
+The training, evaluation and serving stacks are imported inside the stage that runs them: ``xirang-pipeline``
+imports this module to submit the stages (by reference), and a submission needs no torch.
 """
 
 from __future__ import annotations
@@ -13,13 +16,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from xirang_hpc.config.schema.serve import SERVE_FILE
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare_data, prepared_mismatch
-from xirang_hpc.eval.evaluate import run_eval
-from xirang_hpc.job.training import run_training
 from xirang_hpc.monitor.chain import stage_record
-from xirang_hpc.serve.run import SERVE_FILE, serve
-from xirang_hpc.serve.weights import load_checkpoint
 
 
 def _cfg(cfg_dict: dict[str, Any]) -> Any:
@@ -47,12 +47,16 @@ def _rank() -> int:
 
 def train_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
     """The training job (every rank); rank 0 records the stage."""
+    from xirang_hpc.job.training import run_training
+
     with stage_record(Path(run_dir), "train", enabled=_rank() == 0):
         return run_training(cfg_dict, run_dir, data_dir)
 
 
 def eval_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
     """Evaluate the newest checkpoint; fails (nonzero exit on Slurm) when ``eval.max_val_loss`` is exceeded."""
+    from xirang_hpc.eval.evaluate import run_eval
+
     cfg = _cfg(cfg_dict)
     with stage_record(Path(run_dir), "eval"):
         return run_eval(run_dir, data_dir, cfg.eval)
@@ -61,6 +65,9 @@ def eval_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[st
 def serve_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """Serve the newest checkpoint (``<run>/serve.json`` says where) until stopped or ``serve.duration_s``."""
+    from xirang_hpc.serve.run import serve
+    from xirang_hpc.serve.weights import load_checkpoint
+
     cfg = _cfg(cfg_dict)
     with stage_record(Path(run_dir), "serve"):
         loaded = load_checkpoint(run_dir, cfg.eval.step if cfg.eval.step >= 0 else None)

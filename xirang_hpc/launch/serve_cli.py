@@ -12,12 +12,12 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ServeConfig
-from xirang_hpc.serve.run import SERVE_FILE, serve
-from xirang_hpc.serve.weights import WeightsError, load_any
+from xirang_hpc.config.schema.serve import SERVE_FILE
+
+# The serving stack (torch, the model, the weights readers) is imported once the arguments are parsed: ``--help``
+# and a usage error answer without it.
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    from xirang_hpc.serve.run import serve
+    from xirang_hpc.serve.weights import WeightsError, load_any
+
     try:
         scfg = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch,
                            max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc.config.schema.serve import SERVE_FILE
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.runtime import slurmctl
 
@@ -116,7 +117,7 @@ def chain_status(run_dir: Path, slurm_state: Callable[[str], str | None] = _slur
             if "val_loss" in ev:
                 detail = f"val loss {ev['val_loss']:.4f}, perplexity {ev['perplexity']:.2f} (step {ev['step']})"
         if name == "serve" and status in ("running", "completed"):
-            sv = read_json(run_dir / "serve.json") or {}
+            sv = read_json(run_dir / SERVE_FILE) or {}
             detail = f"{sv.get('status', '')} {sv.get('url', '')}".strip()
         rows.append({"stage": name, "job_id": job, "depends_on": st.get("depends_on"), "status": status,
                      "slurm_state": sstate, "detail": detail})

@@ -17,8 +17,6 @@ from xirang_hpc.serve.engine import Engine
 from xirang_hpc.serve.server import Limits, Server
 from xirang_hpc.serve.weights import LoadedModel
 
-SERVE_FILE = "serve.json"
-
 
 def limits_for(scfg: ServeConfig, seq_len: int) -> Limits:
     """Request limits: ``serve.max_prompt_tokens`` (0 = the model's context) and ``serve.max_new_tokens``."""

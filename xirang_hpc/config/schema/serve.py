@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema._checks import check_finite, check_positive
 
+# A serving run directory's info file (url, port, pid, model id): written by the server, read by the pipeline's
+# status and by clients that wait for the server.
+SERVE_FILE = "serve.json"
+
 
 @dataclass
 class EvalConfig:
@@ -35,7 +39,7 @@ class ServeConfig:
     """HTTP serving of a checkpoint (xirang_hpc/serve, xirang-serve)."""
 
     host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 exposes the server to the network
-    port: int = 8000  # 0 = any free port (written to <run>/serve.json)
+    port: int = 8000  # 0 = any free port (written to <run>/SERVE_FILE)
     max_batch: int = 16  # requests decoded together in one generation loop
     max_prompt_tokens: int = 0  # 0 = model.seq_len
     max_new_tokens: int = 256
