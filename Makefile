@@ -4,12 +4,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
-# pytest-xdist workers for `make test` (TEST_WORKERS=0: one process). With 3 (the default, as CI runs it) the
+# pytest-xdist workers for `make test` (TEST_WORKERS=0: one process). With 4 (the default, as CI runs it) the
 # slurm tier runs on one worker per testbed (CI starts two; tests/conftest.py splits the files), one test after
-# another on each, and every worker takes unit and slow files when it is free. On 2 cores a fourth worker only
-# adds contention (measured: 45 min instead of 40, and time-limit waits ran out). Scopes go out in collection
-# order (slurm, slow, unit: conftest sorts them), not by test count, so that the longest start first.
-TEST_WORKERS ?= 3
+# another on each, and every worker takes unit and slow files when it is free. Scopes go out in collection order
+# (slurm, slow, unit: conftest sorts them), not by test count, so that the longest start first. Measured on 2
+# cores, one CI run each: 3 workers 15 min 37 s, 4 workers 13 min 17 s (with 3 the box was 55-82 % busy for
+# ~5 min while sleep-bound Slurm and hang tests overlapped; with 4 it stays 95-100 % busy to the end).
+TEST_WORKERS ?= 4
 
 .PHONY: install demo check test lint clean
 
