@@ -20,14 +20,6 @@ from omegaconf import DictConfig
 
 from xirang_hpc.launch.hydra_setup import register_configs
 
-# The suite runs its workers, ranks and jobs on 2 cores, many at a time. A torch process with 2 intra-op threads then
-# spins in OpenMP's barriers (libgomp's default wait policy) while its other thread waits for a core: beside 4 busy
-# loops, a 2-thread training loop took 19-20 s of CPU by default and 6-7 s with PASSIVE (5.3 s on one thread); on a
-# quiet box PASSIVE costs it ~1 s of wall time in 1.5 s. The product keeps OpenMP's default (on a cluster a rank owns
-# its cores); the suite's processes, which share cores, wait passively. Set before torch is imported in this
-# process; every process the tests start inherits it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "xirang_hpc" / "conf")
 TIERS = ("unit", "slow", "slurm")
