@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 # slurm tier runs on one worker per testbed (CI starts two; tests/conftest.py splits the files), one test after
 # another on each, and every worker takes unit and slow files when it is free. Scopes go out in collection order
 # (slurm, slow, unit: conftest sorts them), not by test count, so that the longest start first. Measured on 2
-# cores: 3 workers 15 min 37 s; 4 workers 12 min 47 s to 14 min 48 s over three CI runs (with 3 the box was
+# cores: 3 workers 15 min 37 s; 4 workers 12 min 47 s to 16 min 22 s over four CI runs (with 3 the box was
 # 55-82 % busy for ~5 min while sleep-bound Slurm and hang tests overlapped; with 4 it is 95-100 % busy to the end).
 TEST_WORKERS ?= 4
 
