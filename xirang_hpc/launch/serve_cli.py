@@ -16,9 +16,6 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ServeConfig
 from xirang_hpc.config.schema.serve import SERVE_FILE
 
-# The serving stack (torch, the model, the weights readers) is imported once the arguments are parsed: ``--help``
-# and a usage error answer without it.
-
 
 def _parser() -> argparse.ArgumentParser:
     d = ServeConfig()
@@ -48,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    # The serving stack (torch, the model, the weights readers) only now: --help and a usage error answer without it.
     import torch
 
     from xirang_hpc.serve.run import serve

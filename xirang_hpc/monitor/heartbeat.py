@@ -31,6 +31,13 @@ HEARTBEAT_DIR = "heartbeats"
 ABORT_FILE = "ABORT.json"
 SESSION_FILE = "session.json"
 SESSIONS_LOG = "sessions.jsonl"
+STACKS_DIR = "stacks"  # run_dir/stacks/rank-N.txt: each rank's Python stacks, dumped on the stack signal
+
+
+def stack_file(stacks_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` dumps its stacks under ``run_dir/STACKS_DIR`` (written by the rank, awaited by the
+    watchdog)."""
+    return stacks_dir / f"rank-{rank}.txt"
 
 
 def heartbeat_dir(run_dir: Path | str) -> Path:

@@ -30,7 +30,14 @@ import torch.distributed as dist
 from xirang_hpc.config.schema import MonitorConfig, XirangConfig
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.monitor.flops import flops_per_token_for
-from xirang_hpc.monitor.heartbeat import SESSION_FILE, SESSIONS_LOG, Heartbeat, heartbeat_dir
+from xirang_hpc.monitor.heartbeat import (
+    SESSION_FILE,
+    SESSIONS_LOG,
+    STACKS_DIR,
+    Heartbeat,
+    heartbeat_dir,
+    stack_file,
+)
 from xirang_hpc.monitor.resources import ProcessSampler
 from xirang_hpc.monitor.watchdog import spawn
 from xirang_hpc.runtime import liveness
@@ -59,9 +66,9 @@ class MonitorHook(TrainerHook):
         self._stack_file: IO[str] | None = None
 
     def _register_stacks(self, session: str) -> None:
-        d = self.run_dir / "stacks"
+        d = self.run_dir / STACKS_DIR
         d.mkdir(mode=0o700, exist_ok=True)
-        f = (d / f"rank-{self.topo.rank}.txt").open("a")
+        f = stack_file(d, self.topo.rank).open("a")
         f.write(f"=== rank {self.topo.rank} on {self.topo.node_name} pid {os.getpid()} session {session} "
                 f"registered {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
         f.flush()

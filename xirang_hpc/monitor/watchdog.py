@@ -36,7 +36,7 @@ import psutil
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess
 from xirang_hpc.monitor.events import append_event
-from xirang_hpc.monitor.heartbeat import ABORT_FILE, HEARTBEAT_DIR, read_heartbeats, read_json
+from xirang_hpc.monitor.heartbeat import ABORT_FILE, HEARTBEAT_DIR, STACKS_DIR, read_heartbeats, read_json, stack_file
 from xirang_hpc.runtime.process_identity import is_same
 
 ABORT_KINDS = {"hang": "abort_on_hang", "dead": "abort_on_dead"}
@@ -104,7 +104,7 @@ def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, stacks
         if state in (ALIVE, STOPPED):
             rank = int(hb["rank"])
             if stacks_dir is not None:
-                path = stacks_dir / f"rank-{rank}.txt"
+                path = stack_file(stacks_dir, rank)
                 files[rank] = (path, _size(path))  # what an earlier dump (or the header) left there
             send(int(hb["pid"]), stack_sig)
             if state == STOPPED:
@@ -182,12 +182,12 @@ class Watchdog:
         if abort is not None and not self.aborted:
             self.aborted = True
             mine = [hb for hb in beats.values() if hb.get("node") == self.node]
-            hit = dump_and_kill(mine, self.stack_sig, self.host, self.run_dir / "stacks")
+            hit = dump_and_kill(mine, self.stack_sig, self.host, self.run_dir / STACKS_DIR)
             self._log(f"abort ({abort.get('kind')}: rank {abort.get('rank')}): dumped stacks of and killed ranks {hit}")
             if self.leader:
                 append_event(self.run_dir, "abort", f"job aborted after {abort.get('kind')} of rank "
                              f"{abort.get('rank')} on {abort.get('node')}", node=abort.get("node"),
-                             rank=abort.get("rank"), stacks=str(self.run_dir / "stacks"), session=self.session)
+                             rank=abort.get("rank"), stacks=str(self.run_dir / STACKS_DIR), session=self.session)
         return beats
 
     def run(self, first_beat_timeout_s: float = 300.0) -> None:
