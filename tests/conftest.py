@@ -13,12 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-from filelock import FileLock
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from xirang_hpc.runtime.startup import TRAINING_STACK, import_paused
 
-from xirang_hpc.launch.hydra_setup import register_configs
+# What most test modules import, imported once per pytest process with the garbage collector paused and then
+# frozen, as a rank does (runtime/startup.py): later collections in this long-lived process skip it.
+import_paused([*TRAINING_STACK, "hydra", "omegaconf", "numpy"])
+
+import pytest  # noqa: E402
+from filelock import FileLock  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from xirang_hpc.launch.hydra_setup import register_configs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "xirang_hpc" / "conf")

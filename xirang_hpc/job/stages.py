@@ -4,7 +4,8 @@ Each runs inside the stage's Slurm job, or in-process on the local executor, and
 status through :mod:`xirang_hpc.monitor.chain` (``<run>/pipeline/<stage>.json``).
 
 The training, evaluation and serving stacks are imported inside the stage that runs them: ``xirang-pipeline``
-imports this module to submit the stages (by reference), and a submission needs no torch.
+imports this module to submit the stages (by reference), and a submission needs no torch. They are imported with
+the garbage collector paused, as the training job's are (``runtime/startup.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from omegaconf import OmegaConf
 from xirang_hpc.config.schema.serve import SERVE_FILE
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare_data, prepared_mismatch
+from xirang_hpc.job.entry import training_stack
 from xirang_hpc.monitor.chain import stage_record
+from xirang_hpc.runtime.startup import collector_paused
 
 
 def _cfg(cfg_dict: dict[str, Any]) -> Any:
@@ -47,15 +50,15 @@ def _rank() -> int:
 
 def train_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
     """The training job (every rank); rank 0 records the stage."""
-    from xirang_hpc.job.training import run_training
-
+    training = training_stack()
     with stage_record(Path(run_dir), "train", enabled=_rank() == 0):
-        return run_training(cfg_dict, run_dir, data_dir)
+        return training.run_training(cfg_dict, run_dir, data_dir)
 
 
 def eval_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str, Any]:
     """Evaluate the newest checkpoint; fails (nonzero exit on Slurm) when ``eval.max_val_loss`` is exceeded."""
-    from xirang_hpc.eval.evaluate import run_eval
+    with collector_paused():
+        from xirang_hpc.eval.evaluate import run_eval
 
     cfg = _cfg(cfg_dict)
     with stage_record(Path(run_dir), "eval"):
@@ -65,8 +68,9 @@ def eval_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[st
 def serve_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """Serve the newest checkpoint (``<run>/serve.json`` says where) until stopped or ``serve.duration_s``."""
-    from xirang_hpc.serve.run import serve
-    from xirang_hpc.serve.weights import load_checkpoint
+    with collector_paused():
+        from xirang_hpc.serve.run import serve
+        from xirang_hpc.serve.weights import load_checkpoint
 
     cfg = _cfg(cfg_dict)
     with stage_record(Path(run_dir), "serve"):

@@ -41,9 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc.runtime.startup import TRAINING_STACK, import_paused
+
 # What a rank imports before its first step (an import that fails here is simply done again by the rank).
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "h5py",
-           "submitit", "submitit.core.submission", "xirang_hpc.job.entry", "xirang_hpc.job.training",
+PRELOAD = (*TRAINING_STACK, "submitit", "submitit.core.submission", "xirang_hpc.job.entry", "xirang_hpc.job.training",
            "xirang_hpc.checkpoint.manager")
 # Signals a client passes on to its rank (SIGKILL and SIGSTOP cannot be caught: the server handles a
 # killed client; a stopped client leaves its rank running, as a stopped parent would).
@@ -315,19 +316,14 @@ def _returncode(status: int) -> int:
 def serve(path: Path, ntasks: int) -> None:
     """The fork server of one job: import what a rank needs, listen at ``path``, fork one rank per request,
     report its exit code to its client; leave when idle."""
-    import importlib
-
     # The recipe of Python's gc.freeze() for a pre-fork server: no collection while importing (no freed holes
-    # in the shared pages), freeze before forking, collections again in each rank.
-    gc.disable()
+    # in the shared pages), freeze before forking, so that what was imported stays out of the ranks'
+    # collections (and their copy-on-write pages).
     # XIRANG_PRELOAD_MODULES (comma-separated) replaces the list, e.g. to add the module of one's own model.
     names = [m for m in os.environ.get("XIRANG_PRELOAD_MODULES", ",".join(PRELOAD)).split(",") if m]
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - the rank imports it itself, and reports a real failure
-            print(f"xirang preload: cannot preload {name}: {exc}", file=sys.stderr, flush=True)
-    gc.freeze()  # what was imported stays out of the ranks' collections (and their copy-on-write pages)
+    for name, exc in import_paused(names):  # the rank imports it itself, and reports a real failure
+        print(f"xirang preload: cannot preload {name}: {exc}", file=sys.stderr, flush=True)
+    gc.disable()  # the server makes little; each rank enables the collector again
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA: do not serve
         print("xirang preload: CUDA is initialized in the fork server; ranks start plainly", file=sys.stderr)
