@@ -31,9 +31,9 @@ def _collections(setup: str) -> dict:
 def test_the_job_imports_its_training_stack_without_a_collection_and_freezes_it() -> None:
     """What a rank imports before its first step (torch, torch._dynamo, DTensor, the training module) makes
     hundreds of thousands of objects: plainly imported, CPython collects dozens of times meanwhile; through the
-    job's entry, not one full collection, and the objects end in the permanent generation, with the collector on again."""
+    job's entry, no full one, and the objects end in the permanent generation, with the collector on again."""
     plain = _collections("import torch._dynamo, torch.distributed.checkpoint\nimport xirang_hpc.job.training")
-    assert plain["runs"] > 20 and plain["full"] >= 1 and plain["frozen"] == 0, plain  # what the pause saves
+    assert plain["runs"] > 20 and plain["full"] >= 1 and plain["frozen"] == 0, plain  # what the pause spares
     job = _collections("from xirang_hpc.job.entry import training_stack\ntraining_stack()")
     # None while importing; once the collector is back, the first allocations run a few young-generation
     # collections (the allocation counter grew meanwhile) over what was made since the freeze.
