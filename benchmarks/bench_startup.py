@@ -15,8 +15,10 @@ torchrun-style environment of one rank:
 
 Each run is its own run directory (a fresh ``train.runs_root``), so both train ``--steps`` steps from scratch on
 the same prepared corpus. Printed: medians of the rank's CPU time (user + system), wall time, the seconds
-CPython spent in collections (timed by a ``gc.callbacks`` hook in both) and the number of full collections;
-the ratio is the baseline's over ours.
+CPython spent in collections (timed by a ``gc.callbacks`` hook in both), the number of full collections, the
+longest single collection during the run, and what one full collection costs the rank after its last step
+(timed there: what any full collection during training would pause the rank for; in a job, one rank's pause
+holds every rank at the next collective); the ratio is the baseline's over ours.
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # replace the start-up helper with plain imports. The report goes to the file named by argv[2].
 RANK = """
 import gc, json, sys, time
-spent, starts, full = [0.0], [0.0], [0]
+spent, starts, full, longest = [0.0], [0.0], [0], [0.0]
 def timer(phase, info):
     if phase == "start":
-        starts[0] = time.process_time()
+        starts[0] = time.perf_counter()
         full[0] += info["generation"] == 2
     else:
-        spent[0] += time.process_time() - starts[0]
+        took = time.perf_counter() - starts[0]
+        spent[0] += took
+        longest[0] = max(longest[0], took)
 gc.callbacks.append(timer)
 if sys.argv[3] == "plain":
     import importlib
@@ -57,8 +61,12 @@ if sys.argv[3] == "plain":
     startup.import_paused = plain
 from xirang_hpc.launch.job_entry import main
 main(["--config", sys.argv[1]])
+gc.callbacks.clear()
+t = time.perf_counter()
+gc.collect()  # what any full collection during training costs this rank from now on
+after_ms = (time.perf_counter() - t) * 1000
 with open(sys.argv[2], "w") as f:
-    json.dump({"gc_s": spent[0], "full": full[0]}, f)
+    json.dump({"gc_s": spent[0], "full": full[0], "longest_ms": longest[0] * 1000, "full_after_ms": after_ms}, f)
 """
 
 
@@ -121,11 +129,13 @@ def main() -> None:
                 results[variant].append(_run(job, variant, work))
     print(f"one rank, model={a.model}, {a.steps} steps, {a.repeats} repeats (medians); "
           f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
-    print(f"{'':>26} {'CPU s':>8} {'wall s':>8} {'in GC s':>8} {'full GCs':>9}")
+    print(f"{'':>26} {'CPU s':>8} {'wall s':>8} {'in GC s':>8} {'full GCs':>9} {'longest GC ms':>14} "
+          f"{'full GC after, ms':>18}")
     med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in results.items()}
     for variant, label in (("paused", "ours (collector paused)"), ("plain", "baseline (plain imports)")):
         m = med[variant]
-        print(f"{label:>26} {m['cpu_s']:8.2f} {m['wall_s']:8.2f} {m['gc_s']:8.2f} {m['full']:9.0f}")
+        print(f"{label:>26} {m['cpu_s']:8.2f} {m['wall_s']:8.2f} {m['gc_s']:8.2f} {m['full']:9.0f} "
+              f"{m['longest_ms']:14.1f} {m['full_after_ms']:18.1f}")
     print(f"ratio baseline/ours: CPU {med['plain']['cpu_s'] / med['paused']['cpu_s']:.2f}x, "
           f"wall {med['plain']['wall_s'] / med['paused']['wall_s']:.2f}x; "
           f"CPU saved per rank start {med['plain']['cpu_s'] - med['paused']['cpu_s']:.2f} s")

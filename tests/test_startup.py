@@ -72,3 +72,17 @@ def test_startup_helpers_import_no_torch(module: str) -> None:
     """The job entry and the preload client load before anything heavy: importing them imports no torch."""
     out = _collections(f"import {module}")
     assert not out["torch"], out
+
+
+def test_the_server_imports_its_stack_frozen_so_a_full_collection_is_short(tmp_path) -> None:
+    """``xirang-serve`` imports torch and the serving stack under the paused collector: a full collection in the
+    serving process then skips those objects (here: it fails on a path that holds no weights, after the
+    imports, and leaves with exit 2)."""
+    code = ("import gc, json, sys\nfrom xirang_hpc.launch.serve_cli import main\n"
+            f"try:\n    main([{str(tmp_path / 'none')!r}])\nexcept SystemExit as exc:\n    rc = exc.code\n"
+            "print(json.dumps({'rc': rc, 'frozen': gc.get_freeze_count(), 'torch': 'torch' in sys.modules,"
+            " 'enabled': gc.isenabled()}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["rc"] == 2 and got["torch"] and got["enabled"], (got, out.stderr)
+    assert got["frozen"] > 200_000, got
