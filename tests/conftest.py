@@ -13,18 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+from filelock import FileLock
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from xirang_hpc.launch.hydra_setup import register_configs
 from xirang_hpc.runtime.startup import TRAINING_STACK, import_paused
-
-# What most test modules import, imported once per pytest process with the garbage collector paused and then
-# frozen, as a rank does (runtime/startup.py): later collections in this long-lived process skip it.
-import_paused([*TRAINING_STACK, "hydra", "omegaconf", "numpy"])
-
-import pytest  # noqa: E402
-from filelock import FileLock  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from xirang_hpc.launch.hydra_setup import register_configs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "xirang_hpc" / "conf")
@@ -98,6 +93,14 @@ def _testbed_scope(path: str) -> str | None:
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """In a process that runs tests (not pytest-xdist's controller, which runs none): what most test modules
+    import, imported once with the garbage collector paused and then frozen, as a rank does
+    (runtime/startup.py), so that later collections in this long-lived process skip it."""
+    if getattr(config, "workerinput", None) is not None or not getattr(config.option, "numprocesses", None):
+        import_paused(TRAINING_STACK)
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile`` with the slurm files of each testbed as one unit (see :data:`SLURM_FILES`)."""
     if config.getoption("dist") != "loadfile":

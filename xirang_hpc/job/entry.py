@@ -26,7 +26,7 @@ def train_job(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[str
 
 def training_stack() -> ModuleType:
     """Import :mod:`xirang_hpc.job.training` and what a rank needs before its first step, with the garbage
-    collector paused and what they made frozen (``runtime/startup.py``: ~0.7 s of CPU less per rank)."""
+    collector paused and what they made frozen (``runtime/startup.py`` says why)."""
     from xirang_hpc.runtime.startup import TRAINING_STACK, import_paused
 
     # A module that fails here is imported again below, or where the run needs it, and fails there.

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     # The serving stack (torch, the model, the weights readers) only now: --help and a usage error answer without it.
     # Imported with the garbage collector paused and then frozen (runtime/startup.py), as a rank's: the server's
-    # later full collections skip those ~460,000 objects, which shortens their pauses between requests.
+    # later full collections skip those objects, which shortens their pauses between requests.
     with collector_paused():
         import torch
 
