@@ -90,6 +90,30 @@ def test_two_clusters_share_one_slurmdbd_with_distinct_nodes_and_ports(tmp_path)
     assert names == ["NodeName=a1", "NodeName=a2", "NodeName=b1", "NodeName=b2"]
 
 
+def _srun_ports(conf: Path) -> range:
+    lo, hi = _keys(conf)["SrunPortRange"].split("-")
+    return range(int(lo), int(hi) + 1)
+
+
+def test_side_by_side_clusters_give_their_sruns_disjoint_ports_outside_the_ephemeral_range(tmp_path):
+    """Slurm 22.05's srun acts on any slurmctld message that reaches its port, whatever its job id: the clusters
+    that run side by side on one host (CI's two testbeds, the two-cluster testbed) must not hand out each
+    other's srun ports, nor ports the kernel gives to anyone (a late message to an ended srun's port would
+    reach whoever holds it now)."""
+    ranges = []
+    for port in ("16817", "16917"):  # CI's two testbeds, as single clusters and as two clusters
+        one = _conf(tmp_path / port, XIRANG_SLURM_PORT=port)
+        two = _conf(tmp_path / f"{port}-2", "--clusters", "alpha,beta", XIRANG_SLURM_PORT=port)
+        assert _srun_ports(one / "slurm.conf") == _srun_ports(two / "alpha.conf")
+        ranges += [_srun_ports(two / "alpha.conf"), _srun_ports(two / "beta.conf")]
+    lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for i, r in enumerate(ranges):
+        assert len(r) >= 1000 and (r.stop <= lo or r.start > hi), (r, lo, hi)
+        assert r.start > 32000  # above the job rendezvous ports (runtime.topology: 20000-32000)
+        for other in ranges[i + 1 :]:
+            assert not set(r) & set(other), (r, other)
+
+
 @pytest.mark.parametrize("env,args,says", [
     ({"XIRANG_SLURM_PREEMPT": "both"}, (), "use partition or qos"),
     ({"XIRANG_SLURM_ACCOUNTING": "0"}, ("--clusters", "alpha,beta"), "need accounting"),
