@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from xirang_hpc.runtime.topology import PORT_BASE, PORT_SPAN
+
 SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "slurm-testbed"
 
 
@@ -109,7 +111,7 @@ def test_side_by_side_clusters_give_their_sruns_disjoint_ports_outside_the_ephem
     lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     for i, r in enumerate(ranges):
         assert len(r) >= 1000 and (r.stop <= lo or r.start > hi), (r, lo, hi)
-        assert r.start > 32000  # above the job rendezvous ports (runtime.topology: 20000-32000)
+        assert r.start >= PORT_BASE + PORT_SPAN  # above the job rendezvous ports
         for other in ranges[i + 1 :]:
             assert not set(r) & set(other), (r, other)
 
