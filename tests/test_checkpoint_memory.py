@@ -158,3 +158,43 @@ def test_a_memory_copy_that_fails_its_checksum_falls_back_with_the_file_named(tm
     assert isinstance(reason, str) and victim in reason and "checksum" in reason
     got = _zeros()
     assert mgr.load(got).step == 5 and torch.equal(got["model"]["w"], _state(5)["model"]["w"])
+
+
+class _FreshTrainer:
+    """What the checkpoint hook reads of a trainer at fit start: a model, its AdamW, a log."""
+
+    def __init__(self, run_dir) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(4, 3)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.run_dir, self.metrics_path = run_dir, run_dir / "metrics.jsonl"
+        self.lines: list[str] = []
+
+    def log(self, msg: str) -> None:
+        self.lines.append(msg)
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_a_fresh_start_takes_no_optimizer_step(tmp_path, in_memory: bool) -> None:
+    """Nothing to restore (no checkpoint on disk or in memory): the hook leaves the optimizer untouched.
+
+    Building the restore template initialises the optimizer's state by a zero-gradient step (AdamW's
+    step counter then reads 1), so a fresh start with ``checkpoint.in_memory`` would train another run.
+    """
+    from xirang_hpc.checkpoint.trainer_hook import CheckpointHook
+    from xirang_hpc.config.schema import XirangConfig
+    from xirang_hpc.runtime.topology import Topology
+
+    cfg = XirangConfig()
+    cfg.checkpoint.in_memory = in_memory
+    cfg.checkpoint.memory_dir = str(tmp_path / "shm")
+    topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
+                    node_name="n1", master_addr="127.0.0.1", master_port=0, job_id="local", source="single")
+    trainer = _FreshTrainer(tmp_path / "run")
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    hook = CheckpointHook(cfg, topo, tmp_path / "run")
+    hook.on_fit_start(trainer)
+    assert (hook.memory is not None) == in_memory
+    assert hook.last_saved == 0
+    assert not trainer.opt.state, f"optimizer state was initialised on a fresh start: {trainer.opt.state}"
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())

@@ -172,3 +172,24 @@ def test_resume_from_forks_a_new_run_through_the_job_function(runs):
     assert _losses(fork) == _losses(full)
     after = {s: ckpt_layout.read_manifest(full / "checkpoints" / f"step_{s}")["committed_at"] for s in (10, 20)}
     assert after == before and (full / "metrics.jsonl").read_text() == metrics_before
+
+
+@pytest.mark.slow
+def test_in_memory_checkpoints_do_not_change_an_uninterrupted_run(runs, tmp_path):
+    """``checkpoint.in_memory=true`` with no fault: bitwise the run without it (weights, optimizer state,
+    AdamW's step counter, losses), with the memory copies really made. Plain dp4 with a full AdamW on every
+    rank, whose state a restore template would initialise by a step (ZeRO-1 initialises its own by hand)."""
+    layout = ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1", "parallel.zero=0"]
+    ref, mem = tmp_path / "ref", tmp_path / "mem"
+    run_job(make_cfg(runs["data"], ref, layout), ref, runs["data"])
+    run_job(make_cfg(runs["data"], mem, [*layout, "checkpoint.in_memory=true",
+                                         f"checkpoint.memory_dir={tmp_path / 'shm'}"]), mem, runs["data"])
+    events = [json.loads(x) for x in (mem / "events.jsonl").read_text().splitlines() if x.strip()]
+    assert [e["step"] for e in events if e["kind"] == "memory_checkpoint"] == [10, 20]
+    a, b = saved_tensors(ref / "checkpoints" / "step_20"), saved_tensors(mem / "checkpoints" / "step_20")
+    assert a.keys() == b.keys()
+    steps = [k for k in a if k.startswith("optim.state.") and k.endswith(".step")]
+    assert steps and all(float(b[k]) == 20 for k in steps), {k: float(b[k]) for k in steps}
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs with checkpoint.in_memory=true"
+    assert _losses(ref) == _losses(mem)

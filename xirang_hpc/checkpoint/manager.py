@@ -291,11 +291,14 @@ class CheckpointManager(GroupCollectives):
         """Committed steps, newest first (rank 0's view, shared with every rank)."""
         return self._bcast(sorted(ckpt_layout.committed_steps(self.root), reverse=True) if self.rank == 0 else None)
 
-    def load_memory(self, tensors: dict[str, Any], fs_step: int | None) -> LoadResult | str:
+    def load_memory(self, tensors: dict[str, Any] | Callable[[], dict[str, Any]],
+                    fs_step: int | None) -> LoadResult | str:
         """Load the newest in-memory step into ``tensors`` (collective); the reason when the filesystem must be used.
 
         Used when it is complete across the surviving nodes, not older than ``fs_step`` and every file
-        it reads passes its checksum (see :mod:`xirang_hpc.checkpoint.memory`).
+        it reads passes its checksum (see :mod:`xirang_hpc.checkpoint.memory`). ``tensors`` may be a
+        function that builds the template: it is called only once a memory step is to be loaded, since
+        building an optimizer's template initialises its state (a step taken on a fresh start).
         """
         if self.memory is None:
             return "checkpoint.in_memory is off"
@@ -304,6 +307,8 @@ class CheckpointManager(GroupCollectives):
         if isinstance(got, str):
             self.memory.prune(None)
             return got
+        if callable(tensors):
+            tensors = tensors()
         problem = self._load_prepared(tensors, got)
         if problem is not None:
             self.memory.prune(None)

@@ -130,30 +130,41 @@ class CheckpointHook(TrainerHook):
             self.events.append(kind, reason, **fields)
 
     def _load(self, trainer: Any) -> tuple[LoadResult | None, dict[str, Any], list[dict[str, Any]]]:
-        """The newest checkpoint: from memory when it is usable (see checkpoint/memory.py), else from disk."""
+        """The newest checkpoint: from memory when it is usable (see checkpoint/memory.py), else from disk.
+
+        The tensor template is built only once something is to be loaded: building it initialises the
+        optimizer's state (torch takes one zero-gradient step, AdamW's step counter reads 1), which on a
+        fresh start would make the run differ from the same config without ``checkpoint.in_memory``.
+        """
         assert self.mgr is not None
         fs_steps = self.mgr.candidates()
         if self.memory is None and not fs_steps:
             return None, {}, []
-        # Building the template initialises optimizer state; only do it when there is something to load.
-        tensors, groups = ckpt_state.tensor_state(trainer.model, trainer.opt)
+        built: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+
+        def template() -> dict[str, Any]:
+            if not built:
+                built.append(ckpt_state.tensor_state(trainer.model, trainer.opt))
+            return built[0][0]
+
         reason = ""
         if self.memory is not None:
-            got = self.mgr.load_memory(tensors, fs_steps[0] if fs_steps else None)
+            got = self.mgr.load_memory(template, fs_steps[0] if fs_steps else None)
             if isinstance(got, LoadResult):
                 self._event("restore", f"step {got.step} from memory ({got.received_bytes} bytes moved from "
                             "other nodes)", source="memory", step=got.step, local_bytes=got.local_bytes,
                             received_bytes=got.received_bytes)
-                return got, tensors, groups
+                return got, built[0][0], built[0][1]
             reason = got
         if not fs_steps:
-            return None, tensors, groups
+            return None, {}, []
+        tensors = template()
         res = self.mgr.load(tensors)
         self._report_skipped(res.step if res is not None else None)
         if res is not None:
             self._event("restore", f"step {res.step} from the filesystem" + (f" ({reason})" if reason else ""),
                         source="filesystem", step=res.step, **({"memory": reason} if reason else {}))
-        return res, tensors, groups
+        return res, tensors, built[0][1]
 
     def restore(self, trainer: Any) -> int:
         """Load the newest good checkpoint into the trainer; returns its step (0 when none)."""
