@@ -159,6 +159,14 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
 _COMPOSED: dict[tuple[str, ...], DictConfig] = {}
 
 
+def committed_stub(step_dir: Path) -> Path:
+    """A committed checkpoint with no tensors (a manifest listing no files), for tests of what reads the
+    step list: status, completion, retention. An empty ``step_N`` directory is a damaged checkpoint."""
+    step_dir.mkdir(parents=True, exist_ok=True)
+    (step_dir / "manifest.json").write_text('{"files": {}, "refs": []}')
+    return step_dir
+
+
 def compose_cfg(overrides: list[str] | None = None) -> DictConfig:
     """Compose the root config exactly as xirang-train does.
 

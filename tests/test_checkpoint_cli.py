@@ -67,10 +67,24 @@ def test_verify_reports_the_bad_file_and_exit_code(run, capsys):
     assert main(["verify", str(run[0])]) == 0
     bad = root / "step_2" / "rank_0.h5"
     bad.write_bytes(b"\0" * bad.stat().st_size)
-    assert main(["verify", str(run[0])]) == 1
-    out = capsys.readouterr().out
-    assert "step 1: OK" in out and "step 3: OK" in out
-    assert f"step 2: CORRUPT: {bad}: checksum" in out
+    assert main(["verify", str(run[0])]) == 2  # the help's "2 ... a corrupt checkpoint"
+    cap = capsys.readouterr()
+    assert "step 1: OK" in cap.out and "step 3: OK" in cap.out
+    assert f"step 2: CORRUPT: {bad}: checksum" in cap.out
+    assert "1 of 3 checkpoint(s)" in cap.err
+    # --fast reads no tensor file: garbage of the right size passes it (the loader's checksums catch it) ...
+    assert main(["verify", str(run[0]), "--fast"]) == 0
+    # ... a truncated one does not.
+    with bad.open("r+b") as f:
+        f.truncate(bad.stat().st_size - 1)
+    assert main(["verify", str(run[0]), "--fast", "--step", "2"]) == 2
+    assert f"step 2: CORRUPT: {bad}: size" in capsys.readouterr().out
+
+
+def test_verify_with_no_checkpoint_is_an_error(tmp_path, capsys):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    assert main(["verify", str(tmp_path / "run")]) == 2
+    assert "no checkpoints under" in capsys.readouterr().err
 
 
 def test_rollback_forks_and_keeps_history(run, tmp_path, capsys):

@@ -158,6 +158,26 @@ def test_retention_keeps_last_every_and_pinned(tmp_path):
     assert keep == {5, 9} and delete == {3, 4, 8}
 
 
+def test_a_damaged_step_takes_no_place_among_the_newest(tmp_path):
+    """keep_last=2 with the newest step truncated: the two newest *loadable* steps stay, the damaged one goes
+    (it cannot be loaded), and the loader falls back past it."""
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, async_save=False, retention=RetentionPolicy(keep_last=2))
+    for s in (1, 2, 3):
+        mgr.save(s, _tensors(s))
+    assert ckpt_layout.committed_steps(root) == [2, 3]
+    h5 = root / "step_3" / "rank_0.h5"
+    with h5.open("r+b") as f:
+        f.truncate(h5.stat().st_size // 2)
+    assert ckpt_layout.newest_good(root)[0] == 2
+    keep, delete = plan_prune(root, RetentionPolicy(keep_last=2))
+    assert keep == {2} and delete == {3}  # step 1 is gone already; step 3 does not count as one of the two
+    mgr.save(4, _tensors(4))  # the next commit prunes by the same rule
+    assert ckpt_layout.committed_steps(root) == [2, 4]
+    out = _template()
+    assert mgr.load(out).step == 4
+
+
 def test_checkpoint_directories_are_private(tmp_path):
     root = tmp_path / "ckpt"
     mgr = CheckpointManager(root, async_save=False, dir_mode=0o750)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import committed_stub
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import MonitorConfig
@@ -307,8 +308,8 @@ def test_status_requeued_run_counts_requeues_and_plot_marks_them(tmp_path: Path)
     run = _fake_run(tmp_path, "9999977", sessions=[0, 30], steps=60, total=100, done=True,
                     events=[("requeue", {"reason": "preemption", "step": 30})]
                     + [("checkpoint", {"reason": f"step {s} committed", "step": s}) for s in (10, 25, 50)])
-    (run / "checkpoints" / "step_50").mkdir(parents=True)
-    (run / "checkpoints" / "step_25").mkdir(parents=True)  # step 10 was pruned by retention
+    committed_stub(run / "checkpoints" / "step_50")
+    committed_stub(run / "checkpoints" / "step_25")  # step 10 was pruned by retention
     with (run / "metrics.jsonl").open("a") as f:
         for s in (0, 60):
             f.write(json.dumps({"step": s, "val_loss": 4.0 - s / 30}) + "\n")

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import compose_cfg
 
 from xirang_hpc.config.validate import load_config
@@ -118,6 +119,41 @@ def test_extend_to_resumes_and_reports_this_session(trained: tuple[Path, Path]) 
     # The same command again: complete at the new end.
     again = _train(run, data, "train.extend_to=6")
     assert again.returncode == 0 and "is complete: its last checkpoint is step 6 of 6" in again.stdout
+
+
+@pytest.mark.slow
+def test_finished_run_with_a_damaged_final_checkpoint_is_repaired(trained: tuple[Path, Path], tmp_path: Path) -> None:
+    """The final checkpoint truncated (as a disk fault leaves it): the run is not complete. xirang-status says
+    so, the launch names the damaged step and resumes from the newest good one, and the step it writes
+    again is bitwise the one the uninterrupted run wrote."""
+    import shutil
+
+    from test_checkpoint_resume import saved_tensors
+
+    from xirang_hpc.checkpoint import layout as ckpt_layout
+
+    src, data = trained
+    run = tmp_path / "run"
+    shutil.copytree(src, run, symlinks=True, ignore=shutil.ignore_patterns(".preload-*.sock"))
+    want = saved_tensors(src / "checkpoints" / "step_4")
+    h5 = run / "checkpoints" / "step_4" / "rank_0.h5"
+    with h5.open("r+b") as f:
+        f.truncate(h5.stat().st_size - 100)
+    status = subprocess.run([str(EXE.parent / "xirang-status"), str(run)], capture_output=True, text=True,
+                            timeout=120)
+    assert "FAILED" in status.stdout and "final checkpoint step 4 fails verification" in status.stdout, status.stdout
+    assert "step 4 CORRUPT" in status.stdout and "ckpt      step 2" in status.stdout
+    r = _train(run, data)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "is complete" not in r.stdout
+    assert f"checkpoint step 4 of {run} fails verification: {h5}: size" in r.stderr
+    assert "resuming from step 2, the newest good checkpoint" in r.stderr
+    assert "step_2 (step 2, filesystem)" in r.stdout
+    ckpt_layout.verify(run / "checkpoints" / "step_4")  # written again, whole
+    got = saved_tensors(run / "checkpoints" / "step_4")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    again = _train(run, data)
+    assert again.returncode == 0 and "is complete: its last checkpoint is step 4 of 4" in again.stdout
 
 
 def test_fork_may_change_optimisation_but_not_the_model(tmp_path: Path) -> None:

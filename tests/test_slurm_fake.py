@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose_cfg
+from conftest import committed_stub, compose_cfg
 
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.launch.slurm import RUN_DIR_MAP
@@ -199,7 +199,7 @@ def test_a_sweep_leaves_out_complete_runs_and_submits_nothing_when_all_are(
     cfgs = [load_config(compose_cfg(o)) for o in overrides]
     # The second point has finished: its run directory holds a committed checkpoint at its last step.
     done = open_run_dir(cfgs[1])
-    (done / "checkpoints" / step_dir_name(cfgs[1].train.end_step)).mkdir(parents=True)
+    committed_stub(done / "checkpoints" / step_dir_name(cfgs[1].train.end_step))
 
     array_id, run_dirs, tasks = submit_array(cfgs, overrides)
     assert array_id == "4242" and tasks == ["4242_0", None, "4242_1"]
@@ -211,7 +211,7 @@ def test_a_sweep_leaves_out_complete_runs_and_submits_nothing_when_all_are(
 
     # Every point complete: nothing is submitted at all.
     for c, d in zip(cfgs, run_dirs):
-        (d / "checkpoints" / step_dir_name(c.train.end_step)).mkdir(parents=True, exist_ok=True)
+        committed_stub(d / "checkpoints" / step_dir_name(c.train.end_step))
     assert submit_array(cfgs, overrides) == (None, run_dirs, [None, None, None])
     assert len(_calls(fake_slurm, "sbatch")) == 1
 
@@ -226,7 +226,7 @@ def test_a_pipeline_on_a_complete_run_submits_no_training_job(fake_slurm: Path, 
     cfg = load_config(compose_cfg(["cluster=testbed", f"train.runs_root={tmp_path}/runs",
                                    f"data.corpus={small_corpus}", f"data.out_dir={tmp_path}/data"]))
     run = open_run_dir(cfg)
-    (run / "checkpoints" / step_dir_name(cfg.train.end_step)).mkdir(parents=True)
+    committed_stub(run / "checkpoints" / step_dir_name(cfg.train.end_step))
     status = preflight(cfg)
     assert status.complete
     stages = launch_slurm_chain(cfg, run, status.last_step)

@@ -153,6 +153,29 @@ def verify(step_dir: Path, checksums: bool = True, _seen: set[Path] | None = Non
     return m
 
 
+# The tensor files: a quick check reads their sizes only (the loader checksums what it reads).
+TENSOR_SUFFIX = ".h5"
+
+
+def verify_quick(step_dir: Path) -> dict[str, Any]:
+    """The check every launch and every load makes: manifest, every listed file present at its size,
+    the small JSON files checksummed, dedup references too. Cheap at any model size (no tensor file is
+    read); garbage of the right size inside a tensor file is caught by the loader's checksums."""
+    return verify(step_dir, checksums=True, skip_suffix=TENSOR_SUFFIX)
+
+
+def newest_good(root: Path) -> tuple[int | None, list[tuple[int, str]]]:
+    """(newest committed step that passes :func:`verify_quick`, the newer ones that fail it with why)."""
+    bad: list[tuple[int, str]] = []
+    for s in sorted(committed_steps(root), reverse=True):
+        try:
+            verify_quick(root / step_dir_name(s))
+            return s, bad
+        except CheckpointCorruptError as exc:
+            bad.append((s, str(exc)))
+    return None, bad
+
+
 def expected_checksums(step_dir: Path) -> dict[str, dict[str, Any]]:
     """Manifest entries of every file a load of ``step_dir`` may read, keyed as the metadata names them
     (own files by name, dedup references as ``../step_K/name``)."""

@@ -358,7 +358,10 @@ class CheckpointManager(GroupCollectives):
             problem = None
             if self.rank == 0:
                 try:  # manifest, sizes, small files; the loader checksums the tensor files it reads
-                    ckpt_layout.verify(d, checksums=self.verify_checksums, skip_suffix=".h5")
+                    if self.verify_checksums:
+                        ckpt_layout.verify_quick(d)
+                    else:
+                        ckpt_layout.verify(d, checksums=False)
                 except ckpt_layout.CheckpointCorruptError as exc:
                     problem = str(exc)
             problem = self._bcast(problem)

@@ -14,6 +14,7 @@ from xirang_hpc.checkpoint.layout import (
     read_latest,
     read_manifest,
     step_dir_name,
+    verify_quick,
 )
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,12 @@ class RetentionPolicy:
     pinned: tuple[int, ...] = field(default_factory=tuple)
 
 
-def steps_to_keep(steps: list[int], policy: RetentionPolicy, marked: set[int] | None = None) -> set[int]:
-    """The policy's choice among ``steps`` (``marked``: steps with a PINNED marker file)."""
-    keep = set(sorted(steps)[-policy.keep_last:]) if policy.keep_last > 0 else set()
+def steps_to_keep(steps: list[int], policy: RetentionPolicy, marked: set[int] | None = None,
+                  bad: set[int] | None = None) -> set[int]:
+    """The policy's choice among ``steps`` (``marked``: steps with a PINNED marker file; ``bad``: steps that fail
+    verification, which never take one of the ``keep_last`` places of a loadable step)."""
+    good = sorted(set(steps) - (bad or set()))
+    keep = set(good[-policy.keep_last:]) if policy.keep_last > 0 else set()
     if policy.keep_every > 0:
         keep |= {s for s in steps if s % policy.keep_every == 0}
     keep |= set(policy.pinned) & set(steps)
@@ -59,12 +63,24 @@ def _referenced(root: Path, steps: set[int]) -> set[int]:
 
 
 def plan_prune(root: Path, policy: RetentionPolicy) -> tuple[set[int], set[int]]:
-    """(keep, delete) for the committed steps under ``root``; never deletes data a kept step references."""
+    """(keep, delete) for the committed steps under ``root``; never deletes data a kept step references.
+
+    A step that fails the quick verification (a truncated or missing file, a broken manifest) cannot be
+    loaded: it is not counted among the ``keep_last`` newest and goes unless pinned or referenced.
+    """
     steps = committed_steps(root)
     marked = {s for s in steps if (root / step_dir_name(s) / PINNED).exists()}
-    keep = steps_to_keep(steps, policy, marked)
+    bad = set()
+    for s in steps:
+        try:
+            verify_quick(root / step_dir_name(s))
+        except CheckpointCorruptError as exc:
+            log.warning("retention: checkpoint %s fails verification (%s); not kept as one of the newest",
+                        root / step_dir_name(s), exc)
+            bad.add(s)
+    keep = steps_to_keep(steps, policy, marked, bad)
     latest = read_latest(root)
-    if latest is not None and latest in steps:
+    if latest is not None and latest in steps and latest not in bad:
         keep.add(latest)
     keep |= _referenced(root, keep)
     return keep, set(steps) - keep

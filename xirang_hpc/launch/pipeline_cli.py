@@ -25,7 +25,7 @@ from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.job.stages import STAGE_FNS, serve_stage, train_stage
 from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs
-from xirang_hpc.launch.preflight import open_run_dir, preflight
+from xirang_hpc.launch.preflight import corrupt_message, open_run_dir, preflight
 from xirang_hpc.monitor.chain import (
     STAGE_DIR,
     STAGES,
@@ -160,6 +160,8 @@ def _app(dcfg: DictConfig) -> None:
         status = preflight(cfg)
     except ConfigError as exc:
         _fail(str(exc))
+    if (damaged := corrupt_message(status)) is not None:
+        print(damaged, file=sys.stderr, flush=True)
     run_dir = open_run_dir(cfg)
     if cfg.cluster.executor == "slurm":
         stages = launch_slurm_chain(cfg, run_dir, status.last_step if status.complete else None)

@@ -45,8 +45,9 @@ class RunStatus:
     """What an existing run directory holds, as far as a launch is concerned."""
 
     run_dir: Path
-    last_step: int | None  # newest committed checkpoint step (None: no checkpoint)
-    complete: bool  # the newest checkpoint is at or past the launch's end step
+    last_step: int | None  # newest committed checkpoint step that passes verification (None: no such checkpoint)
+    complete: bool  # that checkpoint is at or past the launch's end step
+    corrupt: tuple[tuple[int, str], ...] = ()  # newer committed steps that fail verification, with why
 
 
 # ---- writable paths ---------------------------------------------------------------------------
@@ -217,8 +218,24 @@ def check_identity(cfg: XirangConfig, run_dir: Path) -> RunStatus:
         if diffs:
             fork_ok = not any(k.startswith(FORK_FIXED) and not k.startswith(FORK_EXEMPT) for k, _, _ in diffs)
             raise PreflightError(diffs[0][0], diffs[0][2], _refusal(run_dir, source, diffs, steps, fork_ok))
+    # Completion counts loadable checkpoints only: a finished run whose final step is damaged is not
+    # finished; the launch resumes from the newest good step and writes the final one again.
+    corrupt: list[tuple[int, str]] = []
+    if last is not None:
+        last, corrupt = ckpt_layout.newest_good(run_dir / "checkpoints")
     complete = cfg.train.resume_from < 0 and last is not None and last >= cfg.train.end_step
-    return RunStatus(run_dir=run_dir, last_step=last, complete=complete)
+    return RunStatus(run_dir=run_dir, last_step=last, complete=complete, corrupt=tuple(corrupt))
+
+
+def corrupt_message(status: RunStatus) -> str | None:
+    """What a launch says of checkpoints that fail verification (None when all are good)."""
+    if not status.corrupt:
+        return None
+    lines = [f"checkpoint step {s} of {status.run_dir} fails verification: {why}" for s, why in status.corrupt]
+    nxt = (f"resuming from step {status.last_step}, the newest good checkpoint" if status.last_step is not None
+           else "no good checkpoint is left: training starts from step 0")
+    return "\n".join(lines) + f"\nthe run is not complete; {nxt} (the damaged steps are replaced as they are " \
+        "saved again and leave the retention window)"
 
 
 def preflight(cfg: XirangConfig) -> RunStatus:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,7 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]
     with ``cluster.site_sweep=spread`` one array per site (array ids then read ``<site>:<id>``, joined
     by commas, and task ids ``<site>:<array>_<task>``).
     """
-    from xirang_hpc.launch.preflight import complete_message, open_run_dir, preflight
+    from xirang_hpc.launch.preflight import complete_message, corrupt_message, open_run_dir, preflight
     from xirang_hpc.launch.rundir import run_dir_for
 
     check_same_resources(cfgs, overrides)
@@ -114,6 +115,8 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]
     for c, st in zip(cfgs, statuses):
         if st.complete:
             print(complete_message(c, st), flush=True)
+        elif (damaged := corrupt_message(st)) is not None:
+            print(damaged, file=sys.stderr, flush=True)
     todo = [i for i, st in enumerate(statuses) if not st.complete]
     groups: dict[str | None, list[int]] = {}
     for i in todo:

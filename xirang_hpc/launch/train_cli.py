@@ -25,7 +25,7 @@ from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
 from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
 from xirang_hpc.launch.executors import make_executor
 from xirang_hpc.launch.hydra_setup import register_configs
-from xirang_hpc.launch.preflight import complete_message, open_run_dir, preflight
+from xirang_hpc.launch.preflight import complete_message, corrupt_message, open_run_dir, preflight
 from xirang_hpc.launch.runlock import RunBusyError, claim, record_owner, submission_lock
 
 log = logging.getLogger("xirang.train")
@@ -118,6 +118,8 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     if status.complete:
         print(complete_message(cfg, status), flush=True)
         return None
+    if (damaged := corrupt_message(status)) is not None:
+        print(damaged, file=sys.stderr, flush=True)
     placement = None
     if cfg.cluster.sites:  # several clusters: the one that starts the job soonest (launch/sites/)
         from xirang_hpc.launch.sites import place_for_launch

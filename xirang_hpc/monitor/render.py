@@ -62,7 +62,9 @@ def render_run(s: dict[str, Any], tty: bool = False) -> str:
         f"  | ETA {fmt_duration(s['eta_s'])}",
     ]
     c = s["checkpoint"]
-    ck = f"step {c['step']}, {fmt_duration(c['age_s'])} ago  ({c['path']})" if c else "none"
+    ck = f"step {c['step']}, {fmt_duration(c['age_s'])} ago  ({c['path']})" if c and c.get("path") else "none"
+    for bad in (c or {}).get("corrupt", []):
+        ck += f"\n          step {bad['step']} CORRUPT: {bad['reason']}"
     lines.append(f"ckpt      {ck}")
     ev = s.get("eval")
     if ev:  # <run>/eval.json (xirang_hpc/eval)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc.checkpoint.layout import newest_good
 from xirang_hpc.checkpoint.naming import committed_steps, step_dir_name
 from xirang_hpc.monitor.chain import PIPELINE_FILE, chain_status
 from xirang_hpc.monitor.events import FAULT_KINDS, read_events, read_jsonl
@@ -207,6 +208,17 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
         eta = max(0, total - step) * tokens_per_step / tok_s
     ckpts = checkpoints(run_dir)
     ckpt = dict(ckpts[-1], age_s=now - ckpts[-1]["time"]) if ckpts else None
+    if ckpts:  # the newest loadable one (the quick verification every launch makes), and newer damaged ones
+        good, bad = newest_good(run_dir / "checkpoints")
+        mine = [c for c in ckpts if c["step"] == good]
+        ckpt = dict(mine[0], age_s=now - mine[0]["time"]) if mine else None
+        if bad:
+            ckpt = {**(ckpt or {"step": None}), "corrupt": [{"step": b, "reason": why} for b, why in bad]}
+            if job["state"] == "COMPLETED":  # trained to the end, but the result is not on disk intact
+                job = {**job, "state": "FAILED", "source": "checkpoints",
+                       "reason": f"final checkpoint step {bad[0][0]} fails verification; relaunch the same "
+                                 f"command to train it again from "
+                                 f"{'step ' + str(good) if good is not None else 'step 0'}"}
     job_id = who.get("job_id") or _log_job_id(run_dir)
     return {
         "run_dir": str(run_dir), "job_id": job_id, "executor": who.get("source"),
