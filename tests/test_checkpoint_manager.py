@@ -231,3 +231,23 @@ def test_corrupt_dedup_reference_is_caught_through_the_referencing_step(tmp_path
         assert mgr.load(_template()) is None  # neither step is usable; nothing garbage was loaded
     ours = [r.getMessage() for r in caplog.records if r.name == "xirang_hpc.checkpoint.manager"]
     assert len(ours) == 2 and all("ckpt/step_1/rank_0.h5: checksum" in m for m in ours)
+
+
+def test_a_checkpoint_of_another_model_is_refused_never_skipped(tmp_path):
+    """The newest step holds other shapes (another experiment's checkpoint in this run directory): the load
+    refuses, naming the tensor and both shapes, instead of falling back past it (and later re-saving that
+    step over it); nothing is deleted."""
+    from xirang_hpc.checkpoint.errors import CheckpointMismatchError
+
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, async_save=False)
+    mgr.save(1, _tensors(1))
+    other = {"model": {"w": torch.ones(64, 256), "b": torch.arange(4096)}, "optim": {"m": torch.zeros(64, 64)}}
+    mgr.save(2, other)
+    before = sorted(p.name for p in (root / "step_2").iterdir())
+    with pytest.raises(CheckpointMismatchError, match=r"step_2 holds another model \(model.w is \[64, 256\] there, "
+                                                      r"\[128, 256\] in this run's model\)"):
+        mgr.load(_template())
+    assert ckpt_layout.committed_steps(root) == [1, 2]
+    assert sorted(p.name for p in (root / "step_2").iterdir()) == before
+    ckpt_layout.verify(root / "step_2")

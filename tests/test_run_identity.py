@@ -156,6 +156,29 @@ def test_finished_run_with_a_damaged_final_checkpoint_is_repaired(trained: tuple
     assert again.returncode == 0 and "is complete: its last checkpoint is step 4 of 4" in again.stdout
 
 
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_is_never_overwritten(trained: tuple[Path, Path], tmp_path: Path) -> None:
+    """identity.json says d_model=32 (it was replaced), the checkpoints hold d_model=64: the job refuses,
+    naming the tensor and both shapes; it does not fall back, start from step 0 or re-save over them."""
+    import shutil
+
+    from xirang_hpc.checkpoint.identity import write_identity
+
+    src, data = trained
+    run = tmp_path / "run"
+    shutil.copytree(src, run, symlinks=True, ignore=shutil.ignore_patterns(".preload-*.sock"))
+    (run / "identity.json").unlink()
+    write_identity(run, load_config(compose_cfg([*SMALL, f"train.run_dir={run}", f"data.out_dir={data}",
+                                                 "model.d_model=32"])))
+    before = _snapshot(run / "checkpoints")
+    r = _train(run, data, "model.d_model=32", "train.extend_to=6")  # past its end: the job must load step 4
+    assert r.returncode != 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "step_4 holds another model (model." in out and "nothing was loaded, nothing deleted" in out, out[-3000:]
+    assert "falling back" not in out
+    assert _snapshot(run / "checkpoints") == before
+
+
 def test_fork_may_change_optimisation_but_not_the_model(tmp_path: Path) -> None:
     from xirang_hpc.checkpoint.identity import write_identity
 

@@ -98,3 +98,11 @@ def write_error(exc: BaseException, step: int, where: Path) -> CheckpointWriteEr
         file = e.filename or (m.group(1) if m else str(where))
         return CheckpointWriteError(step, str(file), int(err), free_bytes(Path(file).parent), rank, text[:500])
     return None
+
+
+class CheckpointMismatchError(RuntimeError):
+    """A run directory's checkpoint holds another model (tensor shapes differ): not damage, not loadable.
+
+    It is refused, never skipped: falling back past it (or starting fresh) would later re-save that step
+    over another experiment's checkpoint.
+    """

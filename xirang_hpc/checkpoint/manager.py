@@ -30,12 +30,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.collectives import GroupCollectives
-from xirang_hpc.checkpoint.errors import CheckpointWriteError, write_error
-from xirang_hpc.checkpoint.integrity import METADATA_FILE, verify_file
+from xirang_hpc.checkpoint.errors import CheckpointMismatchError, CheckpointWriteError, write_error
+from xirang_hpc.checkpoint.integrity import METADATA_FILE, CheckpointFormatError, verify_file
 from xirang_hpc.checkpoint.memory import MemoryRecord, MemoryStore, Prepared
 from xirang_hpc.checkpoint.retention import RetentionPolicy, prune
 from xirang_hpc.checkpoint.snapshot import HostSnapshot
-from xirang_hpc.checkpoint.storage import HDF5StorageReader, HDF5StorageWriter
+from xirang_hpc.checkpoint.storage import HDF5StorageReader, HDF5StorageWriter, read_metadata
 from xirang_hpc.runtime import testpoint
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,18 @@ def _explain(exc: BaseException) -> str:
     if isinstance(exc, CheckpointException):
         return "; ".join(f"rank {r}: {e}" for r, (e, _) in sorted(exc.failures.items()))
     return str(exc)
+
+
+def shape_mismatch(step_dir: Path, tensors: dict[str, Any]) -> str | None:
+    """The first model tensor whose saved global shape differs from ``tensors``' (DTensors: global shapes,
+    the same on every rank, so every rank decides alike); None when the shapes agree."""
+    saved = read_metadata(step_dir).state_dict_metadata
+    for name, t in (tensors.get("model") or {}).items():
+        meta = saved.get(f"model.{name}")
+        size = getattr(meta, "size", None)
+        if size is not None and hasattr(t, "shape") and tuple(size) != tuple(t.shape):
+            return f"model.{name} is {list(size)} there, {list(t.shape)} in this run's model"
+    return None
 
 
 class CheckpointManager(GroupCollectives):
@@ -365,6 +377,17 @@ class CheckpointManager(GroupCollectives):
                 except ckpt_layout.CheckpointCorruptError as exc:
                     problem = str(exc)
             problem = self._bcast(problem)
+            other = None
+            if problem is None:
+                try:
+                    other = shape_mismatch(d, tensors)
+                except CheckpointFormatError as exc:
+                    problem = str(exc)
+            if other is not None:
+                raise CheckpointMismatchError(
+                    f"checkpoint {d} holds another model ({other}); nothing was loaded, nothing deleted. "
+                    "Train this config in a new run directory (drop train.run_dir), or move that "
+                    "checkpoint away if it does not belong to this run")
             if problem is None:
                 testpoint.pause("load")  # tests only: a restart in the middle of its checkpoint load
                 try:
