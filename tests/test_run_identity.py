@@ -122,20 +122,18 @@ def test_extend_to_resumes_and_reports_this_session(trained: tuple[Path, Path]) 
 
 
 @pytest.mark.slow
-def test_finished_run_with_a_damaged_final_checkpoint_is_repaired(trained: tuple[Path, Path], tmp_path: Path) -> None:
+def test_finished_run_with_a_damaged_final_checkpoint_is_repaired(email_data: Path, tmp_path: Path) -> None:
     """The final checkpoint truncated (as a disk fault leaves it): the run is not complete. xirang-status says
     so, the launch names the damaged step and resumes from the newest good one, and the step it writes
-    again is bitwise the one the uninterrupted run wrote."""
-    import shutil
-
+    again is bitwise the one the uninterrupted run wrote. (Its own run: the module's is extended by others.)"""
     from test_checkpoint_resume import saved_tensors
 
     from xirang_hpc.checkpoint import layout as ckpt_layout
 
-    src, data = trained
-    run = tmp_path / "run"
-    shutil.copytree(src, run, symlinks=True, ignore=shutil.ignore_patterns(".preload-*.sock"))
-    want = saved_tensors(src / "checkpoints" / "step_4")
+    data, run = email_data, tmp_path / "run"
+    first = _train(run, data)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    want = saved_tensors(run / "checkpoints" / "step_4")
     h5 = run / "checkpoints" / "step_4" / "rank_0.h5"
     with h5.open("r+b") as f:
         f.truncate(h5.stat().st_size - 100)
@@ -157,16 +155,14 @@ def test_finished_run_with_a_damaged_final_checkpoint_is_repaired(trained: tuple
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_another_model_is_never_overwritten(trained: tuple[Path, Path], tmp_path: Path) -> None:
+def test_a_checkpoint_of_another_model_is_never_overwritten(email_data: Path, tmp_path: Path) -> None:
     """identity.json says d_model=32 (it was replaced), the checkpoints hold d_model=64: the job refuses,
     naming the tensor and both shapes; it does not fall back, start from step 0 or re-save over them."""
-    import shutil
-
     from xirang_hpc.checkpoint.identity import write_identity
 
-    src, data = trained
-    run = tmp_path / "run"
-    shutil.copytree(src, run, symlinks=True, ignore=shutil.ignore_patterns(".preload-*.sock"))
+    data, run = email_data, tmp_path / "run"
+    first = _train(run, data)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     (run / "identity.json").unlink()
     write_identity(run, load_config(compose_cfg([*SMALL, f"train.run_dir={run}", f"data.out_dir={data}",
                                                  "model.d_model=32"])))
