@@ -80,15 +80,18 @@ def _explain(exc: BaseException) -> str:
     return str(exc)
 
 
-def shape_mismatch(step_dir: Path, tensors: dict[str, Any]) -> str | None:
-    """The first model tensor whose saved global shape differs from ``tensors``' (DTensors: global shapes,
-    the same on every rank, so every rank decides alike); None when the shapes agree."""
-    saved = read_metadata(step_dir).state_dict_metadata
+def saved_model_shapes(step_dir: Path) -> dict[str, list[int]]:
+    """Global shape of every model tensor a checkpoint holds, from its DCP metadata."""
+    return {k: list(m.size) for k, m in read_metadata(step_dir).state_dict_metadata.items()
+            if k.startswith("model.") and getattr(m, "size", None) is not None}
+
+
+def shape_mismatch(saved: dict[str, list[int]], tensors: dict[str, Any]) -> str | None:
+    """The first of this rank's model tensors whose saved global shape differs; None when they agree."""
     for name, t in (tensors.get("model") or {}).items():
-        meta = saved.get(f"model.{name}")
-        size = getattr(meta, "size", None)
-        if size is not None and hasattr(t, "shape") and tuple(size) != tuple(t.shape):
-            return f"model.{name} is {list(size)} there, {list(t.shape)} in this run's model"
+        size = saved.get(f"model.{name}")
+        if size is not None and hasattr(t, "shape") and size != list(t.shape):
+            return f"model.{name} is {size} there, {list(t.shape)} in this run's model"
     return None
 
 
@@ -367,25 +370,22 @@ class CheckpointManager(GroupCollectives):
         self.last_skipped = skipped
         for s in order:
             d = self.root / ckpt_layout.step_dir_name(s)
-            problem = None
+            problem, saved = None, {}
             if self.rank == 0:
                 try:  # manifest, sizes, small files; the loader checksums the tensor files it reads
                     if self.verify_checksums:
                         ckpt_layout.verify_quick(d)
                     else:
                         ckpt_layout.verify(d, checksums=False)
-                except ckpt_layout.CheckpointCorruptError as exc:
+                    saved = saved_model_shapes(d)
+                except (ckpt_layout.CheckpointCorruptError, CheckpointFormatError) as exc:
                     problem = str(exc)
-            problem = self._bcast(problem)
-            other = None
-            if problem is None:
-                try:
-                    other = shape_mismatch(d, tensors)
-                except CheckpointFormatError as exc:
-                    problem = str(exc)
-            if other is not None:
+            problem, saved = self._bcast((problem, saved))
+            # Each rank checks its own tensors (a pipeline stage holds only its layers); all decide together.
+            others = [o for o in self._gather(shape_mismatch(saved, tensors) if problem is None else None) if o]
+            if others:
                 raise CheckpointMismatchError(
-                    f"checkpoint {d} holds another model ({other}); nothing was loaded, nothing deleted. "
+                    f"checkpoint {d} holds another model ({others[0]}); nothing was loaded, nothing deleted. "
                     "Train this config in a new run directory (drop train.run_dir), or move that "
                     "checkpoint away if it does not belong to this run")
             if problem is None:

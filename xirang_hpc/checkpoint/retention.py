@@ -70,10 +70,13 @@ def plan_prune(root: Path, policy: RetentionPolicy) -> tuple[set[int], set[int]]
     """
     steps = committed_steps(root)
     marked = {s for s in steps if (root / step_dir_name(s) / PINNED).exists()}
-    bad = set()
-    for s in steps:
+    bad, good = set(), 0
+    for s in sorted(steps, reverse=True):  # only the newest are checked, until keep_last good ones are found
+        if good >= policy.keep_last:
+            break
         try:
             verify_quick(root / step_dir_name(s))
+            good += 1
         except CheckpointCorruptError as exc:
             log.warning("retention: checkpoint %s fails verification (%s); not kept as one of the newest",
                         root / step_dir_name(s), exc)
