@@ -7,7 +7,7 @@ from pathlib import Path
 import submitit
 
 from xirang_hpc.config.schema import ClusterConfig
-from xirang_hpc.launch import preload
+from xirang_hpc.launch import local_controller, preload
 from xirang_hpc.launch.slurm import make_slurm_executor
 
 
@@ -19,10 +19,15 @@ def local_python(c: ClusterConfig) -> str | None:
     return preload.command() if c.preload and c.world_size > 1 else None
 
 
-def make_executor(c: ClusterConfig, folder: Path) -> submitit.Executor:
-    """A submitit executor for ``c`` that keeps its files under ``folder``."""
+def make_executor(c: ClusterConfig, folder: Path, watch_pid: int | None = None) -> submitit.Executor:
+    """A submitit executor for ``c`` that keeps its files under ``folder``.
+
+    Locally, ``watch_pid`` is the launcher that follows the job: when it dies, the job stops after a final
+    checkpoint (launch/local_controller.py).
+    """
     if c.executor == "local":
-        ex = submitit.LocalExecutor(folder=folder, python=local_python(c))
+        ex = local_controller.LocalExecutor(folder=folder, python=local_python(c), watch_pid=watch_pid,
+                                            grace_s=max(60.0, float(c.signal_delay_s)))
         # The local executor runs one node; virtual nodes are carved out inside the job.
         ex.update_parameters(tasks_per_node=c.world_size, timeout_min=c.time_min,
                              signal_delay_s=min(c.signal_delay_s, 60 * c.time_min // 2))

@@ -5,10 +5,14 @@ Nothing is submitted and no process is started until the whole config has valida
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +88,77 @@ def _follow(job: submitit.Job, poll_s: float = 0.5) -> None:
         echo.close()
 
 
+class _LauncherStop(BaseException):
+    """The launcher was told to stop (Ctrl-C, SIGTERM, SIGHUP) while following a local job."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _LauncherStop(signum)
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[None]:
+    """Turn Ctrl-C, SIGTERM and SIGHUP into :class:`_LauncherStop` while the launcher follows its job."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.signal(s, _raise_stop) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _stop_local(job: submitit.Job, run_dir: Path, signum: int, grace_s: float) -> None:
+    """Stop a followed local job in order, then leave with ``128 + signum`` and one line.
+
+    The ranks get SIGTERM and take it at their next step boundary (a final checkpoint, then exit); a second
+    Ctrl-C/SIGTERM, or ranks still running after ``grace_s``, cancel the job at once (the newest checkpoint
+    stands). After SIGHUP the terminal is gone, so nothing more is echoed.
+    """
+    from xirang_hpc.launch.local_controller import stop_gracefully
+    from xirang_hpc.monitor.events import append_event, read_events
+
+    name, t0 = signal.Signals(signum).name, time.time()
+    quiet = signum == signal.SIGHUP
+    if not quiet:
+        print(f"\nxirang-train: {name}: stopping job {job.job_id} at the next step, after a final checkpoint "
+              f"(again to stop at once) ...", file=sys.stderr, flush=True)
+    append_event(run_dir, "launcher_stop", f"xirang-train got {name}: stopping the job after a final checkpoint",
+                 signal=name, job=str(job.job_id), pid=os.getpid())
+    stop_gracefully(job)
+    forced = False
+    try:
+        with _stop_signals():
+            deadline = t0 + grace_s
+            while not job.done() and time.time() < deadline:
+                time.sleep(0.2)
+    except _LauncherStop:
+        pass
+    if not job.done():
+        forced = True
+        job.cancel()
+        with contextlib.suppress(_LauncherStop), _stop_signals():
+            end = time.time() + 10
+            while not job.done() and time.time() < end:
+                time.sleep(0.2)
+    stops = [e for e in read_events(run_dir) if e.get("kind") == "stop" and e.get("time", 0) >= t0 - 1]
+    saved = stops[-1].get("saved_step") if stops else None
+    if saved is not None:
+        where = f"stopped at step {stops[-1].get('step')} with a checkpoint at step {saved}"
+    elif forced:
+        where = "cancelled before it could save (the newest checkpoint stands)"
+    else:
+        where = "stopped (the newest checkpoint stands)"
+    if not quiet:
+        print(f"xirang-train: {name}: job {job.job_id} {where}; the same command resumes it",
+              file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The end-of-run summary: this session's steps and throughput, and where the run stands."""
     ratio = s["final_val_loss"] / s["initial_val_loss"]
@@ -148,7 +223,9 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
         res = launch_slurm(cfg, run_dir, data_dir, train_job, site=site,
                            on_submit=lambda job: write_site_state(run_dir, cfg, data_dir, site, str(job.job_id)))
         return res
-    executor = make_executor(cfg.cluster, run_dir / "submitit")
+    # A launcher that follows the job is watched by it: should it die, the job stops after a final checkpoint.
+    executor = make_executor(cfg.cluster, run_dir / "submitit",
+                             watch_pid=None if cfg.train.wait is False else os.getpid())
     executor.update_parameters(name=f"xirang-{cfg.train.name}")
     with submission_lock(run_dir):  # one job per run directory (launch/runlock.py)
         claim(run_dir, "local", cfg.train.after_active)
@@ -160,11 +237,11 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
         print(f"follow it with: tail -f {job.paths.stdout}", flush=True)
         return None
     try:
-        _follow(job)
+        with _stop_signals():
+            _follow(job)
         results = job.results()
-    except KeyboardInterrupt:
-        job.cancel()
-        _fail(f"interrupted; job {job.job_id} cancelled", 130)
+    except _LauncherStop as stop:
+        _stop_local(job, run_dir, stop.signum, grace_s=max(60.0, float(cfg.cluster.signal_delay_s)))
     except submitit.core.utils.FailedJobError as exc:
         _fail(f"job {job.job_id} failed:\n{exc}\nlogs: {Path(job.paths.stdout).parent}", 1)
     summary = results[0]
