@@ -64,7 +64,9 @@ COMMANDS: dict[str, CommandHelp] = {
             ("xirang-train train.extend_to=600", "a finished 300-step run trained on to step 600"),
             ("xirang-train train.resume_from=400", "fork the run from its step-400 checkpoint"),
         ],
-        notes="Exit status: 0 trained (or already complete), 1 the job failed, 2 refused before anything started, 128+N stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP: a local job stops after a final checkpoint).",
+        notes="Exit status: 0 trained (or already complete), 1 the job failed, 2 refused before anything started, "
+              "128+N stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP: a local job stops after a final "
+              "checkpoint).",
     ),
     "xirang-prepare": CommandHelp(
         usage="xirang-prepare [data=OPTION] [data.KEY=VALUE ...]",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def run_calibration(cluster: ClusterConfig, folder: Path, rounds: int | None = N
     from xirang_hpc.launch.executors import make_executor
     from xirang_hpc.planner.calibrate import calibration_job
 
-    ex = make_executor(cluster, folder)
+    ex = make_executor(cluster, folder, watch_pid=os.getpid())  # locally: ends with xirang-plan
     ex.update_parameters(name="xirang-calibrate")
     job = ex.submit(calibration_job, dataclasses.asdict(cluster), str(folder), cluster.gpus_per_node == 0, rounds)
     return job.results()[0]
