@@ -291,3 +291,32 @@ def test_cancelled_job_leaves_no_memory_copy(stdlib_data, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def _driver(run: Path) -> psutil.Process | None:
+    """The batch step's in-job driver of ``run`` (not its guard)."""
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "xirang_hpc.launch.injob" in cmd and str(run) in cmd and "--guard" not in cmd:
+            return p
+    return None
+
+
+def test_driver_killed_the_ranks_save_and_the_policy_requeues(stdlib_data, tmp_path):
+    """kill -9 of the in-job driver: the batch script's guard names it, the ranks save at once and the policy
+    (requeue on an infrastructure failure) requeues the run, which resumes where it stopped and completes;
+    nobody calls it a cancel or blames a node."""
+    args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "train.max_steps=40", "checkpoint.every_steps=10")
+    job, run = _submit(args, env=PACED)
+    _after_checkpoint(run)
+    _wait(lambda: _driver(run), 30, "the in-job driver").kill()
+    final = _final(run, timeout=600)
+    assert final["status"] == "completed", read_events(run)
+    (died,) = _ev(run, "supervisor_died", 0)
+    assert "killed by SIGKILL" in died["reason"], died
+    (stop,) = _ev(run, "stop", 0)
+    assert stop["reason"] == "infra_failure" and stop["saved_step"] == stop["step"] > 0, stop
+    (req,) = _ev(run, "requeue", 0)
+    assert req["reason"] == "infra_failure", req
+    assert not _ev(run, "failure") and not [e for e in _ev(run, "exit") if e.get("status") == "stopped_terminated"]
+    assert _ev(run, "start", 1)[0]["step"] == stop["saved_step"]

@@ -42,7 +42,7 @@ from xirang_hpc.launch.supervise import (
     supervise,
 )
 from xirang_hpc.monitor.events import EventTail, append_event, failed_nodes, read_events
-from xirang_hpc.runtime.markers import missing_ranks
+from xirang_hpc.runtime.markers import missing_ranks, write_stop_cause
 
 # After the watchdog named a dead rank or aborted the ranks, how long the step may take to end by itself
 # before the driver ends it (a lost node's part never reports its exit to srun).
@@ -217,6 +217,57 @@ def release_memory(run_dir: Path, env: Mapping[str, str], allocation: Callable[[
     return root
 
 
+def live_steps(job_id: str, run: Callable[..., Any] = subprocess.run) -> list[str]:
+    """The job's running srun steps (``JOB.STEP``; not the batch or extern step); [] when squeue fails."""
+    try:
+        out = run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    return [s for s in out.stdout.split() if s.rpartition(".")[2].isdigit()]
+
+
+def _how(rc: int) -> str:
+    if 128 < rc < 128 + signal.NSIG:
+        return f"killed by {signal.Signals(rc - 128).name}"
+    if rc < 0 and -rc < signal.NSIG:
+        return f"killed by {signal.Signals(-rc).name}"
+    return f"exit {rc}"
+
+
+def guard(rc: int, run_dir: Path, env: Mapping[str, str], run: Callable[..., Any] = subprocess.run,
+          wait_s: float = 180.0, poll_s: float = 1.0, clock: Callable[[], float] = time.time) -> int:
+    """After the driver: nothing when it decided (an ``exit`` event of this restart); else it died undecided.
+
+    Then the guard names it (``supervisor_died``), has the running step's ranks save and stop (SIGUSR2, with
+    the cause written beside their markers, so rank 0 applies the policy as ``infra_failure`` instead of
+    asking Slurm), waits for their verdict, and applies the policy itself when no step runs or the ranks
+    did not decide within ``wait_s``. No node is blamed: the driver's death says nothing about a node.
+    """
+    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    if already_handled(run_dir, restart) or handed_over(run_dir, restart):
+        return rc
+    job_id = env.get("SLURM_JOB_ID", "")
+    detail = f"the batch step's in-job driver ended without a decision ({_how(rc)})"
+    append_event(run_dir, "supervisor_died", detail, rc=rc, job=job_id, restart=restart,
+                 node=env.get("SLURMD_NODENAME"))
+    print(f"xirang: {detail}; the guard takes over", file=sys.stderr, flush=True)
+    steps = live_steps(job_id, run) if job_id else []
+    if steps:
+        write_stop_cause(run_dir, restart, "infra_failure", f"{detail}; the ranks saved, the policy decides")
+        for step in steps:
+            run(["scancel", "--signal=USR2", step], capture_output=True, timeout=30)
+        deadline = clock() + wait_s
+        while clock() < deadline and not already_handled(run_dir, restart):
+            if not live_steps(job_id, run):
+                break
+            time.sleep(poll_s)
+        if already_handled(run_dir, restart):
+            return rc
+    return supervise(rc, run_dir, dict(env), cause="infra_failure", detail=detail)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point in the batch script: the attempts, then the requeue supervisor on the last exit code."""
     # The batch script ignores SIGTERM so that it outlives a requeue (launch/slurm.injob_lines); this process,
@@ -225,9 +276,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--map", type=Path, required=True, help="task id -> run dir JSON")
     ap.add_argument("--folder", type=Path, required=True, help="the submitit folder of the job")
+    ap.add_argument("--guard", type=int, default=None, metavar="RC",
+                    help="run as the guard after a driver that exited with RC (see guard())")
     a = ap.parse_args(argv)
     env = dict(os.environ)
     run_dir = run_dir_for_task(a.map, env)
+    if a.guard is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # outlive the requeue the ranks may do meanwhile
+        sys.exit(guard(a.guard, run_dir, env))
     rc = drive(run_dir, a.folder, env)
     release_memory(run_dir, env)
     sys.exit(supervise(rc, run_dir, env))

@@ -135,8 +135,11 @@ def injob_lines(folder: Path) -> list[str]:
     # `trap '' TERM`: the driver ends with the supervisor, which may requeue the job; the requeue SIGTERMs all
     # of it, and the script must outlive that (when the script ends, Slurm kills what is left of the job,
     # the supervisor's StartTime update included). The driver sets SIGTERM back to its default for itself.
+    line = " ".join(shlex.quote(a) for a in cmd)
+    # The guard: a driver that died before its decision (kill -9, the OOM killer) would end the script, and Slurm
+    # would end the job under the ranks as if cancelled; the guard names it, has the ranks save, applies the policy.
     return ["# in-job restart: the driver runs every srun step (requeue.max_restarts_in_job)", "trap '' TERM",
-            " ".join(shlex.quote(a) for a in cmd), "exit $?"]
+            line, 'XIRANG_DRIVER_RC=$?', f'{line} --guard "$XIRANG_DRIVER_RC"', "exit $?"]
 
 
 def make_slurm_executor(c: ClusterConfig, folder: Path, priority: str = "normal",

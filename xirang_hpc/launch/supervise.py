@@ -149,8 +149,12 @@ def preempt_time(job_id: str) -> str | None:
     return None if value in ("None", "N/A", "Unknown", "") else value
 
 
-def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
-    """Apply the policy after a step that exited with ``rc``; returns the batch script's exit code."""
+def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = None, detail: str = "") -> int:
+    """Apply the policy after a step that exited with ``rc``; returns the batch script's exit code.
+
+    ``cause`` (a reason of runtime/policy.py, e.g. ``infra_failure``) is the cause when the caller knows it
+    (the in-job driver's guard): then no node is blamed or excluded.
+    """
     restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     if already_handled(run_dir, restart):
         return rc
@@ -174,6 +178,10 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str]) -> int:
         reason = "preemption"
         append_event(run_dir, "stop", reason, detail=f"PreemptTime={preempted}", handled_by="supervisor",
                      job=job_id, restart=restart, srun_rc=rc, ranks_without_exit=[r for r, _ in lost])
+    elif cause is not None:
+        nodes, reason = [], cause
+        append_event(run_dir, "failure", reason, detail=detail, job=job_id, restart=restart, srun_rc=rc,
+                     ranks=[r for r, _ in lost], nodes=[], node=env.get("SLURMD_NODENAME"))
     else:
         # The monitor's watchdog names the culprit (dead/hung rank) precisely; ranks killed in the
         # aftermath also lack exit markers, so the markers are the fallback when it did not run.

@@ -51,3 +51,29 @@ def rank_pid(run_dir: Path, restart: int, rank: int) -> int | None:
     """The pid ``rank`` recorded in ``restart`` (None before it started)."""
     p = _dir(run_dir, restart) / f"{rank}.start"
     return int(p.read_text().split()[1]) if p.exists() else None
+
+
+STOP_CAUSE = "stop_cause.json"
+
+
+def write_stop_cause(run_dir: Path, restart: int, reason: str, detail: str) -> Path:
+    """Tell the ranks of ``restart`` why the stop signal that follows was sent (read by rank 0's stop
+    handler instead of asking Slurm: the batch script's guard signals the ranks itself)."""
+    import json
+
+    d = _dir(run_dir, restart)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / STOP_CAUSE
+    write_bytes_atomic(path, json.dumps({"reason": reason, "detail": detail}).encode())
+    return path
+
+
+def read_stop_cause(run_dir: Path, restart: int) -> tuple[str, str] | None:
+    """(reason, detail) written by :func:`write_stop_cause` for ``restart``, or None."""
+    import json
+
+    try:
+        d = json.loads((_dir(run_dir, restart) / STOP_CAUSE).read_text())
+        return str(d["reason"]), str(d["detail"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -16,6 +16,9 @@ REASONS = {
     "timeout": "on_timeout",
     "node_failure": "on_node_failure",
     "nonzero_exit": "on_nonzero_exit",
+    # The job's own machinery failed, not a node: the batch step's driver died, a step could not be
+    # launched. Governed by the node-failure switch (an infrastructure fault), but no node is excluded.
+    "infra_failure": "on_node_failure",
 }
 
 

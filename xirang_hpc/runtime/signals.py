@@ -37,7 +37,7 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.runtime import slurmctl
 from xirang_hpc.runtime.early_signals import _early, capture_early  # noqa: F401 - capture_early re-exported
 from xirang_hpc.runtime.hooks import EventSink, NullEventSink, TrainerHook
-from xirang_hpc.runtime.markers import mark_start
+from xirang_hpc.runtime.markers import mark_start, read_stop_cause
 from xirang_hpc.runtime.policy import decide
 from xirang_hpc.runtime.topology import Topology
 from xirang_hpc.runtime.trainer import Trainer
@@ -188,8 +188,12 @@ class StopSignalHook(TrainerHook):
         try:
             if in_slurm:
                 target = slurmctl.requeue_target(self.env)
-                cause = slurmctl.classify_stop(self.job_info(self.env["SLURM_JOB_ID"]), signame,
-                                               self.cfg.cluster.signal_delay_s)
+                told = read_stop_cause(self.run_dir, self.restarts)
+                if told is not None and signame == "SIGUSR2":  # the batch script's guard signalled us, saying why
+                    cause = slurmctl.StopCause(*told)
+                else:
+                    cause = slurmctl.classify_stop(self.job_info(self.env["SLURM_JOB_ID"]), signame,
+                                                   self.cfg.cluster.signal_delay_s)
             else:
                 target, cause = self.topo.job_id, slurmctl.StopCause(
                     "preemption" if signame == "SIGUSR2" else "terminated", f"{signame} outside Slurm")
