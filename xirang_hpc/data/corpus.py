@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sysconfig
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +49,7 @@ class CorpusScan:
     records: list[Path] = field(default_factory=list)
     binary: list[Path] = field(default_factory=list)
     unreadable: list[tuple[Path, str]] = field(default_factory=list)
+    special: list[Path] = field(default_factory=list)  # FIFOs, sockets, devices: skipped, never opened
 
     @property
     def all_files(self) -> list[Path]:
@@ -87,10 +89,22 @@ def scan_corpus(corpus: str) -> CorpusScan:
     root = resolve_corpus(corpus)
     if not root.exists():
         raise CorpusError(f"corpus {str(root)!r} does not exist; point data.corpus= at a text directory")
+    if not (root.is_dir() or root.is_file()):
+        raise CorpusError(f"corpus {str(root)!r} is not a regular file or a directory (a FIFO, socket or device); "
+                          "point data.corpus= at a text directory or file")
     if not os.access(root, os.R_OK):
         raise CorpusError(f"corpus {str(root)!r} is not readable by this user; check its permissions")
     scan = CorpusScan()
     for path in _iter_candidates(root, stdlib=corpus == "stdlib"):
+        # Only regular files are opened: a FIFO would block the read forever, a device never end.
+        try:
+            mode = path.stat().st_mode
+        except OSError as exc:  # e.g. a dangling symbolic link
+            scan.unreadable.append((path, exc.strerror or str(exc)))
+            continue
+        if not stat.S_ISREG(mode):
+            scan.special.append(path)
+            continue
         if file_kind(path) != "text":
             try:
                 with path.open("rb") as f:
@@ -124,6 +138,8 @@ def scan_corpus(corpus: str) -> CorpusScan:
         if scan.unreadable:
             p, why = scan.unreadable[0]
             detail.append(f"{len(scan.unreadable)} unreadable file(s), e.g. {p}: {why}")
+        if scan.special:
+            detail.append(f"{len(scan.special)} special file(s) (FIFO, socket, device), e.g. {scan.special[0]}")
         found = "; ".join(detail) if detail else "no non-empty text files"
         raise CorpusError(
             f"corpus {str(root)!r} has no usable text ({found}); text files ending in "

@@ -208,6 +208,9 @@ def prepare(
                           "(256 bytes + <|endoftext|>); set data.vocab_size=...")
     scan = scan_corpus(corpus)
     root = resolve_corpus(corpus)
+    if scan.special:
+        print(f"xirang-prepare: warning: skipped {len(scan.special)} special file(s) of the corpus (FIFOs, sockets, "
+              f"devices: only regular files are read), e.g. {scan.special[0]}", file=sys.stderr, flush=True)
     if root.is_dir() and not scan.records and len(scan.files) < 2:
         raise CorpusError(
             f"corpus {str(root)!r} has {len(scan.files)} usable file; a train/val split needs at least 2 "
@@ -255,6 +258,7 @@ def prepare(
         "documents": n_docs,
         "skipped_binary": len(scan.binary),
         "skipped_unreadable": len(scan.unreadable),
+        "skipped_special": len(scan.special),
         "skipped_records": stats.as_dict(),
         "on_bad_record": on_bad_record,
         "splits": {s: w.close() for s, w in writers.items()},
