@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, XirangConfig
 from xirang_hpc.launch.cli_help import maybe_print_help
-from xirang_hpc.launch.hydra_setup import register_configs
+from xirang_hpc.launch.hydra_setup import register_configs, run_app
 
 _OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="", layout="",
                                                rounds=None)
@@ -151,4 +151,4 @@ def main() -> None:
         _fail("--rounds applies to --calibrate only")
     sys.argv = [sys.argv[0], *rest]
     register_configs()
-    _app()
+    run_app("xirang-plan", _app)

@@ -17,7 +17,7 @@ from xirang_hpc.config.validate import load_config
 from xirang_hpc.data.prepare import CorpusError, prepare_data
 from xirang_hpc.data.tokenizer import TokenizerError
 from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
-from xirang_hpc.launch.hydra_setup import register_configs
+from xirang_hpc.launch.hydra_setup import register_configs, run_app
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -43,4 +43,4 @@ def main() -> None:
     maybe_print_help("xirang-prepare", sys.argv[1:])
     setup_logging(logging.INFO)
     register_configs()
-    _app()
+    run_app("xirang-prepare", _app)
