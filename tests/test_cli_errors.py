@@ -97,3 +97,36 @@ def test_installed_command_refuses_an_unknown_field_without_a_traceback(tmp_path
     line = _one_error_line(r.stderr, "xirang-train")
     assert "did you mean train.max_steps" in line
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_plan_exits_2_when_no_layout_fits(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["xirang-plan", "model=gpt-175b", "cluster.nodes=1"])
+    from hydra.core.global_hydra import GlobalHydra
+
+    from xirang_hpc.launch import plan_cli
+
+    try:
+        with pytest.raises(SystemExit) as exc:
+            plan_cli.main()
+    finally:
+        GlobalHydra.instance().clear()
+    out = capsys.readouterr()
+    assert exc.value.code == 2  # the help's "2 a bad config or no layout fits"
+    assert "no plan fits in memory" in out.out  # the report still says why
+    line = _one_error_line(out.err, "xirang-plan")
+    assert "no layout of model gpt-175b fits" in line and "cluster.nodes" in line
+
+
+def test_ckpt_refusals_exit_2_as_its_help_says(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from xirang_hpc.launch.ckpt_cli import main
+
+    assert main(["verify", str(tmp_path / "nope")]) == 2
+    assert "is not a run directory" in _one_error_line(capsys.readouterr().err, "xirang-ckpt")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    assert main(["verify", str(tmp_path / "run")]) == 2
+    assert "no checkpoints under" in _one_error_line(capsys.readouterr().err, "xirang-ckpt")
+    assert main(["verify", str(tmp_path / "run"), "--step", "4"]) == 2
+    assert "no checkpoints under" in _one_error_line(capsys.readouterr().err, "xirang-ckpt")
+    assert main(["pin", str(tmp_path / "run")]) == 2
+    assert "pin needs --step" in _one_error_line(capsys.readouterr().err, "xirang-ckpt")
