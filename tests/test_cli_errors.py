@@ -130,3 +130,72 @@ def test_ckpt_refusals_exit_2_as_its_help_says(tmp_path: Path, capsys: pytest.Ca
     assert "no checkpoints under" in _one_error_line(capsys.readouterr().err, "xirang-ckpt")
     assert main(["pin", str(tmp_path / "run")]) == 2
     assert "pin needs --step" in _one_error_line(capsys.readouterr().err, "xirang-ckpt")
+
+
+# ---- files the user cannot read or write ----------------------------------------------------------
+# Tests run as root, and root reads and writes through permission bits. Dropping the two capabilities that let
+# it (from the bounding set, so the command starts without them) makes the kernel refuse exactly as it refuses
+# an ordinary user; as an ordinary user the permission bits alone do.
+def _as_plain_user() -> list[str]:
+    if os.geteuid() != 0:
+        return []
+    import shutil
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to run a command without root's file access")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+
+
+def run_as_plain_user(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*_as_plain_user(), str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env=_env())
+
+
+def _corpus(root: Path, n: int = 4) -> Path:
+    root.mkdir(parents=True)
+    for i in range(n):
+        (root / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(50)))
+    return root
+
+
+def test_unreadable_corpus_files_are_named_and_refused(tmp_path: Path) -> None:
+    corpus = _corpus(tmp_path / "corpus")
+    (corpus / "m1.py").chmod(0)
+    (corpus / "sub").mkdir()
+    (corpus / "sub" / "x.py").write_text("x = 1\n")
+    (corpus / "sub").chmod(0)
+    try:
+        r = run_as_plain_user("xirang-prepare", f"data.corpus={corpus}", f"data.out_dir={tmp_path / 'out'}",
+                              cwd=tmp_path)
+    finally:
+        (corpus / "sub").chmod(0o755)
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = _one_error_line(r.stderr, "xirang-prepare")
+    assert f"{corpus / 'm1.py'} (Permission denied)" in line and str(corpus / "sub") in line, line
+    assert "2 file(s) or director(ies)" in line and "chmod a+r" in line and "data.corpus" in line
+    assert not (tmp_path / "out" / "index.json").exists()
+
+
+def test_unwritable_out_dir_is_one_line_naming_data_out_dir(tmp_path: Path) -> None:
+    corpus = _corpus(tmp_path / "corpus")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    out = ro / "data" / "prepared"
+    r = run_as_plain_user("xirang-prepare", f"data.corpus={corpus}", f"data.out_dir={out}", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = _one_error_line(r.stderr, "xirang-prepare")
+    assert str(out) in line and "set data.out_dir=" in line and "permission denied" in line, line
+    # Its parent is a file: even root cannot create it.
+    r = run_cli("xirang-prepare", f"data.corpus={corpus}", f"data.out_dir={corpus / 'm0.py' / 'out'}", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = _one_error_line(r.stderr, "xirang-prepare")
+    assert str(corpus / "m0.py") in line and "not a directory" in line and "set data.out_dir=" in line, line
+
+
+def test_prepare_names_data_out_dir_when_it_cannot_be_created(tmp_path: Path) -> None:
+    from xirang_hpc.data.prepare import CorpusError, prepare
+
+    corpus = _corpus(tmp_path / "corpus")
+    with pytest.raises(CorpusError, match=r"data\.out_dir=.*m0\.py/out.*set data\.out_dir= to a writable"):
+        prepare(str(corpus), corpus / "m0.py" / "out")

@@ -64,12 +64,18 @@ def resolve_corpus(corpus: str) -> Path:
     return Path(corpus).expanduser()
 
 
-def _iter_candidates(root: Path, stdlib: bool) -> Iterator[Path]:
+def _iter_candidates(root: Path, stdlib: bool, unlisted: list[tuple[Path, str]] | None = None) -> Iterator[Path]:
+    """The corpus files to consider, in a stable order; directories that cannot be listed go to ``unlisted``."""
     if root.is_file():
         yield root
         return
     suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def onerror(exc: OSError) -> None:
+        if unlisted is not None:
+            unlisted.append((Path(exc.filename or root), exc.strerror or str(exc)))
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=onerror):
         # Deterministic order; third-party packages are not part of the stdlib corpus.
         dirnames[:] = sorted(d for d in dirnames if not (stdlib and d in ("site-packages", "__pycache__")))
         for name in sorted(filenames):
@@ -95,7 +101,7 @@ def scan_corpus(corpus: str) -> CorpusScan:
     if not os.access(root, os.R_OK):
         raise CorpusError(f"corpus {str(root)!r} is not readable by this user; check its permissions")
     scan = CorpusScan()
-    for path in _iter_candidates(root, stdlib=corpus == "stdlib"):
+    for path in _iter_candidates(root, stdlib=corpus == "stdlib", unlisted=scan.unreadable):
         # Only regular files are opened: a FIFO would block the read forever, a device never end.
         try:
             mode = path.stat().st_mode
@@ -131,6 +137,14 @@ def scan_corpus(corpus: str) -> CorpusScan:
             scan.binary.append(path)
             continue
         scan.files.append(path)
+    if scan.unreadable and scan.all_files:  # a corpus read in part would train on less than it says
+        shown = ", ".join(f"{p} ({why})" for p, why in scan.unreadable[:5])
+        more = f" and {len(scan.unreadable) - 5} more" if len(scan.unreadable) > 5 else ""
+        raise CorpusError(
+            f"corpus {str(root)!r}: {len(scan.unreadable)} file(s) or director(ies) cannot be read by this user "
+            f"(uid {os.getuid()}): {shown}{more}; make them readable (chmod a+r, or a+rx for a directory) or "
+            "move them out of data.corpus"
+        )
     if not scan.all_files:
         detail = []
         if scan.binary:

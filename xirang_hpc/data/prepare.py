@@ -196,11 +196,18 @@ def prepare(
     if isinstance(progress, str):  # resolved per call: pytest and the CLIs swap sys.stderr
         progress = sys.stderr
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / INDEX).unlink(missing_ok=True)
-    (out / TOKENIZER_FILE).unlink(missing_ok=True)
-    for old in out.glob("*.h5"):
-        old.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / INDEX).unlink(missing_ok=True)
+        (out / TOKENIZER_FILE).unlink(missing_ok=True)
+        for old in out.glob("*.h5"):
+            old.unlink()
+        os.close(os.open(out / ".write-probe", os.O_CREAT | os.O_WRONLY, 0o600))
+        os.unlink(out / ".write-probe")
+    except OSError as exc:
+        raise CorpusError(f"data.out_dir={str(out)!r} cannot be written ({exc.strerror or exc}: "
+                          f"{exc.filename or out}); set data.out_dir= to a writable directory or fix its "
+                          "permissions") from None
     if on_bad_record not in ("fail", "skip"):
         raise CorpusError(f"data.on_bad_record={on_bad_record!r}: choose fail or skip")
     if tokenizer == "bpe" and vocab_size < 257:
