@@ -199,3 +199,58 @@ def test_prepare_names_data_out_dir_when_it_cannot_be_created(tmp_path: Path) ->
     corpus = _corpus(tmp_path / "corpus")
     with pytest.raises(CorpusError, match=r"data\.out_dir=.*m0\.py/out.*set data\.out_dir= to a writable"):
         prepare(str(corpus), corpus / "m0.py" / "out")
+
+
+# ---- the exit codes every --help documents are the ones the command returns ------------------------------------
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def documented_exit_codes(cmd: str) -> dict[int, str]:
+    """``{code: meaning}`` from the ``Exit status:`` sentence of ``cmd --help`` (its golden text, which
+    tests/test_cli_help.py holds equal to what the command prints)."""
+    import re
+
+    text = " ".join((GOLDEN / f"help_{cmd.removeprefix('xirang-')}.txt").read_text().split())
+    m = re.search(r"Exit status: (.*?)\.(?: |$)", text)
+    assert m, f"{cmd} --help documents no exit status"
+    return {int(code): meaning.strip(" ,") for code, meaning in re.findall(r"(\d+) (.*?)(?=, \d+ |$)", m.group(1))}
+
+
+def _success_and_refusal(cmd: str, tmp: Path) -> tuple[list[str], list[str]]:
+    """(a command line that succeeds, one that is refused) of ``cmd``, each quick and without a cluster."""
+    corpus = _corpus(tmp / "corpus")
+    (tmp / "run" / "checkpoints").mkdir(parents=True)
+    return {
+        "xirang-train": (["--cfg", "job"], ["train.stepz=3"]),
+        "xirang-prepare": ([f"data.corpus={corpus}", f"data.out_dir={tmp / 'data'}"], ["data.corpus=/nonexistent"]),
+        "xirang-plan": ([], ["model=gpt-175b", "cluster.nodes=1"]),
+        "xirang-sbatch": (["cluster=slurm", f"data.corpus={corpus}", f"data.out_dir={tmp / 'data'}",
+                           f"train.runs_root={tmp / 'runs'}", "--out", str(tmp / "job.sbatch")],
+                          ["cluster=slurm", "model=doesnotexist"]),
+        "xirang-pipeline": (["--cfg", "job"], ["train.stepz=3"]),
+        "xirang-status": ([str(tmp / "run")], [str(tmp / "nonexistent")]),
+        "xirang-serve": (["--help"], [str(tmp / "nonexistent")]),  # serving runs until stopped: its --help
+        "xirang-ckpt": (["list", str(tmp / "run")], ["verify", str(tmp / "nonexistent")]),
+    }[cmd]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", sorted(f"xirang-{p.stem.removeprefix('help_')}" for p in GOLDEN.glob("help_*.txt")))
+def test_documented_exit_codes_are_the_real_ones(cmd: str, tmp_path: Path) -> None:
+    codes = documented_exit_codes(cmd)
+    assert 0 in codes and 2 in codes, codes
+    ok, bad = _success_and_refusal(cmd, tmp_path)
+    r = run_cli(cmd, *ok, cwd=tmp_path)
+    assert r.returncode == 0, f"{cmd} {' '.join(ok)}: {r.returncode} (help: 0 {codes[0]})\n{r.stderr[-2000:]}"
+    r = run_cli(cmd, *bad, cwd=tmp_path)
+    assert r.returncode == 2, f"{cmd} {' '.join(bad)}: {r.returncode} (help: 2 {codes[2]})\n{r.stderr[-2000:]}"
+    assert "Traceback" not in r.stderr and f"{cmd}: error: " in r.stderr, r.stderr[-2000:]
+
+
+def test_every_command_documents_its_exit_codes() -> None:
+    from xirang_hpc.launch.cli_help import COMMANDS
+
+    assert {f"xirang-{p.stem.removeprefix('help_')}" for p in GOLDEN.glob("help_*.txt")} == set(COMMANDS)
+    for cmd in COMMANDS:
+        codes = documented_exit_codes(cmd)
+        assert codes[0] and codes[2], (cmd, codes)
