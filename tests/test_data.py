@@ -142,3 +142,63 @@ def test_stdlib_corpus_defaults(stdlib_data: Path) -> None:
     index = load_index(stdlib_data)
     assert index["train_tokens"] > 5_000_000 and index["val_tokens"] > 20_000
     assert "python3" in index["source"]
+
+
+def _fifo_safe(fn, fifo: Path, timeout: float = 20.0):
+    """Run ``fn`` in a thread; if it is still blocked (on opening ``fifo``) after ``timeout``, open the FIFO's
+    write end so that the reader gets end-of-file and the test fails instead of hanging."""
+    import os
+    import threading
+
+    out: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(timeout)
+        pytest.fail(f"blocked on the FIFO {fifo} for {timeout:.0f} s")
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out["value"]
+
+
+def test_special_files_in_the_corpus_are_skipped_and_counted(small_corpus: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    import socket
+
+    fifo = small_corpus / "pipe.txt"
+    os.mkfifo(fifo)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(small_corpus / "pkg" / "s.py"))
+    try:
+        index = _fifo_safe(lambda: prepare(str(small_corpus), tmp_path / "out", val_fraction=0.2), fifo)
+    finally:
+        sock.close()
+    assert index["skipped_special"] == 2 and index["skipped_unreadable"] == 0
+    assert index["files"]["train"] + index["files"]["val"] == 12
+    err = capsys.readouterr().err
+    warning = [ln for ln in err.splitlines() if "warning" in ln]
+    assert len(warning) == 1 and "2 special file(s)" in warning[0], err
+    assert str(fifo) in warning[0] or str(small_corpus / "pkg" / "s.py") in warning[0]
+
+
+def test_a_corpus_of_only_special_files_is_refused(tmp_path: Path) -> None:
+    import os
+
+    c = tmp_path / "c"
+    c.mkdir()
+    os.mkfifo(c / "a.txt")
+    with pytest.raises(CorpusError, match=r"1 special file\(s\)"):
+        _fifo_safe(lambda: prepare(str(c), tmp_path / "out"), c / "a.txt")
+    os.mkfifo(tmp_path / "f")
+    with pytest.raises(CorpusError, match="not a regular file or a directory"):
+        _fifo_safe(lambda: prepare(str(tmp_path / "f"), tmp_path / "out"), tmp_path / "f")

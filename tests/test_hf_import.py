@@ -27,7 +27,7 @@ from ranks import rank_context  # noqa: E402
 from xirang_hpc.config.errors import ConfigError  # noqa: E402
 from xirang_hpc.config.hf import apply_hf_model  # noqa: E402
 from xirang_hpc.serve.hf_import import HFImportError  # noqa: E402
-from xirang_hpc.serve.weights import load_any, load_hf  # noqa: E402
+from xirang_hpc.serve.weights import WeightsError, load_any, load_hf  # noqa: E402
 
 BIN = Path(sys.executable).parent
 TOL = 1e-4
@@ -214,7 +214,7 @@ def test_bad_weights_name_the_tensor_or_file(hf_dirs, tmp_path: Path) -> None:
     shutil.copytree(hf_dirs["llama-sharded"][0], sharded)
     victim = sorted(sharded.glob("model-*.safetensors"))[1]
     victim.unlink()
-    with pytest.raises(HFImportError, match=f"shard file {victim.name}, which is missing"):
+    with pytest.raises(WeightsError, match=f"shard file\\(s\\) missing .*{victim.name}"):  # checked with the config
         load_hf(sharded)
     # A shape mismatch: the config says 2 kv heads, the weights hold a k projection for 4.
     path = hf_dirs["llama"][0]
@@ -236,7 +236,7 @@ def test_bad_weights_name_the_tensor_or_file(hf_dirs, tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     shutil.copy(path / "config.json", empty / "config.json")
-    with pytest.raises(HFImportError, match="neither model.safetensors nor model.safetensors.index.json"):
+    with pytest.raises(WeightsError, match="neither model.safetensors nor model.safetensors.index.json"):
         load_hf(empty)
     # Not a config the schema accepts at all.
     with pytest.raises(ConfigError, match="Hugging Face model directory"):
@@ -406,3 +406,27 @@ def test_layouts_read_only_their_regions_and_match_transformers(hf_dirs, name: s
         for r in res:
             layers = {int(n.split(".")[2]) for n, _, _ in r["requests"] if n.startswith("model.layers.")}
             assert layers == set(r["layers"]) and len(layers) < 4
+
+
+def test_a_missing_shard_is_refused_before_submission(hf_dirs, tmp_path: Path) -> None:
+    """On the login node, at config load: the index file and the missing shard named, exit 2, nothing started."""
+    sharded = tmp_path / "sharded"
+    shutil.copytree(hf_dirs["llama-sharded"][0], sharded)
+    victim = sorted(sharded.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    index = sharded / "model.safetensors.index.json"
+    with pytest.raises(ConfigError, match=rf"{index} lists 1 of \d+ shard file\(s\) missing .*{victim.name}"):
+        apply_hf_model({"init_from": str(sharded)}, [])
+    for cmd in ("xirang-train", "xirang-sbatch"):
+        r = subprocess.run([str(BIN / cmd), f"model.init_from={sharded}", f"train.runs_root={tmp_path}/runs",
+                            "cluster=slurm" if cmd == "xirang-sbatch" else "cluster=local"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"{cmd}: error: " in r.stderr and str(index) in r.stderr and victim.name in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    assert not (tmp_path / "runs").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(sharded / "config.json", empty / "config.json")
+    with pytest.raises(ConfigError, match="neither model.safetensors nor model.safetensors.index.json"):
+        apply_hf_model({"init_from": str(empty)}, [])

@@ -13,3 +13,11 @@ class ConfigError(ValueError):
         self.value = value
         self.fix = fix
         super().__init__(f"invalid config {field}={value!r}: {fix}")
+
+
+class UnknownFieldError(ConfigError):
+    """A field the schema does not have (``+train.stepz=3``); the message names the nearest fields."""
+
+    def __init__(self, field: str, value: Any, message: str) -> None:
+        self.field, self.value, self.fix = field, value, message
+        ValueError.__init__(self, message)

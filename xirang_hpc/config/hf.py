@@ -62,6 +62,32 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
+def check_hf_weights(path: str | Path) -> None:
+    """Refuse a Hugging Face directory whose weights are not all there: ``model.safetensors``, or every shard file
+    ``model.safetensors.index.json`` lists. File names and sizes only (no tensor is read), so the login node
+    says it before a job waits in the queue to find it out."""
+    d = Path(str(path)).expanduser()
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise HFConfigError("model.init_from", str(path),
+                                f"{index} is not a safetensors index (a JSON object with a weight_map: {exc}); "
+                                "copy the complete model directory again") from None
+        missing = [f for f in shards if not (d / str(f)).is_file()]
+        if missing:
+            shown = ", ".join(map(str, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise HFConfigError("model.init_from", str(path),
+                                f"{index} lists {len(missing)} of {len(shards)} shard file(s) missing from {d}: "
+                                f"{shown}; copy the complete model directory (every model-*.safetensors)")
+    elif not (d / "model.safetensors").is_file():
+        raise HFConfigError("model.init_from", str(path),
+                            f"{d} holds neither model.safetensors nor model.safetensors.index.json; only "
+                            "safetensors weights are read (save with safe_serialization=True)")
+
+
 def hf_family(hf: dict[str, Any], source: str) -> str:
     """``llama`` or ``gpt2`` from the config's ``architectures``; anything else is refused."""
     archs = hf.get("architectures") or []
@@ -176,6 +202,7 @@ def apply_hf_model(model: dict[str, Any], overrides: list[str] | None) -> dict[s
     if not is_hf_dir(path):
         return model
     source = str(Path(str(path)).expanduser() / "config.json")
+    check_hf_weights(path)
     hf = model_fields_from_hf(read_hf_config(path), source)
     context = hf.pop("seq_len")
     explicit, preset = _override_keys(overrides or [])

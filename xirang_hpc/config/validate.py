@@ -11,9 +11,10 @@ import dataclasses
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.errors import ConfigError, UnknownFieldError
+from xirang_hpc.config.fields import unknown_field
 from xirang_hpc.config.hf import apply_hf_model
 from xirang_hpc.config.schema import ClusterConfig, DataConfig, ParallelConfig, XirangConfig
 
@@ -37,6 +38,7 @@ def _cli_overrides(hydra_node: object) -> list[str] | None:
 
 def load_config(cfg: DictConfig) -> XirangConfig:
     """Convert a composed DictConfig to typed dataclasses and validate it."""
+    overrides: list[str] | None = None
     try:
         # Hydra passes a struct-mode DictConfig; drop its own node if present.
         container = OmegaConf.to_container(cfg, resolve=True)
@@ -45,6 +47,10 @@ def load_config(cfg: DictConfig) -> XirangConfig:
             container["model"] = apply_hf_model(container["model"], overrides)
         typed = OmegaConf.merge(OmegaConf.structured(XirangConfig), container)
         obj = OmegaConf.to_object(typed)
+    except (ConfigAttributeError, ConfigKeyError) as exc:  # +train.stepz=3: Hydra added it, the schema has none
+        key = str(getattr(exc, "full_key", None) or "config")
+        value = next((a.partition("=")[2] for a in overrides or [] if a.partition("=")[0].lstrip("+~") == key), None)
+        raise UnknownFieldError(key, value, unknown_field(key, value, overrides or [])) from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "config"
         raise ConfigError(str(key), getattr(exc, "value", None), str(exc).splitlines()[0]) from None

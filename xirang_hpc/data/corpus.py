@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sysconfig
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +49,7 @@ class CorpusScan:
     records: list[Path] = field(default_factory=list)
     binary: list[Path] = field(default_factory=list)
     unreadable: list[tuple[Path, str]] = field(default_factory=list)
+    special: list[Path] = field(default_factory=list)  # FIFOs, sockets, devices: skipped, never opened
 
     @property
     def all_files(self) -> list[Path]:
@@ -62,12 +64,18 @@ def resolve_corpus(corpus: str) -> Path:
     return Path(corpus).expanduser()
 
 
-def _iter_candidates(root: Path, stdlib: bool) -> Iterator[Path]:
+def _iter_candidates(root: Path, stdlib: bool, unlisted: list[tuple[Path, str]] | None = None) -> Iterator[Path]:
+    """The corpus files to consider, in a stable order; directories that cannot be listed go to ``unlisted``."""
     if root.is_file():
         yield root
         return
     suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def onerror(exc: OSError) -> None:
+        if unlisted is not None:
+            unlisted.append((Path(exc.filename or root), exc.strerror or str(exc)))
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=onerror):
         # Deterministic order; third-party packages are not part of the stdlib corpus.
         dirnames[:] = sorted(d for d in dirnames if not (stdlib and d in ("site-packages", "__pycache__")))
         for name in sorted(filenames):
@@ -87,10 +95,22 @@ def scan_corpus(corpus: str) -> CorpusScan:
     root = resolve_corpus(corpus)
     if not root.exists():
         raise CorpusError(f"corpus {str(root)!r} does not exist; point data.corpus= at a text directory")
+    if not (root.is_dir() or root.is_file()):
+        raise CorpusError(f"corpus {str(root)!r} is not a regular file or a directory (a FIFO, socket or device); "
+                          "point data.corpus= at a text directory or file")
     if not os.access(root, os.R_OK):
         raise CorpusError(f"corpus {str(root)!r} is not readable by this user; check its permissions")
     scan = CorpusScan()
-    for path in _iter_candidates(root, stdlib=corpus == "stdlib"):
+    for path in _iter_candidates(root, stdlib=corpus == "stdlib", unlisted=scan.unreadable):
+        # Only regular files are opened: a FIFO would block the read forever, a device never end.
+        try:
+            mode = path.stat().st_mode
+        except OSError as exc:  # e.g. a dangling symbolic link
+            scan.unreadable.append((path, exc.strerror or str(exc)))
+            continue
+        if not stat.S_ISREG(mode):
+            scan.special.append(path)
+            continue
         if file_kind(path) != "text":
             try:
                 with path.open("rb") as f:
@@ -117,6 +137,14 @@ def scan_corpus(corpus: str) -> CorpusScan:
             scan.binary.append(path)
             continue
         scan.files.append(path)
+    if scan.unreadable and scan.all_files:  # a corpus read in part would train on less than it says
+        shown = ", ".join(f"{p} ({why})" for p, why in scan.unreadable[:5])
+        more = f" and {len(scan.unreadable) - 5} more" if len(scan.unreadable) > 5 else ""
+        raise CorpusError(
+            f"corpus {str(root)!r}: {len(scan.unreadable)} file(s) or director(ies) cannot be read by this user "
+            f"(uid {os.getuid()}): {shown}{more}; make them readable (chmod a+r, or a+rx for a directory) or "
+            "move them out of data.corpus"
+        )
     if not scan.all_files:
         detail = []
         if scan.binary:
@@ -124,6 +152,8 @@ def scan_corpus(corpus: str) -> CorpusScan:
         if scan.unreadable:
             p, why = scan.unreadable[0]
             detail.append(f"{len(scan.unreadable)} unreadable file(s), e.g. {p}: {why}")
+        if scan.special:
+            detail.append(f"{len(scan.special)} special file(s) (FIFO, socket, device), e.g. {scan.special[0]}")
         found = "; ".join(detail) if detail else "no non-empty text files"
         raise CorpusError(
             f"corpus {str(root)!r} has no usable text ({found}); text files ending in "

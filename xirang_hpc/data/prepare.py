@@ -196,11 +196,18 @@ def prepare(
     if isinstance(progress, str):  # resolved per call: pytest and the CLIs swap sys.stderr
         progress = sys.stderr
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / INDEX).unlink(missing_ok=True)
-    (out / TOKENIZER_FILE).unlink(missing_ok=True)
-    for old in out.glob("*.h5"):
-        old.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / INDEX).unlink(missing_ok=True)
+        (out / TOKENIZER_FILE).unlink(missing_ok=True)
+        for old in out.glob("*.h5"):
+            old.unlink()
+        os.close(os.open(out / ".write-probe", os.O_CREAT | os.O_WRONLY, 0o600))
+        os.unlink(out / ".write-probe")
+    except OSError as exc:
+        raise CorpusError(f"data.out_dir={str(out)!r} cannot be written ({exc.strerror or exc}: "
+                          f"{exc.filename or out}); set data.out_dir= to a writable directory or fix its "
+                          "permissions") from None
     if on_bad_record not in ("fail", "skip"):
         raise CorpusError(f"data.on_bad_record={on_bad_record!r}: choose fail or skip")
     if tokenizer == "bpe" and vocab_size < 257:
@@ -208,6 +215,9 @@ def prepare(
                           "(256 bytes + <|endoftext|>); set data.vocab_size=...")
     scan = scan_corpus(corpus)
     root = resolve_corpus(corpus)
+    if scan.special:
+        print(f"xirang-prepare: warning: skipped {len(scan.special)} special file(s) of the corpus (FIFOs, sockets, "
+              f"devices: only regular files are read), e.g. {scan.special[0]}", file=sys.stderr, flush=True)
     if root.is_dir() and not scan.records and len(scan.files) < 2:
         raise CorpusError(
             f"corpus {str(root)!r} has {len(scan.files)} usable file; a train/val split needs at least 2 "
@@ -255,6 +265,7 @@ def prepare(
         "documents": n_docs,
         "skipped_binary": len(scan.binary),
         "skipped_unreadable": len(scan.unreadable),
+        "skipped_special": len(scan.special),
         "skipped_records": stats.as_dict(),
         "on_bad_record": on_bad_record,
         "splits": {s: w.close() for s, w in writers.items()},

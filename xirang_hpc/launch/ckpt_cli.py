@@ -14,22 +14,26 @@ from pathlib import Path
 from xirang_hpc.checkpoint import layout as ckpt_layout
 
 
+class Refused(Exception):
+    """A request refused (no such run, step or file; a bad flag): one error line, exit status 2, as the help says."""
+
+
 def _root(run: str) -> Path:
     p = Path(run).expanduser().absolute()
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     if not root.is_dir():
-        raise SystemExit(f"xirang-ckpt: error: {p} is not a run directory (no checkpoints/ inside)")
+        raise Refused(f"{p} is not a run directory (no checkpoints/ inside)")
     return root
 
 
 def _step(root: Path, step: int | None) -> int:
     steps = ckpt_layout.committed_steps(root)
     if not steps:
-        raise SystemExit(f"xirang-ckpt: error: no checkpoints under {root}")
+        raise Refused(f"no checkpoints under {root}")
     if step is None:
         return steps[-1]
     if step not in steps:
-        raise SystemExit(f"xirang-ckpt: error: no checkpoint for step {step} under {root} (have {steps})")
+        raise Refused(f"no checkpoint for step {step} under {root} (have {steps})")
     return step
 
 
@@ -138,7 +142,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     from xirang_hpc.checkpoint.export import export_safetensors
 
     if a.format not in ("safetensors", "hf"):
-        raise SystemExit(f"xirang-ckpt: error: --format {a.format!r} is not supported; use safetensors or hf")
+        raise Refused(f"--format {a.format!r} is not supported; use safetensors or hf")
     root = _root(a.run)
     step = _step(root, a.step)
     if a.format == "hf":
@@ -152,7 +156,7 @@ def cmd_export(a: argparse.Namespace) -> int:
               f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
         return 0
     if a.dtype != "float32":
-        raise SystemExit("xirang-ckpt: error: --dtype applies to --format hf only")
+        raise Refused("--dtype applies to --format hf only")
     out = Path(a.out) if a.out else root.parent / "export" / f"step_{step}"
     w, c = export_safetensors(root / ckpt_layout.step_dir_name(step), out)
     print(f"wrote {w} ({w.stat().st_size / 1e6:.2f} MB) and {c}")
@@ -167,7 +171,7 @@ def cmd_interval(a: argparse.Namespace) -> int:
     infos = [ckpt_layout.read_manifest(root / ckpt_layout.step_dir_name(s)) for s in ckpt_layout.committed_steps(root)]
     infos = [m for m in infos if "stall_s" in m]
     if not infos:
-        raise SystemExit(f"xirang-ckpt: error: {root} has no measured saves yet")
+        raise Refused(f"{root} has no measured saves yet")
     st = ckpt_layout.read_state(root / ckpt_layout.step_dir_name(infos[-1]["step"]))
     cfg = st.get("config", {})
     mtbf_h = a.mtbf_hours if a.mtbf_hours is not None else cfg.get("checkpoint", {}).get("mtbf_hours", 24.0)
@@ -232,11 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
     a = build_parser().parse_args(argv)
-    if a.cmd == "pin" and a.step is None:
-        raise SystemExit("xirang-ckpt: error: pin needs --step")
     try:
+        if a.cmd == "pin" and a.step is None:
+            raise Refused("pin needs --step")
         return a.fn(a)
-    except (FileNotFoundError, FileExistsError, ckpt_layout.CheckpointCorruptError, ValueError) as exc:
+    except (Refused, FileNotFoundError, FileExistsError, ckpt_layout.CheckpointCorruptError, ValueError) as exc:
         print(f"xirang-ckpt: error: {exc}", file=sys.stderr)
         return 2
 

@@ -24,7 +24,7 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.job.stages import STAGE_FNS, serve_stage, train_stage
 from xirang_hpc.launch.cli_help import maybe_print_help
-from xirang_hpc.launch.hydra_setup import register_configs
+from xirang_hpc.launch.hydra_setup import register_configs, run_app
 from xirang_hpc.launch.preflight import corrupt_message, open_run_dir, preflight
 from xirang_hpc.monitor.chain import (
     STAGE_DIR,
@@ -193,4 +193,4 @@ def main() -> None:
             _fail("usage: xirang-pipeline --status RUN_DIR [--json]")
         sys.exit(status_main(sys.argv[2:]))
     register_configs()
-    _app()
+    run_app("xirang-pipeline", _app)

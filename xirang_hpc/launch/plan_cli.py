@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, XirangConfig
 from xirang_hpc.launch.cli_help import maybe_print_help
-from xirang_hpc.launch.hydra_setup import register_configs
+from xirang_hpc.launch.hydra_setup import register_configs, run_app
 
 _OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="", layout="",
                                                rounds=None)
@@ -53,11 +53,23 @@ def typed_config(dcfg: DictConfig) -> XirangConfig:
 
 def plan(cfg: XirangConfig, as_json: bool, top: int) -> str:
     """The ranked plans for ``cfg`` (all runnable) as text or JSON."""
+    return plan_result(cfg, as_json, top)[0]
+
+
+def plan_result(cfg: XirangConfig, as_json: bool, top: int) -> tuple[str, str | None]:
+    """(:func:`plan`'s report, why no layout fits or None when one does)."""
     from xirang_hpc.planner.auto import plan_for
     from xirang_hpc.planner.report import render, to_json
 
     res = plan_for(cfg)
-    return json.dumps(to_json(res, top), indent=2) if as_json else render(res, top)
+    report = json.dumps(to_json(res, top), indent=2) if as_json else render(res, top)
+    why = None
+    if not res.ranked:
+        why = (f"no layout of model {cfg.model.name} fits {res.problem.hw.mem_gb:g} GiB per rank on "
+               f"{res.problem.world} ranks with train.global_batch={cfg.train.global_batch}: "
+               + (res.limit or "use more nodes (cluster.nodes=), a device with more memory, or a smaller model "
+                  "or batch"))
+    return report, why
 
 
 def evaluate_layout(cfg: XirangConfig, spec: str, as_json: bool) -> str:
@@ -114,7 +126,10 @@ def _app(dcfg: DictConfig) -> None:
         elif _OPTS.layout:
             print(evaluate_layout(cfg, _OPTS.layout, _OPTS.json), flush=True)
         else:
-            print(plan(cfg, _OPTS.json, _OPTS.top), flush=True)
+            report, why = plan_result(cfg, _OPTS.json, _OPTS.top)
+            print(report, flush=True)
+            if why is not None:
+                _fail(why)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
 
@@ -152,4 +167,4 @@ def main() -> None:
         _fail("--rounds applies to --calibrate only")
     sys.argv = [sys.argv[0], *rest]
     register_configs()
-    _app()
+    run_app("xirang-plan", _app)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -17,7 +18,8 @@ from xirang_hpc.config.validate import load_config
 from xirang_hpc.data.prepare import CorpusError, prepare_data
 from xirang_hpc.data.tokenizer import TokenizerError
 from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
-from xirang_hpc.launch.hydra_setup import register_configs
+from xirang_hpc.launch.hydra_setup import register_configs, run_app
+from xirang_hpc.launch.preflight import check_writable
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -27,6 +29,8 @@ def _app(cfg: DictConfig) -> None:
     logging.getLogger("xirang_hpc.data.prepare").setLevel(logging.WARNING)
     try:
         d = load_config(cfg).data
+        # Before the corpus is read: a directory that cannot be written is refused naming data.out_dir.
+        check_writable(Path(d.out_dir), "data.out_dir", "data directory (to prepare the corpus into)")
         index = prepare_data(d)
     except (ConfigError, CorpusError, TokenizerError) as exc:
         print(f"xirang-prepare: error: {exc}", file=sys.stderr)
@@ -43,4 +47,4 @@ def main() -> None:
     maybe_print_help("xirang-prepare", sys.argv[1:])
     setup_logging(logging.INFO)
     register_configs()
-    _app()
+    run_app("xirang-prepare", _app)

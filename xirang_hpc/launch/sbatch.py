@@ -25,7 +25,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.launch.cli_help import maybe_print_help
-from xirang_hpc.launch.hydra_setup import register_configs
+from xirang_hpc.launch.hydra_setup import register_configs, run_app
 
 # Inside the package (so a non-editable install has it); the repo's top-level sbatch_templates/ links here.
 TEMPLATE = Path(__file__).resolve().parents[1] / "sbatch_templates" / "xirang.sbatch"
@@ -116,4 +116,4 @@ def main() -> None:
         argv = argv[:i] + argv[i + 2:]
     sys.argv = [sys.argv[0], *argv]
     register_configs()
-    _app()
+    run_app("xirang-sbatch", _app)

@@ -28,7 +28,7 @@ from xirang_hpc.job.entry import train_job
 from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
 from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
 from xirang_hpc.launch.executors import make_executor
-from xirang_hpc.launch.hydra_setup import register_configs
+from xirang_hpc.launch.hydra_setup import register_configs, run_app
 from xirang_hpc.launch.preflight import complete_message, corrupt_message, open_run_dir, preflight
 from xirang_hpc.launch.runlock import RunBusyError, claim, record_owner, submission_lock
 
@@ -275,7 +275,7 @@ def main() -> None:
     if "--wait" in sys.argv:  # block until a Slurm job ends (same as train.wait=true)
         sys.argv = [a for a in sys.argv if a != "--wait"] + ["train.wait=true"]
     register_configs()
-    _app()
+    run_app("xirang-train", _app)
 
 
 if __name__ == "__main__":
