@@ -241,3 +241,42 @@ def test_the_batch_steps_own_processes_do_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_failed_step_launch_is_retried_with_backoff_then_left_to_the_policy(tmp_path):
+    """srun ends before any task started (slurmctld does not answer): launched again after 2, 4, 8 ... s while
+    the retry time lasts; a launch that then works goes on; retries that run out are an infrastructure failure."""
+    run = _run_dir(tmp_path, "requeue.max_restarts_in_job=1")
+    clock, slept = [1000.0], []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock[0] += s
+
+    calls = []
+
+    def step(cmd, env, run_dir, since):  # two launches fail, the third trains to the end
+        calls.append(since)
+        if len(calls) < 3:
+            return 1
+        mark_start(run_dir, 0, 0, "n1")
+        mark_exit(run_dir, 0, 0)
+        return 0
+
+    outcome: dict[str, str] = {}
+    assert drive(run, tmp_path, {"SLURM_JOB_ID": "5"}, step=step, allocation=lambda _: ["n1", "n2"], outcome=outcome,
+                 answers=lambda: False, sleep=sleep, clock=lambda: clock[0], preempted=lambda _: None) == 0
+    assert slept == [2.0, 4.0] and outcome == {}
+    failed = [e for e in read_events(run) if e["kind"] == "step_launch_failed"]
+    assert [(e["reason"], e["retry"], e["controller_down"]) for e in failed] == [
+        ("slurmctld does not answer", 1, True), ("slurmctld does not answer", 2, True)]
+
+    (tmp_path / "b").mkdir()
+    run2 = _run_dir(tmp_path / "b", "requeue.max_restarts_in_job=1")
+    slept.clear()
+    env = {"SLURM_JOB_ID": "6", "XIRANG_LAUNCH_RETRY_S": "100"}
+    assert drive(run2, tmp_path / "b", env, step=lambda *a: 1, allocation=lambda _: ["n1", "n2"], outcome=outcome,
+                 answers=lambda: True, sleep=sleep, clock=lambda: clock[0], preempted=lambda _: None) == 1
+    assert slept == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0] and outcome["cause"] == "infra_failure"
+    refused = [e for e in read_events(run2) if e["kind"] == "restart_refused"]
+    assert "srun exited 1 before any task started" in refused[0]["reason"], refused

@@ -55,6 +55,11 @@ ENDING_EVENTS = ("abort", "dead")
 # then waits for every task to report its end, which a lost node's never do (on the testbed it always ran
 # into the 10 s this used to be); waiting longer only delays the restart.
 SRUN_TERM_S = 2.0
+# A step whose srun ends before any task started (slurmctld does not answer: "Unable to confirm allocation";
+# a step that cannot be created) is launched again after 2, 4, 8 ... 60 s, for this long in all; then the policy
+# decides, as for any infrastructure failure. slurmctld fail-over takes SlurmctldTimeout (120 s by default).
+LAUNCH_RETRY_S = 600.0
+LAUNCH_BACKOFF_MAX_S = 60.0
 NODES_ENV = "XIRANG_NODES"  # read by xirang_hpc.config.elastic inside the job
 ATTEMPT_ENV = "XIRANG_INJOB_ATTEMPT"  # read by xirang_hpc.runtime.topology (a fresh rendezvous port)
 
@@ -137,6 +142,37 @@ def culprits(run_dir: Path, restart: int, since: float) -> tuple[list[str], str,
     return sorted({n for _, n in lost}), f"ranks {[r for r, _ in lost]} ended without exiting (killed)", None
 
 
+def tasks_started(folder: Path, since: float, run_dir: Path, restart: int) -> bool:
+    """Whether any task of the step that started at ``since`` ran: a rank's start marker, or a write to its log
+    (submitit's first line comes within a second of a task's start). A step whose srun failed before that
+    never ran anything."""
+    markers = run_dir / "ranks" / f"r{restart}"
+    if markers.is_dir() and any(markers.glob("*.start")):
+        return True
+    for log in folder.glob("*_log.*"):
+        try:
+            if log.stat().st_mtime >= since - 1.0:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def controller_answers() -> bool:
+    """``scontrol ping`` says slurmctld is UP (False when it says DOWN, fails or times out)."""
+    from xirang_hpc.runtime import slurmctl
+
+    try:
+        return " is UP" in slurmctl.run_scontrol(["ping"], timeout_s=20)
+    except slurmctl.SlurmCommandError:
+        return False
+
+
+def launch_retry_s(env: Mapping[str, str]) -> float:
+    """How long failed step launches are retried before the policy takes over (``XIRANG_LAUNCH_RETRY_S``)."""
+    return float(env.get("XIRANG_LAUNCH_RETRY_S", LAUNCH_RETRY_S))
+
+
 def archive_markers(run_dir: Path, restart: int, attempt: int) -> None:
     """Move this attempt's rank markers aside, so the next attempt's are not mixed with them."""
     d = run_dir / "ranks" / f"r{restart}"
@@ -146,8 +182,18 @@ def archive_markers(run_dir: Path, restart: int, attempt: int) -> None:
 
 def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys.executable,
           step: Callable[..., int] = run_step, allocation: Callable[[str], list[str]] = hostnames,
-          preempted: Callable[[str], str | None] = preempt_time) -> int:
-    """Run attempts until one ends without a restartable failure; returns the last step's exit code."""
+          preempted: Callable[[str], str | None] = preempt_time, outcome: dict[str, str] | None = None,
+          started: Callable[[Path, float, Path, int], bool] = tasks_started,
+          answers: Callable[[], bool] = controller_answers,
+          sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.time) -> int:
+    """Run attempts until one ends without a restartable failure; returns the last step's exit code.
+
+    A step launch that fails before any task started is retried with backoff (:data:`LAUNCH_RETRY_S`); when
+    the retries run out, ``outcome["cause"]`` says ``infra_failure`` for the supervisor.
+    """
+    outcome = {} if outcome is None else outcome
+    first_failure: float | None = None
+    failures = 0
     job = json.loads((run_dir / "slurm_job.json").read_text())
     policy = job["requeue"]
     restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
@@ -169,6 +215,27 @@ def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys
             return rc  # finished, or the job itself stopped (preemption, time limit): not ours to restart
         if job_id and preempted(job_id):
             return rc  # preempted before the ranks' own handler could act: Slurm takes the job; the supervisor says so
+        if rc != 0 and not started(folder, since, run_dir, restart):
+            first_failure = clock() if first_failure is None else first_failure
+            down = not answers()
+            cause = "slurmctld does not answer" if down else f"srun exited {rc} before any task started"
+            waited = clock() - first_failure
+            if waited < launch_retry_s(env):
+                wait = min(LAUNCH_BACKOFF_MAX_S, 2.0 * 2 ** failures)
+                failures += 1
+                append_event(run_dir, "step_launch_failed", cause, rc=rc, attempt=attempt, retry=failures,
+                             retry_in_s=wait, failing_since=first_failure, controller_down=down, nodes=plan.nodes,
+                             job=job_id, restart=restart)
+                print(f"xirang: step launch failed: {cause} (srun exit {rc}); retry {failures} in {wait:.0f}s",
+                      file=sys.stderr, flush=True)
+                sleep(wait)
+                continue
+            detail = f"step launches failed for {waited:.0f}s ({cause})"
+            append_event(run_dir, "restart_refused", detail, cause="infra_failure", controller_down=down,
+                         job=job_id, restart=restart)
+            outcome.update(cause="infra_failure", detail=detail)
+            return rc
+        first_failure, failures = None, 0
         failed, cause, fault_time = culprits(run_dir, restart, since)
         if not failed:
             return rc  # a plain non-zero exit: restarting would repeat it; the policy decides
@@ -284,9 +351,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.guard is not None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # outlive the requeue the ranks may do meanwhile
         sys.exit(guard(a.guard, run_dir, env))
-    rc = drive(run_dir, a.folder, env)
+    outcome: dict[str, str] = {}
+    rc = drive(run_dir, a.folder, env, outcome=outcome)
     release_memory(run_dir, env)
-    sys.exit(supervise(rc, run_dir, env))
+    sys.exit(supervise(rc, run_dir, env, cause=outcome.get("cause"), detail=outcome.get("detail", "")))
 
 
 if __name__ == "__main__":

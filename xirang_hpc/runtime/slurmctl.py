@@ -24,6 +24,18 @@ class SlurmCommandError(RuntimeError):
     """``scontrol`` is missing or failed; the message says which and what to do."""
 
 
+# What Slurm's clients print when slurmctld does not answer (killed: connect failure; stopped or overloaded:
+# timeouts), as seen from scontrol, srun and sbatch of Slurm 22.05.
+CONTROLLER_DOWN = ("Unable to contact slurm controller", "Socket timed out on send/recv",
+                   "Zero Bytes were transmitted or received", "Communication connection failure",
+                   "Unable to confirm allocation")
+
+
+def controller_down(text: str) -> bool:
+    """Whether a Slurm client's message says that slurmctld did not answer (not that it said no)."""
+    return any(m in text for m in CONTROLLER_DOWN)
+
+
 def run_scontrol(args: list[str], timeout_s: float = 30.0) -> str:
     """Run ``scontrol ARGS`` and return its stdout (the one place the job shells out to Slurm)."""
     exe = shutil.which("scontrol")
