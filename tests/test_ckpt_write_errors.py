@@ -144,3 +144,39 @@ def test_failure_reaches_events_and_status_not_as_a_signal(small_fs, tmp_path, c
     assert ev["needed_bytes"] >= 4 * 1024 * 1024 > ev["free_bytes"]
     status = run_status(run_dir)
     assert "no space left" in status["state_reason"] and "ENOSPC" in status["state_reason"], status
+
+
+@pytest.mark.slow
+def test_a_training_run_whose_checkpoints_fill_the_disk_stops_naming_the_cause(tmp_path, source_data):
+    """The embedded default (4 ranks, async saves) with its checkpoints on a 4 MiB tmpfs: step 2 fits, step 4
+    does not. No rank crashes, the cause is in events.jsonl and every rank's stderr, nothing is left half
+    written, and the stop is a storage failure, not a dead node."""
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    ckpt.mkdir(parents=True)
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(ckpt)], capture_output=True, text=True)
+    if m.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {m.stderr.strip() or m.returncode}")
+    try:
+        r = subprocess.run([str(Path(sys.executable).parent / "xirang-train"), "train.max_steps=8",
+                            "train.warmup_steps=1", "train.log_every=2", "checkpoint.every_steps=2",
+                            f"train.run_dir={run}", f"data.out_dir={source_data}"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # a native crash prints its stack
+        logs = r.stdout + r.stderr + "".join(p.read_text(errors="replace") for p in (run / "submitit").glob("*_log.*"))
+        assert r.returncode != 0, logs[-3000:]
+        assert "Fatal Python error" not in logs and "Can't decrement id ref count" not in logs, logs[-6000:]
+        events = read_events(run)
+        (failed,) = [e for e in events if e["kind"] == "save_failed"]
+        assert (failed["step"], failed["errno_name"]) == (4, "ENOSPC") and "no space left" in failed["error"]
+        assert failed["needed_bytes"] > failed["free_bytes"] >= 0
+        # Every rank's log names it (the batch step's output), not only the event log.
+        assert logs.count("xirang: error: checkpoint save of step 4 failed") >= 4, logs[-3000:]
+        assert not [e for e in events if "native code" in e.get("reason", "") or e.get("reason") == "node_failure"]
+        from xirang_hpc.monitor.events import storage_failure
+
+        assert storage_failure(run) == failed  # what the Slurm supervisor and the in-job driver classify by
+        assert _leftovers(ckpt) == [] and (ckpt / "step_2").is_dir() and not (ckpt / "step_4").exists()
+        assert "no space left" in run_status(run)["state_reason"]
+    finally:
+        _sh("umount", str(ckpt))
