@@ -98,3 +98,44 @@ def test_writer_checksums_its_file_while_syncing_it(tmp_path):
     w = HDF5StorageWriter(tmp_path)
     dcp.save(_state(), storage_writer=w, no_dist=True)
     assert w.file_entries == {"rank_0.h5": file_entry(tmp_path / "rank_0.h5")}
+
+
+def test_guarded_file_writes_a_normal_hdf5_file_and_keeps_a_failed_write_from_hdf5(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import numpy as np
+
+    from xirang_hpc.checkpoint import h5file
+    from xirang_hpc.checkpoint.h5file import GuardedFile
+
+    arr = np.arange(4096, dtype=np.float32)
+    raw = GuardedFile(tmp_path / "ok.h5")
+    with h5py.File(raw, "w", locking=False) as f:
+        for i in range(50):
+            f.create_dataset(f"d{i}", data=arr + i)
+    raw.close()
+    assert raw.error is None
+    with h5py.File(tmp_path / "ok.h5", "r") as f:  # an ordinary HDF5 file, read through HDF5's own driver
+        assert len(f) == 50 and np.array_equal(f["d49"][()], arr + 49)
+
+    # The disk fills after 64 KiB: HDF5 still sees every write succeed and closes the file without an error.
+    budget = [64 << 10]
+    real_pwrite = os.pwrite
+
+    def pwrite(fd, data, offset):
+        if len(data) > budget[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        budget[0] -= len(data)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(h5file.os, "pwrite", pwrite)
+    raw = GuardedFile(tmp_path / "full.h5")
+    with h5py.File(raw, "w", locking=False) as f:
+        for i in range(50):
+            f.create_dataset(f"d{i}", data=arr + i)
+            if raw.error is not None:
+                break
+        assert np.array_equal(f[f"d{i}"][()], arr + i)  # what it wrote after the failure reads back
+    raw.close()
+    assert raw.error is not None and raw.error.errno == errno.ENOSPC and raw.error.filename == str(tmp_path / "full.h5")

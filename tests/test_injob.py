@@ -154,6 +154,25 @@ def test_driver_respects_max_restarts_and_leaves_plain_errors_to_the_policy(tmp_
     assert len(play2.calls) == 1 and not [e for e in read_events(run2) if e["kind"].startswith("restart")]
 
 
+def test_driver_does_not_restart_after_a_save_failed_on_the_storage(tmp_path):
+    run = _run_dir(tmp_path, "requeue.max_restarts_in_job=3", "cluster.spare_nodes=1")
+
+    def full_disk(cmd, env, run_dir, since):
+        for i, node in enumerate(("n1", "n2")):
+            mark_start(run_dir, 0, i, node)
+            mark_exit(run_dir, 0, i)
+        append_event(run_dir, "save_failed", "no space left on the device", errno=28, errno_name="ENOSPC",
+                     error="checkpoint save of step 4 failed: no space left on the device (ENOSPC)")
+        append_event(run_dir, "dead", "rank 0 on n1: dead: process exited with an error", rank=0, node="n1")
+        append_event(run_dir, "abort", "job aborted", node="n1")
+        return 1
+
+    assert drive(run, tmp_path, {}, step=full_disk, allocation=lambda _: ["n1", "n2", "n3"]) == 1
+    assert not [e for e in read_events(run) if e["kind"] == "restart"]
+    (refused,) = [e for e in read_events(run) if e["kind"] == "restart_refused"]
+    assert refused["cause"] == "save_failed" and "no space left" in refused["reason"]
+
+
 def test_driver_does_not_restart_a_job_that_stopped_itself(tmp_path):
     run = _run_dir(tmp_path, "requeue.max_restarts_in_job=3")
 

@@ -149,6 +149,33 @@ def test_a_nonzero_exit_is_final_under_the_default_policy(fake_slurm: Path, tmp_
     assert final["final"] is True and final["reason"] == "nonzero_exit"
 
 
+def test_a_save_that_failed_on_a_full_disk_blames_no_node_and_is_not_requeued(fake_slurm: Path,
+                                                                              tmp_path: Path) -> None:
+    from xirang_hpc.monitor.events import append_event
+
+    # Even a policy that requeues every failure: a full checkpoint filesystem is the same after a requeue.
+    run = _run_dir(tmp_path, on_nonzero_exit=True, exclude_failed_nodes=True)
+    append_event(run, "start", "restart 0", restart=0)
+    for rank, node in enumerate(("n1", "n1", "n2", "n2")):
+        mark_start(run, 0, rank, node)
+        if rank != 3:
+            mark_exit(run, 0, rank)  # rank 3 was killed in the aftermath (the watchdog's abort)
+    error = "checkpoint save of step 4 failed on rank 0: no space left on the device (ENOSPC) writing /c/step_4.tmp-x"
+    append_event(run, "save_failed", "no space left on the device", step=4, file="/c/step_4.tmp-x", errno=28,
+                 errno_name="ENOSPC", free_bytes=1024, needed_bytes=4096, cause="no space left on the device",
+                 error=error)
+    append_event(run, "dead", "rank 0 on n1: dead: process exited with an error", rank=0, node="n1")
+    assert supervise(1, run, dict(ARRAY_TASK)) == 1
+    assert not [c for c in _calls(fake_slurm, "scontrol") if c["args"][0] in ("requeue", "update")]
+    (failure,) = [e for e in read_events(run) if e["kind"] == "failure"]
+    assert (failure["reason"], failure["nodes"], failure["errno_name"]) == ("save_failed", [], "ENOSPC")
+    assert (failure["free_bytes"], failure["needed_bytes"]) == (1024, 4096)
+    (final,) = [e for e in read_events(run) if e["kind"] == "exit"]
+    assert final["final"] is True and final["status"] == "stopped_save_failed"
+    assert "no space left on the device" in final["why"] and "requeue would fail" in final["why"]
+    assert not [e for e in read_events(run) if e.get("reason") == "node_failure"]
+
+
 def test_requeues_stop_at_max_requeues(fake_slurm: Path, tmp_path: Path) -> None:
     run = _run_dir(tmp_path, max_requeues=2)
     mark_start(run, 2, 0, "n1")  # third start (two requeues already), rank 0 lost

@@ -31,23 +31,28 @@ _HINTS = {
 
 
 class CheckpointWriteError(OSError):
-    """A save failed on the storage; ``file``, ``errno``, ``free_bytes`` and ``rank`` say where and why."""
+    """A save failed on the storage; ``file``, ``errno``, ``free_bytes``, ``needed_bytes`` (what the save
+    needed there, when known) and ``rank`` say where and why. ``reported``: already in the events and on stderr."""
 
-    def __init__(self, step: int, file: str, err: int, free_bytes: int | None, rank: int | None, detail: str) -> None:
+    def __init__(self, step: int, file: str, err: int, free_bytes: int | None, rank: int | None, detail: str,
+                 needed_bytes: int | None = None) -> None:
         cause, fix = _HINTS.get(err, (os.strerror(err) if err else "write failed", "check the run directory"))
         free = f"{free_bytes} bytes free" if free_bytes is not None else "free space unknown"
+        need = f"needs {needed_bytes} bytes ({needed_bytes / 2**20:.1f} MiB), " if needed_bytes is not None else ""
         who = f" on rank {rank}" if rank is not None else ""
         super().__init__(err, f"checkpoint save of step {step} failed{who}: {cause} "
-                              f"({errno_mod.errorcode.get(err, err)}) writing {file}; {free} there; {fix}")
+                              f"({errno_mod.errorcode.get(err, err)}) writing {file}; {need}{free} there; {fix}")
         self.step, self.file, self.errno_name, self.free_bytes, self.rank = step, file, \
             errno_mod.errorcode.get(err, str(err)), free_bytes, rank
+        self.needed_bytes = needed_bytes
         self.cause, self.detail = cause, detail
+        self.reported = False
 
     def fields(self) -> dict[str, Any]:
         """JSON fields for the ``save_failed`` event."""
         return {"step": self.step, "file": self.file, "errno": self.errno, "errno_name": self.errno_name,
-                "free_bytes": self.free_bytes, "failed_rank": self.rank, "cause": self.cause,
-                "error": self.strerror}
+                "free_bytes": self.free_bytes, "needed_bytes": self.needed_bytes, "failed_rank": self.rank,
+                "cause": self.cause, "error": self.strerror}
 
 
 def free_bytes(path: Path) -> int | None:
@@ -96,7 +101,11 @@ def write_error(exc: BaseException, step: int, where: Path) -> CheckpointWriteEr
             continue
         m = _H5_FILE.search(text)
         file = e.filename or (m.group(1) if m else str(where))
-        return CheckpointWriteError(step, str(file), int(err), free_bytes(Path(file).parent), rank, text[:500])
+        # The storage writer attaches what it measured (see checkpoint/storage.py no_room); else measure now.
+        free = getattr(e, "free_bytes", None)
+        if free is None:
+            free = free_bytes(Path(file).parent)
+        return CheckpointWriteError(step, str(file), int(err), free, rank, text[:500], getattr(e, "needed_bytes", None))
     return None
 
 

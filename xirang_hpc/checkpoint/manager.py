@@ -104,6 +104,7 @@ class CheckpointManager(GroupCollectives):
                  verify_checksums: bool = True, on_commit: Callable[[SaveRecord, Path], None] | None = None,
                  memory: MemoryStore | None = None,
                  on_memory: Callable[[MemoryRecord], None] | None = None,
+                 on_failure: Callable[[CheckpointWriteError], None] | None = None,
                  write_delay_s: float = 0.0) -> None:
         self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
         # The in-memory copy (None = off); ``on_memory`` is called on every rank after each memory save.
@@ -111,6 +112,9 @@ class CheckpointManager(GroupCollectives):
         self.write_delay_s = write_delay_s  # test-only: seconds per tensor written (a slow filesystem)
         # Called on rank 0 once a step is committed on every rank (the run's events.jsonl records it).
         self.on_commit = on_commit
+        # Called on every rank as soon as a save failed on the storage, from the thread that wrote it (the
+        # caller learns of it only at its next save or wait): the job names the cause at once.
+        self.on_failure = on_failure
         self.compression, self.dedup, self.dir_mode = compression, dedup, dir_mode
         self.retention = retention or RetentionPolicy()
         self.async_save, self.verify_checksums = async_save, verify_checksums
@@ -246,6 +250,11 @@ class CheckpointManager(GroupCollectives):
             if found is None:
                 raise
             log.error("%s", found)
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(found)
+                except Exception as cb_exc:  # noqa: BLE001 - the save's own error is the one to raise
+                    log.warning("checkpoint step %d: failure callback failed: %s", rec.step, cb_exc)
             raise found from exc
 
     def _persist_steps(self, rec: SaveRecord, snap: dict[str, Any], state: dict[str, Any],

@@ -15,6 +15,11 @@ module decides *how* it lands on disk:
   page cache in parallel (:func:`sync_and_checksum`). (A flusher thread that ``fdatasync``ed every
   256 MiB during the write was slower on the shared ext4 disk: each call forces a journal commit.)
 - files are opened with ``locking=False`` (one writer per file; NFS/Lustre locking often fails);
+- HDF5 writes through a :class:`~xirang_hpc.checkpoint.h5file.GuardedFile`, so a full disk (or any
+  write error) is never seen by HDF5, which crashed the process on it; the writer stops at the first
+  failed write, removes its file and raises the ``OSError`` (:func:`no_room` names the bytes needed);
+- before anything is written, the coordinator compares the bytes every rank's plan will write with the
+  free space of the checkpoint's filesystem and refuses a save that cannot fit (uncompressed, no dedup);
 - with a dedup index, a chunk whose hash matches one already on disk in an earlier checkpoint
   is stored as a reference (``../step_N/rank_i.h5`` + dataset) instead of a copy.
 
@@ -25,6 +30,7 @@ checkpoint manager keeps those out of the DCP state dict and stores them as JSON
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -58,6 +64,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from xirang_hpc.checkpoint.errors import free_bytes
+from xirang_hpc.checkpoint.h5file import GuardedFile
 from xirang_hpc.checkpoint.integrity import (
     METADATA_FILE,
     CheckpointFormatError,
@@ -144,6 +152,29 @@ def write_dataset(f: h5py.File, name: str, arr: np.ndarray, compression: str = "
         ds.write_direct(np.ascontiguousarray(arr))
 
 
+# What HDF5 adds per dataset (object header, link) and per file (superblock, root group), for the free-space check.
+_DATASET_OVERHEAD = 1024
+_FILE_OVERHEAD = 64 << 10
+
+
+def plan_bytes(plan: SavePlan) -> int:
+    """Bytes of tensor data a rank's save plan writes (before compression and dedup)."""
+    total = 0
+    for item in plan.items:
+        td = item.tensor_data
+        if td is not None:
+            itemsize = torch.empty((), dtype=td.properties.dtype).element_size()
+            total += int(np.prod(tuple(td.chunk.sizes), dtype=np.int64)) * itemsize
+    return total
+
+
+def no_room(err: int, strerror: str, path: Path, needed: int, free: int | None) -> OSError:
+    """The ``OSError`` of a save that does not fit: errno, the path, and the bytes needed and free there."""
+    exc = OSError(err, strerror, str(path))
+    exc.needed_bytes, exc.free_bytes = needed, free  # type: ignore[attr-defined]
+    return exc
+
+
 @dataclasses.dataclass(frozen=True)
 class _FilePrefix:
     """Per-plan storage data: which file this rank writes."""
@@ -208,21 +239,52 @@ class HDF5StorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Assign each rank's plan its own file."""
+        """Assign each rank's plan its own file, after checking that all of them fit on the filesystem."""
+        self._check_room(plans)
         return [dataclasses.replace(p, storage_data=_FilePrefix(f"rank_{i}.h5")) for i, p in enumerate(plans)]
 
+    def _check_room(self, plans: list[SavePlan]) -> None:
+        """Coordinator, before any rank writes: refuse a save whose bytes exceed the free space (ENOSPC).
+
+        Exact only for uncompressed saves without dedup references (compression and dedup write less
+        than the plan says); those rely on the write itself failing cleanly (see :class:`GuardedFile`).
+        """
+        if self.compression != "none" or self.dedup_index:
+            return
+        free = free_bytes(self.path)
+        if free is None:
+            return
+        needed = sum(plan_bytes(p) + _DATASET_OVERHEAD * len(p.items) + _FILE_OVERHEAD for p in plans)
+        if needed > free:
+            raise no_room(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path, needed, free)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items into its HDF5 file, fsync it, and describe each item."""
+        """Write this rank's items into its HDF5 file, fsync it, and describe each item.
+
+        A failed write (full disk, quota, I/O error) stops the file at that item: the file is closed
+        (HDF5 never saw the error), removed, and the error is raised with the bytes this rank needed.
+        """
         fname = plan.storage_data.file
         results: list[WriteResult] = []
         fpath = self.path / fname
-        with h5py.File(fpath, "w", locking=False) as f:
-            for item in plan.items:
-                if self.item_delay_s > 0:
-                    time.sleep(self.item_delay_s)
-                info = self._write_item(f, fname, item, planner)
-                results.append(WriteResult(index=item.index, size_in_bytes=info["nbytes"], storage_data=info))
-                liveness.tick("checkpoint write")  # a long save that still writes is no hang
+        raw = GuardedFile(fpath)
+        try:
+            with h5py.File(raw, "w", locking=False) as f:
+                for item in plan.items:
+                    if self.item_delay_s > 0:
+                        time.sleep(self.item_delay_s)
+                    info = self._write_item(f, fname, item, planner)
+                    results.append(WriteResult(index=item.index, size_in_bytes=info["nbytes"], storage_data=info))
+                    liveness.tick("checkpoint write")  # a long save that still writes is no hang
+                    if raw.error is not None:
+                        break
+        finally:
+            raw.close()
+        if raw.error is not None:
+            fpath.unlink(missing_ok=True)  # its space goes back at once (the event log may share the disk)
+            e = raw.error
+            raise no_room(e.errno or errno.EIO, e.strerror or str(e), fpath, plan_bytes(plan),
+                          free_bytes(self.path)) from e
         self.file_entries[fname] = sync_and_checksum(fpath, self.fsync)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from xirang_hpc.checkpoint import extra as ckpt_extra
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint import state as ckpt_state
+from xirang_hpc.checkpoint.errors import CheckpointWriteError
 from xirang_hpc.checkpoint.identity import read_identity, write_identity
 from xirang_hpc.checkpoint.manager import CheckpointManager, LoadResult, SaveRecord
 from xirang_hpc.checkpoint.memory import MemoryRecord, MemoryStore
@@ -104,7 +106,7 @@ class CheckpointHook(TrainerHook):
             compression=c.compression, dedup=c.dedup, dir_mode=c.dir_mode, async_save=c.async_save,
             retention=RetentionPolicy(c.keep_last, c.keep_every, tuple(c.pinned)), verify_checksums=c.verify_checksums,
             on_commit=self._committed if self.topo.rank == 0 else None, memory=self.memory,
-            on_memory=self._kept_in_memory if self.topo.rank == 0 else None,
+            on_memory=self._kept_in_memory if self.topo.rank == 0 else None, on_failure=self._save_failed,
             write_delay_s=self.cfg.monitor.debug_slow_save_s)
         self.mgr.cleanup_leftovers()
         restored = self.restore(trainer)
@@ -119,6 +121,21 @@ class CheckpointHook(TrainerHook):
         """Rank 0, after a commit: record it in events.jsonl (the history survives retention pruning)."""
         self.events.append("checkpoint", f"step {rec.step} committed", step=rec.step, path=str(path),
                            stall_s=round(rec.stall_s, 4), persist_s=round(rec.persist_s, 4), new_bytes=rec.new_bytes)
+
+    def _save_failed(self, exc: CheckpointWriteError) -> None:
+        """Every rank, as soon as a save failed on the storage (from the background writer): the cause on
+        stderr (the batch step's log, also when the run directory's filesystem is the full one) and, from
+        rank 0, a ``save_failed`` event. The run stops at its next save or at its end, where every rank
+        meets the error together; the failed step's temporary directory is already gone, and no committed
+        checkpoint was touched."""
+        print(f"xirang: error: {exc.strerror}", file=sys.stderr, flush=True)
+        if self.topo.rank == 0:
+            try:
+                self.events.append("save_failed", exc.cause, host=self.topo.node_name, **exc.fields())
+            except OSError as log_exc:  # the event log may sit on the same full/read-only filesystem
+                print(f"xirang: could not record the save failure in events.jsonl: {log_exc}", file=sys.stderr,
+                      flush=True)
+        exc.reported = True
 
     def _kept_in_memory(self, rec: MemoryRecord) -> None:
         """Rank 0, after each in-memory save (every rank holds its bundle and a replica)."""

@@ -64,13 +64,15 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
 
 def report_save_failure(exc: CheckpointWriteError, topo: Topology, run_dir: Path, hooks: list[TrainerHook]) -> None:
     """Name a failed save everywhere it is looked for: stderr (one line, before the peers' noise),
-    this rank's heartbeat (the watchdog's ``dead`` event quotes it) and, from rank 0, ``events.jsonl``."""
-    print(f"xirang: error: {exc.strerror}", file=sys.stderr, flush=True)
+    this rank's heartbeat (the watchdog's ``dead`` event quotes it) and, from rank 0, ``events.jsonl``.
+    A failure the checkpoint hook already reported from the background writer is not logged twice."""
+    if not exc.reported:
+        print(f"xirang: error: {exc.strerror}", file=sys.stderr, flush=True)
     for h in hooks:
         hb = getattr(h, "hb", None)
         if isinstance(h, MonitorHook) and hb is not None:
             hb.ident["error"] = exc.strerror
-    if topo.rank == 0:
+    if topo.rank == 0 and not exc.reported:
         try:
             EventLog(run_dir).append("save_failed", exc.cause, host=topo.node_name, **exc.fields())
         except OSError as log_exc:  # the event log may sit on the same full/read-only filesystem

@@ -41,7 +41,7 @@ from xirang_hpc.launch.supervise import (
     run_dir_for_task,
     supervise,
 )
-from xirang_hpc.monitor.events import EventTail, append_event, failed_nodes, read_events
+from xirang_hpc.monitor.events import EventTail, append_event, failed_nodes, read_events, storage_failure
 from xirang_hpc.runtime.markers import missing_ranks, write_stop_cause
 
 # After the watchdog named a dead rank or aborted the ranks, how long the step may take to end by itself
@@ -236,6 +236,13 @@ def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys
             outcome.update(cause="infra_failure", detail=detail)
             return rc
         first_failure, failures = None, 0
+        storage = storage_failure(run_dir, since=since)
+        if storage is not None:
+            # The checkpoint storage is full or unwritable: the same on every node, a restart would fail alike.
+            why = storage.get("error") or storage.get("cause")
+            append_event(run_dir, "restart_refused", f"checkpoint storage: {why}", cause="save_failed",
+                         job=job_id, restart=restart)
+            return rc
         failed, cause, fault_time = culprits(run_dir, restart, since)
         if not failed:
             return rc  # a plain non-zero exit: restarting would repeat it; the policy decides

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 from xirang_hpc.config.schema import RequeueConfig
-from xirang_hpc.monitor.events import append_event, failed_nodes, read_events
+from xirang_hpc.monitor.events import append_event, failed_nodes, read_events, storage_failure
 from xirang_hpc.runtime import slurmctl
 from xirang_hpc.runtime.markers import missing_ranks
 from xirang_hpc.runtime.policy import decide
@@ -166,6 +166,7 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = N
         return 0
     lost = missing_ranks(run_dir, restart)
     handover = handed_over(run_dir, restart)
+    storage: dict | None = None
     preempted = preempt_time(job_id)
     if handover:  # the stop handler saved and logged the preemption; the decision on the site is ours
         nodes: list[str] = []
@@ -183,18 +184,34 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = N
         append_event(run_dir, "failure", reason, detail=detail, job=job_id, restart=restart, srun_rc=rc,
                      ranks=[r for r, _ in lost], nodes=[], node=env.get("SLURMD_NODENAME"))
     else:
-        # The monitor's watchdog names the culprit (dead/hung rank) precisely; ranks killed in the
-        # aftermath also lack exit markers, so the markers are the fallback when it did not run.
         starts = [e["time"] for e in read_events(run_dir) if e.get("kind") == "start" and e.get("restart") == restart]
-        nodes = failed_nodes(run_dir, since=starts[-1] if starts else 0.0) or sorted({n for _, n in lost})
-        reason = "node_failure" if lost else "nonzero_exit"
-        append_event(run_dir, "failure", reason, job=job_id, restart=restart, srun_rc=rc,
-                     ranks=[r for r, _ in lost], nodes=nodes, node=nodes[0] if nodes else None)
+        since = starts[-1] if starts else 0.0
+        storage = storage_failure(run_dir, since=since)
+        if storage is not None:
+            # A save failed on the checkpoint storage (full disk, quota, read-only): no node is to blame, even
+            # when the watchdog calls the first rank that left "dead" or ranks died in the aftermath.
+            nodes = []
+            reason = "save_failed"
+            append_event(run_dir, "failure", reason, job=job_id, restart=restart, srun_rc=rc,
+                         ranks=[r for r, _ in lost], nodes=[], node=None, cause=storage.get("cause"),
+                         errno_name=storage.get("errno_name"), file=storage.get("file"),
+                         free_bytes=storage.get("free_bytes"), needed_bytes=storage.get("needed_bytes"),
+                         error=storage.get("error"))
+        else:
+            # The monitor's watchdog names the culprit (dead/hung rank) precisely; ranks killed in the
+            # aftermath also lack exit markers, so the markers are the fallback when it did not run.
+            nodes = failed_nodes(run_dir, since=since) or sorted({n for _, n in lost})
+            reason = "node_failure" if lost else "nonzero_exit"
+            append_event(run_dir, "failure", reason, job=job_id, restart=restart, srun_rc=rc,
+                         ranks=[r for r, _ in lost], nodes=nodes, node=nodes[0] if nodes else None)
     verdict = decide(reason, restart, policy)
     if not verdict.requeue:
-        append_event(run_dir, "exit", reason, final=True, status=verdict.final_status, why=verdict.why,
+        why = verdict.why
+        if reason == "save_failed" and storage is not None:
+            why = f"{storage.get('error') or storage.get('cause')}; {why}"
+        append_event(run_dir, "exit", reason, final=True, status=verdict.final_status, why=why,
                      job=job_id, restart=restart)
-        print(f"xirang: not requeued: {verdict.why}", file=sys.stderr, flush=True)
+        print(f"xirang: not requeued: {why}", file=sys.stderr, flush=True)
         return rc
     if reason == "preemption":
         # Several sites: the job itself resubmits the run where it starts soonest instead of requeuing it

@@ -17,6 +17,10 @@ from typing import Any
 EVENTS_FILE = "events.jsonl"
 # Kinds whose ``node`` should be excluded when the job is requeued.
 FAULT_KINDS = ("dead", "hang")
+# A checkpoint save that failed on one of these (``save_failed``'s ``errno_name``) failed on the storage, not
+# on a node: a full disk, a quota, a read-only or forbidden directory. Every node sees the same filesystem,
+# so neither a requeue nor an in-job restart elsewhere fixes it. (EIO may be a node's own disk or link: not here.)
+STORAGE_ERRNOS = ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM")
 
 
 def append_event(run_dir: Path | str, kind: str, reason: str, **fields: Any) -> dict[str, Any]:
@@ -86,6 +90,15 @@ def failed_nodes(run_dir: Path | str, since: float = 0.0) -> list[str]:
             if ev["node"] not in nodes:
                 nodes.append(ev["node"])
     return nodes
+
+
+def storage_failure(run_dir: Path | str, since: float = 0.0) -> dict[str, Any] | None:
+    """The newest ``save_failed`` event at or after ``since`` that names a storage condition
+    (:data:`STORAGE_ERRNOS`), or None: the ranks then stopped because the checkpoint storage is full or
+    unwritable, whatever the watchdog says of the rank that exited first."""
+    found = [e for e in read_events(run_dir) if e.get("kind") == "save_failed" and e.get("time", 0) >= since
+             and e.get("errno_name") in STORAGE_ERRNOS]
+    return found[-1] if found else None
 
 
 class EventLog:

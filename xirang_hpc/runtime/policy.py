@@ -22,6 +22,14 @@ REASONS = {
 }
 
 
+# Reasons no policy requeues, and why.
+NEVER_REQUEUED = {
+    "terminated": "SIGTERM without preemption or time limit (scancel or admin): not requeued",
+    # A checkpoint save failed on the storage (full, quota, read-only): every node writes to the same place.
+    "save_failed": "the checkpoint storage is full or unwritable: a requeue would fail the same way",
+}
+
+
 @dataclass(frozen=True)
 class Decision:
     """The verdict: requeue or not, why, and the final status when not."""
@@ -46,12 +54,13 @@ def decide(reason: str, restarts: int, policy: RequeueConfig) -> Decision:
     ``restarts`` is Slurm's ``SLURM_RESTART_COUNT`` (0 on the first run). Backoff grows
     linearly with the restart count (``backoff_s * (restarts + 1)``), capped at one hour.
     """
-    if reason not in REASONS and reason != "terminated":
-        raise ValueError(f"unknown stop reason {reason!r}; expected one of {sorted(REASONS)} or 'terminated'")
+    if reason not in REASONS and reason not in NEVER_REQUEUED:
+        raise ValueError(f"unknown stop reason {reason!r}; expected one of {sorted(REASONS)} or "
+                         f"{' or '.join(repr(r) for r in NEVER_REQUEUED)}")
     if not policy.enabled:
         return Decision(False, reason, "requeue.enabled=false")
-    if reason == "terminated":
-        return Decision(False, reason, "SIGTERM without preemption or time limit (scancel or admin): not requeued")
+    if reason in NEVER_REQUEUED:
+        return Decision(False, reason, NEVER_REQUEUED[reason])
     switch = REASONS[reason]
     if not getattr(policy, switch):
         return Decision(False, reason, f"requeue.{switch}=false")
