@@ -263,28 +263,41 @@ def test_the_batch_steps_own_processes_do_not_import_torch() -> None:
 
 
 def test_a_failed_step_launch_is_retried_with_backoff_then_left_to_the_policy(tmp_path):
-    """srun ends before any task started (slurmctld does not answer): launched again after 2, 4, 8 ... s while
-    the retry time lasts; a launch that then works goes on; retries that run out are an infrastructure failure."""
+    """srun ends before any rank started, saying it could not reach slurmctld or create the step: launched again
+    after 2, 4, 8 ... s while the retry time lasts; a launch that then works goes on; retries that run out are an
+    infrastructure failure; a plain failure (no such words from srun) is not retried."""
     run = _run_dir(tmp_path, "requeue.max_restarts_in_job=1")
+    folder = tmp_path / "sub"
+    folder.mkdir()
     clock, slept = [1000.0], []
 
     def sleep(s: float) -> None:
         slept.append(s)
         clock[0] += s
 
+    def srun_says(line: str):
+        def step(cmd, env, run_dir, since):
+            with (folder / "5_0_log.err").open("a") as f:  # the batch step's log, where srun writes
+                f.write(f"{line}\n")
+            return 1
+        return step
+
+    down = srun_says("srun: error: Unable to confirm allocation for job 5: Unable to contact slurm controller "
+                     "(connect failure)")
     calls = []
 
     def step(cmd, env, run_dir, since):  # two launches fail, the third trains to the end
         calls.append(since)
         if len(calls) < 3:
-            return 1
+            return down(cmd, env, run_dir, since)
         mark_start(run_dir, 0, 0, "n1")
         mark_exit(run_dir, 0, 0)
         return 0
 
     outcome: dict[str, str] = {}
-    assert drive(run, tmp_path, {"SLURM_JOB_ID": "5"}, step=step, allocation=lambda _: ["n1", "n2"], outcome=outcome,
-                 answers=lambda: False, sleep=sleep, clock=lambda: clock[0], preempted=lambda _: None) == 0
+    kw = dict(allocation=lambda _: ["n1", "n2"], outcome=outcome, sleep=sleep, clock=lambda: clock[0],
+              preempted=lambda _: None)
+    assert drive(run, folder, {"SLURM_JOB_ID": "5"}, step=step, answers=lambda: True, **kw) == 0
     assert slept == [2.0, 4.0] and outcome == {}
     failed = [e for e in read_events(run) if e["kind"] == "step_launch_failed"]
     assert [(e["reason"], e["retry"], e["controller_down"]) for e in failed] == [
@@ -294,8 +307,16 @@ def test_a_failed_step_launch_is_retried_with_backoff_then_left_to_the_policy(tm
     run2 = _run_dir(tmp_path / "b", "requeue.max_restarts_in_job=1")
     slept.clear()
     env = {"SLURM_JOB_ID": "6", "XIRANG_LAUNCH_RETRY_S": "100"}
-    assert drive(run2, tmp_path / "b", env, step=lambda *a: 1, allocation=lambda _: ["n1", "n2"], outcome=outcome,
-                 answers=lambda: True, sleep=sleep, clock=lambda: clock[0], preempted=lambda _: None) == 1
+    busy = srun_says("srun: error: Unable to create step for job 6: Job step creation temporarily disabled")
+    assert drive(run2, folder, env, step=busy, answers=lambda: True, **kw) == 1
     assert slept == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0] and outcome["cause"] == "infra_failure"
     refused = [e for e in read_events(run2) if e["kind"] == "restart_refused"]
-    assert "srun exited 1 before any task started" in refused[0]["reason"], refused
+    assert "srun could not start the step: srun: error: Unable to create step" in refused[0]["reason"], refused
+
+    (tmp_path / "c").mkdir()
+    run3 = _run_dir(tmp_path / "c", "requeue.max_restarts_in_job=1")
+    slept.clear()
+    outcome.clear()
+    crash = srun_says("srun: error: n1: task 0: Exited with exit code 1")
+    assert drive(run3, folder, {"SLURM_JOB_ID": "7"}, step=crash, answers=lambda: False, **kw) == 1
+    assert slept == [] and outcome == {}

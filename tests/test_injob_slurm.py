@@ -320,3 +320,40 @@ def test_driver_killed_the_ranks_save_and_the_policy_requeues(stdlib_data, tmp_p
     assert req["reason"] == "infra_failure", req
     assert not _ev(run, "failure") and not [e for e in _ev(run, "exit") if e.get("status") == "stopped_terminated"]
     assert _ev(run, "start", 1)[0]["step"] == stop["saved_step"]
+
+
+def _slurmctld_pidfile() -> Path:
+    conf = Path(os.environ["SLURM_CONF"])
+    name = re.search(r"^ClusterName=(\S+)", conf.read_text(), re.M).group(1)
+    return conf.parent / "run" / f"slurmctld-{name}.pid"
+
+
+def test_a_rank_death_while_slurmctld_is_down_is_survived(stdlib_data, tmp_path):
+    """slurmctld stopped, then rank 1 killed: the driver's new step cannot be launched ("Unable to confirm
+    allocation"), so it is launched again with backoff, named as a controller outage in the events and in
+    xirang-status; a second launch of the run refuses (it cannot tell whether the job is live); once slurmctld is
+    back the step starts on the spare node and the run completes inside its allocation."""
+    args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "cluster.spare_nodes=1", "train.max_steps=40",
+                 "checkpoint.every_steps=10")
+    job, run = _submit(args, env=PACED)
+    _after_checkpoint(run)
+    pidfile = _slurmctld_pidfile()
+    ctld = psutil.Process(int(pidfile.read_text()))
+    victim = _wait(lambda: rank_pid(run, 0, 1), 30, "rank 1's pid")
+    ctld.terminate()
+    ctld.wait(60)
+    try:
+        os.kill(victim, signal.SIGKILL)
+        failed = _wait(lambda: _ev(run, "step_launch_failed"), 180, "a failed step launch")
+        assert failed[0]["controller_down"] and failed[0]["reason"] == "slurmctld does not answer", failed
+        status = subprocess.run([str(Path(sys.executable).parent / "xirang-status"), str(run)], capture_output=True,
+                                text=True, timeout=120)
+        assert "slurmctld does not answer since" in status.stdout, status.stdout + status.stderr
+        again = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 2 and "Traceback" not in again.stderr, again.stdout + again.stderr
+        assert f"cannot tell whether job {job}" in again.stderr and "does not answer" in again.stderr, again.stderr
+    finally:
+        subprocess.run(["slurmctld", "-f", os.environ["SLURM_CONF"]], check=True)
+    (restart,) = _recovered_inside(job, run)
+    assert restart["reason"].startswith("dead: rank 1"), restart
+    assert _ev(run, "start")[-1]["node"] != _ev(run, "start")[0]["node"]

@@ -42,6 +42,7 @@ from xirang_hpc.launch.supervise import (
     supervise,
 )
 from xirang_hpc.monitor.events import EventTail, append_event, failed_nodes, read_events, storage_failure
+from xirang_hpc.runtime import slurmctl
 from xirang_hpc.runtime.markers import missing_ranks, write_stop_cause
 
 # After the watchdog named a dead rank or aborted the ranks, how long the step may take to end by itself
@@ -60,6 +61,8 @@ SRUN_TERM_S = 2.0
 # decides, as for any infrastructure failure. slurmctld fail-over takes SlurmctldTimeout (120 s by default).
 LAUNCH_RETRY_S = 600.0
 LAUNCH_BACKOFF_MAX_S = 60.0
+# srun's words for a step it could not create (besides the controller not answering: slurmctl.CONTROLLER_DOWN).
+STEP_NOT_CREATED = ("Unable to create step", "step creation temporarily disabled", "Unable to confirm allocation")
 NODES_ENV = "XIRANG_NODES"  # read by xirang_hpc.config.elastic inside the job
 ATTEMPT_ENV = "XIRANG_INJOB_ATTEMPT"  # read by xirang_hpc.runtime.topology (a fresh rendezvous port)
 
@@ -142,20 +145,44 @@ def culprits(run_dir: Path, restart: int, since: float) -> tuple[list[str], str,
     return sorted({n for _, n in lost}), f"ranks {[r for r, _ in lost]} ended without exiting (killed)", None
 
 
-def tasks_started(folder: Path, since: float, run_dir: Path, restart: int) -> bool:
-    """Whether any task of the step that started at ``since`` ran: a rank's start marker, or a write to its log
-    (submitit's first line comes within a second of a task's start). A step whose srun failed before that
-    never ran anything."""
-    markers = run_dir / "ranks" / f"r{restart}"
-    if markers.is_dir() and any(markers.glob("*.start")):
-        return True
+def log_sizes(folder: Path) -> dict[Path, int]:
+    """The size of every job log in ``folder`` (srun's own messages go to the batch step's log, which is also
+    task 0's: submitit's ``%j_0_log.err``)."""
+    out = {}
     for log in folder.glob("*_log.*"):
         try:
-            if log.stat().st_mtime >= since - 1.0:
-                return True
+            out[log] = log.stat().st_size
         except OSError:
             continue
-    return False
+    return out
+
+
+def written_since(folder: Path, sizes: dict[Path, int], limit: int = 65536) -> str:
+    """What was appended to ``folder``'s job logs after ``sizes`` was taken (the last ``limit`` bytes of each)."""
+    parts = []
+    for log, size in log_sizes(folder).items():
+        start = sizes.get(log, 0)
+        if size > start:
+            with log.open("rb") as f:
+                f.seek(max(start, size - limit))
+                parts.append(f.read().decode(errors="replace"))
+    return "\n".join(parts)
+
+
+def launch_failure(text: str) -> str | None:
+    """srun's line saying the step could not be started (the controller did not answer, no step could be
+    created), from what the step wrote; None when there is none."""
+    for line in text.splitlines():
+        if line.startswith("srun: error") and (slurmctl.controller_down(line)
+                                               or any(m in line for m in STEP_NOT_CREATED)):
+            return line.strip()
+    return None
+
+
+def ranks_started(run_dir: Path, restart: int) -> bool:
+    """Whether any rank of this attempt wrote its start marker."""
+    markers = run_dir / "ranks" / f"r{restart}"
+    return markers.is_dir() and any(markers.glob("*.start"))
 
 
 def controller_answers() -> bool:
@@ -183,7 +210,6 @@ def archive_markers(run_dir: Path, restart: int, attempt: int) -> None:
 def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys.executable,
           step: Callable[..., int] = run_step, allocation: Callable[[str], list[str]] = hostnames,
           preempted: Callable[[str], str | None] = preempt_time, outcome: dict[str, str] | None = None,
-          started: Callable[[Path, float, Path, int], bool] = tasks_started,
           answers: Callable[[], bool] = controller_answers,
           sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.time) -> int:
     """Run attempts until one ends without a restartable failure; returns the last step's exit code.
@@ -210,22 +236,25 @@ def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys
     while True:
         since = time.time()
         step_env = {**env, "SUBMITIT_EXECUTOR": "slurm", NODES_ENV: str(len(plan.nodes)), ATTEMPT_ENV: str(attempt)}
+        sizes = log_sizes(folder)
         rc = step(srun_command(job, folder, plan.nodes, attempt, python, env), step_env, run_dir, since)
         if rc == 0 or already_handled(run_dir, restart) or handed_over(run_dir, restart):
             return rc  # finished, or the job itself stopped (preemption, time limit): not ours to restart
         if job_id and preempted(job_id):
             return rc  # preempted before the ranks' own handler could act: Slurm takes the job; the supervisor says so
-        if rc != 0 and not started(folder, since, run_dir, restart):
+        said = launch_failure(written_since(folder, sizes)) if rc != 0 and not ranks_started(run_dir, restart) else None
+        # srun's own word, or slurmctld not answering now (it may have answered srun with a refusal).
+        down = said is not None and (slurmctl.controller_down(said) or not answers())
+        if said is not None:
             first_failure = clock() if first_failure is None else first_failure
-            down = not answers()
-            cause = "slurmctld does not answer" if down else f"srun exited {rc} before any task started"
+            cause = "slurmctld does not answer" if down else f"srun could not start the step: {said}"
             waited = clock() - first_failure
             if waited < launch_retry_s(env):
                 wait = min(LAUNCH_BACKOFF_MAX_S, 2.0 * 2 ** failures)
                 failures += 1
                 append_event(run_dir, "step_launch_failed", cause, rc=rc, attempt=attempt, retry=failures,
                              retry_in_s=wait, failing_since=first_failure, controller_down=down, nodes=plan.nodes,
-                             job=job_id, restart=restart)
+                             srun=said, job=job_id, restart=restart)
                 print(f"xirang: step launch failed: {cause} (srun exit {rc}); retry {failures} in {wait:.0f}s",
                       file=sys.stderr, flush=True)
                 sleep(wait)

@@ -65,6 +65,11 @@ def live_owner(run_dir: Path, slurm_state: Callable[[str, str | None], str] = _s
     if owner.get("executor") == "slurm":
         jid = str(owner.get("job_id") or "")
         state = slurm_state(jid, owner.get("cluster") or None).split()[0] if jid else "UNKNOWN"
+        if state == "NO_ANSWER":  # launch/slurm.NO_ANSWER: a job that may be live is never taken for dead
+            where = f" of cluster {owner['cluster']}" if owner.get("cluster") else ""
+            raise RunBusyError(f"cannot tell whether job {jid}, which owns run directory {run_dir}, is still live: "
+                               f"slurmctld{where} does not answer; nothing was submitted. Launch again when "
+                               "`squeue` answers")
         return dict(owner, state=state) if state in LIVE_STATES else None
     pid, started = owner.get("pid"), owner.get("pid_started")
     if isinstance(pid, int) and isinstance(started, (int, float)) \

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import shlex
 import subprocess
@@ -211,13 +213,31 @@ def final_status(run_dir: Path) -> dict[str, Any] | None:
     return finals[-1] if finals else None
 
 
+# Not a Slurm state: slurmctld did not answer, so whether the job is live cannot be told.
+NO_ANSWER = "NO_ANSWER"
+
+
+class SubmissionError(RuntimeError):
+    """sbatch refused or failed the submission; the message is its reason in one line and what to do."""
+
+
 def job_state(job_id: str, cluster: str | None = None) -> str:
     """Slurm's ``JobState`` of ``job_id`` on ``cluster`` (None: the default one; ``UNKNOWN`` once Slurm
-    has forgotten the job)."""
+    has forgotten the job; :data:`NO_ANSWER` when slurmctld does not answer)."""
     try:
         return slurmctl.job_info(job_id, cluster).get("JobState", "UNKNOWN")
-    except slurmctl.SlurmCommandError:
-        return "UNKNOWN"
+    except slurmctl.SlurmCommandError as exc:
+        return NO_ANSWER if slurmctl.controller_down(str(exc)) or "timed out" in str(exc) else "UNKNOWN"
+
+
+def submit_refusal(stderr: str) -> str:
+    """One line for a failed ``sbatch``: its own error line, and what to do."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    said = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "no message")
+    if slurmctl.controller_down(stderr):
+        return (f"sbatch could not reach slurmctld: {said}; nothing was submitted. Try again when `squeue` "
+                "answers (or ask the cluster's admins)")
+    return f"sbatch refused the job: {said}; nothing was submitted"
 
 
 def wait_for(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None, cluster: str | None = None) -> str:
@@ -262,7 +282,12 @@ def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any
         if site:
             extra["clusters"] = site
         ex.update_parameters(additional_parameters=extra)
-        job = ex.submit(fn, *args)
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):  # submitit prints sbatch's stderr itself before raising
+                job = ex.submit(fn, *args)
+        except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError) as exc:
+            raise SubmissionError(submit_refusal(f"{exc}\n{err.getvalue()}")) from None
         record_owner(run_dir, "slurm", str(job.job_id), after=after, cluster=site)
     append_event(run_dir, "submit", "submitted", job=str(job.job_id), cluster=cfg.cluster.name,
                  nodes=cfg.cluster.nodes, tasks_per_node=cfg.cluster.tasks_per_node,

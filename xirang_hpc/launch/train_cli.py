@@ -31,6 +31,7 @@ from xirang_hpc.launch.executors import make_executor
 from xirang_hpc.launch.hydra_setup import register_configs, run_app
 from xirang_hpc.launch.preflight import complete_message, corrupt_message, open_run_dir, preflight
 from xirang_hpc.launch.runlock import RunBusyError, claim, record_owner, submission_lock
+from xirang_hpc.launch.slurm import SubmissionError
 
 log = logging.getLogger("xirang.train")
 
@@ -264,7 +265,7 @@ def _app(dcfg: DictConfig) -> None:
         _fail(str(exc))
     try:
         record_measured(cfg, launch(cfg))  # parallel=auto: measured tokens/s next to the prediction
-    except (CorpusError, RunBusyError, ConfigError) as exc:
+    except (CorpusError, RunBusyError, ConfigError, SubmissionError) as exc:
         _fail(str(exc))
 
 

@@ -9,6 +9,7 @@ executor, squeue/sacct/scontrol for Slurm). :func:`run_status` returns a JSON-re
 from __future__ import annotations
 
 import re
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -98,8 +99,36 @@ def _job_state(session: dict[str, Any], beats: dict[int, dict[str, Any]], events
     job = str(session.get("job_id", ""))
     if session.get("source") == "slurm" and job:
         info = slurm_state(job, run)
+        # squeue did not list the job: it ended, or slurmctld does not answer (sacct, from slurmdbd, still may).
+        down = controller_down_since(events, run) if info.get("source") != "squeue" else None
+        if down is not None:  # say so: the state below is only what accounting or the run's own files show
+            known = info or _derived_state(session, beats, events, now)
+            note = "slurmctld does not answer" + (f" since {time.strftime('%H:%M:%S', time.localtime(down))}"
+                                                   if down else "")
+            why = known.get("reason")
+            return {**known, "reason": f"{note}; {known['state']} per {known['source']}"
+                    + (f": {why}" if why else ""), "controller_down": True}
         if info:
             return info
+    return _derived_state(session, beats, events, now)
+
+
+def controller_down_since(events: list[dict[str, Any]], run: Runner) -> float | None:
+    """None when slurmctld answers ``scontrol ping`` (or Slurm's clients are not installed here); else when the
+    run's events first saw it not answering (0.0 when they did not)."""
+    if shutil.which("scontrol") is None:
+        return None
+    ping = run(["scontrol", "ping"])
+    if ping is not None and " is UP" in ping:
+        return None
+    seen = [float(e["time"]) for e in events if e.get("controller_down")]
+    return min(seen) if seen else 0.0
+
+
+def _derived_state(session: dict[str, Any], beats: dict[int, dict[str, Any]], events: list[dict[str, Any]],
+                   now: float) -> dict[str, Any]:
+    """The state the run's own files show (process table, heartbeats, events), without the scheduler."""
+    job = str(session.get("job_id", ""))
     here = socket.gethostname()
     local = [hb for hb in beats.values() if hb.get("host") == here]
     started = float(session.get("started", 0))
