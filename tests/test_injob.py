@@ -18,10 +18,17 @@ from conftest import compose_cfg
 from xirang_hpc.config.elastic import for_environment, shrink, shrink_options
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.validate import load_config
+from xirang_hpc.launch import injob
 from xirang_hpc.launch.injob import choose_nodes, drive, run_step, srun_command
 from xirang_hpc.launch.slurm import make_slurm_executor, sbatch_parameters, write_job_file
 from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.runtime.markers import mark_exit, mark_start
+
+
+@pytest.fixture(autouse=True)
+def _no_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver asks sacct whether a failed step ran out of memory; these tests have no Slurm job to ask about."""
+    monkeypatch.setattr(injob, "oom_nodes", lambda *a, **k: [])
 
 
 def _cfg(*overrides: str):
@@ -277,7 +284,7 @@ def test_a_failed_step_launch_is_retried_with_backoff_then_left_to_the_policy(tm
 
     def srun_says(line: str):
         def step(cmd, env, run_dir, since):
-            with (folder / "5_0_log.err").open("a") as f:  # the batch step's log, where srun writes
+            with (folder / f"{env['SLURM_JOB_ID']}_0_log.err").open("a") as f:  # the batch log, where srun writes
                 f.write(f"{line}\n")
             return 1
         return step
@@ -320,3 +327,37 @@ def test_a_failed_step_launch_is_retried_with_backoff_then_left_to_the_policy(tm
     crash = srun_says("srun: error: n1: task 0: Exited with exit code 1")
     assert drive(run3, folder, {"SLURM_JOB_ID": "7"}, step=crash, answers=lambda: False, **kw) == 1
     assert slept == [] and outcome == {}
+
+
+def test_an_oom_kill_is_named_with_the_limit_and_no_node_is_excluded(tmp_path):
+    """srun's and slurmstepd's words on an OOM kill: no in-job restart elsewhere (the same layout runs out again on
+    any node), the cause for the supervisor is ``oom`` with the limit and the ways to fit."""
+    from xirang_hpc.launch.supervise import oom_nodes, oom_nodes_in
+
+    text = ("srun: error: n2: task 1: Out Of Memory\n"
+            "slurmstepd-n2: error: Detected 1 oom-kill event(s) in StepId=7.0. Some of your processes may have been "
+            "killed by the cgroup out-of-memory handler.\nsrun: error: n1: task 0: Exited with exit code 1\n")
+    assert oom_nodes_in(text) == ["n2"] and oom_nodes_in("srun: error: n1: task 0: Exited with exit code 1") == []
+
+    class Sacct:
+        returncode, stdout = 0, "7|OUT_OF_MEMORY|n[1-2]\n7.batch|CANCELLED|n1\n7.0|OUT_OF_MEMORY|n2\n"
+
+    assert oom_nodes("7", run=lambda *a, **k: Sacct(), tries=1) == ["n2"]
+
+    run = _run_dir(tmp_path, "requeue.max_restarts_in_job=2", "cluster.spare_nodes=1", "cluster.mem_gb=2")
+    folder = tmp_path / "sub"
+    folder.mkdir()
+
+    def step(cmd, env, run_dir, since):
+        mark_start(run_dir, 0, 0, "n1")
+        mark_start(run_dir, 0, 1, "n2")
+        append_event(run_dir, "dead", "rank 1 on n2: killed by a signal", rank=1, node="n2")
+        (folder / "7_0_log.err").write_text(text)
+        return 137
+
+    outcome: dict[str, str] = {}
+    assert drive(run, folder, {"SLURM_JOB_ID": "7"}, step=step, allocation=lambda _: ["n1", "n2", "n3"],
+                 outcome=outcome, preempted=lambda _: None) == 137
+    assert outcome["cause"] == "oom" and "cluster.mem_gb=2 GB" in outcome["detail"], outcome
+    assert "train.grad_accum" in outcome["detail"] and "not excluded" in outcome["detail"]
+    assert not [e for e in read_events(run) if e["kind"] == "restart"]

@@ -357,3 +357,24 @@ def test_a_rank_death_while_slurmctld_is_down_is_survived(stdlib_data, tmp_path)
     (restart,) = _recovered_inside(job, run)
     assert restart["reason"].startswith("dead: rank 1"), restart
     assert _ev(run, "start")[-1]["node"] != _ev(run, "start")[0]["node"]
+
+
+@pytest.mark.parametrize("in_job", [True, False], ids=["in-job-restart", "single-srun"])
+def test_out_of_memory_is_named_with_the_limit_and_no_node_is_blamed(stdlib_data, tmp_path, in_job):
+    """cluster.mem_gb too small for the ranks (the testbed's cgroups enforce --mem): the run stops as ``oom``,
+    naming the limit and the ways to fit, with no node excluded and no requeue (the same layout would run out
+    of memory again on any node) -- with the in-job driver and with a plain srun step."""
+    mem = 0.35 if in_job else 0.2  # two ranks of the tiny model need ~0.7 GB, one ~0.35 GB
+    args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "train.max_steps=40", f"cluster.mem_gb={mem}",
+                 # One rank for the plain srun step: a rank that outlives the store host (rank 0 killed before the
+                 # rendezvous) waits for torch's TCPStore client to give up, ten minutes, before srun ends.
+                 *([] if in_job else ["requeue.max_restarts_in_job=0", "cluster.tasks_per_node=1"]))
+    job, run = _submit(args)
+    final = _final(run, timeout=600)
+    assert final["status"] == "stopped_oom", read_events(run)
+    assert "out of memory on n" in final["why"] and f"cluster.mem_gb={mem} GB" in final["why"], final
+    (failure,) = _ev(run, "failure")
+    assert failure["reason"] == "oom", failure
+    assert not _ev(run, "requeue") and not _ev(run, "restart")
+    exc = _slurm_job(job)
+    assert "ExcNodeList=(null)" in exc, exc

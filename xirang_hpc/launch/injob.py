@@ -37,6 +37,9 @@ from xirang_hpc.launch.supervise import (
     already_handled,
     handed_over,
     hostnames,
+    oom_detail,
+    oom_nodes,
+    oom_nodes_in,
     preempt_time,
     run_dir_for_task,
     supervise,
@@ -110,16 +113,20 @@ def _ending(events: list[dict], since: float) -> tuple[float, str] | None:
 def run_step(cmd: list[str], env: Mapping[str, str], run_dir: Path, since: float,
              grace_s: float = ABORT_GRACE_S, poll_s: float = 0.5,
              clock: Callable[[], float] = time.time) -> int:
-    """Run one attempt's ``srun``; end it ``grace_s`` after an abort or a dead rank when it does not end by
-    itself."""
+    """Run one attempt's ``srun``; end it ``grace_s`` after an abort, a dead rank or an OOM kill when it does not
+    end by itself (the survivors of a rank killed before the rendezvous would wait for it for minutes)."""
+    folder = Path(cmd[cmd.index("--error") + 1]).parent if "--error" in cmd else None
+    sizes = log_sizes(folder, env) if folder is not None else {}
     proc = subprocess.Popen(cmd, env=dict(env))
     tail, ended = EventTail(run_dir), None
     while proc.poll() is None:
         time.sleep(poll_s)
         ended = ended or _ending(tail.read(), since)
+        if ended is None and folder is not None and oom_nodes_in(written_since(folder, sizes)):
+            ended = (clock(), "oom")
         if ended is not None and clock() - ended[0] > grace_s and proc.poll() is None:
-            what = "the abort" if ended[1] == "abort" else "a rank was found dead"
-            print(f"xirang: ending the step {grace_s:.0f}s after {what} (a lost node's tasks never reported)",
+            what = {"abort": "the abort", "dead": "a rank was found dead", "oom": "an OOM kill"}[ended[1]]
+            print(f"xirang: ending the step {grace_s:.0f}s after {what} (its other tasks did not end by themselves)",
                   file=sys.stderr, flush=True)
             proc.terminate()
             try:
@@ -145,9 +152,15 @@ def culprits(run_dir: Path, restart: int, since: float) -> tuple[list[str], str,
     return sorted({n for _, n in lost}), f"ranks {[r for r, _ in lost]} ended without exiting (killed)", None
 
 
-def log_sizes(folder: Path) -> dict[Path, int]:
-    """The size of every job log in ``folder`` (srun's own messages go to the batch step's log, which is also
-    task 0's: submitit's ``%j_0_log.err``)."""
+def log_sizes(folder: Path, env: Mapping[str, str] | None = None) -> dict[Path, int]:
+    """The size of the batch step's log in ``folder``, where srun and slurmstepd write their own messages (also
+    task 0's: submitit's ``%j_0_log.err``); of every job log there when the job is not known."""
+    env = os.environ if env is None else env
+    job = (f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}" if "SLURM_ARRAY_TASK_ID" in env
+           else env.get("SLURM_JOB_ID", ""))
+    if job:  # the batch log (0 bytes so far when it does not exist yet)
+        batch = folder / f"{job}_0_log.err"
+        return {batch: batch.stat().st_size if batch.exists() else 0}
     out = {}
     for log in folder.glob("*_log.*"):
         try:
@@ -158,10 +171,13 @@ def log_sizes(folder: Path) -> dict[Path, int]:
 
 
 def written_since(folder: Path, sizes: dict[Path, int], limit: int = 65536) -> str:
-    """What was appended to ``folder``'s job logs after ``sizes`` was taken (the last ``limit`` bytes of each)."""
+    """What was appended to the logs of ``sizes`` (:func:`log_sizes`) since (the last ``limit`` bytes of each)."""
     parts = []
-    for log, size in log_sizes(folder).items():
-        start = sizes.get(log, 0)
+    for log, start in sizes.items():
+        try:
+            size = log.stat().st_size
+        except OSError:
+            continue
         if size > start:
             with log.open("rb") as f:
                 f.seek(max(start, size - limit))
@@ -236,13 +252,21 @@ def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys
     while True:
         since = time.time()
         step_env = {**env, "SUBMITIT_EXECUTOR": "slurm", NODES_ENV: str(len(plan.nodes)), ATTEMPT_ENV: str(attempt)}
-        sizes = log_sizes(folder)
+        sizes = log_sizes(folder, env)
         rc = step(srun_command(job, folder, plan.nodes, attempt, python, env), step_env, run_dir, since)
         if rc == 0 or already_handled(run_dir, restart) or handed_over(run_dir, restart):
             return rc  # finished, or the job itself stopped (preemption, time limit): not ours to restart
         if job_id and preempted(job_id):
             return rc  # preempted before the ranks' own handler could act: Slurm takes the job; the supervisor says so
-        said = launch_failure(written_since(folder, sizes)) if rc != 0 and not ranks_started(run_dir, restart) else None
+        said_all = written_since(folder, sizes) if rc != 0 else ""  # srun's and slurmstepd's words on this step
+        oom = oom_nodes_in(said_all) or (oom_nodes(job_id, tries=1) if rc != 0 and job_id else [])
+        if oom:  # a memory limit the job exceeded: the same layout would run out again on any node
+            detail = oom_detail(oom, job)
+            append_event(run_dir, "restart_refused", detail, cause="oom", nodes=oom, node=oom[0], job=job_id,
+                         restart=restart)
+            outcome.update(cause="oom", detail=detail)
+            return rc
+        said = launch_failure(said_all) if rc != 0 and not ranks_started(run_dir, restart) else None
         # srun's own word, or slurmctld not answering now (it may have answered srun with a refusal).
         down = said is not None and (slurmctl.controller_down(said) or not answers())
         if said is not None:

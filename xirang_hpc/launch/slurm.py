@@ -193,7 +193,7 @@ def write_job_file(cfg: XirangConfig, run_dir: Path) -> None:
                "nodes": cfg.cluster.nodes, "partition": scheduling_class(cfg.cluster, cfg.train.priority)[0],
                # For the in-job restart driver: how each step is placed, and the node counts a shrunk layout allows.
                "tasks_per_node": cfg.cluster.tasks_per_node, "spare_nodes": cfg.cluster.spare_nodes,
-               "srun_args": list(cfg.cluster.srun_args), "shrink_to": shrink_options(cfg),
+               "srun_args": list(cfg.cluster.srun_args), "shrink_to": shrink_options(cfg), "mem_gb": cfg.cluster.mem_gb,
                "min_alloc_nodes": min_alloc_nodes(cfg),
                # Recovery from memory: the driver removes the job's node-local copies when the job ends.
                "in_memory": cfg.checkpoint.in_memory, "memory_dir": cfg.checkpoint.memory_dir}

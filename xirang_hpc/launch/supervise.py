@@ -18,10 +18,14 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from xirang_hpc.config.schema import RequeueConfig
 from xirang_hpc.monitor.events import append_event, failed_nodes, read_events, storage_failure
@@ -149,6 +153,52 @@ def preempt_time(job_id: str) -> str | None:
     return None if value in ("None", "N/A", "Unknown", "") else value
 
 
+# srun and slurmstepd on an OOM kill in a step's cgroup (Slurm 22.05):
+#   srun: error: n1: task 0: Out Of Memory
+#   slurmstepd-n1: error: Detected 1 oom-kill event(s) in StepId=7.0. Some of your processes may have been killed ...
+_OOM_LINES = (re.compile(r"^srun: error: (\S+): tasks? [\d,\-]+: Out Of Memory", re.M),
+              re.compile(r"^slurmstepd-(\S+): error: Detected \d+ oom-kill event", re.M))
+
+
+def oom_nodes_in(text: str) -> list[str]:
+    """The nodes that srun's or slurmstepd's messages in ``text`` say ran out of memory."""
+    return sorted({m.group(1) for rx in _OOM_LINES for m in rx.finditer(text)})
+
+
+def oom_nodes(job_id: str, run: Any = subprocess.run, tries: int = 3, wait_s: float = 1.0) -> list[str]:
+    """The nodes of the job's steps that Slurm's accounting records as ``OUT_OF_MEMORY`` (the cgroup's oom-kill
+    count, as slurmstepd reported it); [] without accounting. Asked a few times: the record may lag the step."""
+    for i in range(tries):
+        try:
+            out = run(["sacct", "-j", job_id, "-n", "-P", "-o", "JobID,State,NodeList"], capture_output=True,
+                      text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        if out.returncode != 0:
+            return []
+        nodes: list[str] = []
+        for line in out.stdout.splitlines():
+            jid, _, rest = line.partition("|")
+            state, _, nodelist = rest.partition("|")
+            if "." in jid and jid.rpartition(".")[2].isdigit() and state.startswith("OUT_OF_MEMORY"):
+                nodes.extend(hostnames(nodelist) if "[" in nodelist else nodelist.split(","))
+        if nodes:
+            return sorted(set(nodes))
+        if i + 1 < tries:
+            time.sleep(wait_s)
+    return []
+
+
+def oom_detail(nodes: list[str], job: dict[str, Any]) -> str:
+    """An OOM in words: where, the limit, and the ways to fit (none of them is another node)."""
+    mem = float(job.get("mem_gb") or 0)
+    limit = (f"cluster.mem_gb={mem:g} GB per node (Slurm --mem)" if mem
+             else "the node's default share (cluster.mem_gb not set: Slurm's DefMemPerCPU or the node's memory)")
+    return (f"out of memory on {', '.join(nodes)}: the ranks exceeded {limit}. Fit it by raising train.grad_accum "
+            "(smaller micro-batches, same global batch), parallel.recompute=selective or full, more nodes "
+            "(cluster.nodes), or a higher cluster.mem_gb; the node is not at fault and is not excluded")
+
+
 def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = None, detail: str = "") -> int:
     """Apply the policy after a step that exited with ``rc``; returns the batch script's exit code.
 
@@ -202,13 +252,19 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = N
             # aftermath also lack exit markers, so the markers are the fallback when it did not run.
             nodes = failed_nodes(run_dir, since=since) or sorted({n for _, n in lost})
             reason = "node_failure" if lost else "nonzero_exit"
+            oom = oom_nodes(env.get("SLURM_JOB_ID", job_id)) if env.get("SLURM_JOB_ID") else []
+            if oom:  # the cgroup killed ranks for memory: a limit the job exceeded, not a bad node
+                reason, nodes, detail = "oom", [], oom_detail(oom, job)
             append_event(run_dir, "failure", reason, job=job_id, restart=restart, srun_rc=rc,
-                         ranks=[r for r, _ in lost], nodes=nodes, node=nodes[0] if nodes else None)
+                         ranks=[r for r, _ in lost], nodes=oom or nodes, node=(oom or nodes or [None])[0],
+                         **({"detail": detail} if detail else {}))
     verdict = decide(reason, restart, policy)
     if not verdict.requeue:
         why = verdict.why
         if reason == "save_failed" and storage is not None:
             why = f"{storage.get('error') or storage.get('cause')}; {why}"
+        elif detail:
+            why = f"{detail}; {why}"
         append_event(run_dir, "exit", reason, final=True, status=verdict.final_status, why=why,
                      job=job_id, restart=restart)
         print(f"xirang: not requeued: {why}", file=sys.stderr, flush=True)

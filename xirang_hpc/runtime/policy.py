@@ -19,6 +19,8 @@ REASONS = {
     # The job's own machinery failed, not a node: the batch step's driver died, a step could not be
     # launched. Governed by the node-failure switch (an infrastructure fault), but no node is excluded.
     "infra_failure": "on_node_failure",
+    # Out of memory: the same layout on the same limit runs out again; a failure of the job's own making.
+    "oom": "on_nonzero_exit",
 }
 
 
