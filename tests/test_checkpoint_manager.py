@@ -251,3 +251,33 @@ def test_a_checkpoint_of_another_model_is_refused_never_skipped(tmp_path):
     assert ckpt_layout.committed_steps(root) == [1, 2]
     assert sorted(p.name for p in (root / "step_2").iterdir()) == before
     ckpt_layout.verify(root / "step_2")
+
+
+def test_a_peer_failing_during_the_load_is_not_blamed_on_the_checkpoint(two_steps, monkeypatch):
+    """A communication error inside DCP's load (a peer died: gloo's "Connection closed by peer") is raised as such;
+    the checkpoint is not skipped, no older one is loaded in its place, and a later load finds it intact."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from xirang_hpc.checkpoint import manager as mgr_mod
+    from xirang_hpc.checkpoint.errors import CheckpointCommError, comm_failure
+
+    mgr, root = two_steps
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                        "[127.0.0.1]:4242")
+    wrapped = CheckpointException("load failed", {1: (gloo, None)})
+    assert comm_failure(wrapped).startswith("RuntimeError: [../third_party/gloo")
+    assert comm_failure(CheckpointException("x", {0: (OSError(5, "Input/output error"), None)})) is None
+    real_load = mgr_mod.dcp.load
+
+    def peer_dies(*a, **k):
+        raise wrapped
+
+    monkeypatch.setattr(mgr_mod.dcp, "load", peer_dies)
+    t = _template()
+    with pytest.raises(CheckpointCommError, match=r"step_2 failed on rank 0 because a peer or the network failed"):
+        mgr.load(t)
+    assert mgr.last_skipped == []
+    monkeypatch.setattr(mgr_mod.dcp, "load", real_load)
+    res = mgr.load(t)
+    assert res.step == 2 and not res.skipped
+    _assert_is_step(t, 2)

@@ -395,6 +395,10 @@ def test_slurm_state_prefers_squeue_then_sacct_then_scontrol_and_degrades() -> N
     assert (done["elapsed"], done["nodes"], done["cpu_seconds"]) == ("00:00:06", "q[1-2]", "18")
     assert slurm_state("7", runner({"squeue": None, "sacct": None, "scontrol": sc}))["state"] == "PENDING"
     assert slurm_state("7", runner({})) == {}
+    # sacct names who cancelled (a uid); the state says so with the user's name.
+    cancelled = sacct.splitlines()[0].replace("REQUEUED", "CANCELLED by 0") + "\n"
+    gone = slurm_state("7", runner({"squeue": "", "sacct": cancelled}))
+    assert gone["state"] == "CANCELLED" and gone["reason"].startswith("cancelled by root (uid 0); exit code 0:0")
 
 
 def test_submitted_run_not_yet_started_shows_its_slurm_state(tmp_path: Path) -> None:

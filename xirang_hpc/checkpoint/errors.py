@@ -115,3 +115,37 @@ class CheckpointMismatchError(RuntimeError):
     It is refused, never skipped: falling back past it (or starting fresh) would later re-save that step
     over another experiment's checkpoint.
     """
+
+
+# What a collective says when a peer is gone (gloo, NCCL, the c10d store): the load failed, not the checkpoint.
+_COMM_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ProcessGroupGloo",
+               "ProcessGroupNCCL", "NCCL error", "c10d", "Socket Timeout", "DistNetworkError", "DistBackendError")
+
+
+class CheckpointCommError(RuntimeError):
+    """A checkpoint load failed because a peer rank or the network failed (not because the checkpoint is bad):
+    the rank leaves and the job's failure handling takes over; the checkpoint stays a candidate."""
+
+
+def comm_failure(exc: BaseException) -> str | None:
+    """The message of a communication failure inside ``exc`` (DCP's per-rank failures, causes, contexts), or None
+    when the failure is something else (a damaged or missing file, a shape)."""
+    import torch.distributed as dist
+
+    comm_types = tuple(t for t in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistBackendError", None),
+                                   getattr(dist, "DistStoreError", None)) if isinstance(t, type))
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CheckpointException):  # its text repeats its failures': look at them instead
+            todo.extend(err for err, _ in e.failures.values() if isinstance(err, BaseException))
+            continue
+        if (comm_types and isinstance(e, comm_types)) or (
+                not isinstance(e, OSError) and any(w in str(e) for w in _COMM_WORDS)):
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return None

@@ -30,7 +30,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.collectives import GroupCollectives
-from xirang_hpc.checkpoint.errors import CheckpointMismatchError, CheckpointWriteError, write_error
+from xirang_hpc.checkpoint.errors import (
+    CheckpointCommError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    comm_failure,
+    write_error,
+)
 from xirang_hpc.checkpoint.integrity import METADATA_FILE, CheckpointFormatError, verify_file
 from xirang_hpc.checkpoint.memory import MemoryRecord, MemoryStore, Prepared
 from xirang_hpc.checkpoint.retention import RetentionPolicy, prune
@@ -359,6 +365,9 @@ class CheckpointManager(GroupCollectives):
         try:
             dcp.load(tensors, storage_reader=HDF5StorageReader(got.path, got.checksums), process_group=self.group)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every rank's failure
+            if (comm := comm_failure(exc)) is not None:
+                raise CheckpointCommError(f"loading the in-memory copy of step {got.step} failed on rank {self.rank} "
+                                          f"because a peer or the network failed ({comm})") from exc
             return _explain(exc)
         return None
 
@@ -403,6 +412,10 @@ class CheckpointManager(GroupCollectives):
                     sums = ckpt_layout.expected_checksums(d) if self.verify_checksums else None
                     dcp.load(tensors, storage_reader=HDF5StorageReader(d, sums), process_group=self.group)
                 except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every rank's failure
+                    if (comm := comm_failure(exc)) is not None:  # a peer died, not the checkpoint: never skip it
+                        raise CheckpointCommError(
+                            f"loading checkpoint {d} failed on rank {self.rank} because a peer or the network "
+                            f"failed ({comm}); the checkpoint is not blamed and stays the one to resume from") from exc
                     problem = _explain(exc)
             if problem is None:
                 rank_file = d / f"rank_{self.rank}.json"

@@ -64,6 +64,16 @@ def reason_in_words(job_id: str, run: Runner = run_cmd) -> str:
     return explain_reason(job, jobs, assocs, qos, nodes)
 
 
+def user_name(uid: str) -> str:
+    """``alice (uid 1000)`` for a uid Slurm printed; the uid alone when this host does not know it."""
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(int(uid)).pw_name} (uid {uid})"
+    except (KeyError, ValueError):
+        return f"uid {uid}"
+
+
 def history(job_id: str, run: Runner = run_cmd) -> dict[str, str]:
     """What sacct remembers of a job that left squeue: state, exit code, elapsed, restarts, nodes, CPU time."""
     try:
@@ -78,6 +88,9 @@ def history(job_id: str, run: Runner = run_cmd) -> dict[str, str]:
     cpu_s = sum(r.cpu_seconds for r in recs)
     words = (f"exit code {last.exit_code}, elapsed {last.elapsed}, {restarts} restart(s), "
              f"{last.nnodes} node(s) {last.nodelist}, CPU time {cpu_s // 3600}:{cpu_s // 60 % 60:02d}:{cpu_s % 60:02d}")
+    # sacct says who cancelled: "CANCELLED by 1000" (a uid); a run's status names the user.
+    if " by " in last.state:
+        words = f"cancelled by {user_name(last.state.split(' by ', 1)[1].strip())}; {words}"
     return {"state": last.state.split()[0], "exit_code": last.exit_code, "elapsed": last.elapsed,
             "restarts": str(restarts), "nodes": last.nodelist, "num_nodes": str(last.nnodes),
             "cpu_seconds": str(cpu_s), "start": last.start, "end": last.end, "reason": words, "source": "sacct"}
