@@ -48,6 +48,15 @@ POLICIES = {
                       "checkpoint.memory_every_steps=1"],
 }
 FAULTS = ("kill9", "sigstop", "node")
+# Fault classes beyond the rank faults, each with the policy it is measured under (--classes):
+# - supervisor: kill -9 of the batch step's in-job driver: the guard has the ranks save, the run is requeued;
+# - controller: slurmctld stopped, then kill -9 of rank 3; slurmctld back after --outage-s: the driver's
+#   new step is launched again with backoff until the controller answers;
+# - oom: cluster.mem_gb too small for the ranks (the testbed enforces --mem): named and stopped, not
+#   recovered (the same layout would run out again); measured from the submission to the final event;
+# - disk_full: the run directory on a tmpfs that holds one checkpoint: the next save fails; named and
+#   stopped at the save after it, never a crash; measured from the failing save's step to save_failed.
+CLASSES = ("kill9", "oom", "sigstop", "node", "disk_full", "supervisor", "controller")
 
 
 def _ev(run: Path, kind: str, since: float = 0.0) -> list[dict]:
@@ -100,28 +109,67 @@ def _revive(node: str) -> None:
         time.sleep(2)
 
 
-def one(policy: str, fault: str, a: argparse.Namespace) -> dict:
+def _slurmctld_pidfile() -> Path:
+    conf = Path(os.environ["SLURM_CONF"])
+    name = re.search(r"^ClusterName=(\S+)", conf.read_text(), re.M).group(1)
+    return conf.parent / "run" / f"slurmctld-{name}.pid"
+
+
+def _driver(run: Path) -> psutil.Process | None:
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "xirang_hpc.launch.injob" in cmd and str(run) in cmd and "--guard" not in cmd:
+            return p
+    return None
+
+
+def one(policy: str, fault: str, a: argparse.Namespace, extra: tuple[str, ...] = (),
+        runs: Path | None = None) -> dict:
     """Submit, wait past the first checkpoint, inject ``fault``, measure until a step runs again."""
-    runs = Path(tempfile.mkdtemp(prefix=f"bench-recovery-{policy}-{fault}-"))
+    runs = runs or Path(tempfile.mkdtemp(prefix=f"bench-recovery-{policy}-{fault}-"))
     cmd = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()", "cluster=testbed",
            *POLICIES[policy], f"train.max_steps={a.steps}", "train.warmup_steps=2", "train.log_every=1",
            "train.eval_batches=2", "parallel.pp=1", "parallel.tp=1", "monitor.enabled=true",
            f"monitor.hang_s={a.hang_s}", "cluster.threads_per_rank=1", f"checkpoint.every_steps={a.every}",
-           f"data.out_dir={Path(a.data).absolute()}", f"train.runs_root={runs}"]
+           f"data.out_dir={Path(a.data).absolute()}", f"train.runs_root={runs}", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     job = re.search(r"submitted Slurm job (\d+)", out).group(1)
     run = Path(re.search(r"run dir (\S+)", out).group(1))
     try:
+        if fault == "oom":  # stopped and named, from the start: the ranks never fit
+            t_fault = float(_ev(run, "submit")[0]["time"])
+            final = _wait(lambda: [e for e in _ev(run, "exit") if e.get("final")], a.timeout, "the OOM's final exit")
+            return {"policy": policy, "fault": fault, "job": job, "how": f"stopped: {final[-1].get('status')}",
+                    "detect_s": final[-1]["time"] - t_fault, "recovery_s": float("nan"), "reached": 0,
+                    "resumed": 0, "lost": 0, "nodes_after": None}
         _wait(lambda: _progress(run) >= a.every + 5, 600, "training past the first checkpoint")
+        if fault == "disk_full":  # the next save does not fit: the time from its step to the event naming it
+            failed = _wait(lambda: _ev(run, "save_failed"), a.timeout, "the failed save")[0]
+            rows = {r["step"]: r for r in _metrics(run) if "loss" in r and "time" in r}
+            at = rows.get(failed.get("step"), {}).get("time", failed["time"])
+            final = _wait(lambda: [e for e in _ev(run, "exit") if e.get("final")], a.timeout, "the final exit")
+            return {"policy": policy, "fault": fault, "job": job, "how": f"stopped: {final[-1].get('status')}",
+                    "detect_s": failed["time"] - at, "recovery_s": float("nan"), "reached": failed.get("step"),
+                    "resumed": a.every, "lost": failed.get("step", 0) - a.every, "nodes_after": None}
         pid = rank_pid(run, 0, 3)
-        t_fault = time.time()
         reached = _progress(run)
-        if fault == "kill9":
+        ctld = None
+        if fault == "controller":
+            ctld = psutil.Process(int(_slurmctld_pidfile().read_text()))
+            ctld.terminate()
+            ctld.wait(60)
+        t_fault = time.time()
+        if fault in ("kill9", "controller"):
             os.kill(pid, signal.SIGKILL)
         elif fault == "sigstop":
             os.kill(pid, signal.SIGSTOP)
+        elif fault == "supervisor":
+            _wait(lambda: _driver(run), 30, "the in-job driver").kill()
         else:
             _lose_node(run, _second_node())
+        if ctld is not None:
+            time.sleep(a.outage_s)
+            subprocess.run(["slurmctld", "-f", os.environ["SLURM_CONF"]], check=True)
         first = _wait(lambda: _ev(run, "first_step", t_fault), a.timeout, "the first step after the fault")[0]
         start = _ev(run, "start", t_fault)[0]
         detect = [e["time"] for e in _ev(run, "dead", t_fault) + _ev(run, "hang", t_fault)]
@@ -135,10 +183,33 @@ def one(policy: str, fault: str, a: argparse.Namespace) -> dict:
                 "lost": reached - start["step"], "nodes_after": start.get("nodes")}
     finally:
         subprocess.run(["scancel", job], capture_output=True)
+        if fault == "disk_full":
+            _wait(lambda: job not in subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True,
+                                                    text=True).stdout.split(), 120, "the job to leave the queue")
+            subprocess.run(["umount", str(runs)], capture_output=True)
         if fault == "node":
             _revive(_second_node())
         _wait(lambda: job not in subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True,
                                                 text=True).stdout.split(), 120, "the job to leave the queue")
+
+
+def one_class(fault: str, a: argparse.Namespace) -> dict:
+    """One fault class under the policy it is measured with (see CLASSES)."""
+    if fault == "oom":
+        return one("in-job", "oom", a, ("cluster.mem_gb=0.35",))
+    if fault == "disk_full":
+        runs = Path(tempfile.mkdtemp(prefix="bench-recovery-disk-"))
+        # One checkpoint of the tiny model (2.8 MB) and the run's small files fit, a second does not.
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(runs)], check=True)
+        return one("in-job", "disk_full", a, ("checkpoint.keep_last=3",), runs=runs)
+    if fault == "supervisor":
+        return one("in-job", "supervisor", a)
+    return one("in-job", fault, a)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(x for x in xs if x == x)
+    return xs[len(xs) // 2] if xs else float("nan")
 
 
 def main() -> None:
@@ -150,7 +221,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds to wait for recovery")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--classes", default="", help=f"instead: these fault classes ({','.join(CLASSES)}), each "
+                    "under its policy, --repeat times, medians")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--outage-s", type=float, default=10.0, help="how long slurmctld is down (controller class)")
     a = ap.parse_args()
+    if a.classes:
+        return by_class(a)
     rows = []
     for fault in a.faults.split(","):
         for policy in a.policies.split(","):
@@ -172,6 +249,31 @@ def main() -> None:
         ratio = f"{r['recovery_s'] / base[r['fault']]:.2f}x" if r["fault"] in base else "n/a"
         print(f"| {r['fault']} | {r['policy']} | {r['how']} | {r['detect_s']:.1f} | {r['recovery_s']:.1f} | "
               f"{ratio} | {r['lost']} | {r['reached']} -> {r['resumed']} | {r['nodes_after']} |")
+
+
+def by_class(a: argparse.Namespace) -> None:
+    """Each fault class --repeat times; the medians of detection, fault -> first step and steps lost."""
+    table = []
+    for fault in a.classes.split(","):
+        rows = []
+        for _ in range(a.repeat):
+            try:
+                rows.append(one_class(fault, a))
+            except TimeoutError as exc:
+                rows.append({"fault": fault, "how": f"not recovered ({exc})"})
+            print(json.dumps(rows[-1]), flush=True)
+        ok = [r for r in rows if "detect_s" in r]
+        table.append((fault, ok[0]["how"] if ok else rows[0]["how"], len(ok), len(rows),
+                      _median([r["detect_s"] for r in ok]), _median([r["recovery_s"] for r in ok]),
+                      _median([float(r["lost"]) for r in ok]),
+                      [round(r["recovery_s"], 1) if r["recovery_s"] == r["recovery_s"] else round(r["detect_s"], 1)
+                       for r in ok]))
+    print("\n| fault class | what happens | runs | detected / named (s, median) | fault -> first step (s, median) "
+          "| steps lost (median) | each run (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for fault, how, n_ok, n, det, rec, lost, each in table:
+        rec_s = f"{rec:.1f}" if rec == rec else "n/a (stopped by design)"
+        print(f"| {fault} | {how} | {n_ok}/{n} | {det:.1f} | {rec_s} | {lost:.0f} | {each} |")
 
 
 if __name__ == "__main__":

@@ -97,8 +97,11 @@ def srun_command(job: Mapping[str, Any], folder: Path, nodes: list[str], attempt
            *job.get("srun_args", []), f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * tpn}",
            f"--ntasks-per-node={tpn}", f"--nodelist={','.join(nodes)}"]
     if attempt:
-        # The failed step may still hold its CPUs in the controller's books until the lost node is down.
-        cmd.append("--overlap")
+        # The failed step may still hold its CPUs and memory in the controller's books until the lost node is
+        # down: --overlap shares the CPUs, --mem=0 gives the step the job's memory on each node (where memory is
+        # a consumable resource, CR_*_Memory, the new step is otherwise refused: "Memory required by task is
+        # not available"). The job's cgroup still limits it to the job's memory.
+        cmd += ["--overlap", "--mem=0"]
     return [*cmd, python, "-u", "-m", "submitit.core._submit", str(folder)]
 
 
@@ -337,7 +340,8 @@ def release_memory(run_dir: Path, env: Mapping[str, str], allocation: Callable[[
     others = [n for n in allocation(env.get("SLURM_JOB_NODELIST", "")) if n != here and n not in lost]
     if others:
         try:
-            run(["srun", "--overlap", f"--nodes={len(others)}", "--ntasks-per-node=1", f"--nodelist={','.join(others)}",
+            run(["srun", "--overlap", "--mem=0", f"--nodes={len(others)}", "--ntasks-per-node=1",
+                 f"--nodelist={','.join(others)}",
                  "rm", "-rf", str(root)], timeout=60, capture_output=True)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"xirang: could not remove {root} on {others}: {exc}", file=sys.stderr, flush=True)
