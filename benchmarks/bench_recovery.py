@@ -152,12 +152,12 @@ def one(policy: str, fault: str, a: argparse.Namespace, extra: tuple[str, ...] =
                     "detect_s": failed["time"] - at, "recovery_s": float("nan"), "reached": failed.get("step"),
                     "resumed": a.every, "lost": failed.get("step", 0) - a.every, "nodes_after": None}
         pid = rank_pid(run, 0, 3)
-        reached = _progress(run)
         ctld = None
         if fault == "controller":
             ctld = psutil.Process(int(_slurmctld_pidfile().read_text()))
             ctld.terminate()
             ctld.wait(60)
+        reached = _progress(run)
         t_fault = time.time()
         if fault in ("kill9", "controller"):
             os.kill(pid, signal.SIGKILL)
@@ -172,7 +172,8 @@ def one(policy: str, fault: str, a: argparse.Namespace, extra: tuple[str, ...] =
             subprocess.run(["slurmctld", "-f", os.environ["SLURM_CONF"]], check=True)
         first = _wait(lambda: _ev(run, "first_step", t_fault), a.timeout, "the first step after the fault")[0]
         start = _ev(run, "start", t_fault)[0]
-        detect = [e["time"] for e in _ev(run, "dead", t_fault) + _ev(run, "hang", t_fault)]
+        detect = [e["time"] for e in _ev(run, "dead", t_fault) + _ev(run, "hang", t_fault)
+                  + _ev(run, "supervisor_died", t_fault)]
         how = "in-job restart" if _ev(run, "restart", t_fault) else "requeue" if _ev(run, "requeue", t_fault) else "?"
         restored = _ev(run, "restore", t_fault)
         if restored:
@@ -180,7 +181,8 @@ def one(policy: str, fault: str, a: argparse.Namespace, extra: tuple[str, ...] =
         return {"policy": policy, "fault": fault, "job": job, "how": how,
                 "detect_s": min(detect) - t_fault if detect else float("nan"),
                 "recovery_s": first["time"] - t_fault, "reached": reached, "resumed": start["step"],
-                "lost": reached - start["step"], "nodes_after": start.get("nodes")}
+                # A stop that saves (the driver's guard) resumes past the step sampled at the fault: nothing lost.
+                "lost": max(0, reached - start["step"]), "nodes_after": start.get("nodes")}
     finally:
         subprocess.run(["scancel", job], capture_output=True)
         if fault == "disk_full":

@@ -231,7 +231,8 @@ def test_the_driver_removes_the_jobs_memory_copies_here_and_on_the_healthy_nodes
     assert got == root
     assert not root.exists()
     # The lost node n2 is left out (an srun step there would hang); n3 gets one rm step.
-    assert calls == [["srun", "--overlap", "--mem=0", "--nodes=1", "--ntasks-per-node=1", "--nodelist=n3", "rm", "-rf", str(root)]]
+    assert calls == [["srun", "--overlap", "--mem=0", "--nodes=1", "--ntasks-per-node=1", "--nodelist=n3", "rm", "-rf",
+                      str(root)]]
     (tmp_path / "off").mkdir()
     off = _run_dir(tmp_path / "off")
     assert release_memory(off, env, allocation=lambda _: ["n1"], run=lambda c, **kw: calls.append(c)) is None
