@@ -44,6 +44,13 @@ def test_classify_timeout_from_time_limit_and_run_time():
     assert slurmctl.classify_stop(slurmctl.parse_job(early), "SIGTERM", 60).reason == "terminated"
     # SIGTERM-only sites (pain point 6): a preemption still reads as preemption.
     assert slurmctl.classify_stop(slurmctl.parse_job(PREEMPTED), "SIGTERM", 60).reason == "preemption"
+    # SIGTERM because the batch script ended under the ranks (killed: ExitCode 0:9), not a cancel.
+    for state in ("COMPLETING", "FAILED"):
+        gone = early.replace("JobState=RUNNING", f"JobState={state}")
+        cause = slurmctl.classify_stop(slurmctl.parse_job(gone), "SIGTERM", 60)
+        assert cause.reason == "infra_failure" and "the batch step is gone" in cause.detail, cause
+    cancelled = early.replace("JobState=RUNNING", "JobState=CANCELLED")
+    assert slurmctl.classify_stop(slurmctl.parse_job(cancelled), "SIGTERM", 60).reason == "terminated"
 
 
 def test_requeue_target_names_the_array_task_not_the_array():
@@ -66,8 +73,13 @@ def test_policy_switches_limits_and_backoff():
     assert decide("nonzero_exit", 0, RequeueConfig(on_nonzero_exit=True)).requeue
     assert not decide("node_failure", 0, RequeueConfig(enabled=False)).requeue
     assert decide("terminated", 0, p).final_status == "stopped_terminated"
-    with pytest.raises(ValueError, match="unknown stop reason 'oom'"):
-        decide("oom", 0, p)
+    with pytest.raises(ValueError, match="unknown stop reason 'cosmic_ray'"):
+        decide("cosmic_ray", 0, p)
+    # Out of memory repeats on any node with the same layout: a failure of the job's own, not requeued by default.
+    assert not decide("oom", 0, p).requeue and decide("oom", 0, p).final_status == "stopped_oom"
+    # The job's machinery failed (driver, step launch, batch script): governed by the node-failure switch.
+    assert decide("infra_failure", 0, p).requeue and not decide("infra_failure", 0,
+                                                                 RequeueConfig(on_node_failure=False)).requeue
 
 
 @pytest.mark.parametrize("preset", ["default", "testbed", "never", "site-strict"])

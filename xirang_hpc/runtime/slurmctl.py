@@ -117,11 +117,15 @@ def no_requeue(job_id: str) -> None:
     run_scontrol(["update", f"jobid={job_id}", "Requeue=0"])
 
 
+# Job states in which a rank may still get SIGTERM although nobody cancelled the job: its batch script ended.
+BATCH_GONE_STATES = ("FAILED", "COMPLETED", "COMPLETING")
+
+
 @dataclass(frozen=True)
 class StopCause:
     """Why the job was told to stop, and the Slurm data the verdict rests on."""
 
-    reason: str  # preemption | timeout | terminated
+    reason: str  # preemption | timeout | terminated | infra_failure
     detail: str
 
 
@@ -131,6 +135,8 @@ def classify_stop(info: Mapping[str, str], signal_name: str, signal_delay_s: flo
     - ``PreemptTime`` set: Slurm preempted the job (either signal) -> ``preemption``.
     - ``TimeLimit - RunTime <= signal_delay_s + slack_s``: the time-limit warning (``--signal=USR2@delay``
       fires ``delay`` seconds before the limit; Slurm's timer may fire late, never early) -> ``timeout``.
+    - SIGTERM while the job reads FAILED/COMPLETED (its batch script ended under the ranks, e.g. killed) ->
+      ``infra_failure``;
     - otherwise: SIGTERM without either (``scancel``, admin) -> ``terminated``; a user signal without
       either is treated as preemption (e.g. a site script that signals before draining a node).
     """
@@ -141,6 +147,12 @@ def classify_stop(info: Mapping[str, str], signal_name: str, signal_delay_s: flo
         return StopCause("preemption", f"PreemptTime={preempt}")
     if limit is not None and run is not None and limit - run <= signal_delay_s + slack_s:
         return StopCause("timeout", f"RunTime={info.get('RunTime')} TimeLimit={info.get('TimeLimit')}")
+    state = info.get("JobState", "")
+    if signal_name == "SIGTERM" and state in BATCH_GONE_STATES:
+        # Not a cancel (that reads CANCELLED): the job ended under its ranks because its batch script ended,
+        # killed or crashed (e.g. kill -9 of it on the head node); Slurm then signals what is left of the job.
+        return StopCause("infra_failure", f"the batch step is gone (JobState={state}, ExitCode={info.get('ExitCode')}):"
+                                          " the batch script ended under the running ranks")
     if signal_name == "SIGTERM":
         return StopCause("terminated", f"SIGTERM with RunTime={info.get('RunTime')} TimeLimit={info.get('TimeLimit')}")
     return StopCause("preemption", f"{signal_name} before the time limit (RunTime={info.get('RunTime')} "
