@@ -362,3 +362,14 @@ def test_an_oom_kill_is_named_with_the_limit_and_no_node_is_excluded(tmp_path):
     assert outcome["cause"] == "oom" and "cluster.mem_gb=2 GB" in outcome["detail"], outcome
     assert "train.grad_accum" in outcome["detail"] and "not excluded" in outcome["detail"]
     assert not [e for e in read_events(run) if e["kind"] == "restart"]
+
+
+def test_the_guard_leaves_a_job_slurm_is_ending_to_its_ranks(tmp_path, monkeypatch):
+    """The driver killed by Slurm's SIGTERM (scancel, time limit) or a cancelled job is not a dead supervisor: the
+    guard logs nothing and signals nothing; a driver killed otherwise is named and the policy applied."""
+    run = _run_dir(tmp_path, "requeue.max_restarts_in_job=1")
+    calls = []
+    monkeypatch.setattr(injob, "job_state", lambda job: "CANCELLED" if job == "8" else "RUNNING")
+    assert injob.guard(143, run, {"SLURM_JOB_ID": "9"}, run=lambda *a, **k: calls.append(a)) == 143
+    assert injob.guard(137, run, {"SLURM_JOB_ID": "8"}, run=lambda *a, **k: calls.append(a)) == 137
+    assert calls == [] and not [e for e in read_events(run) if e["kind"] == "supervisor_died"]

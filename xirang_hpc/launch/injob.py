@@ -367,6 +367,16 @@ def _how(rc: int) -> str:
     return f"exit {rc}"
 
 
+def job_state(job_id: str) -> str:
+    """Slurm's JobState of ``job_id`` ('' when unknown or slurmctld does not answer)."""
+    if not job_id:
+        return ""
+    try:
+        return slurmctl.job_info(job_id).get("JobState", "")
+    except slurmctl.SlurmCommandError:
+        return ""
+
+
 def guard(rc: int, run_dir: Path, env: Mapping[str, str], run: Callable[..., Any] = subprocess.run,
           wait_s: float = 180.0, poll_s: float = 1.0, clock: Callable[[], float] = time.time) -> int:
     """After the driver: nothing when it decided (an ``exit`` event of this restart); else it died undecided.
@@ -380,6 +390,8 @@ def guard(rc: int, run_dir: Path, env: Mapping[str, str], run: Callable[..., Any
     if already_handled(run_dir, restart) or handed_over(run_dir, restart):
         return rc
     job_id = env.get("SLURM_JOB_ID", "")
+    if rc == 128 + signal.SIGTERM or job_state(job_id) in ("CANCELLED", "TIMEOUT", "PREEMPTED"):
+        return rc  # Slurm is ending the job (scancel, time limit, preemption): the ranks take that themselves
     detail = f"the batch step's in-job driver ended without a decision ({_how(rc)})"
     append_event(run_dir, "supervisor_died", detail, rc=rc, job=job_id, restart=restart,
                  node=env.get("SLURMD_NODENAME"))
