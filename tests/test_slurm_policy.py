@@ -45,12 +45,13 @@ def test_classify_timeout_from_time_limit_and_run_time():
     # SIGTERM-only sites (pain point 6): a preemption still reads as preemption.
     assert slurmctl.classify_stop(slurmctl.parse_job(PREEMPTED), "SIGTERM", 60).reason == "preemption"
     # SIGTERM because the batch script ended under the ranks (killed: ExitCode 0:9), not a cancel.
-    for state in ("COMPLETING", "FAILED"):
+    for state in ("COMPLETED", "FAILED"):
         gone = early.replace("JobState=RUNNING", f"JobState={state}")
         cause = slurmctl.classify_stop(slurmctl.parse_job(gone), "SIGTERM", 60)
         assert cause.reason == "infra_failure" and "the batch step is gone" in cause.detail, cause
-    cancelled = early.replace("JobState=RUNNING", "JobState=CANCELLED")
-    assert slurmctl.classify_stop(slurmctl.parse_job(cancelled), "SIGTERM", 60).reason == "terminated"
+    for state in ("CANCELLED", "COMPLETING"):  # scancel: COMPLETING while its processes are being ended
+        cancelled = early.replace("JobState=RUNNING", f"JobState={state}")
+        assert slurmctl.classify_stop(slurmctl.parse_job(cancelled), "SIGTERM", 60).reason == "terminated"
 
 
 def test_requeue_target_names_the_array_task_not_the_array():

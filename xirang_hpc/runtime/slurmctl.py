@@ -118,7 +118,8 @@ def no_requeue(job_id: str) -> None:
 
 
 # Job states in which a rank may still get SIGTERM although nobody cancelled the job: its batch script ended.
-BATCH_GONE_STATES = ("FAILED", "COMPLETED", "COMPLETING")
+# Not COMPLETING: a job ended by scancel reads COMPLETING too while its processes are being killed.
+BATCH_GONE_STATES = ("FAILED", "COMPLETED")
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def classify_stop(info: Mapping[str, str], signal_name: str, signal_delay_s: flo
     - ``PreemptTime`` set: Slurm preempted the job (either signal) -> ``preemption``.
     - ``TimeLimit - RunTime <= signal_delay_s + slack_s``: the time-limit warning (``--signal=USR2@delay``
       fires ``delay`` seconds before the limit; Slurm's timer may fire late, never early) -> ``timeout``.
-    - SIGTERM while the job reads FAILED/COMPLETED (its batch script ended under the ranks, e.g. killed) ->
+    - SIGTERM while the job reads FAILED/COMPLETED (its batch script ended under the ranks) ->
       ``infra_failure``;
     - otherwise: SIGTERM without either (``scancel``, admin) -> ``terminated``; a user signal without
       either is treated as preemption (e.g. a site script that signals before draining a node).
