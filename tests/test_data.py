@@ -202,3 +202,31 @@ def test_a_corpus_of_only_special_files_is_refused(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "f")
     with pytest.raises(CorpusError, match="not a regular file or a directory"):
         _fifo_safe(lambda: prepare(str(tmp_path / "f"), tmp_path / "out"), tmp_path / "f")
+
+
+def test_two_jobs_preparing_one_directory_take_turns(small_corpus: Path, tmp_path: Path) -> None:
+    """Two jobs (two pipelines, a sweep) that need the same data.out_dir at once: the second waits for the
+    first's lock and then uses its data; nothing is written twice, no shard is half-overwritten."""
+    import subprocess
+    import sys
+
+    from xirang_hpc.data.prepare import prepare_lock
+
+    out = tmp_path / "shared"
+    code = ("import sys, types; from xirang_hpc.data.prepare import ensure_prepared; "
+            "d = types.SimpleNamespace(corpus=sys.argv[1], val_fraction=0.2, shard_tokens=4096, split_seed=0, "
+            "tokenizer='byte', vocab_size=0, text_field='text', on_bad_record='fail'); "
+            "ensure_prepared(d, sys.argv[2], progress=None)")
+    with prepare_lock(out):  # both jobs start while a preparation holds the directory
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(small_corpus), str(out)], text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+        # Each says it waits, then blocks: neither gets past the lock while it is held.
+        for p in procs:
+            assert "waiting for another preparation of" in p.stderr.readline()
+        assert all(p.poll() is None for p in procs)
+        assert not (out / "index.json").exists()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    said = "".join(o + e for o, e in outs)
+    assert said.count("preparing data from") == 1, said  # one preparation; the other found its data
+    verify(out)

@@ -20,11 +20,15 @@ Text files go to the train or val split by a hash of their relative path, record
 ``path:line`` (JSONL) or ``path:row`` (Parquet), so adding data never moves other documents between
 splits; a corpus that is one text file gives its last ``val_fraction`` (from a line start) to val.
 The index is written last, via rename: a directory without ``index.json`` is an
-unfinished preparation and is redone.
+unfinished preparation and is redone. A preparation holds ``.prepare.lock`` (flock) on ``out_dir``: two
+jobs preparing the same directory (two pipelines, a sweep, two users of one shared dataset) take turns,
+and with :func:`ensure_prepared` the second finds the first one's data instead of writing over it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -70,6 +74,7 @@ from xirang_hpc.data.tokenizer import (
 log = logging.getLogger(__name__)
 
 INDEX = "index.json"
+LOCK_FILE = ".prepare.lock"
 BATCH_CHARS = 4 << 20
 BATCH_DOCS = 4096
 
@@ -193,9 +198,64 @@ def prepare(
     ``tokenizer``: ``byte``, ``bpe`` (trained here on the train split, ``vocab_size`` tokens), a
     tokenizer.json path or an HF model dir. ``progress``: where the progress line goes (None: nowhere).
     """
+    with prepare_lock(out_dir):
+        return _prepare(corpus, Path(out_dir), val_fraction, shard_tokens, split_seed, tokenizer, vocab_size,
+                        text_field, on_bad_record, progress)
+
+
+def _out_dir_error(out: Path, exc: OSError) -> CorpusError:
+    return CorpusError(f"data.out_dir={str(out)!r} cannot be written ({exc.strerror or exc}: "
+                       f"{exc.filename or out}); set data.out_dir= to a writable directory or fix its permissions")
+
+
+@contextlib.contextmanager
+def prepare_lock(out_dir: str | Path) -> Iterator[None]:
+    """Hold the exclusive preparation lock of ``out_dir`` (created if needed), waiting for another holder.
+
+    A lock file, not the index: a preparation that dies leaves no stale lock (the kernel drops a flock with
+    its holder), and its half-written shards are redone by the next one, which finds no ``index.json``.
+    """
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise _out_dir_error(out, exc) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"xirang-prepare: waiting for another preparation of {out} to finish ...", file=sys.stderr,
+                  flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def ensure_prepared(d: Any, out_dir: str | Path, progress: IO[str] | None | str = "stderr") -> Path:
+    """``out_dir`` prepared as ``data.*`` (a ``DataConfig``) asks: prepared here unless a finished preparation
+    is there already (made by another job while this one waited for the lock, too); data prepared with
+    another tokenizer is refused (:class:`CorpusError`), never overwritten."""
+    out = Path(out_dir).expanduser().absolute()
+    if not is_prepared(out):
+        with prepare_lock(out):
+            if not is_prepared(out):
+                print(f"preparing data from {d.corpus!r} into {out} (tokenizer {d.tokenizer}) ...", flush=True)
+                _prepare(d.corpus, out, d.val_fraction, d.shard_tokens, d.split_seed, d.tokenizer, d.vocab_size,
+                         d.text_field, d.on_bad_record, progress)
+                return out
+    if (why := prepared_mismatch(d, out)) is not None:
+        raise CorpusError(why)
+    return out
+
+
+def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, split_seed: int, tokenizer: str,
+             vocab_size: int, text_field: str, on_bad_record: str,
+             progress: IO[str] | None | str) -> dict[str, object]:
+    """:func:`prepare`, with the lock held."""
     if isinstance(progress, str):  # resolved per call: pytest and the CLIs swap sys.stderr
         progress = sys.stderr
-    out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / INDEX).unlink(missing_ok=True)
@@ -205,9 +265,7 @@ def prepare(
         os.close(os.open(out / ".write-probe", os.O_CREAT | os.O_WRONLY, 0o600))
         os.unlink(out / ".write-probe")
     except OSError as exc:
-        raise CorpusError(f"data.out_dir={str(out)!r} cannot be written ({exc.strerror or exc}: "
-                          f"{exc.filename or out}); set data.out_dir= to a writable directory or fix its "
-                          "permissions") from None
+        raise _out_dir_error(out, exc) from None
     if on_bad_record not in ("fail", "skip"):
         raise CorpusError(f"data.on_bad_record={on_bad_record!r}: choose fail or skip")
     if tokenizer == "bpe" and vocab_size < 257:

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from xirang_hpc.config.schema.serve import SERVE_FILE
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare_data, prepared_mismatch
+from xirang_hpc.data.prepare import ensure_prepared
 from xirang_hpc.job.entry import training_stack
 from xirang_hpc.monitor.chain import stage_record
 from xirang_hpc.runtime.startup import collector_paused
@@ -34,10 +34,7 @@ def prepare_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> str:
     """Tokenize the corpus into ``data_dir`` (skipped when already prepared)."""
     cfg = _cfg(cfg_dict)
     with stage_record(Path(run_dir), "prepare"):
-        if not is_prepared(data_dir):
-            prepare_data(cfg.data, data_dir)
-        elif (why := prepared_mismatch(cfg.data, data_dir)) is not None:
-            raise CorpusError(why)
+        ensure_prepared(cfg.data, data_dir)
     return data_dir
 
 

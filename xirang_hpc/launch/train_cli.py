@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
-from xirang_hpc.data.prepare import CorpusError, is_prepared, prepare_data, prepared_mismatch
+from xirang_hpc.data.prepare import CorpusError, ensure_prepared
 from xirang_hpc.job.entry import train_job
 from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
 from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
@@ -42,14 +42,7 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def _ensure_data(cfg: XirangConfig) -> Path:
-    d = cfg.data
-    out = Path(d.out_dir).expanduser().absolute()
-    if not is_prepared(out):
-        print(f"preparing data from {d.corpus!r} into {out} (tokenizer {d.tokenizer}) ...", flush=True)
-        prepare_data(d, out)
-    elif (why := prepared_mismatch(d, out)) is not None:
-        raise CorpusError(why)
-    return out
+    return ensure_prepared(cfg.data, cfg.data.out_dir)
 
 
 def _follow(job: submitit.Job, poll_s: float = 0.5) -> None:
