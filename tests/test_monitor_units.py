@@ -28,9 +28,9 @@ from xirang_hpc.monitor.heartbeat import (
     heartbeat_dir,
     read_heartbeats,
 )
-from xirang_hpc.monitor.jobstate import slurm_state
 from xirang_hpc.monitor.plot import plot_run
 from xirang_hpc.monitor.status import run_status
+from xirang_hpc.slurm.jobs import slurm_state
 
 TH = Thresholds(hang_s=30, stale_s=5, straggler_k=2.0, straggler_min_s=0.05, straggler_window=3)
 NOW = 1000.0
@@ -385,7 +385,7 @@ def test_slurm_state_prefers_squeue_then_sacct_then_scontrol_and_degrades() -> N
     sc = "JobId=7 JobName=x JobState=PENDING Reason=BeginTime Restarts=2 BatchFlag=1"
     assert slurm_state("7", runner({"squeue": "RUNNING|None\n", "scontrol": sc})) == {
         "state": "RUNNING", "reason": "None", "source": "squeue", "restarts": "2"}
-    # sacct -D: one line per run of the job (here requeued once), fields as slurmdb.SACCT_FIELDS.
+    # sacct -D: one line per run of the job (here requeued once), fields as accounting.SACCT_FIELDS.
     sacct = ("7|x|root|proja|normal|low|REQUEUED|0:0|00:00:03|2026-11-30T17:48:16|2026-11-30T17:48:16|"
              "2026-11-30T17:48:19|2|q[1-2]|2|6|None\n"
              "7|x|root|proja|normal|low|COMPLETED|0:0|00:00:06|2026-11-30T17:48:16|2026-11-30T17:48:22|"

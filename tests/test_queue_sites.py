@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from xirang_hpc.monitor.queue import gather_sites, render_sites
-from xirang_hpc.monitor.slurmdb import Result, on_cluster
+from xirang_hpc.slurm.accounting import Result, on_cluster
+from xirang_hpc.slurm.queue import gather_sites, render_sites
 
 SQUEUE = {"alpha": "20|root|proja|normal|low|RUNNING|None|16|2|N/A|0:17|30:00|2026-11-30T21:41:13|"
                    "2026-11-30T21:41:12|sa[1-2]|(null)|fill\n"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from xirang_hpc.monitor import slurmdb
 from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.monitor.requeues import classify, previous_state, record_unlogged_requeue, submitit_requeues
 from xirang_hpc.runtime import testpoint
+from xirang_hpc.slurm import accounting
 
 TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()"]
 
@@ -35,12 +35,12 @@ def test_previous_state_is_the_newest_ended_start_and_unknown_when_sacct_fails()
 
     def run(argv):
         seen.append(argv)
-        return slurmdb.Result(0, SACCT_REQUEUED_THEN_PREEMPTED, "")
+        return accounting.Result(0, SACCT_REQUEUED_THEN_PREEMPTED, "")
 
     assert previous_state("1", run) == "PREEMPTED"
     assert seen[0][:2] == ["sacct", "-n"] and "-D" in seen[0] and seen[0][seen[0].index("-j") + 1] == "1"
-    assert previous_state("1", lambda a: slurmdb.Result(1, "", "slurmdbd: Connection refused")) is None
-    assert previous_state("1", lambda a: slurmdb.Result(0, "1|RUNNING|2026-11-30T21:24:10\n", "")) is None
+    assert previous_state("1", lambda a: accounting.Result(1, "", "slurmdbd: Connection refused")) is None
+    assert previous_state("1", lambda a: accounting.Result(0, "1|RUNNING|2026-11-30T21:24:10\n", "")) is None
 
 
 def test_classify_names_who_requeued():

@@ -28,7 +28,7 @@ from xirang_hpc.config.schema import SiteConfig
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.launch import sites
 from xirang_hpc.monitor.events import read_events
-from xirang_hpc.monitor.slurmdb import Result
+from xirang_hpc.slurm.accounting import Result
 
 NOW = time.mktime((2026, 11, 30, 18, 10, 9, 0, 0, -1))
 # Recorded: alpha full until its filler's 20-minute limit, beta idle.
@@ -514,9 +514,9 @@ def test_on_one_site_rank_0_requeues_at_once_with_the_ranks_leaving_margin(tmp_p
     import types
 
     from xirang_hpc.monitor.events import EventLog
-    from xirang_hpc.runtime import slurmctl
     from xirang_hpc.runtime.signals import EXIT_REQUEUED, StopSignalHook
     from xirang_hpc.runtime.topology import Topology
+    from xirang_hpc.slurm import control
 
     topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
                     node_name="n1", master_addr="127.0.0.1", master_port=20001, job_id="41", source="slurm")
@@ -534,7 +534,7 @@ def test_on_one_site_rank_0_requeues_at_once_with_the_ranks_leaving_margin(tmp_p
         assert codes == [EXIT_REQUEUED] and requeued == ["41"], (reason, events)
         assert [e["reason"] for e in events if e["kind"] == "requeue"] == [reason]
         assert not [e for e in events if e["kind"] == "handover"]
-        assert updates[0]["margin_s"] == slurmctl.RANKS_LEAVING_MARGIN_S > slurmctl.START_MARGIN_S, updates
+        assert updates[0]["margin_s"] == control.RANKS_LEAVING_MARGIN_S > control.START_MARGIN_S, updates
 
 
 def test_supervisor_ignores_the_old_sites_events_after_a_move(tmp_path):
@@ -580,11 +580,11 @@ echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1
 def test_the_moving_job_is_made_non_requeueable_only_after_the_copy_and_again_requeueable_if_the_move_fails(
         tmp_path, monkeypatch):
     from xirang_hpc.launch import supervise
-    from xirang_hpc.runtime import slurmctl
+    from xirang_hpc.slurm import control
 
     run, _ = _placed_run(tmp_path)
     order: list[str] = []
-    monkeypatch.setattr(slurmctl, "run_scontrol", lambda args, **kw: order.append(" ".join(args)) or "")
+    monkeypatch.setattr(control, "run_scontrol", lambda args, **kw: order.append(" ".join(args)) or "")
 
     def move(run_dir, job_id, current, nodes, before_submit=None, **kw):
         order.append("copy")

@@ -20,8 +20,8 @@ from conftest import slurm_conf_env, slurm_conf_for
 from test_slurm_e2e import _wait  # progress-aware: the limit counts from the testbed's last change
 
 from xirang_hpc.monitor.events import append_event
-from xirang_hpc.monitor.slurmdb import SlurmDB
-from xirang_hpc.monitor.status import TERMINAL
+from xirang_hpc.slurm.accounting import SlurmDB
+from xirang_hpc.slurm.states import ENDED
 
 pytestmark = pytest.mark.slurm
 TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()"]
@@ -133,7 +133,7 @@ def test_sacct_history_of_a_requeued_finished_job(slurm, tmp_path, caplog):
     _wait(lambda: _sh("squeue", "-h", "-j", job, "-o", "%T").strip() == "RUNNING", 120, "the job to run")
     _sh("scontrol", "requeue", job)
     # A requeued job sits in BeginTime for ~2 minutes: make it eligible 2 s ahead, as the product's requeue
-    # does (runtime/slurmctl.after_requeue). Not "now": once, under CI load, Slurm relaunched the job in the
+    # does (slurm/control.after_requeue). Not "now": once, under CI load, Slurm relaunched the job in the
     # second of the requeue and its batch step failed at once (exit 1, elapsed 0), most likely on the job
     # credential that the requeue revoked (slurmd compares whole seconds).
     _wait(lambda: _sh("squeue", "-h", "-j", job, "-o", "%T").strip() == "PENDING", 120, "the requeued job to pend")
@@ -149,7 +149,7 @@ def test_sacct_history_of_a_requeued_finished_job(slurm, tmp_path, caplog):
         s = json.loads(subprocess.run([*STATUS, str(run), "--json"], capture_output=True, text=True,
                                       timeout=120).stdout)
         seen[0] = s
-        if s["state_source"] == "sacct" and s["state"] in TERMINAL and s["state"] != "COMPLETED":
+        if s["state_source"] == "sacct" and s["state"] in ENDED and s["state"] != "COMPLETED":
             raise AssertionError(f"the job did not complete: {s['state']} ({s['state_reason']}); "
                                  f"sacct: {recorded()!r}")
         return s if s["state"] == "COMPLETED" and s["state_source"] == "sacct" else {}
@@ -194,7 +194,7 @@ def test_user_without_association_gets_the_sacctmgr_line(slurm):
 def test_slurmdbd_down_status_says_so_and_train_goes_on(slurm, tmp_path):
     """slurmdbd stopped for real (the testbed's pid file), then started again as the testbed does."""
     from xirang_hpc.launch.quota_check import check_quota
-    from xirang_hpc.monitor.queue import gather, render_queue
+    from xirang_hpc.slurm.queue import gather, render_queue
 
     pidfile = Path(slurm).parent / "run" / "slurmdbd.pid"
     if not pidfile.exists():

@@ -18,10 +18,10 @@ import pytest
 
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.launch.quota_check import QuotaRefused, check_quota
-from xirang_hpc.monitor.jobstate import slurm_state
-from xirang_hpc.monitor.queue import gather, node_class, plot_utilization, render_queue, utilization
-from xirang_hpc.monitor.quota import QuotaError, Request, check_fit, explain_reason, resolve_association
-from xirang_hpc.monitor.slurmdb import AccountingDown, HistJob, Result, SlurmDB, gpus_of, parse_rows, parse_tres
+from xirang_hpc.slurm.accounting import AccountingDown, HistJob, Result, SlurmDB, gpus_of, parse_rows, parse_tres
+from xirang_hpc.slurm.jobs import slurm_state
+from xirang_hpc.slurm.queue import gather, node_class, plot_utilization, render_queue, utilization
+from xirang_hpc.slurm.quotas import QuotaError, Request, check_fit, explain_reason, resolve_association
 
 DATA = Path(__file__).parent / "data" / "slurm"
 
@@ -217,7 +217,7 @@ def test_utilization_counts_only_the_window() -> None:
 
 
 def test_status_queue_cli_plain_json_watch_and_no_slurm(monkeypatch, capsys, tmp_path: Path) -> None:
-    import xirang_hpc.monitor.slurmdb as slurmdb
+    import xirang_hpc.slurm.accounting as accounting
     from xirang_hpc.launch import status_cli
 
     answers = {"name": "busy"}
@@ -227,7 +227,7 @@ def test_status_queue_cli_plain_json_watch_and_no_slurm(monkeypatch, capsys, tmp
             super().__init__(run=recorded(answers["name"]) if answers["name"] else
                              (lambda argv: Result(127, "", f"{argv[0]}: command not found")))
 
-    monkeypatch.setattr(slurmdb, "SlurmDB", Recorded)
+    monkeypatch.setattr(accounting, "SlurmDB", Recorded)
     assert status_cli.main(["--queue"]) == 0
     out = capsys.readouterr().out
     assert "JOBS: 2 running, 5 pending" in out and "QUOTAS (accounts, and user " in out

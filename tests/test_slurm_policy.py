@@ -9,8 +9,8 @@ from conftest import compose_cfg
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import RequeueConfig
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.runtime import slurmctl
 from xirang_hpc.runtime.policy import decide
+from xirang_hpc.slurm import control
 
 # A real `scontrol show job -o` line from the testbed (job preempted by a `high` job), trimmed.
 PREEMPTED = ("JobId=7 JobName=xirang-pre UserId=root(0) JobState=RUNNING Reason=None Requeue=1 Restarts=0 "
@@ -21,45 +21,45 @@ TIMED_OUT = PREEMPTED.replace("PreemptTime=2026-11-29T21:26:12", "PreemptTime=No
 
 
 def test_parse_job_and_durations():
-    info = slurmctl.parse_job(PREEMPTED)
+    info = control.parse_job(PREEMPTED)
     assert info["JobState"] == "RUNNING" and info["PreemptTime"] == "2026-11-29T21:26:12"
-    assert slurmctl.parse_duration("00:30:00") == 1800
-    assert slurmctl.parse_duration("1-02:00:05") == 93605
-    assert slurmctl.parse_duration("05:07") == 307
-    assert slurmctl.parse_duration("UNLIMITED") is None
+    assert control.parse_duration("00:30:00") == 1800
+    assert control.parse_duration("1-02:00:05") == 93605
+    assert control.parse_duration("05:07") == 307
+    assert control.parse_duration("UNLIMITED") is None
 
 
 def test_classify_preemption_from_preempt_time():
-    cause = slurmctl.classify_stop(slurmctl.parse_job(PREEMPTED), "SIGUSR2", signal_delay_s=90)
+    cause = control.classify_stop(control.parse_job(PREEMPTED), "SIGUSR2", signal_delay_s=90)
     assert cause.reason == "preemption" and "PreemptTime=2026-11-29T21:26:12" in cause.detail
 
 
 def test_classify_timeout_from_time_limit_and_run_time():
-    cause = slurmctl.classify_stop(slurmctl.parse_job(TIMED_OUT), "SIGUSR2", signal_delay_s=60)
+    cause = control.classify_stop(control.parse_job(TIMED_OUT), "SIGUSR2", signal_delay_s=60)
     assert cause.reason == "timeout"
     # The same record with time left far beyond the warning window is not a timeout.
     early = TIMED_OUT.replace("RunTime=00:29:02", "RunTime=00:10:00")
-    assert slurmctl.classify_stop(slurmctl.parse_job(early), "SIGUSR2", 60).reason == "preemption"
+    assert control.classify_stop(control.parse_job(early), "SIGUSR2", 60).reason == "preemption"
     # SIGTERM alone, neither preempted nor near the limit (scancel): not requeued by policy.
-    assert slurmctl.classify_stop(slurmctl.parse_job(early), "SIGTERM", 60).reason == "terminated"
+    assert control.classify_stop(control.parse_job(early), "SIGTERM", 60).reason == "terminated"
     # SIGTERM-only sites (pain point 6): a preemption still reads as preemption.
-    assert slurmctl.classify_stop(slurmctl.parse_job(PREEMPTED), "SIGTERM", 60).reason == "preemption"
+    assert control.classify_stop(control.parse_job(PREEMPTED), "SIGTERM", 60).reason == "preemption"
     # SIGTERM because the batch script ended under the ranks (killed: ExitCode 0:9), not a cancel.
     for state in ("COMPLETED", "FAILED"):
         gone = early.replace("JobState=RUNNING", f"JobState={state}")
-        cause = slurmctl.classify_stop(slurmctl.parse_job(gone), "SIGTERM", 60)
+        cause = control.classify_stop(control.parse_job(gone), "SIGTERM", 60)
         assert cause.reason == "infra_failure" and "the batch step is gone" in cause.detail, cause
     for state in ("CANCELLED", "COMPLETING"):  # scancel: COMPLETING while its processes are being ended
         cancelled = early.replace("JobState=RUNNING", f"JobState={state}")
-        assert slurmctl.classify_stop(slurmctl.parse_job(cancelled), "SIGTERM", 60).reason == "terminated"
+        assert control.classify_stop(control.parse_job(cancelled), "SIGTERM", 60).reason == "terminated"
 
 
 def test_requeue_target_names_the_array_task_not_the_array():
     env = {"SLURM_JOB_ID": "118", "SLURM_ARRAY_JOB_ID": "115", "SLURM_ARRAY_TASK_ID": "3"}
-    assert slurmctl.requeue_target(env) == "115_3"
-    assert slurmctl.requeue_target({"SLURM_JOB_ID": "42"}) == "42"
-    with pytest.raises(slurmctl.SlurmCommandError, match="not inside a Slurm job"):
-        slurmctl.requeue_target({})
+    assert control.requeue_target(env) == "115_3"
+    assert control.requeue_target({"SLURM_JOB_ID": "42"}) == "42"
+    with pytest.raises(control.SlurmCommandError, match="not inside a Slurm job"):
+        control.requeue_target({})
 
 
 def test_policy_switches_limits_and_backoff():
@@ -91,8 +91,8 @@ def test_requeue_presets_compose(preset):
 
 def test_missing_scontrol_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
-    with pytest.raises(slurmctl.SlurmCommandError, match="scontrol not found on PATH.*requeue.enabled=false"):
-        slurmctl.requeue("42")
+    with pytest.raises(control.SlurmCommandError, match="scontrol not found on PATH.*requeue.enabled=false"):
+        control.requeue("42")
 
 
 def test_sbatch_parameters_and_scheduling_classes():
@@ -214,8 +214,8 @@ def test_rank_markers_name_ranks_that_never_exited(tmp_path):
 def test_exclusion_refuses_a_node_name_that_is_not_a_hostname():
     """Node names go into an ``scontrol update`` line: anything odd is refused before any call."""
     calls: list[list[str]] = []
-    with pytest.raises(slurmctl.SlurmCommandError, match="not a Slurm node name"):
-        slurmctl.after_requeue("1", exclude=["n1; rm -rf /"], start=False, run=calls.append)
+    with pytest.raises(control.SlurmCommandError, match="not a Slurm node name"):
+        control.after_requeue("1", exclude=["n1; rm -rf /"], start=False, run=calls.append)
     assert calls == []
 
 
@@ -227,22 +227,22 @@ def test_after_requeue_excludes_then_sets_a_future_start_and_retries_while_not_y
     def run(args: list[str]) -> str:
         calls.append(args)
         if next(refusals):
-            raise slurmctl.SlurmCommandError("scontrol update failed (exit 1): Job is no longer pending execution")
+            raise control.SlurmCommandError("scontrol update failed (exit 1): Job is no longer pending execution")
         return ""
-    applied = slurmctl.after_requeue("7_2", 0, exclude=["n1", "n3"], margin_s=5, run=run, sleep=lambda s: None)
+    applied = control.after_requeue("7_2", 0, exclude=["n1", "n3"], margin_s=5, run=run, sleep=lambda s: None)
     assert applied == ["update jobid=7_2 ExcNodeList=n1,n3", "update jobid=7_2 StartTime=now+5"]
     assert len(calls) == 4  # two refusals of the first update, retried
-    assert slurmctl.after_requeue("7", 30, margin_s=5, run=lambda a: "") == ["update jobid=7 StartTime=now+30"]
+    assert control.after_requeue("7", 30, margin_s=5, run=lambda a: "") == ["update jobid=7 StartTime=now+30"]
 
 
 def test_a_requeued_job_with_a_node_floor_asks_for_the_floors_task_count_before_it_may_start():
     """requeue.min_nodes below the allocation: NumTasks = floor x tasks per node, set before StartTime."""
-    assert slurmctl.floor_tasks(1, 2, 2) == 2
-    assert slurmctl.floor_tasks(6, 9, 4) == 24  # 8 nodes + 1 spare, shrink to 6
-    assert slurmctl.floor_tasks(0, 2, 2) is None and slurmctl.floor_tasks(2, 2, 2) is None
-    applied = slurmctl.after_requeue("7", 0, exclude=["n2"], tasks=2, margin_s=5, run=lambda a: "")
+    assert control.floor_tasks(1, 2, 2) == 2
+    assert control.floor_tasks(6, 9, 4) == 24  # 8 nodes + 1 spare, shrink to 6
+    assert control.floor_tasks(0, 2, 2) is None and control.floor_tasks(2, 2, 2) is None
+    applied = control.after_requeue("7", 0, exclude=["n2"], tasks=2, margin_s=5, run=lambda a: "")
     assert applied == ["update jobid=7 NumTasks=2", "update jobid=7 ExcNodeList=n2", "update jobid=7 StartTime=now+5"]
-    assert slurmctl.after_requeue("7", start=False, tasks=2, run=lambda a: "") == ["update jobid=7 NumTasks=2"]
+    assert control.after_requeue("7", start=False, tasks=2, run=lambda a: "") == ["update jobid=7 NumTasks=2"]
 
 
 def test_the_stop_hook_asks_for_the_floor_only_with_in_job_restart_and_a_floor_below_the_nodes():
@@ -261,26 +261,26 @@ def test_the_stop_hook_asks_for_the_floor_only_with_in_job_restart_and_a_floor_b
 def test_after_requeue_gives_up_after_retry_s_and_raises_other_errors_at_once():
     """A refusal that outlasts retry_s, or any other scontrol error, is raised (the caller logs it)."""
     def refuse(args: list[str]) -> str:
-        raise slurmctl.SlurmCommandError("Job is no longer pending execution")
-    with pytest.raises(slurmctl.SlurmCommandError, match="pending"):
-        slurmctl.after_requeue("7", exclude=["n1"], run=refuse, retry_s=1.0, sleep=lambda s: None)
+        raise control.SlurmCommandError("Job is no longer pending execution")
+    with pytest.raises(control.SlurmCommandError, match="pending"):
+        control.after_requeue("7", exclude=["n1"], run=refuse, retry_s=1.0, sleep=lambda s: None)
     calls: list[list[str]] = []
 
     def denied(args: list[str]) -> str:
         calls.append(args)
-        raise slurmctl.SlurmCommandError("Access/permission denied")
-    with pytest.raises(slurmctl.SlurmCommandError, match="denied"):
-        slurmctl.after_requeue("7", run=denied, sleep=lambda s: None)
+        raise control.SlurmCommandError("Access/permission denied")
+    with pytest.raises(control.SlurmCommandError, match="denied"):
+        control.after_requeue("7", run=denied, sleep=lambda s: None)
     assert len(calls) == 1
 
 
 def test_start_margin_from_the_environment_is_checked():
     """XIRANG_REQUEUE_START_MARGIN_S: whole seconds >= 1, else an error that names the variable."""
-    assert slurmctl.start_margin_s({}) == slurmctl.START_MARGIN_S
-    assert slurmctl.start_margin_s({"XIRANG_REQUEUE_START_MARGIN_S": "30"}) == 30
+    assert control.start_margin_s({}) == control.START_MARGIN_S
+    assert control.start_margin_s({"XIRANG_REQUEUE_START_MARGIN_S": "30"}) == 30
     for bad in ("0", "-3", "2.5", "soon"):
-        with pytest.raises(slurmctl.SlurmCommandError, match="XIRANG_REQUEUE_START_MARGIN_S"):
-            slurmctl.start_margin_s({"XIRANG_REQUEUE_START_MARGIN_S": bad})
+        with pytest.raises(control.SlurmCommandError, match="XIRANG_REQUEUE_START_MARGIN_S"):
+            control.start_margin_s({"XIRANG_REQUEUE_START_MARGIN_S": bad})
 
 
 def _fake_scontrol(states: dict[str, str], exc: str = "(null)"):
@@ -302,14 +302,14 @@ def test_exclusion_adds_failed_nodes_to_earlier_ones_but_never_strands_the_job(m
     from xirang_hpc.launch.supervise import exclusion
 
     healthy = {"n1": "IDLE", "n2": "DOWN+NOT_RESPONDING", "n3": "IDLE", "n4": "MIXED"}
-    monkeypatch.setattr(slurmctl, "run_scontrol", _fake_scontrol(healthy, exc="n3"))
+    monkeypatch.setattr(control, "run_scontrol", _fake_scontrol(healthy, exc="n3"))
     assert exclusion("7", ["n1"], 1, "low") == ["n1", "n3"]  # n4 is left: the union is applied
     assert exclusion("7", ["n1"], 2, "low") == []  # n2 is down: excluding n1 + n3 leaves 1 node for 2
     drained = {**healthy, "n4": "IDLE+DRAIN"}
-    monkeypatch.setattr(slurmctl, "run_scontrol", _fake_scontrol(drained, exc="n3"))
+    monkeypatch.setattr(control, "run_scontrol", _fake_scontrol(drained, exc="n3"))
     assert exclusion("7", ["n1"], 1, "low") == []  # nothing usable would be left
 
     def broken(args: list[str], timeout_s: float = 30.0) -> str:
-        raise slurmctl.SlurmCommandError("scontrol failed")
-    monkeypatch.setattr(slurmctl, "run_scontrol", broken)
+        raise control.SlurmCommandError("scontrol failed")
+    monkeypatch.setattr(control, "run_scontrol", broken)
     assert exclusion("7", ["n1"], 1, "low") == []  # no exclusion; the requeue still happens

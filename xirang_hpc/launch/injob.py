@@ -45,8 +45,8 @@ from xirang_hpc.launch.supervise import (
     supervise,
 )
 from xirang_hpc.monitor.events import EventTail, append_event, failed_nodes, read_events, storage_failure
-from xirang_hpc.runtime import slurmctl
 from xirang_hpc.runtime.markers import missing_ranks, write_stop_cause
+from xirang_hpc.slurm import control, states
 
 # After the watchdog named a dead rank or aborted the ranks, how long the step may take to end by itself
 # before the driver ends it (a lost node's part never reports its exit to srun).
@@ -64,7 +64,7 @@ SRUN_TERM_S = 2.0
 # decides, as for any infrastructure failure. slurmctld fail-over takes SlurmctldTimeout (120 s by default).
 LAUNCH_RETRY_S = 600.0
 LAUNCH_BACKOFF_MAX_S = 60.0
-# srun's words for a step it could not create (besides the controller not answering: slurmctl.CONTROLLER_DOWN).
+# srun's words for a step it could not create (besides the controller not answering: control.CONTROLLER_DOWN).
 STEP_NOT_CREATED = ("Unable to create step", "step creation temporarily disabled", "Unable to confirm allocation")
 NODES_ENV = "XIRANG_NODES"  # read by xirang_hpc.config.elastic inside the job
 ATTEMPT_ENV = "XIRANG_INJOB_ATTEMPT"  # read by xirang_hpc.runtime.topology (a fresh rendezvous port)
@@ -192,7 +192,7 @@ def launch_failure(text: str) -> str | None:
     """srun's line saying the step could not be started (the controller did not answer, no step could be
     created), from what the step wrote; None when there is none."""
     for line in text.splitlines():
-        if line.startswith("srun: error") and (slurmctl.controller_down(line)
+        if line.startswith("srun: error") and (control.controller_down(line)
                                                or any(m in line for m in STEP_NOT_CREATED)):
             return line.strip()
     return None
@@ -206,11 +206,11 @@ def ranks_started(run_dir: Path, restart: int) -> bool:
 
 def controller_answers() -> bool:
     """``scontrol ping`` says slurmctld is UP (False when it says DOWN, fails or times out)."""
-    from xirang_hpc.runtime import slurmctl
+    from xirang_hpc.slurm import control
 
     try:
-        return " is UP" in slurmctl.run_scontrol(["ping"], timeout_s=20)
-    except slurmctl.SlurmCommandError:
+        return " is UP" in control.run_scontrol(["ping"], timeout_s=20)
+    except control.SlurmCommandError:
         return False
 
 
@@ -271,7 +271,7 @@ def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys
             return rc
         said = launch_failure(said_all) if rc != 0 and not ranks_started(run_dir, restart) else None
         # srun's own word, or slurmctld not answering now (it may have answered srun with a refusal).
-        down = said is not None and (slurmctl.controller_down(said) or not answers())
+        down = said is not None and (control.controller_down(said) or not answers())
         if said is not None:
             first_failure = clock() if first_failure is None else first_failure
             cause = "slurmctld does not answer" if down else f"srun could not start the step: {said}"
@@ -372,8 +372,8 @@ def job_state(job_id: str) -> str:
     if not job_id:
         return ""
     try:
-        return slurmctl.job_info(job_id).get("JobState", "")
-    except slurmctl.SlurmCommandError:
+        return control.job_info(job_id).get("JobState", "")
+    except control.SlurmCommandError:
         return ""
 
 
@@ -390,7 +390,7 @@ def guard(rc: int, run_dir: Path, env: Mapping[str, str], run: Callable[..., Any
     if already_handled(run_dir, restart) or handed_over(run_dir, restart):
         return rc
     job_id = env.get("SLURM_JOB_ID", "")
-    if rc == 128 + signal.SIGTERM or job_state(job_id) in ("CANCELLED", "TIMEOUT", "PREEMPTED"):
+    if rc == 128 + signal.SIGTERM or states.base(job_state(job_id)) in states.ENDED_ON_REQUEST:
         return rc  # Slurm is ending the job (scancel, time limit, preemption): the ranks take that themselves
     detail = f"the batch step's in-job driver ended without a decision ({_how(rc)})"
     append_event(run_dir, "supervisor_died", detail, rc=rc, job=job_id, restart=restart,

@@ -23,8 +23,8 @@ from typing import Any
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import scheduling_class
-from xirang_hpc.monitor.quota import Fit, QuotaError, Request, check_fit, resolve_association
-from xirang_hpc.monitor.slurmdb import AccountingDown, SlurmDB, SlurmQueryError
+from xirang_hpc.slurm.accounting import AccountingDown, SlurmDB, SlurmQueryError
+from xirang_hpc.slurm.quotas import Fit, QuotaError, Request, check_fit, resolve_association
 
 
 class QuotaRefused(ConfigError):

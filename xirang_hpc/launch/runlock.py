@@ -26,12 +26,10 @@ from typing import Any
 
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.runtime.process_identity import identity, is_running
+from xirang_hpc.slurm import states
 
 OWNER_FILE = "job.json"
 SUBMIT_LOCK = ".submit.lock"
-# Slurm job states in which a job may still write to its run directory.
-LIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "CONFIGURING",
-               "COMPLETING", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
 
 
 class RunBusyError(RuntimeError):
@@ -70,7 +68,7 @@ def live_owner(run_dir: Path, slurm_state: Callable[[str, str | None], str] = _s
             raise RunBusyError(f"cannot tell whether job {jid}, which owns run directory {run_dir}, is still live: "
                                f"slurmctld{where} does not answer; nothing was submitted. Launch again when "
                                "`squeue` answers")
-        return dict(owner, state=state) if state in LIVE_STATES else None
+        return dict(owner, state=state) if states.is_live(state) else None
     pid, started = owner.get("pid"), owner.get("pid_started")
     if isinstance(pid, int) and isinstance(started, (int, float)) \
             and is_running(pid, owner.get("pid_start_ticks"), float(started), exact=True):

@@ -28,12 +28,10 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, RequeueConfig, XirangConfig
 from xirang_hpc.config.validate import scheduling_class
 from xirang_hpc.monitor.events import append_event, read_events
-from xirang_hpc.runtime import slurmctl
+from xirang_hpc.slurm import control, states
 
 JOB_FILE = "slurm_job.json"
 RUN_DIR_MAP = "xirang_run_dirs.json"
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                   "DEADLINE"}
 
 
 def site_qos_names(timeout_s: float = 10.0) -> list[str] | None:
@@ -225,16 +223,16 @@ def job_state(job_id: str, cluster: str | None = None) -> str:
     """Slurm's ``JobState`` of ``job_id`` on ``cluster`` (None: the default one; ``UNKNOWN`` once Slurm
     has forgotten the job; :data:`NO_ANSWER` when slurmctld does not answer)."""
     try:
-        return slurmctl.job_info(job_id, cluster).get("JobState", "UNKNOWN")
-    except slurmctl.SlurmCommandError as exc:
-        return NO_ANSWER if slurmctl.controller_down(str(exc)) or "timed out" in str(exc) else "UNKNOWN"
+        return control.job_info(job_id, cluster).get("JobState", "UNKNOWN")
+    except control.SlurmCommandError as exc:
+        return NO_ANSWER if control.controller_down(str(exc)) or "timed out" in str(exc) else "UNKNOWN"
 
 
 def submit_refusal(stderr: str) -> str:
     """One line for a failed ``sbatch``: its own error line, and what to do."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     said = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "no message")
-    if slurmctl.controller_down(stderr):
+    if control.controller_down(stderr):
         return (f"sbatch could not reach slurmctld: {said}; nothing was submitted. Try again when `squeue` "
                 "answers (or ask the cluster's admins)")
     return f"sbatch refused the job: {said}; nothing was submitted"
@@ -248,7 +246,7 @@ def wait_for(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None, c
     while True:
         state = job_state(job_id, cluster)
         # Two consecutive terminal polls: a requeue in flight passes through brief states.
-        seen_terminal = seen_terminal + 1 if state in TERMINAL_STATES or state == "UNKNOWN" else 0
+        seen_terminal = seen_terminal + 1 if states.has_ended(state) or state == states.UNKNOWN else 0
         if seen_terminal >= 2:
             return state
         if deadline is not None and time.monotonic() > deadline:
@@ -303,7 +301,7 @@ def follow_hint(job: submitit.Job, run_dir: Path) -> str:
 
 def cancel(job_id: str, cluster: str | None = None) -> None:
     """``scancel`` (for interrupted --wait), on the job's cluster."""
-    subprocess.run(["scancel", *slurmctl.cluster_args(cluster), job_id], check=False)
+    subprocess.run(["scancel", *control.cluster_args(cluster), job_id], check=False)
 
 
 def launch_slurm(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, site: str | None = None,

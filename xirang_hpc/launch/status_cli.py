@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from xirang_hpc.monitor.render import render_array, render_run
-from xirang_hpc.monitor.status import TERMINAL, find_runs, is_run_dir, run_status, task_key
+from xirang_hpc.monitor.status import find_runs, is_run_dir, run_status, task_key
+from xirang_hpc.slurm import states
 
 JOB_ID = re.compile(r"\d+(_\d+)?")
 
@@ -62,8 +63,8 @@ def _site_status(run: Path) -> dict[str, Any]:
     """A run placed on several sites (launch/sites/): its site, its history across sites, where it moved;
     Slurm is asked on that site (``-M <site>`` on squeue, sacct and scontrol: job ids are per cluster)."""
     from xirang_hpc.launch.sites import read_site_state
-    from xirang_hpc.monitor.jobstate import run_cmd
-    from xirang_hpc.monitor.slurmdb import Result, on_cluster
+    from xirang_hpc.slurm.accounting import Result, on_cluster
+    from xirang_hpc.slurm.jobs import run_cmd
 
     st = read_site_state(run)
     if st is None:
@@ -102,7 +103,7 @@ def render(snap: dict[str, Any], tty: bool) -> str:
 
 def _finished(snap: dict[str, Any]) -> bool:
     rows = snap.get("runs", [snap])
-    return all(r["state"] in TERMINAL for r in rows)
+    return all(states.has_ended(r["state"]) for r in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,8 +194,8 @@ def _show_and_wait(a: argparse.Namespace, tty: bool, view: dict, render: Callabl
 def _queue(a: argparse.Namespace) -> int:
     """``xirang-status --queue``: the cluster-wide view (plain, --json, --watch, --plot)."""
     from xirang_hpc.launch.quota_check import current_user
-    from xirang_hpc.monitor.queue import gather, plot_utilization, render_queue
-    from xirang_hpc.monitor.slurmdb import SlurmDB, SlurmQueryError
+    from xirang_hpc.slurm.accounting import SlurmDB, SlurmQueryError
+    from xirang_hpc.slurm.queue import gather, plot_utilization, render_queue
 
     tty = sys.stdout.isatty()
     if a.sites is not None:
@@ -222,7 +223,7 @@ def _queue_sites(a: argparse.Namespace, tty: bool) -> int:
     """``xirang-status --queue --sites A,B|all``: every site side by side, then each one's view."""
     from xirang_hpc.launch.quota_check import current_user
     from xirang_hpc.launch.sites import registered_clusters
-    from xirang_hpc.monitor.queue import gather_sites, render_sites
+    from xirang_hpc.slurm.queue import gather_sites, render_sites
 
     known = registered_clusters()
     names = known if a.sites == "all" else [n.strip() for n in a.sites.split(",") if n.strip()]

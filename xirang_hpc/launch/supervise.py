@@ -29,9 +29,9 @@ from typing import Any
 
 from xirang_hpc.config.schema import RequeueConfig
 from xirang_hpc.monitor.events import append_event, failed_nodes, read_events, storage_failure
-from xirang_hpc.runtime import slurmctl
 from xirang_hpc.runtime.markers import missing_ranks
 from xirang_hpc.runtime.policy import decide
+from xirang_hpc.slurm import control
 
 
 def run_dir_for_task(map_file: Path, env: dict[str, str]) -> Path:
@@ -65,7 +65,7 @@ def cancel_self(job_id: str, cluster: str | None) -> None:
     (also if Slurm's own preemption requeue got there first)."""
     import subprocess
 
-    subprocess.run(["scancel", *slurmctl.cluster_args(cluster), job_id], capture_output=True, timeout=60,
+    subprocess.run(["scancel", *control.cluster_args(cluster), job_id], capture_output=True, timeout=60,
                    check=False)
 
 
@@ -88,16 +88,16 @@ def try_migrate(run_dir: Path, job_id: str, env: dict[str, str]) -> dict | None:
         # From here on this job must not come back on `current` beside the moved run: Slurm's preemption
         # (PreemptMode=REQUEUE) requeues a job that is still running at the end of the grace time, but only a
         # requeueable one; a job with Requeue=0 ends PREEMPTED instead (checked on the testbed, Slurm 22.05).
-        slurmctl.run_scontrol(["update", f"jobid={job_id}", "Requeue=0"])
+        control.run_scontrol(["update", f"jobid={job_id}", "Requeue=0"])
         pinned.append(True)
 
     try:
         nodes = hostnames(env.get("SLURM_JOB_NODELIST", ""))
         return sites.migrate_at_preemption(run_dir, job_id, current, nodes, before_submit=no_requeue)
-    except (ConfigError, sites.CopyError, slurmctl.SlurmCommandError, OSError, RuntimeError) as exc:
+    except (ConfigError, sites.CopyError, control.SlurmCommandError, OSError, RuntimeError) as exc:
         if pinned:  # the move failed after all: requeueable again, for the requeue that follows
-            with contextlib.suppress(slurmctl.SlurmCommandError):
-                slurmctl.run_scontrol(["update", f"jobid={job_id}", "Requeue=1"])
+            with contextlib.suppress(control.SlurmCommandError):
+                control.run_scontrol(["update", f"jobid={job_id}", "Requeue=1"])
         append_event(run_dir, "migrate_failed", type(exc).__name__, error=str(exc), job=job_id, site=current)
         print(f"xirang: moving the run to another site failed, requeued here: {exc}", file=sys.stderr, flush=True)
         return None
@@ -111,18 +111,18 @@ def hostnames(expr: str) -> list[str]:
     """A Slurm hostlist expression (``n[1-3],gpu07``) -> node names; ``(null)``/empty -> []."""
     if not expr or expr in ("(null)", "None"):
         return []
-    return slurmctl.run_scontrol(["show", "hostnames", expr]).split()
+    return control.run_scontrol(["show", "hostnames", expr]).split()
 
 
 def usable_nodes(partition: str | None) -> list[str]:
     """Nodes of ``partition`` (the default one if None) in a state where a job can start."""
-    info = slurmctl.parse_job(slurmctl.run_scontrol(["show", "partition", "-o", *([partition] if partition else [])]))
+    info = control.parse_job(control.run_scontrol(["show", "partition", "-o", *([partition] if partition else [])]))
     names = hostnames(info.get("Nodes", ""))
     if not names:
         return []
     out = []
-    for line in slurmctl.run_scontrol(["show", "node", "-o", info["Nodes"]]).splitlines():
-        node = slurmctl.parse_job(line)
+    for line in control.run_scontrol(["show", "node", "-o", info["Nodes"]]).splitlines():
+        node = control.parse_job(line)
         if node.get("NodeName") in names and not any(bad in node.get("State", "") for bad in _UNUSABLE):
             out.append(node["NodeName"])
     return out
@@ -136,10 +136,10 @@ def exclusion(job_id: str, failed: list[str], nodes_needed: int, partition: str 
     ``scontrol`` failure means no exclusion (the requeue itself still happens).
     """
     try:
-        earlier = hostnames(slurmctl.job_info(job_id).get("ExcNodeList", ""))
+        earlier = hostnames(control.job_info(job_id).get("ExcNodeList", ""))
         wanted = sorted(set(earlier) | set(failed))
         left = [n for n in usable_nodes(partition) if n not in wanted]
-    except slurmctl.SlurmCommandError:
+    except control.SlurmCommandError:
         return []
     return wanted if len(left) >= nodes_needed else []
 
@@ -147,8 +147,8 @@ def exclusion(job_id: str, failed: list[str], nodes_needed: int, partition: str 
 def preempt_time(job_id: str) -> str | None:
     """Slurm's ``PreemptTime`` of the job when it was preempted, else None (also when scontrol fails)."""
     try:
-        value = slurmctl.job_info(job_id).get("PreemptTime", "None")
-    except slurmctl.SlurmCommandError:
+        value = control.job_info(job_id).get("PreemptTime", "None")
+    except control.SlurmCommandError:
         return None
     return None if value in ("None", "N/A", "Unknown", "") else value
 
@@ -210,7 +210,7 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = N
         return rc
     job = json.loads((run_dir / "slurm_job.json").read_text())
     policy = RequeueConfig(**job["requeue"])
-    job_id = slurmctl.requeue_target(env)
+    job_id = control.requeue_target(env)
     if rc == 0:
         append_event(run_dir, "exit", "completed", final=True, status="completed", job=job_id, restart=restart)
         return 0
@@ -290,7 +290,7 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = N
     at = {"step": handover["step"]} if handover and isinstance(handover.get("step"), int) else {}
     # A job that may start shrunk asks for its floor's task count (a requeued job keeps its first one).
     alloc = int(job["nodes"]) + int(job.get("spare_nodes", 0))
-    tasks = slurmctl.floor_tasks(int(job.get("min_alloc_nodes") or job["nodes"]), alloc,
+    tasks = control.floor_tasks(int(job.get("min_alloc_nodes") or job["nodes"]), alloc,
                                  int(job.get("tasks_per_node", 1)))
     append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, target=job_id, restart=restart,
                  excluded=excluded, nodes=nodes, num_tasks=tasks, **at)
@@ -299,12 +299,12 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = N
     # updates below (the batch script ignores SIGTERM around it for the same reason).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        slurmctl.requeue(job_id)
+        control.requeue(job_id)
         start = bool(verdict.start_now or verdict.backoff_s)
         if start or excluded or tasks:
-            applied = slurmctl.after_requeue(job_id, verdict.backoff_s, exclude=excluded, start=start, tasks=tasks)
+            applied = control.after_requeue(job_id, verdict.backoff_s, exclude=excluded, start=start, tasks=tasks)
             append_event(run_dir, "requeue_update", reason, job=job_id, restart=restart, applied=applied)
-    except slurmctl.SlurmCommandError as exc:
+    except control.SlurmCommandError as exc:
         append_event(run_dir, "exit", "requeue_failed", final=True, status="requeue_failed", error=str(exc),
                      job=job_id, restart=restart)
         print(f"xirang: error: {exc}", file=sys.stderr, flush=True)

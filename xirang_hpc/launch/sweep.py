@@ -149,7 +149,7 @@ def _state_quota(cfg: XirangConfig, site: str | None, tasks: int) -> None:
 
     db = None
     if site is not None:
-        from xirang_hpc.monitor.slurmdb import SlurmDB, call, on_cluster
+        from xirang_hpc.slurm.accounting import SlurmDB, call, on_cluster
 
         db = SlurmDB(run=on_cluster(call, site), cluster=site)
     lines, fit = check_quota(cfg, db=db, tasks=tasks)

@@ -199,7 +199,7 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
 
         db = None
         if placement is not None:  # the chosen site's associations, jobs and nodes (-M), not the default cluster's
-            from xirang_hpc.monitor.slurmdb import SlurmDB, call, on_cluster
+            from xirang_hpc.slurm.accounting import SlurmDB, call, on_cluster
 
             db = SlurmDB(run=on_cluster(call, placement.site.name), cluster=placement.site.name)
         print("\n".join(check_quota(cfg, db=db)[0]), flush=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 from xirang_hpc.config.schema.serve import SERVE_FILE
 from xirang_hpc.files import write_json_atomic
-from xirang_hpc.runtime import slurmctl
+from xirang_hpc.slurm import control
 
 STAGES = ("prepare", "train", "eval", "serve")
 PIPELINE_FILE = "pipeline.json"
@@ -80,8 +80,8 @@ def write_pipeline(run_dir: Path, executor: str, stages: list[dict[str, Any]]) -
 
 def _slurm_state(job_id: str) -> str | None:
     try:
-        return slurmctl.job_info(job_id).get("JobState", "UNKNOWN")
-    except slurmctl.SlurmCommandError:
+        return control.job_info(job_id).get("JobState", "UNKNOWN")
+    except control.SlurmCommandError:
         return "UNKNOWN"
     except Exception:  # noqa: BLE001 - no Slurm here: fall back to the stages' own records
         return None

@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from xirang_hpc.monitor import slurmdb
 from xirang_hpc.monitor.events import append_event, read_events
+from xirang_hpc.slurm import accounting, states
 
 # sacct's state of an ended start -> (who requeued it, why).
 _STATES = {"PREEMPTED": ("slurm", "preemption"), "NODE_FAIL": ("slurm", "node_failure"),
@@ -30,13 +30,13 @@ _STATES = {"PREEMPTED": ("slurm", "preemption"), "NODE_FAIL": ("slurm", "node_fa
 _SUBMITIT_PREEMPTED = re.compile(r"Caught signal SIGUSR2 on .*: this job is preempted")
 
 
-def previous_state(job_id: str, run: slurmdb.Caller = slurmdb.call) -> str | None:
+def previous_state(job_id: str, run: accounting.Caller = accounting.call) -> str | None:
     """How the start before this one ended: sacct's State of the newest ended run of ``job_id`` (None: unknown)."""
     r = run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "--format=JobID,State,Start"])
     if r.rc != 0:
         return None
-    ended = [row["State"].split()[0] for row in slurmdb.parse_rows(r.out, ("JobID", "State", "Start"))
-             if row["State"] and row["State"].split()[0] not in ("RUNNING", "PENDING", "REQUEUED_HOLD")]
+    ended = [row["State"].split()[0] for row in accounting.parse_rows(r.out, ("JobID", "State", "Start"))
+             if states.start_ended(row["State"])]
     return ended[-1] if ended else None
 
 

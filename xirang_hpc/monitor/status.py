@@ -21,11 +21,8 @@ from xirang_hpc.monitor.chain import PIPELINE_FILE, chain_status
 from xirang_hpc.monitor.events import FAULT_KINDS, read_events, read_jsonl
 from xirang_hpc.monitor.flops import mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import HEARTBEAT_DIR, SESSION_FILE, SESSIONS_LOG, read_heartbeats, read_json
-from xirang_hpc.monitor.jobstate import Runner, run_cmd, slurm_state
 from xirang_hpc.runtime.process_identity import is_running
-
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
-
+from xirang_hpc.slurm.jobs import Runner, run_cmd, slurm_state
 
 # Files and directories only a run directory has: the trainer's, the monitor's, the launcher's (submitit
 # logs, the events log), the checkpoint manager's, the rank markers, a rollback fork's record.

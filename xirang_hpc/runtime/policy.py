@@ -1,7 +1,7 @@
 """Requeue policy: given why a job stopped and how often it was requeued, requeue or not.
 
 Pure logic over :class:`~xirang_hpc.config.schema.RequeueConfig` (the ``conf/requeue/`` presets a
-sysadmin can set site-wide); the side effects (``scontrol``) live in :mod:`slurmctl`.
+sysadmin can set site-wide); the side effects (``scontrol``) live in :mod:`xirang_hpc.slurm.control`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ signal reached only some of them: a stop is never half-agreed. Then:
 
 1. every rank saves its shard through the checkpoint hook (if the save cannot finish within the
    grace time, the last periodic checkpoint stands: checkpoints are committed atomically);
-2. rank 0 asks Slurm why (:func:`~xirang_hpc.runtime.slurmctl.classify_stop`: ``PreemptTime``,
+2. rank 0 asks Slurm why (:func:`~xirang_hpc.slurm.control.classify_stop`: ``PreemptTime``,
    ``TimeLimit``/``RunTime``), applies the requeue policy, logs the verdict, and requeues
    ``ARRAYJOBID_TASKID`` or the job id with ``scontrol requeue`` (only the task of an array, never the whole array);
 3. **every** rank exits (none is left behind holding the allocation): :data:`EXIT_REQUEUED`
@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.runtime import slurmctl
 from xirang_hpc.runtime.early_signals import _early, capture_early  # noqa: F401 - capture_early re-exported
 from xirang_hpc.runtime.hooks import EventSink, NullEventSink, TrainerHook
 from xirang_hpc.runtime.markers import mark_start, read_stop_cause
 from xirang_hpc.runtime.policy import decide
 from xirang_hpc.runtime.topology import Topology
 from xirang_hpc.runtime.trainer import Trainer
+from xirang_hpc.slurm import control
 
 EXIT_REQUEUED = 144  # submitit.local.local.LOCAL_REQUEUE_RETURN_CODE
 EXIT_STOPPED = 3
@@ -54,7 +54,7 @@ def requeue_floor_tasks(cfg: XirangConfig) -> int | None:
     r, c = cfg.requeue, cfg.cluster
     if r.max_restarts_in_job <= 0:
         return None
-    return slurmctl.floor_tasks(r.min_nodes, c.nodes + c.spare_nodes, c.tasks_per_node)
+    return control.floor_tasks(r.min_nodes, c.nodes + c.spare_nodes, c.tasks_per_node)
 
 
 def exit_process(code: int) -> None:
@@ -78,10 +78,10 @@ class StopSignalHook(TrainerHook):
                  env: Mapping[str, str] | None = None,
                  exit_fn: Callable[[int], None] = exit_process,
                  save_fn: Callable[[Trainer], int | None] | None = None,
-                 job_info: Callable[[str], dict[str, str]] = slurmctl.job_info,
-                 requeue_fn: Callable[[str], None] = slurmctl.requeue,
-                 start_now_fn: Callable[..., object] = slurmctl.after_requeue,
-                 no_requeue_fn: Callable[[str], None] = slurmctl.no_requeue) -> None:
+                 job_info: Callable[[str], dict[str, str]] = control.job_info,
+                 requeue_fn: Callable[[str], None] = control.requeue,
+                 start_now_fn: Callable[..., object] = control.after_requeue,
+                 no_requeue_fn: Callable[[str], None] = control.no_requeue) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         # The run's event log, handed in by the job (the runtime does not know where it lives).
         self.events: EventSink = NullEventSink() if events is None else events
@@ -187,15 +187,15 @@ class StopSignalHook(TrainerHook):
                     signal_to_durable_s=round(t_durable - t_signal, 3) if saved is not None else None)
         try:
             if in_slurm:
-                target = slurmctl.requeue_target(self.env)
+                target = control.requeue_target(self.env)
                 told = read_stop_cause(self.run_dir, self.restarts)
                 if told is not None and signame == "SIGUSR2":  # the batch script's guard signalled us, saying why
-                    cause = slurmctl.StopCause(*told)
+                    cause = control.StopCause(*told)
                 else:
-                    cause = slurmctl.classify_stop(self.job_info(self.env["SLURM_JOB_ID"]), signame,
+                    cause = control.classify_stop(self.job_info(self.env["SLURM_JOB_ID"]), signame,
                                                    self.cfg.cluster.signal_delay_s)
             else:
-                target, cause = self.topo.job_id, slurmctl.StopCause(
+                target, cause = self.topo.job_id, control.StopCause(
                     "preemption" if signame == "SIGUSR2" else "terminated", f"{signame} outside Slurm")
             self._event("stop", cause.reason, detail=cause.detail, **stop)
             verdict = decide(cause.reason, self.restarts, self.cfg.requeue)
@@ -205,7 +205,7 @@ class StopSignalHook(TrainerHook):
                     # preemption would requeue the job by itself and train on past this final status.
                     try:
                         self.no_requeue_fn(target)
-                    except slurmctl.SlurmCommandError as exc:
+                    except control.SlurmCommandError as exc:
                         print(f"xirang: warning: could not make job {target} non-requeueable: {exc}",
                               file=sys.stderr, flush=True)
                 self._event("exit", cause.reason, final=True, status=verdict.final_status, why=verdict.why, step=step)
@@ -227,12 +227,12 @@ class StopSignalHook(TrainerHook):
                 start = bool(verdict.start_now or verdict.backoff_s)
                 if start or tasks:
                     self.start_now_fn(target, verdict.backoff_s, start=start, tasks=tasks,
-                                      margin_s=slurmctl.start_margin_s(self.env, ranks_leaving=True))
+                                      margin_s=control.start_margin_s(self.env, ranks_leaving=True))
             self._event("requeue", cause.reason, why=verdict.why, target=target, step=step,
                         start_now=verdict.start_now, backoff_s=verdict.backoff_s, num_tasks=tasks)
             self._event("exit", "requeued", final=False, status="requeued", step=step)
             return EXIT_REQUEUED
-        except slurmctl.SlurmCommandError as exc:
+        except control.SlurmCommandError as exc:
             self._event("exit", "requeue_failed", final=True, status="requeue_failed", error=str(exc), step=step)
             print(f"xirang: error: {exc}", file=sys.stderr, flush=True)
             return EXIT_STOPPED

@@ -1,4 +1,4 @@
-"""Record the outputs of every query in xirang_hpc/monitor/slurmdb.py on a real cluster (SLURM_CONF set).
+"""Record the outputs of every query in xirang_hpc/slurm/accounting.py on a real cluster (SLURM_CONF set).
 
     python tests/data/slurm/record.py NAME [JOBID ...]   ->  tests/data/slurm/NAME.json
 
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from xirang_hpc.monitor.slurmdb import SlurmDB, call, commands, sacct_argv
+from xirang_hpc.slurm.accounting import SlurmDB, call, commands, sacct_argv
 
 name, job_ids = sys.argv[1], sys.argv[2:]
 cluster = SlurmDB().config().get("ClusterName", "")

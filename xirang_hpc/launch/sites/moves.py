@@ -19,7 +19,7 @@ from xirang_hpc.files import write_json_atomic
 from xirang_hpc.launch.sites.placement import Placement, apply_site, choose, gather, place, record_placement, site_of
 from xirang_hpc.launch.sites.transfer import CopyError, copy_run, site_run_dir
 from xirang_hpc.monitor.events import append_event
-from xirang_hpc.monitor.slurmdb import Caller, Result, call
+from xirang_hpc.slurm.accounting import Caller, Result, call
 
 
 def _slurm_time(text: str) -> float | None:
@@ -46,7 +46,7 @@ def held_until(site: str, nodes: Sequence[str], job_id: str, run: Caller = call)
     nodes (SCHEDNODES) or already running there. The requeue cannot start on those nodes before it
     ends (its start + time limit); ``inf`` for a job without a limit; None when none is found.
     """
-    from xirang_hpc.runtime.slurmctl import parse_duration
+    from xirang_hpc.slurm.control import parse_duration
 
     r = run(["squeue", "-M", site, "-h", "-t", "PENDING,RUNNING", "-o", "%i|%S|%l|%Y|%N|%T"])
     if r.rc != 0:

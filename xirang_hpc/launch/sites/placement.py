@@ -16,7 +16,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, SiteConfig, XirangConfig
 from xirang_hpc.config.validate import scheduling_class
 from xirang_hpc.monitor.events import append_event
-from xirang_hpc.monitor.slurmdb import Caller, Result, call
+from xirang_hpc.slurm.accounting import Caller, Result, call
 
 # `sbatch --test-only` (Slurm 22.05, recorded on the two-cluster testbed):
 #   sbatch: Job 3 to start at 2026-11-30T18:30:06 using 1 processors on nodes sa1 in partition low

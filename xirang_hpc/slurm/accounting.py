@@ -14,34 +14,11 @@ associations, QOS limits or history: :func:`accounting_enabled` tells.
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass(frozen=True)
-class Result:
-    """What a command did: exit code, stdout, stderr (127: not installed, 124: timed out)."""
-
-    rc: int
-    out: str
-    err: str
-
-
-Caller = Callable[[list[str]], Result]
-
-
-def call(argv: list[str], timeout_s: float = 20.0) -> Result:
-    """Run ``argv`` (a Slurm client command) and return what it did; never raises."""
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except FileNotFoundError:
-        return Result(127, "", f"{argv[0]}: command not found (install the Slurm client)")
-    except subprocess.TimeoutExpired:
-        return Result(124, "", f"{argv[0]} timed out after {timeout_s:.0f}s")
-    return Result(r.returncode, r.stdout, r.stderr)
-
+from xirang_hpc.slurm.commands import Caller, Result, call  # noqa: F401 - re-exported: the runner callers pass
 
 # The clients that take ``-M <cluster>`` (sacctmgr takes ``cluster=<name>`` in its query instead).
 _PER_CLUSTER = ("squeue", "sinfo", "scontrol", "sshare", "sacct")

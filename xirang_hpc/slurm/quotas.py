@@ -1,4 +1,4 @@
-"""Quotas and pending reasons in words: decisions over Slurm's data (:mod:`xirang_hpc.monitor.slurmdb`).
+"""Quotas and pending reasons in words: decisions over Slurm's data (:mod:`xirang_hpc.slurm.accounting`).
 
 - :func:`resolve_association` finds the association a submission is charged to and refuses an
   account or QOS that does not exist (listing the valid ones) or a user without an association
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from xirang_hpc.monitor.slurmdb import Assoc, Node, Qos, QueueJob
+from xirang_hpc.slurm.accounting import Assoc, Node, Qos, QueueJob
 
 # TRES a training job asks for, and how to say them.
 TRES_WORDS = {"cpu": "CPUs", "gres/gpu": "GPUs", "node": "nodes"}

@@ -1,4 +1,4 @@
-"""The job's only contact with Slurm's command line: ``scontrol``, behind one tiny function.
+"""``scontrol`` from inside a job: requeue, hold, the job's own record (run through :mod:`.commands`).
 
 Everything else here is parsing and decisions over plain data, so it is testable without Slurm:
 - :func:`requeue_target` names what to requeue: ``ARRAYJOBID_TASKID`` for an array task
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from xirang_hpc.slurm import states
+from xirang_hpc.slurm.commands import Result, call
 
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -36,22 +37,20 @@ def controller_down(text: str) -> bool:
     return any(m in text for m in CONTROLLER_DOWN)
 
 
-def run_scontrol(args: list[str], timeout_s: float = 30.0) -> str:
-    """Run ``scontrol ARGS`` and return its stdout (the one place the job shells out to Slurm)."""
-    exe = shutil.which("scontrol")
-    if exe is None:
+def run_scontrol(args: list[str], timeout_s: float = 30.0, run: Callable[..., Result] = call) -> str:
+    """Run ``scontrol ARGS`` and return its stdout; :class:`SlurmCommandError` says what went wrong."""
+    r = run(["scontrol", *args], timeout_s=timeout_s)
+    if r.rc == 127:
         raise SlurmCommandError(
             "scontrol not found on PATH of this compute node/container: cannot requeue. "
             "Install the Slurm client in the job's environment (or bind-mount it into the container), "
             "or set requeue.enabled=false"
         )
-    try:
-        out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise SlurmCommandError(f"scontrol {' '.join(args)} timed out after {timeout_s:.0f}s") from exc
-    if out.returncode != 0:
-        raise SlurmCommandError(f"scontrol {' '.join(args)} failed (exit {out.returncode}): {out.stderr.strip()}")
-    return out.stdout
+    if r.rc == 124:
+        raise SlurmCommandError(f"scontrol {' '.join(args)} timed out after {timeout_s:.0f}s")
+    if r.rc != 0:
+        raise SlurmCommandError(f"scontrol {' '.join(args)} failed (exit {r.rc}): {r.err.strip()}")
+    return r.out
 
 
 def requeue_target(env: Mapping[str, str] | None = None) -> str:
@@ -117,9 +116,6 @@ def no_requeue(job_id: str) -> None:
     run_scontrol(["update", f"jobid={job_id}", "Requeue=0"])
 
 
-# Job states in which a rank may still get SIGTERM although nobody cancelled the job: its batch script ended.
-# Not COMPLETING: a job ended by scancel reads COMPLETING too while its processes are being killed.
-BATCH_GONE_STATES = ("FAILED", "COMPLETED")
 
 
 @dataclass(frozen=True)
@@ -149,7 +145,7 @@ def classify_stop(info: Mapping[str, str], signal_name: str, signal_delay_s: flo
     if limit is not None and run is not None and limit - run <= signal_delay_s + slack_s:
         return StopCause("timeout", f"RunTime={info.get('RunTime')} TimeLimit={info.get('TimeLimit')}")
     state = info.get("JobState", "")
-    if signal_name == "SIGTERM" and state in BATCH_GONE_STATES:
+    if signal_name == "SIGTERM" and states.base(state) in states.BATCH_GONE:
         # Not a cancel (that reads CANCELLED): the job ended under its ranks because its batch script ended,
         # killed or crashed (e.g. kill -9 of it on the head node); Slurm then signals what is left of the job.
         return StopCause("infra_failure", f"the batch step is gone (JobState={state}, ExitCode={info.get('ExitCode')}):"

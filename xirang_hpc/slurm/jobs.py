@@ -1,4 +1,4 @@
-"""Job state from Slurm's client commands, through one tiny subprocess function.
+"""Job state from Slurm's client commands (through :func:`xirang_hpc.slurm.commands.call`).
 
 Every query degrades to ``{}`` when the command is missing (a laptop, a container without
 Slurm, the local executor) or fails (``sacct`` without accounting).
@@ -6,22 +6,20 @@ Slurm, the local executor) or fails (``sacct`` without accounting).
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 
-from xirang_hpc.monitor.quota import explain_reason
-from xirang_hpc.monitor.slurmdb import Result, SlurmDB, SlurmQueryError
+from xirang_hpc.slurm import states
+from xirang_hpc.slurm.accounting import SlurmDB, SlurmQueryError
+from xirang_hpc.slurm.commands import Result, call
+from xirang_hpc.slurm.quotas import explain_reason
 
 Runner = Callable[[list[str]], "str | None"]
 
 
 def run_cmd(argv: list[str], timeout_s: float = 10.0) -> str | None:
     """stdout of ``argv`` when it exits 0; None when it is missing, fails or times out."""
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout if r.returncode == 0 else None
+    r = call(argv, timeout_s=timeout_s)
+    return r.out if r.rc == 0 else None
 
 
 def parse_scontrol(text: str) -> dict[str, str]:
@@ -84,7 +82,7 @@ def history(job_id: str, run: Runner = run_cmd) -> dict[str, str]:
     if not recs:
         return {}
     last = recs[-1]
-    restarts = sum(1 for r in recs[:-1] if r.state.startswith(("REQUEUED", "PREEMPTED", "NODE_FAIL")))
+    restarts = sum(1 for r in recs[:-1] if states.base(r.state) in states.RESTARTED_FROM)
     cpu_s = sum(r.cpu_seconds for r in recs)
     words = (f"exit code {last.exit_code}, elapsed {last.elapsed}, {restarts} restart(s), "
              f"{last.nnodes} node(s) {last.nodelist}, CPU time {cpu_s // 3600}:{cpu_s // 60 % 60:02d}:{cpu_s % 60:02d}")

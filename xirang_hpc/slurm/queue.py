@@ -13,8 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from xirang_hpc.monitor.quota import ACTIVE, account_use, explain_reason, node_unusable, user_use
-from xirang_hpc.monitor.slurmdb import (
+from xirang_hpc.slurm.accounting import (
     Assoc,
     Caller,
     HistJob,
@@ -26,6 +25,7 @@ from xirang_hpc.monitor.slurmdb import (
     call,
     on_cluster,
 )
+from xirang_hpc.slurm.quotas import ACTIVE, account_use, explain_reason, node_unusable, user_use
 
 
 def node_class(state: str) -> str:
