@@ -23,6 +23,7 @@ from xirang_hpc.launch.injob import choose_nodes, drive, run_step, srun_command
 from xirang_hpc.launch.slurm import make_slurm_executor, sbatch_parameters, write_job_file
 from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.runtime.markers import mark_exit, mark_start
+from xirang_hpc.slurm.commands import Result
 
 
 @pytest.fixture(autouse=True)
@@ -227,7 +228,11 @@ def test_the_driver_removes_the_jobs_memory_copies_here_and_on_the_healthy_nodes
     append_event(run, "dead", "rank 2 on n2", rank=2, node="n2")
     calls = []
     env = {"SLURM_JOB_ID": "77", "SLURMD_NODENAME": "n1", "SLURM_JOB_NODELIST": "n[1-3]"}
-    got = release_memory(run, env, allocation=lambda _: ["n1", "n2", "n3"], run=lambda c, **kw: calls.append(c))
+    def srun(argv, **kw):
+        calls.append(argv)
+        return Result(0, "", "")
+
+    got = release_memory(run, env, allocation=lambda _: ["n1", "n2", "n3"], run=srun)
     assert got == root
     assert not root.exists()
     # The lost node n2 is left out (an srun step there would hang); n3 gets one rm step.
@@ -235,7 +240,7 @@ def test_the_driver_removes_the_jobs_memory_copies_here_and_on_the_healthy_nodes
                       str(root)]]
     (tmp_path / "off").mkdir()
     off = _run_dir(tmp_path / "off")
-    assert release_memory(off, env, allocation=lambda _: ["n1"], run=lambda c, **kw: calls.append(c)) is None
+    assert release_memory(off, env, allocation=lambda _: ["n1"], run=srun) is None
 
 
 def test_a_step_that_outlives_a_dead_rank_is_ended_and_older_faults_are_ignored(tmp_path):
@@ -340,10 +345,8 @@ def test_an_oom_kill_is_named_with_the_limit_and_no_node_is_excluded(tmp_path):
             "killed by the cgroup out-of-memory handler.\nsrun: error: n1: task 0: Exited with exit code 1\n")
     assert oom_nodes_in(text) == ["n2"] and oom_nodes_in("srun: error: n1: task 0: Exited with exit code 1") == []
 
-    class Sacct:
-        returncode, stdout = 0, "7|OUT_OF_MEMORY|n[1-2]\n7.batch|CANCELLED|n1\n7.0|OUT_OF_MEMORY|n2\n"
-
-    assert oom_nodes("7", run=lambda *a, **k: Sacct(), tries=1) == ["n2"]
+    sacct = Result(0, "7|OUT_OF_MEMORY|n[1-2]\n7.batch|CANCELLED|n1\n7.0|OUT_OF_MEMORY|n2\n", "")
+    assert oom_nodes("7", run=lambda *a, **k: sacct, tries=1) == ["n2"]
 
     run = _run_dir(tmp_path, "requeue.max_restarts_in_job=2", "cluster.spare_nodes=1", "cluster.mem_gb=2")
     folder = tmp_path / "sub"

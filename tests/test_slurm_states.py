@@ -77,3 +77,16 @@ def test_no_module_keeps_its_own_state_list() -> None:
         offenders += [f"{path.relative_to(root)}: {pair}" for pair in
                       ('"COMPLETED", "FAILED"', '"CANCELLED", "TIMEOUT"', '"PENDING", "RUNNING"') if pair in text]
     assert not offenders, offenders
+
+
+def test_only_the_slurm_room_runs_slurm_commands() -> None:
+    # Every Slurm client command goes through xirang_hpc/slurm/commands.call (injectable): no module elsewhere
+    # starts one with subprocess.
+    import re
+
+    root = Path(__file__).resolve().parents[1] / "xirang_hpc"
+    direct = re.compile(r"subprocess\.(run|Popen|call|check_output|check_call)\(\s*\[\s*\"(sbatch|srun|squeue|sacct|"
+                        r"sacctmgr|scontrol|scancel|sinfo|sshare|sprio|salloc)\"")
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if p.parent.name != "slurm" and direct.search(p.read_text())]
+    assert not offenders, offenders

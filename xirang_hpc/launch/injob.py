@@ -47,6 +47,8 @@ from xirang_hpc.launch.supervise import (
 from xirang_hpc.monitor.events import EventTail, append_event, failed_nodes, read_events, storage_failure
 from xirang_hpc.runtime.markers import missing_ranks, write_stop_cause
 from xirang_hpc.slurm import control, states
+from xirang_hpc.slurm.commands import Result, call
+from xirang_hpc.slurm.jobs import live_steps
 
 # After the watchdog named a dead rank or aborted the ranks, how long the step may take to end by itself
 # before the driver ends it (a lost node's part never reports its exit to srun).
@@ -325,7 +327,7 @@ def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys
 
 
 def release_memory(run_dir: Path, env: Mapping[str, str], allocation: Callable[[str], list[str]] = hostnames,
-                   run: Callable[..., Any] = subprocess.run) -> Path | None:
+                   run: Callable[..., Result] = call) -> Path | None:
     """Remove the job's in-memory checkpoint copies (``checkpoint.in_memory``) once its steps are over.
 
     This node's directory tree directly; the other healthy nodes of the allocation through one
@@ -339,24 +341,11 @@ def release_memory(run_dir: Path, env: Mapping[str, str], allocation: Callable[[
     here, lost = env.get("SLURMD_NODENAME", ""), set(failed_nodes(run_dir))
     others = [n for n in allocation(env.get("SLURM_JOB_NODELIST", "")) if n != here and n not in lost]
     if others:
-        try:
-            run(["srun", "--overlap", "--mem=0", f"--nodes={len(others)}", "--ntasks-per-node=1",
-                 f"--nodelist={','.join(others)}",
-                 "rm", "-rf", str(root)], timeout=60, capture_output=True)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            print(f"xirang: could not remove {root} on {others}: {exc}", file=sys.stderr, flush=True)
+        r = control.srun_on(others, ["rm", "-rf", str(root)], run=run)
+        if r.rc != 0:
+            print(f"xirang: could not remove {root} on {others}: {r.err.strip() or f'exit {r.rc}'}", file=sys.stderr,
+                  flush=True)
     return root
-
-
-def live_steps(job_id: str, run: Callable[..., Any] = subprocess.run) -> list[str]:
-    """The job's running srun steps (``JOB.STEP``; not the batch or extern step); [] when squeue fails."""
-    try:
-        out = run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if out.returncode != 0:
-        return []
-    return [s for s in out.stdout.split() if s.rpartition(".")[2].isdigit()]
 
 
 def _how(rc: int) -> str:
@@ -377,7 +366,7 @@ def job_state(job_id: str) -> str:
         return ""
 
 
-def guard(rc: int, run_dir: Path, env: Mapping[str, str], run: Callable[..., Any] = subprocess.run,
+def guard(rc: int, run_dir: Path, env: Mapping[str, str], run: Callable[..., Result] = call,
           wait_s: float = 180.0, poll_s: float = 1.0, clock: Callable[[], float] = time.time) -> int:
     """After the driver: nothing when it decided (an ``exit`` event of this restart); else it died undecided.
 
@@ -400,7 +389,7 @@ def guard(rc: int, run_dir: Path, env: Mapping[str, str], run: Callable[..., Any
     if steps:
         write_stop_cause(run_dir, restart, "infra_failure", f"{detail}; the ranks saved, the policy decides")
         for step in steps:
-            run(["scancel", "--signal=USR2", step], capture_output=True, timeout=30)
+            control.scancel(step, signal="USR2", run=run, timeout_s=30)
         deadline = clock() + wait_s
         while clock() < deadline and not already_handled(run_dir, restart):
             if not live_steps(job_id, run):

@@ -16,7 +16,6 @@ import dataclasses
 import io
 import json
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, RequeueConfig, XirangConfig
 from xirang_hpc.config.validate import scheduling_class
 from xirang_hpc.monitor.events import append_event, read_events
-from xirang_hpc.slurm import control, states
+from xirang_hpc.slurm import accounting, control, states
 
 JOB_FILE = "slurm_job.json"
 RUN_DIR_MAP = "xirang_run_dirs.json"
@@ -37,13 +36,7 @@ RUN_DIR_MAP = "xirang_run_dirs.json"
 def site_qos_names(timeout_s: float = 10.0) -> list[str] | None:
     """The QOS names the cluster's accounting defines (``sacctmgr show qos``); None when it does not answer
     (no sacctmgr, accounting_storage/none, slurmdbd down): then sbatch itself is the judge."""
-    try:
-        out = subprocess.run(["sacctmgr", "-n", "-P", "show", "qos", "format=name"], capture_output=True,
-                             text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    names = [line.strip() for line in out.stdout.splitlines() if line.strip()]
-    return names if out.returncode == 0 and names else None
+    return accounting.qos_names(timeout_s=timeout_s)
 
 
 def check_site_qos(c: ClusterConfig, priority: str, names: list[str] | None) -> None:
@@ -301,7 +294,7 @@ def follow_hint(job: submitit.Job, run_dir: Path) -> str:
 
 def cancel(job_id: str, cluster: str | None = None) -> None:
     """``scancel`` (for interrupted --wait), on the job's cluster."""
-    subprocess.run(["scancel", *control.cluster_args(cluster), job_id], check=False)
+    control.scancel(job_id, cluster)
 
 
 def launch_slurm(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, site: str | None = None,

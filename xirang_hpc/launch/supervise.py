@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +31,8 @@ from xirang_hpc.monitor.events import append_event, failed_nodes, read_events, s
 from xirang_hpc.runtime.markers import missing_ranks
 from xirang_hpc.runtime.policy import decide
 from xirang_hpc.slurm import control
+from xirang_hpc.slurm.commands import call
+from xirang_hpc.slurm.jobs import oom_step_nodes
 
 
 def run_dir_for_task(map_file: Path, env: dict[str, str]) -> Path:
@@ -63,10 +64,7 @@ def handed_over(run_dir: Path, restart: int) -> dict | None:
 def cancel_self(job_id: str, cluster: str | None) -> None:
     """``scancel [-M cluster] JOB``: the job that moved its run to another site ends here, not requeued
     (also if Slurm's own preemption requeue got there first)."""
-    import subprocess
-
-    subprocess.run(["scancel", *control.cluster_args(cluster), job_id], capture_output=True, timeout=60,
-                   check=False)
+    control.scancel(job_id, cluster)
 
 
 def try_migrate(run_dir: Path, job_id: str, env: dict[str, str]) -> dict | None:
@@ -107,11 +105,7 @@ def try_migrate(run_dir: Path, job_id: str, env: dict[str, str]) -> dict | None:
 _UNUSABLE = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN", "FUTURE")
 
 
-def hostnames(expr: str) -> list[str]:
-    """A Slurm hostlist expression (``n[1-3],gpu07``) -> node names; ``(null)``/empty -> []."""
-    if not expr or expr in ("(null)", "None"):
-        return []
-    return control.run_scontrol(["show", "hostnames", expr]).split()
+hostnames = control.hostnames
 
 
 def usable_nodes(partition: str | None) -> list[str]:
@@ -165,23 +159,14 @@ def oom_nodes_in(text: str) -> list[str]:
     return sorted({m.group(1) for rx in _OOM_LINES for m in rx.finditer(text)})
 
 
-def oom_nodes(job_id: str, run: Any = subprocess.run, tries: int = 3, wait_s: float = 1.0) -> list[str]:
+def oom_nodes(job_id: str, run: Any = call, tries: int = 3, wait_s: float = 1.0) -> list[str]:
     """The nodes of the job's steps that Slurm's accounting records as ``OUT_OF_MEMORY`` (the cgroup's oom-kill
     count, as slurmstepd reported it); [] without accounting. Asked a few times: the record may lag the step."""
     for i in range(tries):
-        try:
-            out = run(["sacct", "-j", job_id, "-n", "-P", "-o", "JobID,State,NodeList"], capture_output=True,
-                      text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
+        lists = oom_step_nodes(job_id, run)
+        if lists is None:
             return []
-        if out.returncode != 0:
-            return []
-        nodes: list[str] = []
-        for line in out.stdout.splitlines():
-            jid, _, rest = line.partition("|")
-            state, _, nodelist = rest.partition("|")
-            if "." in jid and jid.rpartition(".")[2].isdigit() and state.startswith("OUT_OF_MEMORY"):
-                nodes.extend(hostnames(nodelist) if "[" in nodelist else nodelist.split(","))
+        nodes = [n for nl in lists for n in (hostnames(nl, run) if "[" in nl else nl.split(","))]
         if nodes:
             return sorted(set(nodes))
         if i + 1 < tries:

@@ -14,7 +14,7 @@ associations, QOS limits or history: :func:`accounting_enabled` tells.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -381,3 +381,11 @@ def as_dict(obj: Any) -> Any:
     if isinstance(obj, list):
         return [as_dict(o) for o in obj]
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+
+
+def qos_names(run: Callable[..., Result] = call, timeout_s: float = 10.0) -> list[str] | None:
+    """The QOS names the cluster's accounting defines (``sacctmgr show qos``); None when it does not answer
+    (no sacctmgr, accounting_storage/none, slurmdbd down)."""
+    r = run(["sacctmgr", "-n", "-P", "show", "qos", "format=name"], timeout_s=timeout_s)
+    names = [line.strip() for line in r.out.splitlines() if line.strip()]
+    return names if r.rc == 0 and names else None

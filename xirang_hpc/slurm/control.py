@@ -105,6 +105,31 @@ def cluster_args(cluster: str | None) -> list[str]:
     return ["-M", cluster] if cluster else []
 
 
+def hostnames(expr: str, run: Callable[..., Result] | None = None) -> list[str]:
+    """A Slurm hostlist expression (``n[1-3],gpu07``) -> node names; ``(null)``/``None``/``N/A``/empty -> [].
+
+    :class:`SlurmCommandError` when scontrol cannot expand it."""
+    if not expr or expr in ("(null)", "None", "N/A"):
+        return []
+    args = ["show", "hostnames", expr]
+    return (run_scontrol(args) if run is None else run_scontrol(args, run=run)).split()
+
+
+def scancel(job_id: str, cluster: str | None = None, signal: str | None = None, run: Callable[..., Result] = call,
+            timeout_s: float = 60.0) -> Result:
+    """``scancel [-M cluster] [--signal=SIG] JOB`` (a job, an array task or a step ``JOB.STEP``); what it did."""
+    sig = [f"--signal={signal}"] if signal else []
+    return run(["scancel", *cluster_args(cluster), *sig, job_id], timeout_s=timeout_s)
+
+
+def srun_on(nodes: Sequence[str], argv: list[str], run: Callable[..., Result] = call,
+            timeout_s: float = 60.0) -> Result:
+    """One task of ``argv`` on each of ``nodes`` as a step of this job, beside the running ones (``--overlap``,
+    ``--mem=0``: it takes none of the memory the ranks hold, which Slurm's memory enforcement would refuse)."""
+    return run(["srun", "--overlap", "--mem=0", f"--nodes={len(nodes)}", "--ntasks-per-node=1",
+                f"--nodelist={','.join(nodes)}", *argv], timeout_s=timeout_s)
+
+
 def requeue(job_id: str) -> None:
     """``scontrol requeue JOB_ID``; Slurm then ends every task of the job."""
     run_scontrol(["requeue", job_id])

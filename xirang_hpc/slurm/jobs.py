@@ -122,3 +122,25 @@ def slurm_state(job_id: str, run: Runner = run_cmd) -> dict[str, str]:
             return {"state": kv["JobState"], "reason": kv.get("Reason", ""), "restarts": kv.get("Restarts", "0"),
                     "source": "scontrol"}
     return {}
+
+
+def live_steps(job_id: str, run: Callable[..., Result] = call) -> list[str]:
+    """The job's running srun steps (``JOB.STEP``; not the batch or extern step); [] when squeue fails."""
+    r = run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], timeout_s=30)
+    return [s for s in r.out.split() if s.rpartition(".")[2].isdigit()] if r.rc == 0 else []
+
+
+def oom_step_nodes(job_id: str, run: Callable[..., Result] = call) -> list[str] | None:
+    """The nodes of the job's steps that accounting records as ``OUT_OF_MEMORY`` (the cgroup's oom-kill count, as
+    slurmstepd reported it), as sacct prints them (hostlists such as ``n[1-2]`` not expanded); None when sacct
+    does not answer (no accounting)."""
+    r = run(["sacct", "-j", job_id, "-n", "-P", "-o", "JobID,State,NodeList"], timeout_s=30)
+    if r.rc != 0:
+        return None
+    nodes: list[str] = []
+    for line in r.out.splitlines():
+        jid, _, rest = line.partition("|")
+        state, _, nodelist = rest.partition("|")
+        if "." in jid and jid.rpartition(".")[2].isdigit() and state.startswith("OUT_OF_MEMORY"):
+            nodes.append(nodelist)
+    return nodes

@@ -19,6 +19,7 @@ from xirang_hpc.files import write_json_atomic
 from xirang_hpc.launch.sites.placement import Placement, apply_site, choose, gather, place, record_placement, site_of
 from xirang_hpc.launch.sites.transfer import CopyError, copy_run, site_run_dir
 from xirang_hpc.monitor.events import append_event
+from xirang_hpc.slurm import control
 from xirang_hpc.slurm.accounting import Caller, Result, call
 
 
@@ -30,11 +31,12 @@ def _slurm_time(text: str) -> float | None:
 
 
 def hostnames(expr: str, run: Caller = call) -> list[str]:
-    """A Slurm hostlist (``sa[1-2]``) -> names (``scontrol show hostnames``); [] for ``(null)``/empty."""
-    if not expr or expr in ("(null)", "N/A"):
+    """A Slurm hostlist (``sa[1-2]``) -> names (``scontrol show hostnames``); [] for ``(null)``/empty or when
+    scontrol cannot expand it."""
+    try:
+        return control.hostnames(expr, run=lambda argv, **_: run(argv))
+    except control.SlurmCommandError:
         return []
-    r = run(["scontrol", "show", "hostnames", expr])
-    return r.out.split() if r.rc == 0 else []
 
 
 def held_until(site: str, nodes: Sequence[str], job_id: str, run: Caller = call) -> tuple[float | None, list[str]]:
