@@ -50,22 +50,12 @@ def _stage_executor(cfg: XirangConfig, folder: Path, name: str, dep: str | None)
     """A one-task Slurm job for prepare/eval/serve, on the cluster's (normal) partition."""
     import submitit
 
-    from xirang_hpc.launch.slurm import scheduling_class
+    from xirang_hpc.slurm.request import SlurmRequest
 
-    c = cfg.cluster
-    partition, qos = scheduling_class(c, cfg.train.priority)
+    params = SlurmRequest.from_cluster(cfg.cluster, cfg.train.priority).stage().submitit_params(requeue=False)
+    params["job_name"] = f"xirang-{cfg.train.name}-{name}"
+    params["additional_parameters"].update(_dep_params(dep))
     ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
-    params: dict[str, Any] = {"nodes": 1, "ntasks_per_node": 1, "cpus_per_task": max(1, c.cpus_per_task),
-                              "time": c.time_min, "job_name": f"xirang-{cfg.train.name}-{name}",
-                              "additional_parameters": _dep_params(dep)}
-    if partition:
-        params["partition"] = partition
-    if qos:
-        params["qos"] = qos
-    if c.account:
-        params["account"] = c.account
-    if c.setup:
-        params["setup"] = list(c.setup)
     ex.update_parameters(**params)
     return ex
 

@@ -22,9 +22,9 @@ from typing import Any
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.config.validate import scheduling_class
 from xirang_hpc.slurm.accounting import AccountingDown, SlurmDB, SlurmQueryError
 from xirang_hpc.slurm.quotas import Fit, QuotaError, Request, check_fit, resolve_association
+from xirang_hpc.slurm.request import SlurmRequest
 
 
 class QuotaRefused(ConfigError):
@@ -40,12 +40,11 @@ def current_user() -> str:
     return pwd.getpwuid(os.getuid()).pw_name
 
 
-def job_request(cfg: XirangConfig, tasks: int = 1) -> Request:
-    """What the job asks Slurm for in total, and in which partition (``tasks``: array tasks submitted)."""
-    c = cfg.cluster
-    partition, _ = scheduling_class(c, cfg.train.priority)
-    return Request(cpus=c.nodes * c.tasks_per_node * c.cpus_per_task, gpus=c.nodes * c.gpus_per_node,
-                   nodes=c.nodes, partition=partition or "", tasks=tasks)
+def job_request(cfg: XirangConfig, tasks: int = 1, request: SlurmRequest | None = None) -> Request:
+    """What the job asks Slurm for in total (spare nodes included), and in which partition (``tasks``: array
+    tasks submitted; ``request``: the job's :class:`SlurmRequest`, built from ``cfg`` when not given)."""
+    r = request or SlurmRequest.from_cluster(cfg.cluster, cfg.train.priority)
+    return Request(cpus=r.total_cpus, gpus=r.total_gpus, nodes=r.nodes, partition=r.partition, tasks=tasks)
 
 
 def check_quota(cfg: XirangConfig, db: SlurmDB | None = None, user: str | None = None,
@@ -60,8 +59,9 @@ def check_quota(cfg: XirangConfig, db: SlurmDB | None = None, user: str | None =
                     "no quotas to check"], None
     except SlurmQueryError as exc:
         return [f"quota: cannot ask slurmctld ({exc}); submitting without a quota check"], None
-    _, qos = scheduling_class(cfg.cluster, cfg.train.priority)
-    req = job_request(cfg, tasks)
+    request = SlurmRequest.from_cluster(cfg.cluster, cfg.train.priority)
+    qos = request.qos or None
+    req = job_request(cfg, tasks, request)
     try:
         assocs, qos_list = db.associations(), db.qos()
         defaults = db.default_accounts()

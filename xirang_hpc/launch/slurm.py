@@ -28,6 +28,7 @@ from xirang_hpc.config.schema import ClusterConfig, RequeueConfig, XirangConfig
 from xirang_hpc.config.validate import scheduling_class
 from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.slurm import accounting, control, states
+from xirang_hpc.slurm.request import SlurmRequest
 
 JOB_FILE = "slurm_job.json"
 RUN_DIR_MAP = "xirang_run_dirs.json"
@@ -57,55 +58,8 @@ def check_site_qos(c: ClusterConfig, priority: str, names: list[str] | None) -> 
 
 
 def sbatch_parameters(c: ClusterConfig, priority: str = "normal") -> dict[str, Any]:
-    """submitit ``SlurmExecutor`` parameters for ``c`` (names as in submitit's ``_make_sbatch_string``)."""
-    if c.min_time_min < 0 or c.min_time_min > c.time_min:
-        raise ConfigError("cluster.min_time_min", c.min_time_min,
-                          f"use 0 (unset) or a value <= cluster.time_min={c.time_min}")
-    if c.signal_delay_s >= 60 * c.time_min:
-        raise ConfigError("cluster.signal_delay_s", c.signal_delay_s,
-                          f"must be shorter than the time limit ({60 * c.time_min}s); "
-                          "lower it or raise cluster.time_min")
-    if c.min_time_min and c.signal_delay_s >= 60 * c.min_time_min:
-        # Backfill may cut the limit to --time-min: the USR2 warning must still come after the start.
-        raise ConfigError("cluster.min_time_min", c.min_time_min,
-                          f"backfill may give the job only {c.min_time_min} min, no longer than the "
-                          f"cluster.signal_delay_s={c.signal_delay_s} s warning before the limit; use "
-                          f"cluster.min_time_min={c.signal_delay_s // 60 + 1} or more, or a shorter signal_delay_s")
-    partition, qos = scheduling_class(c, priority)
-    params: dict[str, Any] = {
-        # Spare nodes are allocated with the job and stay idle until an in-job restart needs one.
-        "nodes": c.nodes + c.spare_nodes,
-        "ntasks_per_node": c.tasks_per_node,
-        "cpus_per_task": c.cpus_per_task,
-        "time": c.time_min,
-        "signal_delay_s": c.signal_delay_s,
-        "array_parallelism": c.array_parallelism,
-        "stderr_to_stdout": False,
-    }
-    extra: dict[str, Any] = {"requeue": True}
-    if c.min_time_min:
-        extra["time_min"] = c.min_time_min
-    elif priority == "exploratory":
-        # Requeue makes a short allocation safe: let backfill start it in any gap >= a quarter of the limit
-        # (and longer than the USR2 warning, which must come after the start).
-        extra["time_min"] = min(c.time_min, max(c.time_min // 4, c.signal_delay_s // 60 + 1))
-    if c.gpus_per_node:
-        params["gpus_per_node"] = c.gpus_per_node
-    if c.mem_gb:
-        params["mem"] = f"{int(c.mem_gb * 1024)}M"
-    if partition:
-        params["partition"] = partition
-    if qos:
-        params["qos"] = qos
-    for key in ("account", "constraint", "exclude"):
-        if getattr(c, key):
-            params[key] = getattr(c, key)
-    if c.setup:
-        params["setup"] = list(c.setup)
-    if c.srun_args:
-        params["srun_args"] = list(c.srun_args)
-    params["additional_parameters"] = extra
-    return params
+    """submitit ``SlurmExecutor`` parameters for ``c`` (the job's :class:`SlurmRequest`)."""
+    return SlurmRequest.from_cluster(c, priority).submitit_params()
 
 
 def supervisor_lines(folder: Path) -> list[str]:

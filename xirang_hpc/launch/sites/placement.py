@@ -14,9 +14,9 @@ from typing import Any
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, SiteConfig, XirangConfig
-from xirang_hpc.config.validate import scheduling_class
 from xirang_hpc.monitor.events import append_event
 from xirang_hpc.slurm.accounting import Caller, Result, call
+from xirang_hpc.slurm.request import SlurmRequest
 
 # `sbatch --test-only` (Slurm 22.05, recorded on the two-cluster testbed):
 #   sbatch: Job 3 to start at 2026-11-30T18:30:06 using 1 processors on nodes sa1 in partition low
@@ -95,19 +95,8 @@ def site_of(c: ClusterConfig, name: str) -> SiteConfig:
 
 def test_only_argv(c: ClusterConfig, site: SiteConfig, priority: str = "normal") -> list[str]:
     """``sbatch --test-only -M <site>`` with the job's shape, partition, QOS, account and time limit."""
-    sc = site_cluster(c, site)
-    partition, qos = scheduling_class(sc, priority)
-    argv = ["sbatch", "--test-only", f"--clusters={site.name}", f"--nodes={sc.nodes}",
-            f"--ntasks-per-node={sc.tasks_per_node}", f"--cpus-per-task={sc.cpus_per_task}", f"--time={sc.time_min}"]
-    if partition:
-        argv.append(f"--partition={partition}")
-    if qos:
-        argv.append(f"--qos={qos}")
-    if sc.account:
-        argv.append(f"--account={sc.account}")
-    if sc.gpus_per_node:
-        argv.append(f"--gpus-per-node={sc.gpus_per_node}")
-    return [*argv, "--output=/dev/null", "--wrap=true"]
+    req = SlurmRequest.from_cluster(site_cluster(c, site), priority, cluster=site.name)
+    return ["sbatch", "--test-only", *req.sbatch_args(), "--output=/dev/null", "--wrap=true"]
 
 
 def test_only(argv: list[str]) -> Result:
