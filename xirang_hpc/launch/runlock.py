@@ -26,7 +26,7 @@ from typing import Any
 
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.runtime.process_identity import identity, is_running
-from xirang_hpc.slurm import states
+from xirang_hpc.slurm import control, states
 
 OWNER_FILE = "job.json"
 SUBMIT_LOCK = ".submit.lock"
@@ -34,12 +34,6 @@ SUBMIT_LOCK = ".submit.lock"
 
 class RunBusyError(RuntimeError):
     """The run directory already has a live job; the message names it and the ways out."""
-
-
-def _slurm_state(job_id: str, cluster: str | None = None) -> str:
-    from xirang_hpc.launch.slurm import job_state
-
-    return job_state(job_id, cluster)
 
 
 def read_owner(run_dir: Path) -> dict[str, Any] | None:
@@ -50,7 +44,7 @@ def read_owner(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def live_owner(run_dir: Path, slurm_state: Callable[[str, str | None], str] = _slurm_state
+def live_owner(run_dir: Path, slurm_state: Callable[[str, str | None], str] = control.job_state
                ) -> dict[str, Any] | None:
     """The owner of ``run_dir`` if its job is still live, with ``state``; None when free (or stale).
 
@@ -63,7 +57,7 @@ def live_owner(run_dir: Path, slurm_state: Callable[[str, str | None], str] = _s
     if owner.get("executor") == "slurm":
         jid = str(owner.get("job_id") or "")
         state = slurm_state(jid, owner.get("cluster") or None).split()[0] if jid else "UNKNOWN"
-        if state == "NO_ANSWER":  # launch/slurm.NO_ANSWER: a job that may be live is never taken for dead
+        if state == states.NO_ANSWER:  # a job that may be live is never taken for dead
             where = f" of cluster {owner['cluster']}" if owner.get("cluster") else ""
             raise RunBusyError(f"cannot tell whether job {jid}, which owns run directory {run_dir}, is still live: "
                                f"slurmctld{where} does not answer; nothing was submitted. Launch again when "
@@ -124,7 +118,7 @@ def record_owner(run_dir: Path, executor: str, job_id: str, pid: int | None = No
 
 
 def claim(run_dir: Path, executor: str, after_active: bool,
-          slurm_state: Callable[[str, str | None], str] = _slurm_state,
+          slurm_state: Callable[[str, str | None], str] = control.job_state,
           handover: tuple[str, str | None] | None = None) -> str | None:
     """Check ``run_dir`` before submitting (call inside :func:`submission_lock`).
 

@@ -28,6 +28,7 @@ from xirang_hpc.config.schema import ClusterConfig, RequeueConfig, XirangConfig
 from xirang_hpc.config.validate import scheduling_class
 from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.slurm import accounting, control, states
+from xirang_hpc.slurm.control import job_state  # noqa: F401 - the launcher's name for it
 from xirang_hpc.slurm.request import SlurmRequest
 
 JOB_FILE = "slurm_job.json"
@@ -158,21 +159,8 @@ def final_status(run_dir: Path) -> dict[str, Any] | None:
     return finals[-1] if finals else None
 
 
-# Not a Slurm state: slurmctld did not answer, so whether the job is live cannot be told.
-NO_ANSWER = "NO_ANSWER"
-
-
 class SubmissionError(RuntimeError):
     """sbatch refused or failed the submission; the message is its reason in one line and what to do."""
-
-
-def job_state(job_id: str, cluster: str | None = None) -> str:
-    """Slurm's ``JobState`` of ``job_id`` on ``cluster`` (None: the default one; ``UNKNOWN`` once Slurm
-    has forgotten the job; :data:`NO_ANSWER` when slurmctld does not answer)."""
-    try:
-        return control.job_info(job_id, cluster).get("JobState", "UNKNOWN")
-    except control.SlurmCommandError as exc:
-        return NO_ANSWER if control.controller_down(str(exc)) or "timed out" in str(exc) else "UNKNOWN"
 
 
 def submit_refusal(stderr: str) -> str:

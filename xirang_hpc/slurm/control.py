@@ -100,6 +100,15 @@ def job_info(job_id: str, cluster: str | None = None) -> dict[str, str]:
     return parse_job(run_scontrol([*cluster_args(cluster), "show", "job", "-o", job_id]))
 
 
+def job_state(job_id: str, cluster: str | None = None) -> str:
+    """Slurm's ``JobState`` of ``job_id`` on ``cluster`` (None: the default one; ``UNKNOWN`` once Slurm
+    has forgotten the job; ``NO_ANSWER`` when slurmctld does not answer)."""
+    try:
+        return job_info(job_id, cluster).get("JobState", states.UNKNOWN)
+    except SlurmCommandError as exc:
+        return states.NO_ANSWER if controller_down(str(exc)) or "timed out" in str(exc) else states.UNKNOWN
+
+
 def cluster_args(cluster: str | None) -> list[str]:
     """``["-M", cluster]`` for a job on a named Slurm cluster, ``[]`` for the default one."""
     return ["-M", cluster] if cluster else []

@@ -29,6 +29,8 @@ ENDED_ON_REQUEST = frozenset({"CANCELLED", "TIMEOUT", "PREEMPTED"})
 BATCH_GONE = frozenset({"FAILED", "COMPLETED"})
 # What the launcher's job-state query says when Slurm has forgotten the job (past MinJobAge).
 UNKNOWN = "UNKNOWN"
+# Not a Slurm state: slurmctld did not answer, so whether the job is live cannot be told.
+NO_ANSWER = "NO_ANSWER"
 
 
 def base(state: str) -> str:
