@@ -379,3 +379,25 @@ def test_out_of_memory_is_named_with_the_limit_and_no_node_is_blamed(stdlib_data
     exc = _slurm_job(job)
     assert "ExcNodeList=(null)" in exc, exc
 
+
+
+def test_batch_script_killed_the_ranks_tell_it_from_a_cancel(stdlib_data, tmp_path):
+    """kill -9 of the batch script itself (nothing of it runs any more): Slurm ends the job under the ranks with
+    SIGTERM; they tell that from scancel (the job reads COMPLETING with the script killed by a signal, ExitCode
+    0:9; a cancel leaves the script alive: it ignores SIGTERM), save, and the policy requeues the run as an
+    infrastructure failure; it resumes where it stopped and completes (test_cancelled_job_leaves_no_memory_copy
+    checks that a cancel is still a cancel)."""
+    args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "train.max_steps=40", "checkpoint.every_steps=10")
+    job, run = _submit(args, env=PACED)
+    _after_checkpoint(run)
+    script = _wait(lambda: next((p for p in psutil.process_iter(["cmdline"])
+                                 if f"job{job}/slurm_script" in " ".join(p.info["cmdline"] or [])), None),
+                   30, "the batch script")
+    script.kill()
+    final = _final(run, timeout=600)
+    assert final["status"] == "completed", read_events(run)
+    (stop,) = _ev(run, "stop", 0)
+    assert stop["reason"] == "infra_failure" and "the batch step is gone" in stop["detail"], stop
+    assert stop["saved_step"] == stop["step"] > 0 and _ev(run, "start", 1)[0]["step"] == stop["saved_step"]
+    (req,) = _ev(run, "requeue", 0)
+    assert req["reason"] == "infra_failure", req

@@ -52,6 +52,13 @@ def test_classify_timeout_from_time_limit_and_run_time():
     for state in ("CANCELLED", "COMPLETING"):  # scancel: COMPLETING while its processes are being ended
         cancelled = early.replace("JobState=RUNNING", f"JobState={state}")
         assert control.classify_stop(control.parse_job(cancelled), "SIGTERM", 60).reason == "terminated"
+    # COMPLETING with the batch script killed by a signal: gone (a cancel leaves the script alive: it ignores
+    # SIGTERM, and one that exits by itself has no signal in its exit code).
+    killed = early.replace("JobState=RUNNING", "JobState=COMPLETING")
+    killed = killed.replace("ExitCode=0:0", "ExitCode=0:9") if "ExitCode=" in killed else killed + " ExitCode=0:9"
+    assert control.classify_stop(control.parse_job(killed), "SIGTERM", 60).reason == "infra_failure"
+    exited = killed.replace("ExitCode=0:9", "ExitCode=143:0")
+    assert control.classify_stop(control.parse_job(exited), "SIGTERM", 60).reason == "terminated"
 
 
 def test_requeue_target_names_the_array_task_not_the_array():

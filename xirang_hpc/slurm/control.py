@@ -152,6 +152,20 @@ def no_requeue(job_id: str) -> None:
 
 
 
+def batch_gone(state: str, exit_code: str) -> bool:
+    """Whether a SIGTERM to the ranks comes from their batch script's end, not from a cancel.
+
+    The job reads FAILED or COMPLETED; or COMPLETING with the batch script killed by a signal (``ExitCode``
+    ``0:9``). A cancel reads CANCELLED, or COMPLETING with no signal in the exit code: the batch script ignores
+    SIGTERM (``trap '' TERM``), so when the ranks get theirs it is still alive, or has exited by itself.
+    """
+    base = states.base(state)
+    if base in states.BATCH_GONE:
+        return True
+    _, _, sig = exit_code.partition(":")
+    return base == "COMPLETING" and sig.isdigit() and int(sig) != 0
+
+
 @dataclass(frozen=True)
 class StopCause:
     """Why the job was told to stop, and the Slurm data the verdict rests on."""
@@ -166,8 +180,8 @@ def classify_stop(info: Mapping[str, str], signal_name: str, signal_delay_s: flo
     - ``PreemptTime`` set: Slurm preempted the job (either signal) -> ``preemption``.
     - ``TimeLimit - RunTime <= signal_delay_s + slack_s``: the time-limit warning (``--signal=USR2@delay``
       fires ``delay`` seconds before the limit; Slurm's timer may fire late, never early) -> ``timeout``.
-    - SIGTERM while the job reads FAILED/COMPLETED (its batch script ended under the ranks) ->
-      ``infra_failure``;
+    - SIGTERM while the job reads FAILED/COMPLETED, or COMPLETING with the batch script killed by a signal (its
+      batch script ended under the ranks: :func:`batch_gone`) -> ``infra_failure``;
     - otherwise: SIGTERM without either (``scancel``, admin) -> ``terminated``; a user signal without
       either is treated as preemption (e.g. a site script that signals before draining a node).
     """
@@ -179,9 +193,9 @@ def classify_stop(info: Mapping[str, str], signal_name: str, signal_delay_s: flo
     if limit is not None and run is not None and limit - run <= signal_delay_s + slack_s:
         return StopCause("timeout", f"RunTime={info.get('RunTime')} TimeLimit={info.get('TimeLimit')}")
     state = info.get("JobState", "")
-    if signal_name == "SIGTERM" and states.base(state) in states.BATCH_GONE:
-        # Not a cancel (that reads CANCELLED): the job ended under its ranks because its batch script ended,
-        # killed or crashed (e.g. kill -9 of it on the head node); Slurm then signals what is left of the job.
+    if signal_name == "SIGTERM" and batch_gone(state, info.get("ExitCode", "")):
+        # Not a cancel: the job ended under its ranks because its batch script ended, killed or crashed (e.g.
+        # kill -9 of it on the head node); Slurm then signals what is left of the job.
         return StopCause("infra_failure", f"the batch step is gone (JobState={state}, ExitCode={info.get('ExitCode')}):"
                                           " the batch script ended under the running ranks")
     if signal_name == "SIGTERM":
