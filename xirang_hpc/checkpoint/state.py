@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from xirang_hpc.checkpoint.snapshot import capture_rng
+from xirang_hpc.runtime.hooks import Loop
 
 
 def _jsonable(v: Any) -> Any:
@@ -154,7 +155,7 @@ def apply_tensor_state(model: torch.nn.Module, opt: torch.optim.Optimizer, tenso
     set_state_dict(model, opt, model_state_dict=tensors["model"], optim_state_dict=osd)
 
 
-def run_state_json(trainer: Any, lr: float) -> dict[str, Any]:
+def run_state_json(trainer: Loop, lr: float) -> dict[str, Any]:
     """The global JSON side of a checkpoint (meaningful on rank 0)."""
     s = trainer.state
     metrics: list[Any] = []
@@ -176,9 +177,10 @@ def run_state_json(trainer: Any, lr: float) -> dict[str, Any]:
     }
 
 
-def layout_json(trainer: Any) -> dict[str, Any]:
+def layout_json(trainer: Loop) -> dict[str, Any]:
     """Parallel layout facts recorded in the manifest."""
-    dims = getattr(trainer, "dims", None)
+    layout = getattr(trainer, "layout", None)  # loops in tests may carry no layout
+    dims = layout.dims if layout is not None else None
     out: dict[str, Any] = {"world_size": trainer.topo.world_size, "num_nodes": trainer.topo.num_nodes,
                            "parallel": dataclasses.asdict(trainer.cfg.parallel)}
     if dims is not None:
@@ -186,12 +188,12 @@ def layout_json(trainer: Any) -> dict[str, Any]:
     return out
 
 
-def rank_state_json(trainer: Any) -> dict[str, Any]:
+def rank_state_json(trainer: Loop) -> dict[str, Any]:
     """This rank's JSON: its RNG states and coordinates."""
     return {"rank": trainer.topo.rank, "rng": capture_rng()}
 
 
-def restore_run_state(trainer: Any, state: dict[str, Any]) -> None:
+def restore_run_state(trainer: Loop, state: dict[str, Any]) -> None:
     """Step, tokens and initial validation loss back into ``trainer.state``."""
     trainer.state.step = int(state["step"])
     trainer.state.tokens_seen = int(state["tokens_seen"])

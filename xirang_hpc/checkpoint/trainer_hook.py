@@ -29,7 +29,7 @@ from xirang_hpc.checkpoint.rollback import fork_for_resume
 from xirang_hpc.checkpoint.snapshot import restore_rng
 from xirang_hpc.checkpoint.tuner import IntervalTuner, read_history
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.runtime.hooks import EventSink, NullEventSink, TrainerHook
+from xirang_hpc.runtime.hooks import EventSink, Loop, NullEventSink, TrainerHook
 from xirang_hpc.runtime.schedule import lr_at
 from xirang_hpc.runtime.topology import Topology
 
@@ -38,7 +38,7 @@ STARTS = "starts.jsonl"
 
 
 class CheckpointHook(TrainerHook):
-    """Checkpoint restore/save for :class:`~xirang_hpc.runtime.trainer.Trainer`."""
+    """Checkpoint restore/save for the training loop (:class:`~xirang_hpc.runtime.hooks.Loop`)."""
 
     def __init__(self, cfg: XirangConfig, topo: Topology, run_dir: Path, events: EventSink | None = None) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, Path(run_dir)
@@ -66,7 +66,7 @@ class CheckpointHook(TrainerHook):
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def _resolve_run_dir(self, trainer: Any) -> Path:
+    def _resolve_run_dir(self, trainer: Loop) -> Path:
         """``train.resume_from``: continue in a fork of the run (made once, by rank 0)."""
         step = self.cfg.train.resume_from
         if step < 0:
@@ -90,7 +90,7 @@ class CheckpointHook(TrainerHook):
         return new
 
     # ---- hook points -------------------------------------------------------------------
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, trainer: Loop) -> None:
         """Make the checkpoint group and manager, clean leftovers, restore the newest good checkpoint."""
         c = self.cfg.checkpoint
         if dist.is_initialized() and self.topo.world_size > 1:
@@ -146,7 +146,7 @@ class CheckpointHook(TrainerHook):
         if self.topo.rank == 0:
             self.events.append(kind, reason, **fields)
 
-    def _load(self, trainer: Any) -> tuple[LoadResult | None, dict[str, Any], list[dict[str, Any]]]:
+    def _load(self, trainer: Loop) -> tuple[LoadResult | None, dict[str, Any], list[dict[str, Any]]]:
         """The newest checkpoint: from memory when it is usable (see checkpoint/memory.py), else from disk.
 
         The tensor template is built only once something is to be loaded: building it initialises the
@@ -183,7 +183,7 @@ class CheckpointHook(TrainerHook):
                         source="filesystem", step=res.step, **({"memory": reason} if reason else {}))
         return res, tensors, built[0][1]
 
-    def restore(self, trainer: Any) -> int:
+    def restore(self, trainer: Loop) -> int:
         """Load the newest good checkpoint into the trainer; returns its step (0 when none)."""
         res, tensors, groups = self._load(trainer)
         if res is None:
@@ -211,7 +211,7 @@ class CheckpointHook(TrainerHook):
             path = self.mgr.root / ckpt_layout.step_dir_name(step)
             self.events.append("checkpoint_skipped", reason, step=step, path=str(path), used_step=used)
 
-    def _save(self, trainer: Any, block: bool, to_disk: bool = True, to_memory: bool = False) -> int:
+    def _save(self, trainer: Loop, block: bool, to_disk: bool = True, to_memory: bool = False) -> int:
         assert self.mgr is not None
         step = trainer.state.step
         extra = getattr(trainer, "extra_state", {})
@@ -234,7 +234,7 @@ class CheckpointHook(TrainerHook):
             self.last_mem = step
         return step
 
-    def save_now(self, trainer: Any) -> int | None:
+    def save_now(self, trainer: Loop) -> int | None:
         """Synchronous save of the current step (used by the stop-signal path); returns the step."""
         if self.mgr is None or trainer.state.step == 0:
             return None
@@ -243,7 +243,7 @@ class CheckpointHook(TrainerHook):
         self.mgr.wait()
         return trainer.state.step
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def on_step_end(self, trainer: Loop, metrics: dict[str, float]) -> None:
         """Save every ``every_steps`` steps (asynchronously when configured)."""
         now = time.perf_counter()
         if self._last_step_t is not None:
@@ -253,7 +253,7 @@ class CheckpointHook(TrainerHook):
         disk = step % self.every == 0 and step != self.last_saved
         memory = self.mem_every > 0 and (disk or step % self.mem_every == 0) and step != self.last_mem
         if disk or memory:
-            trainer._phase("checkpoint")
+            trainer.phase("checkpoint")
             self._save(trainer, block=False, to_disk=disk, to_memory=memory)
             if disk:
                 self._retune()
@@ -269,11 +269,11 @@ class CheckpointHook(TrainerHook):
                            step_s=sorted(self._step_times)[len(self._step_times) // 2])
         self.every = self.tuner.interval_steps()
 
-    def on_fit_end(self, trainer: Any, summary: dict[str, object]) -> None:
+    def on_fit_end(self, trainer: Loop, summary: dict[str, object]) -> None:
         """Final save (synchronous), and wait for any save still in flight."""
         if self.mgr is None:
             return
-        trainer._phase("checkpoint")  # the final save and the wait for one in flight (they tick as they write)
+        trainer.phase("checkpoint")  # the final save and the wait for one in flight (they tick as they write)
         if trainer.state.step > 0 and trainer.state.step != self.last_saved:
             self._save(trainer, block=True)
         self.mgr.wait()

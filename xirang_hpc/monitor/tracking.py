@@ -33,7 +33,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
@@ -41,11 +41,8 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.monitor.events import EVENTS_FILE
 from xirang_hpc.monitor.flops import flops_per_token_for, mfu, peak_for_device
-from xirang_hpc.runtime.hooks import TrainerHook
+from xirang_hpc.runtime.hooks import Loop, TrainerHook
 from xirang_hpc.runtime.topology import Topology
-
-if TYPE_CHECKING:
-    from xirang_hpc.runtime.trainer import Trainer
 
 TRACKING_FILE = "tracking.json"
 CONFIG_FILE = "config.json"
@@ -271,7 +268,7 @@ class TrackingHook(TrainerHook):
         return self.state.setdefault(b.name, {})
 
     # ---- hook points -------------------------------------------------------------------------
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: Loop) -> None:
         """Write config.json; open the back ends; back-fill rows and events they have not seen."""
         if self.topo.rank != 0:
             return
@@ -318,7 +315,7 @@ class TrackingHook(TrainerHook):
             self._save_state()
             atexit.register(self.close)
 
-    def on_log(self, trainer: Trainer, row: dict[str, object]) -> None:
+    def on_log(self, trainer: Loop, row: dict[str, object]) -> None:
         """Add TFLOP/s, MFU and memory to a training row; forward the row to the back ends."""
         if "loss" in row:
             tok_s = float(row.get("tokens_per_s", 0.0))  # type: ignore[arg-type]
@@ -337,13 +334,13 @@ class TrackingHook(TrainerHook):
             self._forward(row)
             self._save_state()
 
-    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_step_end(self, trainer: Loop, metrics: dict[str, float]) -> None:
         """Forward new events (checkpoint commits are written by a background thread)."""
         self.step = trainer.state.step
         if self.backends and self.topo.rank == 0:
             self._drain_events()
 
-    def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
+    def on_fit_end(self, trainer: Loop, summary: dict[str, object]) -> None:
         """The loop ended (completed or stopped without a requeue)."""
         self.finished = trainer.state.step >= self.cfg.train.end_step
         if self.backends and self.topo.rank == 0:

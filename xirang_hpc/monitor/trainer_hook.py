@@ -22,7 +22,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -41,12 +41,9 @@ from xirang_hpc.monitor.heartbeat import (
 from xirang_hpc.monitor.resources import ProcessSampler
 from xirang_hpc.monitor.watchdog import spawn
 from xirang_hpc.runtime import liveness
-from xirang_hpc.runtime.hooks import TrainerHook
+from xirang_hpc.runtime.hooks import Loop, TrainerHook
 from xirang_hpc.runtime.process_identity import start_ticks
 from xirang_hpc.runtime.topology import Topology
-
-if TYPE_CHECKING:
-    from xirang_hpc.runtime.trainer import Trainer
 
 
 def _session_id(topo: Topology) -> str:
@@ -75,7 +72,7 @@ class MonitorHook(TrainerHook):
         faulthandler.register(getattr(signal, self.m.stack_signal), file=f, all_threads=True, chain=False)
         self._stack_file = f
 
-    def _record_session(self, trainer: Trainer, session: str) -> None:
+    def _record_session(self, trainer: Loop, session: str) -> None:
         c, t = self.cfg, self.topo
         row: dict[str, Any] = {
             "session": session, "job_id": t.job_id, "source": t.source, "started": time.time(),
@@ -93,7 +90,7 @@ class MonitorHook(TrainerHook):
         with (hdir / SESSIONS_LOG).open("a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: Loop) -> None:
         """Agree on the session, register the stack dump, start heartbeating and the watchdog."""
         t = self.topo
         session = _session_id(t)
@@ -114,7 +111,7 @@ class MonitorHook(TrainerHook):
         liveness.set_sink(self.hb.tick)  # saves and evaluations report that they still move
         atexit.register(self._on_exit)
 
-    def on_phase(self, trainer: Trainer, phase: str) -> None:
+    def on_phase(self, trainer: Loop, phase: str) -> None:
         """Record the phase; the test-only slow rank sleeps on entering its slow phases."""
         if self.hb is None:
             return
@@ -124,12 +121,12 @@ class MonitorHook(TrainerHook):
                 (not m.debug_slow_steps or trainer.state.step in m.debug_slow_steps):
             time.sleep(m.debug_slow_s)
 
-    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_step_end(self, trainer: Loop, metrics: dict[str, float]) -> None:
         """Count the step."""
         if self.hb is not None:
             self.hb.mark_step(trainer.state.step)
 
-    def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
+    def on_fit_end(self, trainer: Loop, summary: dict[str, object]) -> None:
         """Mark this rank done so its exit is not a fault."""
         if self.hb is not None:
             liveness.set_sink(None)

@@ -35,11 +35,10 @@ import torch.distributed as dist
 
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.runtime.early_signals import _early, capture_early  # noqa: F401 - capture_early re-exported
-from xirang_hpc.runtime.hooks import EventSink, NullEventSink, TrainerHook
+from xirang_hpc.runtime.hooks import EventSink, Loop, NullEventSink, TrainerHook
 from xirang_hpc.runtime.markers import mark_start, read_stop_cause
 from xirang_hpc.runtime.policy import decide
 from xirang_hpc.runtime.topology import Topology
-from xirang_hpc.runtime.trainer import Trainer
 from xirang_hpc.slurm import control
 
 EXIT_REQUEUED = 144  # submitit.local.local.LOCAL_REQUEUE_RETURN_CODE
@@ -77,7 +76,7 @@ class StopSignalHook(TrainerHook):
                  events: EventSink | None = None,
                  env: Mapping[str, str] | None = None,
                  exit_fn: Callable[[int], None] = exit_process,
-                 save_fn: Callable[[Trainer], int | None] | None = None,
+                 save_fn: Callable[[Loop], int | None] | None = None,
                  job_info: Callable[[str], dict[str, str]] = control.job_info,
                  requeue_fn: Callable[[str], None] = control.requeue,
                  start_now_fn: Callable[..., object] = control.after_requeue,
@@ -128,12 +127,12 @@ class StopSignalHook(TrainerHook):
             self.events.append(kind, reason, job=self.topo.job_id, restart=self.restarts, **fields)
 
     # -- hook points ---------------------------------------------------------------------------
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: Loop) -> None:
         self.start_step = trainer.state.step
         self._event("start", f"restart {self.restarts}", step=trainer.state.step, node=self.topo.node_name,
                     world_size=self.topo.world_size, nodes=self.topo.num_nodes)
 
-    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_step_end(self, trainer: Loop, metrics: dict[str, float]) -> None:
         if not self.first_step_logged:
             self.first_step_logged = True
             now = time.time()
@@ -145,20 +144,19 @@ class StopSignalHook(TrainerHook):
         if code:
             self.stop(trainer, _NAMES[code])
 
-    def _announce(self, trainer: Trainer, phase: str) -> None:
-        """Tell the monitor (``trainer._phase``) that this rank enters ``phase``; only when a collective follows."""
-        mark = getattr(trainer, "_phase", None)
-        if self.topo.world_size > 1 and callable(mark):
-            mark(phase)
+    def _announce(self, trainer: Loop, phase: str) -> None:
+        """Tell the monitor (``trainer.phase``) that this rank enters ``phase``; only when a collective follows."""
+        if self.topo.world_size > 1:
+            trainer.phase(phase)
 
-    def on_fit_end(self, trainer: Trainer, summary: dict[str, object]) -> None:
+    def on_fit_end(self, trainer: Loop, summary: dict[str, object]) -> None:
         if trainer.state.step >= self.cfg.train.end_step:
             self._event("exit", "completed", final=True, status="completed", step=trainer.state.step)
 
     # -- the stop sequence ---------------------------------------------------------------------
-    def stop(self, trainer: Trainer, signame: str) -> None:
+    def stop(self, trainer: Loop, signame: str) -> None:
         """Save on every rank, decide and requeue on rank 0, exit on every rank."""
-        trainer.stop_requested = True
+        trainer.request_stop()
         t_signal = min((t for _, t in self.received), default=time.time())
         step = trainer.state.step
         saved = self.save_fn(trainer) if self.save_fn is not None else None
@@ -175,9 +173,7 @@ class StopSignalHook(TrainerHook):
         print(f"rank {self.topo.rank}: stopping at step {step} after {signame} "
               f"({'requeued' if code == EXIT_REQUEUED else 'not requeued'}); exit {code}", flush=True)
         # Tell the monitor this rank is leaving: its teardown (slow on a loaded node) is not a hang.
-        mark = getattr(trainer, "_phase", None)
-        if callable(mark):
-            mark("exit")
+        trainer.phase("exit")
         self.exit_fn(code)
 
     def _decide_and_requeue(self, signame: str, step: int, saved: int | None, t_signal: float,
@@ -238,7 +234,7 @@ class StopSignalHook(TrainerHook):
             return EXIT_STOPPED
 
 
-def find_saver(hooks: list[TrainerHook]) -> Callable[[Trainer], int | None] | None:
+def find_saver(hooks: list[TrainerHook]) -> Callable[[Loop], int | None] | None:
     """The checkpoint hook's synchronous save (``save_now(trainer) -> step``), when one is registered."""
     for h in hooks:
         fn = getattr(h, "save_now", None)

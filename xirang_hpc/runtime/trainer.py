@@ -95,9 +95,14 @@ class Trainer:
         """The layout's degrees (``self.layout.dims``)."""
         return self.layout.dims
 
-    def _phase(self, phase: str) -> None:
+    def phase(self, phase: str) -> None:
+        """Enter ``phase``: every hook's ``on_phase`` sees it (hooks.Loop.phase)."""
         for h in self.hooks:
             h.on_phase(self, phase)
+
+    def request_stop(self) -> None:
+        """End the loop cleanly at the next step boundary (hooks.Loop.request_stop)."""
+        self.stop_requested = True
 
     def _record(self, row: dict[str, object]) -> None:
         if self.topo.rank == 0:
@@ -154,14 +159,14 @@ class Trainer:
         rank's loss (the loop asks for the global mean only on the steps it logs).
         """
         t = self.cfg.train
-        self._phase("data")
+        self.phase("data")
         x, y = self.train_data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, t)
         loss_sum = 0.0
         if self.pm.schedule is not None:
             # The schedule interleaves forward, backward and the stage-to-stage sends.
-            self._phase("forward")
+            self.phase("forward")
             loss_sum = self._forward_loss(x, y, train=True)
         else:
             fsdp = self.pm.data_parallel == "fsdp"
@@ -176,13 +181,13 @@ class Trainer:
                     # accumulates locally and all-reduces once, on the last. planner/cost.py costs the same.
                     self.model.set_requires_gradient_sync(last or self.pm.zero >= 2)  # type: ignore[operator]
                 with ctx:
-                    self._phase("forward")
+                    self.phase("forward")
                     loss = lm_loss(self.ddp(xs), ys) / self.accum
                     # DDP's all-reduce overlaps with backward; "backward" covers both.
-                    self._phase("backward")
+                    self.phase("backward")
                     loss.backward()
                 loss_sum += loss.item()
-        self._phase("optimizer")
+        self.phase("optimizer")
         mean_loss, gnorm = clip_and_reduce(self.pm, t.grad_clip, loss_sum, self._grads_replicated(), reduce_loss)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -206,7 +211,7 @@ class Trainer:
         for h in self.hooks:
             h.on_fit_start(self)
         if math.isnan(self.state.initial_val_loss):
-            self._phase("eval")
+            self.phase("eval")
             self.state.initial_val_loss = self.evaluate()
             self._record({"step": self.state.step, "val_loss": self.state.initial_val_loss})
             if topo.rank == 0:
@@ -233,7 +238,7 @@ class Trainer:
                              f"grad norm {gnorm:.3f} | {tok_s:,.0f} tok/s | ETA {_fmt_eta(eta)}")
                 window_t, window_tokens = tnow, 0
             if t.eval_every and self.state.step % t.eval_every == 0 and self.state.step < end:
-                self._phase("eval")
+                self.phase("eval")
                 val = self.evaluate()
                 self._record({"step": self.state.step, "val_loss": val})
                 if topo.rank == 0:
@@ -242,7 +247,7 @@ class Trainer:
                 h.on_step_end(self, {"loss": loss, "grad_norm": gnorm})
             testpoint.pause("step")  # tests only: a run that takes long without more work
         elapsed = now() - t0
-        self._phase("eval")
+        self.phase("eval")
         final_val = self.evaluate()
         self._record({"step": self.state.step, "val_loss": final_val})
         session_steps = self.state.step - start_step

@@ -29,7 +29,7 @@ from xirang_hpc.checkpoint.export import load_full, run_dir_of
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.data.tokenizer import ByteTokenizer, Tokenizer, load_run_tokenizer, load_tokenizer
 from xirang_hpc.models.gpt import GPT
-from xirang_hpc.runtime.hooks import TrainerHook
+from xirang_hpc.runtime.hooks import Loop, TrainerHook
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class InitFromHook(TrainerHook):
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, trainer: Loop) -> None:
         """Initialise the model from the weights; a later checkpoint restore overrides it."""
         from xirang_hpc.config.hf import is_hf_dir
 

@@ -21,7 +21,7 @@ from xirang_hpc.runtime.comm.budget import ModelAverager
 from xirang_hpc.runtime.comm.comm_hook import MB, BucketTuner, CommHook
 from xirang_hpc.runtime.comm.groups import CommLayout, CommLayoutError, build_layout, fsdp_node_note
 from xirang_hpc.runtime.comm.hierarchical import HierarchicalAllreduce
-from xirang_hpc.runtime.hooks import TrainerHook
+from xirang_hpc.runtime.hooks import Loop, TrainerHook
 from xirang_hpc.runtime.topology import Topology
 
 
@@ -180,7 +180,7 @@ class CommTrainerHook(TrainerHook):
         self.state: CommState | None = None
         self._t0 = 0.0
 
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, trainer: Loop) -> None:
         c = self.cfg
         if not c.hierarchical and c.inter_node_budget == 0 and c.sync_period <= 1:
             return  # DDP's own flat all-reduce
@@ -196,32 +196,28 @@ class CommTrainerHook(TrainerHook):
                     say(f"comm: hierarchical hook not installed, DDP's flat all-reduce runs ({exc})")
                 return
             self.state.opt = trainer.opt
-            trainer.comm_state = self.state
             # The checkpoint hook saves/restores every entry of ``trainer.extra_state`` per rank.
-            extra = getattr(trainer, "extra_state", None)
-            if extra is None:
-                extra = trainer.extra_state = {}
-            extra["comm"] = self.state
+            trainer.extra_state["comm"] = self.state
         elif trainer.dp_size > 1:
             self._fsdp_note(trainer)
 
     @staticmethod
-    def _fsdp_note(trainer: Any) -> None:
+    def _fsdp_note(trainer: Loop) -> None:
         if trainer.topo.rank == 0:
             layout = trainer.layout  # the placement the trainer gathered for its mesh
             trainer.log(fsdp_comm_note(layout.dims, layout.placement, layout.parallel.data_parallel))
 
-    def on_phase(self, trainer: Any, phase: str) -> None:
+    def on_phase(self, trainer: Loop, phase: str) -> None:
         if phase == "data":
             self._t0 = time.perf_counter()
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def on_step_end(self, trainer: Loop, metrics: dict[str, float]) -> None:
         if self.state is None:
             return
         final = trainer.state.step >= trainer.cfg.train.end_step
         self.state.after_step(time.perf_counter() - self._t0, final=final)
 
-    def on_fit_end(self, trainer: Any, summary: dict[str, object]) -> None:
+    def on_fit_end(self, trainer: Loop, summary: dict[str, object]) -> None:
         if self.state is None:
             return
         summary["comm"] = self.state.stats()
