@@ -390,8 +390,10 @@ def test_batch_script_killed_the_ranks_tell_it_from_a_cancel(stdlib_data, tmp_pa
     args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "train.max_steps=40", "checkpoint.every_steps=10")
     job, run = _submit(args, env=PACED)
     _after_checkpoint(run)
+    # slurmd runs the script from its spool dir as job%05d/slurm_script.
+    spooled = re.compile(rf"\bjob0*{job}/slurm_script\b")
     script = _wait(lambda: next((p for p in psutil.process_iter(["cmdline"])
-                                 if f"job{job}/slurm_script" in " ".join(p.info["cmdline"] or [])), None),
+                                 if spooled.search(" ".join(p.info["cmdline"] or []))), None),
                    30, "the batch script")
     script.kill()
     final = _final(run, timeout=600)
