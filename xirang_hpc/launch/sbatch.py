@@ -88,8 +88,8 @@ _OUT: list[str] = []
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _app(dcfg: DictConfig) -> None:
+    from xirang_hpc.data.prepare import ensure_prepared
     from xirang_hpc.launch.preflight import open_run_dir, preflight
-    from xirang_hpc.launch.train_cli import _ensure_data
 
     try:
         cfg = load_config(dcfg)
@@ -101,7 +101,7 @@ def _app(dcfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"xirang-sbatch: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    write_job_files(cfg, run_dir, _ensure_data(cfg))
+    write_job_files(cfg, run_dir, ensure_prepared(cfg.data, cfg.data.out_dir))
     out.write_text(text)
     print(f"wrote {out}; submit it with: sbatch {out}", flush=True)
 

@@ -163,12 +163,12 @@ def _state_quota(cfg: XirangConfig, site: str | None, tasks: int) -> None:
 def _submit_group(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]], run_dirs: list[Path],
                   site: str | None, plan: dict[str, Any] | None) -> tuple[str, list[str]]:
     """One array job (on ``site`` with ``-M`` when named) for these points; (array id, task ids)."""
+    from xirang_hpc.data.prepare import ensure_prepared
     from xirang_hpc.job.entry import train_job
     from xirang_hpc.launch import slurm
     from xirang_hpc.launch.rundir import make_private_dir
-    from xirang_hpc.launch.train_cli import _ensure_data
 
-    data_dirs = [_ensure_data(c) for c in cfgs]
+    data_dirs = [ensure_prepared(c.data, c.data.out_dir) for c in cfgs]
     folder = make_private_dir(sweep_folder(cfgs, overrides))
     for c, d in zip(cfgs, run_dirs):
         slurm.write_job_file(c, d)

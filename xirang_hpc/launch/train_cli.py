@@ -41,10 +41,6 @@ def _fail(msg: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-def _ensure_data(cfg: XirangConfig) -> Path:
-    return ensure_prepared(cfg.data, cfg.data.out_dir)
-
-
 def _follow(job: submitit.Job, poll_s: float = 0.5) -> None:
     """Echo rank 0's output while the job runs (local executor logs go to files).
 
@@ -203,7 +199,8 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
 
             db = SlurmDB(run=on_cluster(call, placement.site.name), cluster=placement.site.name)
         print("\n".join(check_quota(cfg, db=db)[0]), flush=True)
-    data_dir = _ensure_data(cfg)  # first: data that cannot be used leaves no run directory behind
+    # First: data that cannot be used leaves no run directory behind.
+    data_dir = ensure_prepared(cfg.data, cfg.data.out_dir)
     run_dir = open_run_dir(cfg)
     if cfg.cluster.executor == "slurm":  # submit and return; train.wait=true blocks
         from xirang_hpc.launch.slurm import launch_slurm
