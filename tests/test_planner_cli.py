@@ -129,3 +129,25 @@ def test_parallel_auto_fills_layout_and_records(tmp_path: Path) -> None:
     # Without parallel=auto nothing is planned or recorded.
     plain = load_config(compose_cfg([f"train.runs_root={tmp_path}"]))
     assert plan_at_launch(plain) is plain
+
+
+def test_plan_reads_the_model_of_model_init_from(tmp_path) -> None:
+    """``xirang-plan model.init_from=<Hugging Face dir>`` plans the model in that directory (its own config
+    conversion skipped the Hugging Face step and planned the preset's shape instead)."""
+    import transformers
+
+    hf = transformers.LlamaConfig(hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
+                                  num_key_value_heads=2, vocab_size=320, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path / "llama")
+    from conftest import CONF_DIR
+    from hydra import compose, initialize_config_dir
+
+    from xirang_hpc.launch.hydra_setup import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):  # as the command line composes it
+        dcfg = compose(config_name="config", overrides=[f"model.init_from={tmp_path / 'llama'}"],
+                       return_hydra_config=True)
+    typed = plan_cli.typed_config(dcfg)
+    m = typed.model
+    assert (m.d_model, m.n_layer, m.n_head, m.n_kv_head, m.vocab_size) == (96, 3, 6, 2, 320)

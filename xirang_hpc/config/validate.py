@@ -38,6 +38,13 @@ def _cli_overrides(hydra_node: object) -> list[str] | None:
 
 def load_config(cfg: DictConfig) -> XirangConfig:
     """Convert a composed DictConfig to typed dataclasses and validate it."""
+    return validate(to_typed(cfg))
+
+
+def to_typed(cfg: DictConfig) -> XirangConfig:
+    """A composed DictConfig as typed dataclasses, ``model.init_from`` (a Hugging Face dir) applied to
+    ``model.*``, unknown fields refused with the nearest valid one; not yet :func:`validate`-d (``xirang-plan``
+    chooses the layout that validation would check)."""
     overrides: list[str] | None = None
     try:
         # Hydra passes a struct-mode DictConfig; drop its own node if present.
@@ -55,7 +62,7 @@ def load_config(cfg: DictConfig) -> XirangConfig:
         key = getattr(exc, "full_key", None) or "config"
         raise ConfigError(str(key), getattr(exc, "value", None), str(exc).splitlines()[0]) from None
     assert isinstance(obj, XirangConfig)
-    return validate(obj)
+    return obj
 
 
 def resolve_zero(p: ParallelConfig) -> ParallelConfig:

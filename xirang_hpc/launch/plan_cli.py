@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, XirangConfig
+from xirang_hpc.config.validate import to_typed
 from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs, run_app
 
@@ -39,16 +39,9 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def typed_config(dcfg: DictConfig) -> XirangConfig:
-    """Typed config without the cross-group layout checks (the layout is what we are choosing)."""
-    try:
-        container = OmegaConf.to_container(dcfg, resolve=True)
-        container.pop("hydra", None)
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(XirangConfig), container))
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "config"
-        raise ConfigError(str(key), getattr(exc, "value", None), str(exc).splitlines()[0]) from None
-    assert isinstance(obj, XirangConfig)
-    return obj
+    """Typed config without the cross-group layout checks (the layout is what we are choosing); the same
+    conversion as every other command (``model.init_from`` applied, unknown fields refused)."""
+    return to_typed(dcfg)
 
 
 def plan(cfg: XirangConfig, as_json: bool, top: int) -> str:
