@@ -193,3 +193,26 @@ def test_in_memory_checkpoints_do_not_change_an_uninterrupted_run(runs, tmp_path
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs with checkpoint.in_memory=true"
     assert _losses(ref) == _losses(mem)
+
+
+def test_metrics_history_reads_each_row_once_and_follows_a_rewrite(tmp_path) -> None:
+    """A save records the run's metrics; each save reads only the rows appended since the previous one (not
+    the whole file again), skips a row still being written, and starts over on a file rewritten shorter."""
+    import json
+
+    from xirang_hpc.checkpoint.state import MetricsHistory
+
+    path = tmp_path / "metrics.jsonl"
+    h = MetricsHistory()
+    assert h.read(path) == []
+    path.write_text("".join(json.dumps({"step": i}) + "\n" for i in range(3)))
+    assert [r["step"] for r in h.read(path)] == [0, 1, 2]
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 3}) + "\n" + '{"step": 4')  # the last row not yet complete
+    assert [r["step"] for r in h.read(path)] == [0, 1, 2, 3]
+    read_from = h.offset
+    with path.open("a") as f:
+        f.write("}\n")
+    assert [r["step"] for r in h.read(path)] == [0, 1, 2, 3, 4] and h.offset > read_from
+    path.write_text(json.dumps({"step": 0}) + "\n")  # a rollback rewrites the file shorter
+    assert [r["step"] for r in h.read(path)] == [0]

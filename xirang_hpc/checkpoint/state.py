@@ -155,13 +155,39 @@ def apply_tensor_state(model: torch.nn.Module, opt: torch.optim.Optimizer, tenso
     set_state_dict(model, opt, model_state_dict=tensors["model"], optim_state_dict=osd)
 
 
-def run_state_json(trainer: Loop, lr: float) -> dict[str, Any]:
-    """The global JSON side of a checkpoint (meaningful on rank 0)."""
+class MetricsHistory:
+    """The rows of a run's ``metrics.jsonl``, read incrementally: each save parses only what was appended since
+    the one before (reading the whole file at every save costs O(steps) per save, O(steps^2) per run)."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.offset = 0
+        self.rows: list[Any] = []
+
+    def read(self, path: Path) -> list[Any]:
+        """Every row of ``path`` so far (a list the caller must not change)."""
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            size = -1
+        if path != self.path or size < self.offset:  # another file, or rewritten (a rollback truncates it)
+            self.path, self.offset, self.rows = path, 0, []
+        if size > self.offset:
+            with path.open("rb") as f:
+                f.seek(self.offset)
+                chunk = f.read(size - self.offset)
+            whole = chunk.rfind(b"\n") + 1  # a row being appended right now is read by the next save
+            self.rows.extend(json.loads(line) for line in chunk[:whole].splitlines() if line.strip())
+            self.offset += whole
+        return self.rows
+
+
+def run_state_json(trainer: Loop, lr: float, history: MetricsHistory | None = None) -> dict[str, Any]:
+    """The global JSON side of a checkpoint (meaningful on rank 0); ``history`` keeps the metrics read so far."""
     s = trainer.state
     metrics: list[Any] = []
-    path = Path(trainer.metrics_path)
-    if trainer.topo.rank == 0 and path.exists():
-        metrics = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if trainer.topo.rank == 0:
+        metrics = list((history or MetricsHistory()).read(Path(trainer.metrics_path)))
     return {
         "step": s.step,
         "tokens_seen": s.tokens_seen,

@@ -54,6 +54,7 @@ class CheckpointHook(TrainerHook):
         self.last_saved = -1
         self.last_mem = -1
         self._sd_cache = ckpt_state.TensorStateCache()
+        self._metrics = ckpt_state.MetricsHistory()  # metrics.jsonl read incrementally, save by save
         self.tuner: IntervalTuner | None = None
         self._last_step_t: float | None = None
         self._step_times: list[float] = []
@@ -220,7 +221,7 @@ class CheckpointHook(TrainerHook):
             static = False
         else:
             tensors, groups, static = self._sd_cache.get(trainer.model, trainer.opt)
-        state = ckpt_state.run_state_json(trainer, lr_at(max(step - 1, 0), self.cfg.train))
+        state = ckpt_state.run_state_json(trainer, lr_at(max(step - 1, 0), self.cfg.train), self._metrics)
         state["param_groups"] = groups
         extra_tensors, extra_json = ckpt_extra.save_parts(extra, self.topo.rank)
         tensors.update(extra_tensors)
