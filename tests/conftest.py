@@ -291,3 +291,22 @@ def trained_run_copy(trained_run: TrainedRun, tmp_path: Path) -> TrainedRun:
     shutil.copytree(trained_run.run, dst, symlinks=True, ignore=shutil.ignore_patterns(".preload-*.sock"))
     dst.chmod(trained_run.run.stat().st_mode)
     return TrainedRun(dst, trained_run.data, trained_run.stdout, trained_run.stderr)
+
+
+class FakeLoop:
+    """The training loop as the stop-signal hook sees it (runtime.hooks.Loop): the step, stop, phases."""
+
+    def __init__(self, step: int, phases: list[str] | None = None) -> None:
+        import types
+
+        self.state = types.SimpleNamespace(step=step)
+        self.stop_requested = False
+        self.phases = [] if phases is None else phases
+
+    def phase(self, phase: str) -> None:
+        """Record the phase the hook announces."""
+        self.phases.append(phase)
+
+    def request_stop(self) -> None:
+        """What the loop does on a hook's request: stop at the next step boundary."""
+        self.stop_requested = True

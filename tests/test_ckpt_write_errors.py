@@ -19,7 +19,7 @@ from xirang_hpc.checkpoint.errors import CheckpointWriteError
 from xirang_hpc.checkpoint.manager import CheckpointManager
 from xirang_hpc.job.training import report_save_failure
 from xirang_hpc.monitor.events import read_events
-from xirang_hpc.monitor.status import run_status
+from xirang_hpc.runs.status import run_status
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs / read-only bind mount: needs root")
 

@@ -23,7 +23,7 @@ from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
 from xirang_hpc.launch.status_cli import main as status_main
 from xirang_hpc.monitor.events import failed_nodes, read_events
 from xirang_hpc.monitor.heartbeat import read_heartbeats
-from xirang_hpc.monitor.status import run_status
+from xirang_hpc.runs.status import run_status
 from xirang_hpc.runtime.process_identity import start_ticks
 
 pytestmark = pytest.mark.slow

@@ -26,7 +26,7 @@ import test_monitor_faults as faults
 from xirang_hpc.monitor.detect import Thresholds, hang_bound, last_move
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.monitor.heartbeat import read_heartbeats
-from xirang_hpc.monitor.status import run_status
+from xirang_hpc.runs.status import run_status
 
 pytestmark = pytest.mark.slow
 launch = faults.launch  # the fixture: a job submitted as xirang-train submits it, cleaned up after

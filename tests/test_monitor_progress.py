@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from xirang_hpc.monitor.progress import CLEAR, PlainEcho, StepInfo, TerminalEcho, bar_text, make_echo, parse_step_line
+from xirang_hpc.runs.progress import CLEAR, PlainEcho, StepInfo, TerminalEcho, bar_text, make_echo, parse_step_line
 
 # Exactly what Trainer.fit logs.
 STEP = "step     4/10 | loss 3.2100 | grad norm 1.234 | 12,345 tok/s | ETA 0:00:12"

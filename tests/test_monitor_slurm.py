@@ -24,8 +24,8 @@ from test_slurm_e2e import TRAIN, _base, _ev, _final, _preempt, _submit, _wait, 
 
 from xirang_hpc.launch.status_cli import main as status_main
 from xirang_hpc.monitor.events import read_events
-from xirang_hpc.monitor.plot import plot_run
-from xirang_hpc.monitor.status import run_status
+from xirang_hpc.runs.plot import plot_run
+from xirang_hpc.runs.status import run_status
 
 pytestmark = pytest.mark.slurm
 ONE_RANK = ["cluster.nodes=1", "cluster.tasks_per_node=1"]

@@ -182,7 +182,7 @@ def test_compare_a_rollback_fork_with_its_parent(tmp_path: Path, stdlib_data: Pa
     assert all(pl[s] == fl[s] for s in range(1, 11)) and pl[20] != fl[20]
     assert got["plot"]["path"] == str(out) and out.read_bytes()[:4] == b"\x89PNG"
     # status of each, with the monitor off (no heartbeats): from config.json, metrics and the fork record
-    from xirang_hpc.monitor.status import run_status
+    from xirang_hpc.runs.status import run_status
 
     sf, sr = run_status(fork), run_status(rolled)
     assert (sf["state"], sf["step"], sf["total_steps"], sf["model"]) == ("COMPLETED", 20, 20, "tiny")

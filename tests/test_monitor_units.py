@@ -28,8 +28,8 @@ from xirang_hpc.monitor.heartbeat import (
     heartbeat_dir,
     read_heartbeats,
 )
-from xirang_hpc.monitor.plot import plot_run
-from xirang_hpc.monitor.status import run_status
+from xirang_hpc.runs.plot import plot_run
+from xirang_hpc.runs.status import run_status
 from xirang_hpc.slurm.jobs import slurm_state
 
 TH = Thresholds(hang_s=30, stale_s=5, straggler_k=2.0, straggler_min_s=0.05, straggler_window=3)
@@ -203,7 +203,7 @@ def test_signal_hook_announces_comm_before_its_all_reduce(tmp_path: Path) -> Non
                         node_name="n1", master_addr="127.0.0.1", master_port=1, job_id="1", source="local")
         hook = Recorder(cfg, topo, tmp_path)
         trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=1), stop_requested=False,
-                                        _phase=seen.append)
+                                        phase=seen.append)
         hook.first_step_logged = True
         hook.on_step_end(trainer, {})
         assert seen == want
@@ -342,7 +342,7 @@ def test_a_plain_rerun_is_not_a_requeue_slurm_restarts_are(tmp_path: Path) -> No
 
 
 def test_periodic_evaluation_is_drawn_as_measured(tmp_path: Path) -> None:
-    from xirang_hpc.monitor.plot import val_segments
+    from xirang_hpc.runs.plot import val_segments
 
     run = _fake_run(tmp_path, "9999979", sessions=[0], steps=60, total=60, done=True)
     with (run / "metrics.jsonl").open("a") as f:
@@ -418,7 +418,7 @@ def test_submitted_run_not_yet_started_shows_its_slurm_state(tmp_path: Path) -> 
     assert (s["job_id"], s["executor"], s["state"], s["state_reason"]) == ("77_1", "slurm", "PENDING",
                                                                            "JobArrayTaskLimit")
     assert asked[0][:4] == ["squeue", "-h", "-j", "77_1"]
-    from xirang_hpc.monitor.status import find_runs
+    from xirang_hpc.runs.status import find_runs
 
     assert find_runs(root, "77") == [run] and find_runs(root, "78") == []
 
@@ -493,8 +493,8 @@ def test_status_missing_path_is_no_such_run_directory(tmp_path: Path, capsys) ->
 
 def test_a_sweeps_submitit_folder_is_not_a_run(tmp_path: Path) -> None:
     from xirang_hpc.launch.slurm import RUN_DIR_MAP, write_run_dir_map
-    from xirang_hpc.monitor import status as st
-    from xirang_hpc.monitor.status import find_runs, is_run_dir
+    from xirang_hpc.runs import status as st
+    from xirang_hpc.runs.status import find_runs, is_run_dir
 
     assert st.RUN_DIR_MAP == RUN_DIR_MAP  # the monitor reads the launcher's file by name (no upward import)
     root = tmp_path / "runs"

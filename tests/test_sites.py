@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_cfg
+from conftest import FakeLoop, compose_cfg
 
 from xirang_hpc.checkpoint import layout
 from xirang_hpc.checkpoint.manager import CheckpointManager
@@ -481,7 +481,6 @@ def test_auto_migration_can_be_switched_off(tmp_path):
 
 def test_stop_handler_hands_a_preemption_over_to_the_supervisor_on_several_sites(tmp_path):
     # The ranks only save and leave: the requeue-or-move decision belongs to the batch script's supervisor.
-    import types
 
     from xirang_hpc.monitor.events import EventLog
     from xirang_hpc.runtime.signals import EXIT_REQUEUED, StopSignalHook
@@ -497,7 +496,7 @@ def test_stop_handler_hands_a_preemption_over_to_the_supervisor_on_several_sites
 
     requeued: list[str] = []
     codes: list[int] = []
-    trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=5), stop_requested=False)
+    trainer = FakeLoop(step=5)
     hook_for(_cfg(), codes).stop(trainer, "SIGUSR2")
     assert codes == [EXIT_REQUEUED] and requeued == []
     kinds = [(e["kind"], e["reason"]) for e in read_events(tmp_path)]
@@ -511,7 +510,6 @@ def test_on_one_site_rank_0_requeues_at_once_with_the_ranks_leaving_margin(tmp_p
     # A preemption and a time limit are requeued by rank 0 right after the save (the grace time or the limit
     # would otherwise end the job first); the begin time is set ahead by the ranks-leaving margin, since the
     # job leaves its nodes only once its last rank has exited.
-    import types
 
     from xirang_hpc.monitor.events import EventLog
     from xirang_hpc.runtime.signals import EXIT_REQUEUED, StopSignalHook
@@ -520,7 +518,7 @@ def test_on_one_site_rank_0_requeues_at_once_with_the_ranks_leaving_margin(tmp_p
 
     topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
                     node_name="n1", master_addr="127.0.0.1", master_port=20001, job_id="41", source="slurm")
-    trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=5), stop_requested=False)
+    trainer = FakeLoop(step=5)
     one_site = load_config(compose_cfg(["cluster=testbed", "requeue=testbed"]))
     for run_time, reason in (("00:01:00", "preemption"), ("00:09:30", "timeout")):
         run, requeued, updates, codes = tmp_path / reason, [], [], []

@@ -248,7 +248,7 @@ def test_a_pipeline_on_a_complete_run_submits_no_training_job(fake_slurm: Path, 
     from xirang_hpc.checkpoint.naming import step_dir_name
     from xirang_hpc.launch.pipeline_cli import launch_slurm_chain
     from xirang_hpc.launch.preflight import open_run_dir, preflight
-    from xirang_hpc.monitor.chain import chain_status, format_chain
+    from xirang_hpc.runs.chain import chain_status, format_chain
 
     cfg = load_config(compose_cfg(["cluster=testbed", f"train.runs_root={tmp_path}/runs",
                                    f"data.corpus={small_corpus}", f"data.out_dir={tmp_path}/data"]))

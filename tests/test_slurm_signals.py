@@ -11,32 +11,16 @@ from __future__ import annotations
 
 import os
 import signal
-import types
 from pathlib import Path
 
 import pytest
-from conftest import compose_cfg
+from conftest import FakeLoop, compose_cfg
 from parallel_harness import free_port
 from ranks import rank_context, run_ranks
 
 
 class _Exit(Exception):
     pass
-
-
-class _FakeLoop:
-    """What the stop-signal hook uses of the loop (runtime.hooks.Loop): the step, stop, phases."""
-
-    def __init__(self, step: int, phases: list[str] | None = None) -> None:
-        self.state = types.SimpleNamespace(step=step)
-        self.stop_requested = False
-        self.phases = [] if phases is None else phases
-
-    def phase(self, phase: str) -> None:
-        self.phases.append(phase)
-
-    def request_stop(self) -> None:
-        self.stop_requested = True
 
 
 def _worker(rank: int, port: int, run_dir: str, overrides: list[str], source: str, sig_rank: int, sig: int,
@@ -67,7 +51,7 @@ def _worker(rank: int, port: int, run_dir: str, overrides: list[str], source: st
 
     hook = StopSignalHook(cfg, topo, Path(run_dir), events=EventLog(run_dir), exit_fn=exit_fn,
                           save_fn=save_fn).installed()
-    trainer = _FakeLoop(step=0)
+    trainer = FakeLoop(step=0)
     hook.on_fit_start(trainer)
     try:
         for step in range(1, 20):
@@ -155,7 +139,7 @@ def test_a_preemption_past_max_requeues_makes_the_job_non_requeueable(tmp_path):
     topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
                     node_name="n1", master_addr="127.0.0.1", master_port=20001, job_id="41", source="slurm")
     phases: list[str] = []
-    trainer = _FakeLoop(step=5, phases=phases)
+    trainer = FakeLoop(step=5, phases=phases)
     for info, pinned_expected in (({"PreemptTime": "2026-11-30T18:10:00", "JobState": "RUNNING"}, ["41"]),
                                   ({"PreemptTime": "None", "TimeLimit": "00:01:00", "RunTime": "00:00:55",
                                     "JobState": "RUNNING"}, [])):

@@ -1,7 +1,7 @@
 """The pipeline's stage entry points: prepare -> train -> eval -> serve, one config for all.
 
 Each runs inside the stage's Slurm job, or in-process on the local executor, and records its
-status through :mod:`xirang_hpc.monitor.chain` (``<run>/pipeline/<stage>.json``).
+status through :mod:`xirang_hpc.runs.chain` (``<run>/pipeline/<stage>.json``).
 
 The training, evaluation and serving stacks are imported inside the stage that runs them: ``xirang-pipeline``
 imports this module to submit the stages (by reference), and a submission needs no torch. They are imported with
@@ -21,7 +21,7 @@ from xirang_hpc.config.schema.serve import SERVE_FILE
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.data.prepare import ensure_prepared
 from xirang_hpc.job.entry import training_stack
-from xirang_hpc.monitor.chain import stage_record
+from xirang_hpc.runs.chain import stage_record
 from xirang_hpc.runtime.startup import collector_paused
 
 

@@ -26,7 +26,7 @@ from xirang_hpc.job.stages import STAGE_FNS, serve_stage, train_stage
 from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs, run_app
 from xirang_hpc.launch.preflight import corrupt_message, open_run_dir, preflight
-from xirang_hpc.monitor.chain import (
+from xirang_hpc.runs.chain import (
     STAGE_DIR,
     STAGES,
     chain_status,

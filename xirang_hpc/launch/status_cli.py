@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xirang_hpc.monitor.render import render_array, render_run
-from xirang_hpc.monitor.status import find_runs, is_run_dir, run_status, task_key
+from xirang_hpc.runs.render import render_array, render_run
+from xirang_hpc.runs.status import find_runs, is_run_dir, run_status, task_key
 from xirang_hpc.slurm import states
 
 JOB_ID = re.compile(r"\d+(_\d+)?")
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"xirang-status: error: {exc}", file=sys.stderr)
         return 2
     if a.plot is not None:
-        from xirang_hpc.monitor.plot import plot_run
+        from xirang_hpc.runs.plot import plot_run
 
         for r in runs:
             out = Path(a.plot) if a.plot and not many else r / "status.png"
@@ -248,7 +248,7 @@ def _queue_sites(a: argparse.Namespace, tty: bool) -> int:
 
 def _compare(a: argparse.Namespace) -> int:
     """``xirang-status RUN_A RUN_B ...``: config differences and overlaid curves."""
-    from xirang_hpc.monitor.compare import compare, plot_compare, render_compare
+    from xirang_hpc.runs.compare import compare, plot_compare, render_compare
 
     runs = []
     for t in a.target:

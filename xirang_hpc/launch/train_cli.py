@@ -44,10 +44,10 @@ def _fail(msg: str, code: int = 2) -> None:
 def _follow(job: submitit.Job, poll_s: float = 0.5) -> None:
     """Echo rank 0's output while the job runs (local executor logs go to files).
 
-    On a terminal the step lines become one progress line updated in place (monitor/progress.py);
+    On a terminal the step lines become one progress line updated in place (runs/progress.py);
     elsewhere (pipes, Slurm logs, tests) every line is printed as logged.
     """
-    from xirang_hpc.monitor.progress import make_echo
+    from xirang_hpc.runs.progress import make_echo
 
     path = Path(job.paths.stdout)
     pos, pending = 0, b""

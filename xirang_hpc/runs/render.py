@@ -1,4 +1,4 @@
-"""Text rendering of :func:`xirang_hpc.monitor.status.run_status` results."""
+"""Text rendering of :func:`xirang_hpc.runs.status.run_status` results."""
 
 from __future__ import annotations
 

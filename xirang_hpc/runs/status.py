@@ -17,10 +17,10 @@ from typing import Any
 
 from xirang_hpc.checkpoint.layout import newest_good
 from xirang_hpc.checkpoint.naming import committed_steps, step_dir_name
-from xirang_hpc.monitor.chain import PIPELINE_FILE, chain_status
 from xirang_hpc.monitor.events import FAULT_KINDS, read_events, read_jsonl
 from xirang_hpc.monitor.flops import mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import HEARTBEAT_DIR, SESSION_FILE, SESSIONS_LOG, read_heartbeats, read_json
+from xirang_hpc.runs.chain import PIPELINE_FILE, chain_status
 from xirang_hpc.runtime.process_identity import is_running
 from xirang_hpc.slurm.jobs import Runner, run_cmd, slurm_state
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from xirang_hpc.checkpoint.naming import committed_steps, step_dir_name
 from xirang_hpc.monitor.events import read_jsonl
-from xirang_hpc.monitor.render import fit
+from xirang_hpc.runs.render import fit
 
 CONFIG_FILE = "config.json"
 # Keys that name the run's own directory rather than the experiment.
@@ -123,7 +123,7 @@ def plot_compare(run_dirs: list[Path], out: Path | str, diff: dict[str, list[Any
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from xirang_hpc.monitor.plot import draw_val
+    from xirang_hpc.runs.plot import draw_val
 
     out = Path(out)
     fig, (ax_loss, ax_val, ax_tput) = plt.subplots(3, 1, sharex=True, figsize=(10, 9))

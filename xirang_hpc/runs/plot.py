@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from xirang_hpc.monitor.events import read_events
-from xirang_hpc.monitor.status import checkpoints, read_jsonl
+from xirang_hpc.runs.status import checkpoints, read_jsonl
 
 
 def requeue_steps(run_dir: Path, rows: list[dict[str, Any]]) -> list[int]:

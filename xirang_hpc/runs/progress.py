@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import TextIO
 
-from xirang_hpc.monitor.render import progress
+from xirang_hpc.runs.render import progress
 
 # The trainer's log line (runtime/trainer.py, Trainer.fit).
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| loss ([-+\d.eE]+|nan|inf) \| grad norm \S+ \| ([\d,]+) tok/s"
