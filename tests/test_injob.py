@@ -334,6 +334,22 @@ def test_a_failed_step_launch_is_retried_with_backoff_then_left_to_the_policy(tm
     assert drive(run3, folder, {"SLURM_JOB_ID": "7"}, step=crash, answers=lambda: False, **kw) == 1
     assert slept == [] and outcome == {}
 
+    # Slurm refuses the step itself (a request no node can meet): not retried for ten minutes, not requeued;
+    # the run stops at once with srun's words and the fields to fix.
+    (tmp_path / "d").mkdir()
+    run4 = _run_dir(tmp_path / "d", "requeue.max_restarts_in_job=1")
+    refuse = srun_says("srun: error: Unable to create step for job 8: Requested node configuration is not "
+                       "available")
+    assert drive(run4, folder, {"SLURM_JOB_ID": "8"}, step=refuse, answers=lambda: True, **kw) == 1
+    assert slept == [] and outcome["cause"] == "launch_refused", outcome
+    assert "Requested node configuration is not available" in outcome["detail"]
+    assert "cluster.tasks_per_node" in outcome["detail"]
+    from xirang_hpc.config.schema import RequeueConfig
+    from xirang_hpc.runtime.policy import decide
+
+    verdict = decide("launch_refused", 0, RequeueConfig())
+    assert not verdict.requeue and "refused the same way" in verdict.why, verdict
+
 
 def test_an_oom_kill_is_named_with_the_limit_and_no_node_is_excluded(tmp_path):
     """srun's and slurmstepd's words on an OOM kill: no in-job restart elsewhere (the same layout runs out again on

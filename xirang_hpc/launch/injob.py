@@ -68,6 +68,12 @@ LAUNCH_RETRY_S = 600.0
 LAUNCH_BACKOFF_MAX_S = 60.0
 # srun's words for a step it could not create (besides the controller not answering: control.CONTROLLER_DOWN).
 STEP_NOT_CREATED = ("Unable to create step", "step creation temporarily disabled", "Unable to confirm allocation")
+# What srun says when Slurm refuses the step itself: the request cannot be met on any node of the allocation,
+# now or later (Slurm 22.05's slurm_strerror texts). Retrying, or a requeue, would be refused the same way.
+STEP_REFUSED = ("Requested node configuration is not available", "Invalid generic resource",
+                "More processors requested than permitted", "Invalid node name specified",
+                "Requested partition configuration not available", "Invalid account", "Invalid qos",
+                "Invalid job credential")
 NODES_ENV = "XIRANG_NODES"  # read by xirang_hpc.config.elastic inside the job
 ATTEMPT_ENV = "XIRANG_INJOB_ATTEMPT"  # read by xirang_hpc.runtime.topology (a fresh rendezvous port)
 
@@ -200,6 +206,11 @@ def launch_failure(text: str) -> str | None:
     return None
 
 
+def refused_for_good(line: str) -> bool:
+    """Whether srun's failure line says Slurm refuses the step itself (no retry can help)."""
+    return any(m in line for m in STEP_REFUSED) and not control.controller_down(line)
+
+
 def ranks_started(run_dir: Path, restart: int) -> bool:
     """Whether any rank of this attempt wrote its start marker."""
     markers = run_dir / "ranks" / f"r{restart}"
@@ -274,6 +285,15 @@ def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys
         said = launch_failure(said_all) if rc != 0 and not ranks_started(run_dir, restart) else None
         # srun's own word, or slurmctld not answering now (it may have answered srun with a refusal).
         down = said is not None and (control.controller_down(said) or not answers())
+        if said is not None and refused_for_good(said) and attempt == 0:
+            # The first launch of this start refused: what the job asks for cannot run here; say what and how.
+            detail = (f"Slurm refuses the training step: {said}. The job's request (cluster.tasks_per_node, "
+                      "cpus_per_task, gpus_per_node, mem_gb, srun_args) cannot run on its nodes; fix it and launch "
+                      "again (a requeue would be refused the same way)")
+            append_event(run_dir, "restart_refused", detail, cause="launch_refused", srun=said, job=job_id,
+                         restart=restart)
+            outcome.update(cause="launch_refused", detail=detail)
+            return rc
         if said is not None:
             first_failure = clock() if first_failure is None else first_failure
             cause = "slurmctld does not answer" if down else f"srun could not start the step: {said}"

@@ -29,6 +29,9 @@ NEVER_REQUEUED = {
     "terminated": "SIGTERM without preemption or time limit (scancel or admin): not requeued",
     # A checkpoint save failed on the storage (full, quota, read-only): every node writes to the same place.
     "save_failed": "the checkpoint storage is full or unwritable: a requeue would fail the same way",
+    # Slurm refused the training step itself (a request no node of the allocation can meet).
+    "launch_refused": "Slurm refuses the job's step (its request cannot run on these nodes): a requeue would be "
+                      "refused the same way",
 }
 
 
