@@ -100,6 +100,10 @@ def _lose_node(run: Path, node: str) -> None:
 
 
 def _revive(node: str) -> None:
+    # Down first, as an admin would mark a lost node: slurmctld then takes the job's processes there for gone,
+    # and the cancelled job leaves COMPLETING at once instead of waiting for the node to answer.
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=bench: node lost"],
+                   capture_output=True)
     subprocess.run(["slurmd", "-N", node, "-f", os.environ["SLURM_CONF"]], check=True)
     for _ in range(60):
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
