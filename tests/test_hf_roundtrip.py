@@ -1,4 +1,5 @@
-"""Hugging Face in and out: the README's "Bring your own model and data" commands, run as written.
+"""Hugging Face in and out: the "Bring your own model and data" commands of docs/models-and-fine-tuning.md,
+run as written.
 
 A small Llama (GQA) with its own BPE tokenizer, built by transformers/tokenizers here, is fine-tuned from
 its directory on a JSONL corpus for 50 steps on 4 ranks (dp2 x tp2, real ``xirang-train``), exported with
@@ -66,12 +67,13 @@ def our_greedy(model: torch.nn.Module, seq_len: int, prompt: list[int], new: int
         engine.stop()
 
 
-def readme_block(heading: str) -> str:
-    """The first ```bash block under ``heading`` in the README."""
-    text = (ROOT / "README.md").read_text()
+def doc_block(page: str, heading: str) -> str:
+    """The first ```bash block under ``heading`` in the documentation page ``page`` (under docs/)."""
+    text = (ROOT / "docs" / page).read_text()
+    assert heading in text, f"no heading {heading!r} in docs/{page}"
     section = text.split(heading, 1)[1]
     m = re.search(r"```bash\n(.*?)```", section, flags=re.S)
-    assert m, f"no bash block under {heading}"
+    assert m, f"no bash block under {heading} in docs/{page}"
     return m.group(1)
 
 
@@ -97,12 +99,12 @@ def make_model_dir(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_readme_bring_your_own_model_and_data(tmp_path: Path) -> None:
+def test_docs_bring_your_own_model_and_data(tmp_path: Path) -> None:
     model_dir, corpus = tmp_path / "my-llama", tmp_path / "corpus.jsonl"
     make_model_dir(model_dir)
     assert (model_dir / "model.safetensors.index.json").is_file()
     corpus.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(DOCS)))
-    script = readme_block("### Bring your own model and data")
+    script = doc_block("models-and-fine-tuning.md", "## Bring your own model and data")
     env = {**os.environ, "MODEL": str(model_dir), "CORPUS": str(corpus),
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     r = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
