@@ -4,7 +4,7 @@ A Llama-family model built by transformers (default ~33M parameters, fp32) is sa
 directory; 4 gloo ranks in an FSDP2 x tensor-parallel layout (dp2 x tp2, every parameter sharded) fill
 their shards two ways, back to back in the same processes:
 
-- ours: ``xirang_hpc.serve.hf_import.init_model_from_hf`` (safetensors lazy slices of this rank's region);
+- ours: ``xirang_hpc.weights.hf_import.init_model_from_hf`` (safetensors lazy slices of this rank's region);
 - baseline: every rank ``safetensors.torch.load_file``s the whole checkpoint, then keeps its region
   (what loading a full state dict on every rank amounts to).
 
@@ -33,11 +33,11 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, queue: Any) -> None:
     from parallel_harness import LAYOUTS, make_cfg, topology
     from safetensors.torch import load_file
 
-    import xirang_hpc.serve.hf_import as hi
-    from xirang_hpc.checkpoint.hf import param_shapes, tensor_map
+    import xirang_hpc.weights.hf_import as hi
     from xirang_hpc.config.hf import apply_hf_model
     from xirang_hpc.runtime.parallel_dims import ParallelDims, gather_nodes
     from xirang_hpc.runtime.parallelize import parallelize
+    from xirang_hpc.weights.hf import param_shapes, tensor_map
 
     torch.set_num_threads(1)
     try:

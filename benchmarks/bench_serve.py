@@ -59,8 +59,8 @@ def hf_dir_for(source: Path, tmp: Path) -> Path:
         subprocess.run([str(BIN / "xirang-ckpt"), "export", str(source), "--format", "hf", "--out", str(out)],
                        check=True, stdout=subprocess.DEVNULL)
         return out
-    from xirang_hpc.checkpoint.hf import hf_config_for, to_hf_state, write_hf_weights
-    from xirang_hpc.serve.weights import load_any
+    from xirang_hpc.weights.hf import hf_config_for, to_hf_state, write_hf_weights
+    from xirang_hpc.weights.load import load_any
 
     loaded = load_any(source)
     out.mkdir(mode=0o700)
@@ -70,7 +70,7 @@ def hf_dir_for(source: Path, tmp: Path) -> Path:
 
 
 def context_of(source: Path) -> int:
-    from xirang_hpc.serve.weights import load_any
+    from xirang_hpc.weights.load import load_any
 
     return load_any(source).cfg.seq_len
 

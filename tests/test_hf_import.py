@@ -26,8 +26,8 @@ from ranks import rank_context  # noqa: E402
 
 from xirang_hpc.config.errors import ConfigError  # noqa: E402
 from xirang_hpc.config.hf import apply_hf_model  # noqa: E402
-from xirang_hpc.serve.hf_import import HFImportError  # noqa: E402
-from xirang_hpc.serve.weights import WeightsError, load_any, load_hf  # noqa: E402
+from xirang_hpc.weights.hf_import import HFImportError  # noqa: E402
+from xirang_hpc.weights.load import WeightsError, load_any, load_hf  # noqa: E402
 
 BIN = Path(sys.executable).parent
 TOL = 1e-4
@@ -207,7 +207,7 @@ def test_gpt2_window_longer_than_n_positions_is_refused(hf_dirs) -> None:
 def test_bad_weights_name_the_tensor_or_file(hf_dirs, tmp_path: Path) -> None:
     from xirang_hpc.config.schema import ModelConfig
     from xirang_hpc.models.gpt import GPT
-    from xirang_hpc.serve.hf_import import init_model_from_hf
+    from xirang_hpc.weights.hf_import import init_model_from_hf
 
     # A missing shard file listed in the index.
     sharded = tmp_path / "sharded"
@@ -251,11 +251,11 @@ def _worker(rank: int, world: int, port: int, layout: str, hf_dir: str, queue: A
     from parallel_harness import LAYOUTS, make_cfg, topology
     from torch.distributed.tensor import DTensor
 
-    import xirang_hpc.serve.hf_import as hi
-    from xirang_hpc.checkpoint.hf import tensor_map
+    import xirang_hpc.weights.hf_import as hi
     from xirang_hpc.config.hf import apply_hf_model as fill
     from xirang_hpc.runtime.parallel_dims import Layout
     from xirang_hpc.runtime.parallelize import parallelize
+    from xirang_hpc.weights.hf import tensor_map
 
     torch.set_num_threads(1)
     try:

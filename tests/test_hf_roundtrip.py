@@ -115,7 +115,7 @@ def test_docs_bring_your_own_model_and_data(tmp_path: Path) -> None:
     assert "Document 7:" in r.stdout.splitlines()[-1]  # transformers decoded the generation with our tokenizer
 
     from xirang_hpc.data.dataset import TokenWindows
-    from xirang_hpc.serve.weights import load_checkpoint
+    from xirang_hpc.weights.load import load_checkpoint
 
     run, out = tmp_path / "runs" / "ft", tmp_path / "runs" / "ft" / "hf"
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
@@ -131,7 +131,7 @@ def test_docs_bring_your_own_model_and_data(tmp_path: Path) -> None:
     assert our_greedy(ours.model, ours.cfg.seq_len, prompt, 24) == theirs["generated"]
     assert theirs["encoded"] == [int(t) for t in ours.tokenizer.encode("Document 7: word3")]
     # The fine-tune moved the weights away from the directory's (it trained, it did not just copy).
-    from xirang_hpc.serve.weights import load_hf
+    from xirang_hpc.weights.load import load_hf
 
     with torch.no_grad():
         assert (load_hf(model_dir).model(x) - ours.model(x)).abs().max().item() > 1e-2
@@ -162,7 +162,7 @@ def test_gpt2_tensor_parallel_run_exports_sharded_bfloat16_that_transformers_loa
 
     from safetensors import safe_open
 
-    from xirang_hpc.serve.weights import load_checkpoint
+    from xirang_hpc.weights.load import load_checkpoint
 
     f = next(iter(index["weight_map"].values()))
     with safe_open(str(out / f), framework="pt") as h:
@@ -180,8 +180,8 @@ def test_gpt2_tensor_parallel_run_exports_sharded_bfloat16_that_transformers_loa
 
 
 def test_export_refuses_models_no_hugging_face_family_expresses() -> None:
-    from xirang_hpc.checkpoint.hf import family_of
     from xirang_hpc.config.schema import ModelConfig
+    from xirang_hpc.weights.hf import family_of
 
     mixed = ModelConfig(name="m", norm="rmsnorm", mlp="gelu", pos="rope", bias=False)
     with pytest.raises(ValueError, match="no Hugging Face family expresses norm=rmsnorm, mlp=gelu.*safetensors"):
@@ -195,9 +195,9 @@ def test_export_refuses_models_no_hugging_face_family_expresses() -> None:
 
 def test_the_default_preset_exports_as_an_untied_gpt2_that_transformers_loads(tmp_path: Path) -> None:
     """model=tiny (layernorm, gelu, learned positions, biases, untied head) -> GPT-2 layout, same logits."""
-    from xirang_hpc.checkpoint.hf import hf_config_for, to_hf_state, write_hf_weights
     from xirang_hpc.config.schema import ModelConfig
     from xirang_hpc.models.gpt import GPT
+    from xirang_hpc.weights.hf import hf_config_for, to_hf_state, write_hf_weights
 
     cfg = ModelConfig(name="tiny", n_layer=2, n_head=4, d_model=64, d_ff=256, seq_len=64)
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from xirang_hpc.data.tokenizer import ByteTokenizer
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.serve.engine import Engine
 from xirang_hpc.serve.server import Limits, Server
-from xirang_hpc.serve.weights import LoadedModel
+from xirang_hpc.weights.load import LoadedModel
 
 CFG = ModelConfig(name="t", n_layer=2, n_head=2, d_model=32, seq_len=32)
 

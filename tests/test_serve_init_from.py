@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.gpt import GPT, lm_loss
 from xirang_hpc.monitor.events import read_events
-from xirang_hpc.serve.weights import WeightsError, init_model_from
+from xirang_hpc.weights.load import WeightsError, init_model_from
 
 BIN = Path(sys.executable).parent
 TINY = ModelConfig(name="tiny", n_layer=4, n_head=4, d_model=64, d_ff=256, seq_len=64)

@@ -34,7 +34,7 @@ from xirang_hpc.data.tokenizer import ByteTokenizer
 from xirang_hpc.serve.engine import sample_next
 from xirang_hpc.serve.openai_api import SIMPLE_CHAT_STOP, final_text, settled_text, simple_chat_prompt
 from xirang_hpc.serve.run import Running, model_id_for, start_server
-from xirang_hpc.serve.weights import LoadedModel
+from xirang_hpc.weights.load import LoadedModel
 
 MODEL = "tiny-run"
 TOK = ByteTokenizer()

@@ -118,7 +118,7 @@ def test_eval_on_the_multi_rank_checkpoint_matches_the_reference_loss(trained_ru
     from xirang_hpc.config.schema import EvalConfig
     from xirang_hpc.data.dataset import TokenWindows
     from xirang_hpc.eval.evaluate import EVAL_FILE, run_eval
-    from xirang_hpc.serve.weights import load_checkpoint
+    from xirang_hpc.weights.load import load_checkpoint
 
     run, data, steps = trained_run_copy.run, trained_run_copy.data, trained_run_copy.steps  # eval writes into the run
     ecfg = EvalConfig(batches=3, batch_size=4, sample_prompt=PROMPT, sample_tokens=N_NEW)

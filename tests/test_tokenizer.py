@@ -386,7 +386,7 @@ def test_a_run_trains_evaluates_serves_and_exports_with_its_bpe(tmp_path: Path) 
 
     from xirang_hpc.eval.evaluate import sample
     from xirang_hpc.serve.engine import Engine
-    from xirang_hpc.serve.weights import load_any, load_checkpoint
+    from xirang_hpc.weights.load import load_any, load_checkpoint
 
     loaded = load_checkpoint(run)
     assert loaded.tokenizer.name == data_tok.name and loaded.step == 10

@@ -1,7 +1,7 @@
 """Evaluate a checkpoint in one process: held-out loss and perplexity, plus a greedy sample.
 
 The checkpoint may come from any training layout (it is reassembled through DCP resharding,
-see :mod:`xirang_hpc.serve.weights`). Batches come from the prepared data's ``val`` split via
+see :mod:`xirang_hpc.weights.load`). Batches come from the prepared data's ``val`` split via
 :class:`TokenWindows`, as a pure function of ``eval.seed`` and the batch index, so two
 evaluations of the same weights agree exactly. Results go to ``<run>/eval.json``; with
 ``eval.max_val_loss > 0`` a loss above it fails the evaluation (the pipeline's quality gate).
@@ -21,7 +21,7 @@ from xirang_hpc.config.schema import EvalConfig
 from xirang_hpc.data.dataset import TokenWindows
 from xirang_hpc.models.gpt import lm_loss
 from xirang_hpc.serve.engine import Engine
-from xirang_hpc.serve.weights import LoadedModel, load_checkpoint
+from xirang_hpc.weights.load import LoadedModel, load_checkpoint
 
 EVAL_FILE = "eval.json"
 

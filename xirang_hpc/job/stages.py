@@ -67,7 +67,7 @@ def serve_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str,
     """Serve the newest checkpoint (``<run>/serve.json`` says where) until stopped or ``serve.duration_s``."""
     with collector_paused():
         from xirang_hpc.serve.run import serve
-        from xirang_hpc.serve.weights import load_checkpoint
+        from xirang_hpc.weights.load import load_checkpoint
 
     cfg = _cfg(cfg_dict)
     with stage_record(Path(run_dir), "serve"):

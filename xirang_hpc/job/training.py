@@ -32,7 +32,7 @@ from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.signals import StopSignalHook, capture_early, find_saver
 from xirang_hpc.runtime.topology import Topology
 from xirang_hpc.runtime.trainer import Trainer
-from xirang_hpc.serve.weights import InitFromHook
+from xirang_hpc.weights.load import InitFromHook
 
 
 def _say(msg: str) -> None:

@@ -139,14 +139,14 @@ def cmd_pin(a: argparse.Namespace) -> int:
 
 def cmd_export(a: argparse.Namespace) -> int:
     """Write full model weights: safetensors plus our JSON config, or a Hugging Face directory."""
-    from xirang_hpc.checkpoint.export import export_safetensors
+    from xirang_hpc.weights.export import export_safetensors
 
     if a.format not in ("safetensors", "hf"):
         raise Refused(f"--format {a.format!r} is not supported; use safetensors or hf")
     root = _root(a.run)
     step = _step(root, a.step)
     if a.format == "hf":
-        from xirang_hpc.checkpoint.hf import export_hf
+        from xirang_hpc.weights.hf import export_hf
 
         out = Path(a.out) if a.out else root.parent / "export" / f"hf_step_{step}"
         files = export_hf(root / ckpt_layout.step_dir_name(step), out, dtype=a.dtype,

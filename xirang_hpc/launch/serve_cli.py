@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         from xirang_hpc.serve.run import serve
-        from xirang_hpc.serve.weights import WeightsError, load_any
+        from xirang_hpc.weights.load import WeightsError, load_any
 
     try:
         scfg = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch,

@@ -15,7 +15,7 @@ from xirang_hpc.config.schema import ServeConfig
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.serve.engine import Engine
 from xirang_hpc.serve.server import Limits, Server
-from xirang_hpc.serve.weights import LoadedModel
+from xirang_hpc.weights.load import LoadedModel
 
 
 def limits_for(scfg: ServeConfig, seq_len: int) -> Limits:

@@ -43,7 +43,7 @@ from xirang_hpc.serve import openai_api as oa
 from xirang_hpc.serve.engine import Engine, GenRequest
 from xirang_hpc.serve.metrics import STATUS_KEY, ServeMetrics
 from xirang_hpc.serve.openai_api import Limits, OpenAIError
-from xirang_hpc.serve.weights import LoadedModel
+from xirang_hpc.weights.load import LoadedModel
 
 __all__ = ["BadRequest", "Limits", "Params", "Server", "parse_generate"]
 

@@ -4,7 +4,7 @@ A Hugging Face directory holds ``model.safetensors`` or shards listed in ``model
 For every parameter this rank holds (a pipeline stage holds only its own layers), the region it owns
 is worked out: the whole tensor for a plain parameter; for a DTensor (tensor parallel, FSDP2, both)
 the local shard's global offset and shape. That region is mapped through
-:func:`xirang_hpc.checkpoint.hf.tensor_map` (transposed GPT-2 ``Conv1D``, fused ``c_attn``, rotary row
+:func:`xirang_hpc.weights.hf.tensor_map` (transposed GPT-2 ``Conv1D``, fused ``c_attn``, rotary row
 permutation inside heads) to the Hugging Face rows and columns that hold it, and only those are read
 with safetensors' lazy slices (``safe_open(...).get_slice(name)[rows, cols]``). No rank ever holds a
 whole tensor that is sharded, nor the whole model.
@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from xirang_hpc.checkpoint.hf import IGNORED_HF_SUFFIXES, Src, expected_hf_shapes, hf_rows_for, tensor_map
 from xirang_hpc.config.hf import hf_family, read_hf_config
 from xirang_hpc.config.schema import ModelConfig
-from xirang_hpc.serve.weights import WeightsError
+from xirang_hpc.weights.errors import WeightsError
+from xirang_hpc.weights.hf import IGNORED_HF_SUFFIXES, Src, expected_hf_shapes, hf_rows_for, tensor_map
 
 #: What opens a safetensors file lazily (a module attribute so tests can record what each rank reads).
 safe_open: Any = None
@@ -190,6 +190,6 @@ def init_model_from_hf(model: nn.Module, path: str | Path, cfg: ModelConfig) -> 
 
 
 def _full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    from xirang_hpc.checkpoint.hf import param_shapes
+    from xirang_hpc.weights.hf import param_shapes
 
     return param_shapes(cfg)

@@ -13,7 +13,7 @@
   a contiguous block of heads on both sides.
 
 Import reads *regions* through this map (:func:`hf_rows_for`, used by
-:mod:`xirang_hpc.serve.hf_import`); export (:func:`export_hf`) assembles whole Hugging Face tensors from a
+:mod:`xirang_hpc.weights.hf_import`); export (:func:`export_hf`) assembles whole Hugging Face tensors from a
 checkpoint of any layout (DCP full load) and writes ``config.json``, safetensors (sharded with an index
 past ``max_shard_bytes``) and, for a run with a BPE tokenizer, the tokenizer files.
 """
@@ -263,7 +263,7 @@ def export_hf(step_dir: Path, out_dir: Path, dtype: str = "float32", max_shard_b
     """Write a transformers-loadable directory from a checkpoint of any layout; returns the files written."""
     import dataclasses
 
-    from xirang_hpc.checkpoint.export import load_full, run_dir_of
+    from xirang_hpc.weights.export import load_full, run_dir_of
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if dtype not in dtypes:

@@ -2,9 +2,9 @@
 
 - :func:`load_checkpoint` builds a plain :class:`GPT` from a run's checkpoint: the model config
   comes from the checkpoint's ``state.json``, the tensors go through DCP's load-time resharding
-  (:func:`xirang_hpc.checkpoint.export.load_full`), so a checkpoint written by dp x tp x pp ranks loads into a
+  (:func:`xirang_hpc.weights.export.load_full`), so a checkpoint written by dp x tp x pp ranks loads into a
   single unsharded process. Only the ``model`` entries are read (no optimizer state).
-- :func:`load_hf` reads a Hugging Face model directory (:mod:`xirang_hpc.serve.hf_import`); ``InitFromHook``
+- :func:`load_hf` reads a Hugging Face model directory (:mod:`xirang_hpc.weights.hf_import`); ``InitFromHook``
   fills a (sharded) model from one, each rank reading only its own regions.
 - :func:`load_safetensors` reads exported weights (``xirang-ckpt export --format safetensors``)
   plus their JSON config; :func:`init_model_from` copies such weights into a (possibly sharded)
@@ -25,17 +25,14 @@ import torch
 from torch import nn
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
-from xirang_hpc.checkpoint.export import load_full, run_dir_of
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.data.tokenizer import ByteTokenizer, Tokenizer, load_run_tokenizer, load_tokenizer
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.runtime.hooks import Loop, TrainerHook
+from xirang_hpc.weights.errors import WeightsError
+from xirang_hpc.weights.export import load_full, run_dir_of
 
 log = logging.getLogger(__name__)
-
-
-class WeightsError(RuntimeError):
-    """Weights cannot be found or do not fit the model; the message names the path and the fix."""
 
 
 @dataclass
@@ -173,7 +170,7 @@ def load_hf(path: str | Path) -> LoadedModel:
     """A single-process GPT from a Hugging Face model directory (Llama or GPT-2 family)."""
     from xirang_hpc.config.errors import ConfigError
     from xirang_hpc.config.hf import apply_hf_model
-    from xirang_hpc.serve.hf_import import init_model_from_hf
+    from xirang_hpc.weights.hf_import import init_model_from_hf
 
     try:
         fields = apply_hf_model({"init_from": str(path)}, [])
@@ -239,7 +236,7 @@ class InitFromHook(TrainerHook):
         from xirang_hpc.config.hf import is_hf_dir
 
         if is_hf_dir(self.path):
-            from xirang_hpc.serve.hf_import import init_model_from_hf
+            from xirang_hpc.weights.hf_import import init_model_from_hf
 
             n = init_model_from_hf(trainer.model, self.path, trainer.cfg.model)
         else:
