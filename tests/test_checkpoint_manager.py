@@ -283,3 +283,86 @@ def test_a_peer_failing_during_the_load_is_not_blamed_on_the_checkpoint(two_step
     res = mgr.load(t)
     assert res.step == 2 and not res.skipped
     _assert_is_step(t, 2)
+
+
+def _plant_pickle(step_dir: Path, fqn: str, marker: Path) -> None:
+    """The tamper a co-tenant with write access could make: ``fqn`` re-marked in metadata.json as a DCP
+    bytes item read from a new HDF5 file holding a pickle, the manifest refreshed to match (its checksums
+    are keyless, so anyone can recompute them)."""
+    import json
+    import pickle
+
+    import h5py
+    import numpy as np
+
+    from xirang_hpc.checkpoint.integrity import checksum_file
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))  # runs at unpickling: the marker file appears
+
+    raw = pickle.dumps(Payload())
+    with h5py.File(step_dir / "evil.h5", "w") as f:
+        f.create_dataset("x", data=np.frombuffer(raw, dtype=np.uint8))
+    md = json.loads((step_dir / "metadata.json").read_text())
+    md["tensors"][fqn] = {"bytes": True}
+    md["storage"] = [s for s in md["storage"] if s["fqn"] != fqn]
+    md["storage"].append({"fqn": fqn, "offset": None,
+                          "info": {"file": "evil.h5", "ds": "x", "kind": "bytes", "nbytes": len(raw)}})
+    (step_dir / "metadata.json").write_text(json.dumps(md))
+    man = ckpt_layout.read_manifest(step_dir)
+    for name in ("evil.h5", "metadata.json"):
+        p = step_dir / name
+        man["files"][name] = {"bytes": p.stat().st_size, "xxh3_128": checksum_file(p)}
+    (step_dir / ckpt_layout.MANIFEST).write_text(json.dumps(man))
+
+
+def test_a_planted_pickle_in_a_checkpoint_never_runs(tmp_path):
+    """A checkpoint whose metadata marks a tensor as a pickled bytes item (the manifest refreshed to match)
+    is refused before anything is read: the payload never runs and no tensor is touched."""
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, async_save=False)
+    mgr.save(1, _tensors(1))
+    marker = tmp_path / "payload-ran"
+    _plant_pickle(root / "step_1", "optim.m", marker)
+    ckpt_layout.verify(root / "step_1")  # the tamper passes the integrity check: only the format stops it
+    t = _template()
+    assert mgr.load(t) is None
+    assert not marker.exists(), "the checkpoint's pickle was unpickled"
+    assert "pickled bytes item" in mgr.last_skipped[0][1] and "optim.m" in mgr.last_skipped[0][1]
+    assert all(torch.equal(v, _template()[g][k]) for g in t for k, v in t[g].items())
+
+
+def test_a_file_the_manifest_does_not_list_is_refused(tmp_path):
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, async_save=False)
+    mgr.save(1, _tensors(1))
+    mgr.save(2, _tensors(2))
+    (root / "step_2" / "extra.h5").write_bytes(b"not ours")
+    with pytest.raises(ckpt_layout.CheckpointCorruptError, match=r"step_2/extra.h5: not listed in the manifest"):
+        ckpt_layout.verify_quick(root / "step_2")
+    t = _template()
+    res = mgr.load(t)
+    assert res.step == 1 and res.skipped[0][0] == 2 and "extra.h5" in res.skipped[0][1]
+    _assert_is_step(t, 1)
+    (root / "step_2" / "extra.h5").unlink()
+    (root / "step_2" / ckpt_layout.PINNED).touch()  # the pin marker is ours, not a stray file
+    assert mgr.load(_template()).step == 2
+
+
+def test_a_checkpoint_failing_on_its_second_file_leaves_the_model_untouched(tmp_path):
+    """Every file a load reads is verified before any tensor is copied: step 2's own file is good, the
+    step-1 file it references (dedup) is not; nothing of step 2 may have been copied in."""
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, async_save=False, dedup=True)
+    mgr.save(1, _tensors(1))
+    t2 = _tensors(1)
+    t2["model"]["w"].fill_(7.0)  # the first tensor read comes from step 2's own file ...
+    mgr.save(2, t2)  # ... the others are references into step 1
+    bad = root / "step_1" / "rank_0.h5"
+    data = bytearray(bad.read_bytes())
+    data[-100:] = b"\xff" * 100
+    bad.write_bytes(bytes(data))
+    t = _template()
+    assert mgr.load(t) is None
+    assert all(torch.equal(v, _template()[g][k]) for g in t for k, v in t[g].items()), "half-loaded"

@@ -198,3 +198,38 @@ def test_a_fresh_start_takes_no_optimizer_step(tmp_path, in_memory: bool) -> Non
     assert hook.last_saved == 0
     assert not trainer.opt.state, f"optimizer state was initialised on a fresh start: {trainer.opt.state}"
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+@pytest.mark.parametrize("on_no_valid", ["refuse", "fresh"])
+def test_no_usable_checkpoint_refuses_or_starts_fresh_on_purpose(tmp_path, on_no_valid: str) -> None:
+    """The run's only checkpoint is damaged: by default the start is refused, naming it; with
+    ``checkpoint.on_no_valid=fresh`` it starts from the untouched fresh init (optimizer state empty too)."""
+    from xirang_hpc.checkpoint import layout as ckpt_layout
+    from xirang_hpc.checkpoint.trainer_hook import CheckpointHook
+    from xirang_hpc.config.schema import XirangConfig
+    from xirang_hpc.runtime.topology import Topology
+
+    cfg = XirangConfig()
+    cfg.checkpoint.on_no_valid = on_no_valid
+    topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
+                    node_name="n1", master_addr="127.0.0.1", master_port=0, job_id="local", source="single")
+    run = tmp_path / "run"
+    CheckpointManager(run / "checkpoints", async_save=False).save(3, {"model": {"weight": torch.ones(3, 4)}})
+    shard = run / "checkpoints" / "step_3" / "rank_0.h5"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    trainer = _FreshTrainer(run)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    from xirang_hpc.monitor.events import EventLog
+
+    hook = CheckpointHook(cfg, topo, run, events=EventLog(run))
+    if on_no_valid == "refuse":
+        with pytest.raises(ckpt_layout.CheckpointCorruptError,
+                           match=r"no checkpoint under .*checkpoints is usable \(step 3: .*rank_0.h5: size.*"
+                                 r"checkpoint.on_no_valid=fresh"):
+            hook.on_fit_start(trainer)
+    else:
+        hook.on_fit_start(trainer)
+        assert not trainer.opt.state
+        events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+        assert any(e["kind"] == "fresh_start" and e["skipped"] == [3] for e in events)
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())

@@ -186,6 +186,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "checkpoint.compression": ("gzip", reads("xirang_hpc.checkpoint.trainer_hook"), []),
     "checkpoint.dedup": (True, reads("xirang_hpc.checkpoint.trainer_hook"), []),
     "checkpoint.verify_checksums": (False, reads("xirang_hpc.checkpoint.trainer_hook"), []),
+    "checkpoint.on_no_valid": ("fresh", reads("xirang_hpc.checkpoint.trainer_hook"), []),
     "checkpoint.auto_interval": (True, reads("xirang_hpc.checkpoint.trainer_hook"), []),
     "checkpoint.mtbf_hours": (2.0, reads("xirang_hpc.checkpoint.trainer_hook"), ["checkpoint.auto_interval=true"]),
     "checkpoint.dir_mode": (0o750, reads("xirang_hpc.launch.preflight"), []),

@@ -40,6 +40,8 @@ STATE = "state.json"
 LATEST = "latest"
 PINNED = "PINNED"
 _TMP_RE = re.compile(r"^step_\d+\.(tmp|old)-")
+# In a step directory but not in its manifest: the manifest itself and the pin marker (xirang-ckpt pin).
+_NOT_LISTED = frozenset({MANIFEST, PINNED})
 
 
 def make_dir(path: Path, mode: int) -> Path:
@@ -136,6 +138,13 @@ def verify(step_dir: Path, checksums: bool = True, _seen: set[Path] | None = Non
     """
     seen = _seen if _seen is not None else set()
     m = read_manifest(step_dir)
+    # The manifest lists every file a save writes: anything else in the directory was put there by
+    # someone else, and nothing of a checkpoint is read unless it is listed.
+    unlisted = sorted(q.name for q in step_dir.iterdir() if q.name not in m["files"] and q.name not in _NOT_LISTED)
+    if unlisted:
+        raise CheckpointCorruptError(f"{step_dir / unlisted[0]}: not listed in the manifest (not written by this "
+                                     f"checkpoint{f'; {len(unlisted) - 1} more' if len(unlisted) > 1 else ''}); "
+                                     "move it away to load this step")
     for name, e in m["files"].items():
         p = step_dir / name
         if checksums and not (skip_suffix and name.endswith(skip_suffix)):

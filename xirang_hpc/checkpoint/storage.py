@@ -23,15 +23,18 @@ module decides *how* it lands on disk:
 - with a dedup index, a chunk whose hash matches one already on disk in an earlier checkpoint
   is stored as a reference (``../step_N/rank_i.h5`` + dataset) instead of a copy.
 
-Only bytes items (non-tensor values that DCP would ``torch.save``) are not pickle-free; the
-checkpoint manager keeps those out of the DCP state dict and stores them as JSON.
+Nothing read can run code: DCP stores a non-tensor value as a "bytes" item and loads it with
+``torch.load(weights_only=False)``, an unpickling. The writer refuses such items (the checkpoint
+manager keeps non-tensor state out of the DCP state dict, as JSON), and the reader refuses a
+checkpoint whose metadata lists one, and any file that its manifest does not list, before a single
+tensor is read: every file a rank's plan needs is verified first (:meth:`HDF5StorageReader.prepare_local_plan`,
+which DCP runs on every rank before any rank reads), so a failed check leaves the model untouched.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import io
 import json
 import os
 import time
@@ -294,11 +297,9 @@ class HDF5StorageWriter(StorageWriter):
         """Write one DCP item (or record a dedup reference); its storage info for the metadata."""
         name = _dataset_name(item.index)
         if item.type == WriteItemType.BYTE_IO:
-            buf = planner.resolve_data(item)
-            raw = buf.getvalue() if isinstance(buf, io.BytesIO) else bytes(buf.read())
-            f.create_dataset(name, data=np.frombuffer(raw, dtype=np.uint8))
-            self.stats["new_bytes"] += len(raw)
-            return {"file": fname, "ds": name, "kind": "bytes", "nbytes": len(raw)}
+            # DCP would torch.save the value and load it with torch.load(weights_only=False): a pickle.
+            raise TypeError(f"checkpoint item {item.index.fqn!r} is not a tensor; only tensors go through DCP "
+                            "(non-tensor state is saved as JSON beside them), so nothing loaded is ever unpickled")
         tensor = planner.resolve_data(item)
         arr = to_numpy(tensor)
         info = {"file": fname, "ds": name, "kind": "tensor", "dtype": str(tensor.dtype), "nbytes": int(arr.nbytes)}
@@ -367,7 +368,25 @@ class HDF5StorageReader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Nothing to change."""
+        """Verify every file this rank's plan reads, before any rank reads anything.
+
+        DCP runs this on every rank while planning and gathers the failures, so a file that is
+        unlisted in the manifest or fails its checksum stops the load on all ranks with no tensor
+        copied: the model is exactly as it was (never half-loaded).
+        """
+        files: dict[str, None] = {}
+        for req in plan.items:
+            if req.type == LoadItemType.BYTE_IO:
+                raise CheckpointFormatError(f"checkpoint {self.path}: {req.storage_index.fqn!r} is a pickled bytes "
+                                            "item; a checkpoint we load holds tensors and JSON only")
+            files[self.storage_data[req.storage_index]["file"]] = None
+        if self.checksums is not None:
+            for fname in files:
+                fpath = Path(os.path.normpath(self.path / fname))
+                if fname not in self.checksums:
+                    raise CheckpointFormatError(f"checkpoint file {fpath} is named by the metadata but not listed "
+                                                "in the manifest; refusing to read it")
+                verify_file(fpath, self.checksums[fname])  # streamed: the file then sits in the page cache
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -382,10 +401,7 @@ class HDF5StorageReader(StorageReader):
             by_file.setdefault(self.storage_data[req.storage_index]["file"], []).append(req)
         for fname, reqs in by_file.items():
             fpath = Path(os.path.normpath(self.path / fname))  # dedup refs: step_N/../step_K/x -> step_K/x
-            try:
-                if self.checksums is not None and fname in self.checksums:
-                    # Streamed first (the file then sits in the page cache for the reads below).
-                    verify_file(fpath, self.checksums[fname])
+            try:  # verified in prepare_local_plan, before any rank read anything
                 f = h5py.File(fpath, "r", locking=False)
             except OSError as exc:
                 raise CheckpointFormatError(f"cannot open checkpoint file {fpath}: {exc}") from exc
@@ -394,9 +410,6 @@ class HDF5StorageReader(StorageReader):
                     info = self.storage_data[req.storage_index]
                     try:
                         ds = f[info["ds"]]
-                        if req.type == LoadItemType.BYTE_IO:
-                            planner.load_bytes(req, io.BytesIO(ds[()].tobytes()))
-                            continue
                         sel = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
                         target = planner.resolve_tensor(req).detach()
                         if tuple(target.shape) != tuple(req.lengths):
@@ -466,8 +479,9 @@ def metadata_from_json(d: dict[str, Any]) -> Metadata:
     sdm: dict[str, Any] = {}
     for fqn, e in d["tensors"].items():
         if e.get("bytes"):
-            sdm[fqn] = BytesStorageMetadata()
-            continue
+            # DCP would load it with torch.load(weights_only=False); we never write one.
+            raise ValueError(f"{fqn!r} is a pickled bytes item; a checkpoint we load holds tensors and JSON only "
+                             "(a tampered or foreign checkpoint)")
         props = TensorProperties(dtype=dtype_from_str(e["props"]["dtype"]), requires_grad=e["props"]["requires_grad"])
         chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in e["chunks"]]
         sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(e["size"]), chunks=chunks)

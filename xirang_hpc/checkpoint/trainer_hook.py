@@ -179,10 +179,33 @@ class CheckpointHook(TrainerHook):
         tensors = template()
         res = self.mgr.load(tensors)
         self._report_skipped(res.step if res is not None else None)
+        if res is None:
+            self._none_usable(trainer)
         if res is not None:
             self._event("restore", f"step {res.step} from the filesystem" + (f" ({reason})" if reason else ""),
                         source="filesystem", step=res.step, **({"memory": reason} if reason else {}))
         return res, tensors, built[0][1]
+
+    def _none_usable(self, trainer: Loop) -> None:
+        """Checkpoints exist, none verifies: refuse (``checkpoint.on_no_valid=refuse``) or start fresh on purpose.
+
+        No tensor was copied (each step is verified whole before any rank reads it), so the model is
+        its fresh init; the optimizer state the template initialised is dropped, so a fresh start is
+        the same as one with no checkpoints at all.
+        """
+        assert self.mgr is not None
+        why = "; ".join(f"step {s}: {r}" for s, r in self.mgr.last_skipped)
+        if self.cfg.checkpoint.on_no_valid != "fresh":
+            raise ckpt_layout.CheckpointCorruptError(
+                f"no checkpoint under {self.mgr.root} is usable ({why}); nothing was loaded. Repair or move them "
+                "(xirang-ckpt verify names each file), or set checkpoint.on_no_valid=fresh to start from a fresh "
+                "init on purpose")
+        if type(trainer.opt).__module__.startswith("torch.optim"):  # torch's own: a zero-gradient step made it
+            trainer.opt.state.clear()
+        self._event("fresh_start", f"no checkpoint is usable ({why}); starting from a fresh init "
+                    "(checkpoint.on_no_valid=fresh)", skipped=[s for s, _ in self.mgr.last_skipped])
+        if self.topo.rank == 0:
+            trainer.log("checkpoint: no usable checkpoint; starting from a fresh init (checkpoint.on_no_valid=fresh)")
 
     def restore(self, trainer: Loop) -> int:
         """Load the newest good checkpoint into the trainer; returns its step (0 when none)."""

@@ -24,6 +24,9 @@ class CheckpointConfig:
     compression: str = "none"  # none | lzf | gzip | zstd (hdf5plugin)
     dedup: bool = False  # store chunks identical to the previous checkpoint's as references
     verify_checksums: bool = True  # checksum (xxh3-128) of every file before loading
+    # Checkpoints exist but none is usable: refuse to start (the default, naming each and why), or
+    # "fresh": start from a fresh init on purpose (never from a mix: nothing is copied before a step verifies).
+    on_no_valid: str = "refuse"
     auto_interval: bool = False  # adapt every_steps with Daly's formula from measured costs
     mtbf_hours: float = 24.0  # MTBF for the interval tuner until the run has its own history
     dir_mode: int = 0o700
@@ -41,6 +44,13 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint")
         if self.dir_mode & ~0o777 or not self.dir_mode & 0o700 == 0o700:
             raise ConfigError("checkpoint.dir_mode", oct(self.dir_mode), "use a mode like 0o700 or 0o750 (owner rwx)")
+        if self.dir_mode & 0o022:
+            raise ConfigError("checkpoint.dir_mode", oct(self.dir_mode),
+                              "a mode that lets the group or others write would let them replace checkpoints; "
+                              "use 0o700 or 0o750")
+        if self.on_no_valid not in ("refuse", "fresh"):
+            raise ConfigError("checkpoint.on_no_valid", self.on_no_valid,
+                              "choose refuse (stop when no checkpoint is usable) or fresh (start from a fresh init)")
         if self.compression not in COMPRESSIONS:
             raise ConfigError("checkpoint.compression", self.compression, f"choose one of {', '.join(COMPRESSIONS)}")
         if self.memory_every_steps < 0:
