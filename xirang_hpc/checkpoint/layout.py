@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc import files
 from xirang_hpc.checkpoint.integrity import (
     METADATA_FILE,
     CheckpointCorruptError,
@@ -45,10 +46,8 @@ _NOT_LISTED = frozenset({MANIFEST, PINNED})
 
 
 def make_dir(path: Path, mode: int) -> Path:
-    """mkdir with exactly ``mode`` (whatever the umask); parents too."""
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, mode)
-    return path
+    """mkdir with exactly ``mode`` (whatever the umask; 0o2750 in the group when shared); parents too."""
+    return files.make_dir(path, mode)
 
 
 # xxh3-128 hashes at several GB/s (sha256 ran at 0.2-0.3 GB/s here), so verifying is cheap next to

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
-from xirang_hpc.files import write_json_atomic
+from xirang_hpc.files import make_dir, write_json_atomic
 
 FORKS = "forks.json"
 FORKED_FROM = "forked_from.json"
@@ -48,7 +48,7 @@ def fork_run(run_dir: Path, step: int, new_dir: Path | None = None, mode: int = 
     if dst_run.exists() and any(dst_run.iterdir()):
         raise FileExistsError(f"{dst_run} already exists and is not empty; choose another --to")
     dst_root = ckpt_layout.make_dir(dst_run / "checkpoints", mode)
-    os.chmod(dst_run, mode)
+    make_dir(dst_run, mode)
     todo, done = [src], set()
     while todo:
         d = todo.pop()

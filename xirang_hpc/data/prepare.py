@@ -70,6 +70,7 @@ from xirang_hpc.data.tokenizer import (
     token_dtype,
     tokenizer_info,
 )
+from xirang_hpc.files import make_dir, record_mode
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +218,8 @@ def prepare_lock(out_dir: str | Path) -> Iterator[None]:
     """
     out = Path(out_dir)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+        make_dir(out)  # private, or the share group's (its shards are the training data)
+        fd = os.open(out / LOCK_FILE, os.O_CREAT | os.O_RDWR, record_mode())
     except OSError as exc:
         raise _out_dir_error(out, exc) from None
     try:
@@ -257,7 +258,7 @@ def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, spl
     if isinstance(progress, str):  # resolved per call: pytest and the CLIs swap sys.stderr
         progress = sys.stderr
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        make_dir(out)
         (out / INDEX).unlink(missing_ok=True)
         (out / TOKENIZER_FILE).unlink(missing_ok=True)
         for old in out.glob("*.h5"):

@@ -22,6 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from xirang_hpc.files import record_mode
+
 TOKENIZER_FILE = "tokenizer.json"
 EOT = "<|endoftext|>"
 # End-of-text tokens of common tokenizer families, tried when a tokenizer does not name its own.
@@ -229,7 +231,7 @@ def copy_tokenizer_file(src: str | Path, dst_dir: str | Path) -> Path:
     dst = Path(dst_dir) / TOKENIZER_FILE
     tmp = dst.with_name(f".{TOKENIZER_FILE}.tmp-{os.getpid()}")
     shutil.copyfile(src, tmp)
-    os.chmod(tmp, 0o600)
+    os.chmod(tmp, record_mode())
     os.replace(tmp, dst)
     return dst
 

@@ -19,6 +19,7 @@ import torch
 
 from xirang_hpc.config.schema import EvalConfig
 from xirang_hpc.data.dataset import TokenWindows
+from xirang_hpc.files import record_mode
 from xirang_hpc.models.gpt import lm_loss
 from xirang_hpc.serve.engine import Engine
 from xirang_hpc.weights.load import LoadedModel, load_checkpoint
@@ -81,7 +82,7 @@ def run_eval(run_dir: str | Path, data_dir: str | Path, ecfg: EvalConfig) -> dic
     result = evaluate(loaded, data_dir, ecfg)
     path = Path(run_dir) / EVAL_FILE
     path.write_text(json.dumps(result, indent=1))
-    path.chmod(0o600)
+    path.chmod(record_mode())
     if not result["passed"]:
         raise EvalGateError(f"eval: val loss {result['val_loss']:.4f} at step {result['step']} is above "
                             f"eval.max_val_loss={ecfg.max_val_loss}; train longer or relax the gate")

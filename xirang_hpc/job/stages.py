@@ -20,13 +20,16 @@ from omegaconf import OmegaConf
 from xirang_hpc.config.schema.serve import SERVE_FILE
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.data.prepare import ensure_prepared
+from xirang_hpc.files import private_by_default
 from xirang_hpc.job.entry import training_stack
 from xirang_hpc.runs.chain import stage_record
 from xirang_hpc.runtime.startup import collector_paused
 
 
 def _cfg(cfg_dict: dict[str, Any]) -> Any:
-    return load_config(OmegaConf.create(cfg_dict))
+    cfg = load_config(OmegaConf.create(cfg_dict))
+    private_by_default(cfg.train.share_group)  # what the stage creates: private, or the group's
+    return cfg
 
 
 # ---- stage entry points (run inside the stage's job, or in-process on the local executor) ----

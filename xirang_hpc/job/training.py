@@ -22,6 +22,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.tokenizer import install_run_tokenizer
+from xirang_hpc.files import private_by_default
 from xirang_hpc.monitor.events import EventLog
 from xirang_hpc.monitor.requeues import record_unlogged_requeue
 from xirang_hpc.monitor.tracking import TrackingHook
@@ -97,6 +98,7 @@ def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[
     capture_early()  # a preemption during start-up, rendezvous or checkpoint load is acted on, not lost
     # An in-job restart on fewer nodes ($XIRANG_NODES) trains the same global batch on a shrunk layout.
     cfg = for_environment(load_config(OmegaConf.create(cfg_dict)), os.environ)
+    private_by_default(cfg.train.share_group)  # what the ranks create: private, or the group's
     check_runnable(cfg)
     # Every rank, before the rendezvous, so a mismatch fails all of them alike; the copy is atomic.
     tok = install_run_tokenizer(data_dir, run_dir)

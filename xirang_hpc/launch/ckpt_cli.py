@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
+from xirang_hpc.files import private_by_default
 
 
 class Refused(Exception):
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
     a = build_parser().parse_args(argv)
+    private_by_default()  # exports and forks are the user's own
     try:
         if a.cmd == "pin" and a.step is None:
             raise Refused("pin needs --step")

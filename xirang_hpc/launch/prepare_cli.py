@@ -17,6 +17,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.data.prepare import CorpusError, prepare_data
 from xirang_hpc.data.tokenizer import TokenizerError
+from xirang_hpc.files import private_by_default
 from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
 from xirang_hpc.launch.hydra_setup import register_configs, run_app
 from xirang_hpc.launch.preflight import check_writable
@@ -28,7 +29,9 @@ def _app(cfg: DictConfig) -> None:
     # logging) would say the same thing a second time.
     logging.getLogger("xirang_hpc.data.prepare").setLevel(logging.WARNING)
     try:
-        d = load_config(cfg).data
+        full = load_config(cfg)
+        private_by_default(full.train.share_group)  # the shards are the training data
+        d = full.data
         # Before the corpus is read: a directory that cannot be written is refused naming data.out_dir.
         check_writable(Path(d.out_dir), "data.out_dir", "data directory (to prepare the corpus into)")
         index = prepare_data(d)

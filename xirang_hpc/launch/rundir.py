@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from xirang_hpc import files
 from xirang_hpc.checkpoint.identity import experiment_key, tokenizer_identity
 from xirang_hpc.config.schema import XirangConfig
 
@@ -35,7 +35,6 @@ def run_dir_for(cfg: XirangConfig) -> Path:
 
 
 def make_private_dir(path: Path, mode: int = 0o700) -> Path:
-    """Create ``path`` (and missing parents) with ``mode``, whatever the umask; tighten if it exists."""
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, mode)
-    return path
+    """Create ``path`` (and missing parents) with ``mode`` (0o2750 in the group when shared), whatever the
+    umask; tighten if it exists (:func:`xirang_hpc.files.make_dir`)."""
+    return files.make_dir(path, mode)

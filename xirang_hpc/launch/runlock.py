@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from xirang_hpc.files import write_json_atomic
+from xirang_hpc.files import record_mode, write_json_atomic
 from xirang_hpc.runtime.process_identity import identity, is_running
 from xirang_hpc.slurm import control, states
 
@@ -87,7 +87,7 @@ def busy_message(run_dir: Path, owner: dict[str, Any]) -> str:
 @contextlib.contextmanager
 def submission_lock(run_dir: Path) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``<run>/.submit.lock`` (released when the process dies, too)."""
-    fd = os.open(run_dir / SUBMIT_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(run_dir / SUBMIT_LOCK, os.O_RDWR | os.O_CREAT, record_mode())
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.files import private_by_default
 from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs, run_app
 
@@ -93,6 +94,7 @@ def _app(dcfg: DictConfig) -> None:
 
     try:
         cfg = load_config(dcfg)
+        private_by_default(cfg.train.share_group)  # before anything is created
         check_runnable(cfg)
         preflight(cfg)
         run_dir = open_run_dir(cfg)

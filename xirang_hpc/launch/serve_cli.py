@@ -15,6 +15,7 @@ from pathlib import Path
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ServeConfig
 from xirang_hpc.config.schema.serve import SERVE_FILE
+from xirang_hpc.files import private_by_default
 from xirang_hpc.runtime.startup import collector_paused
 
 
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     args = _parser().parse_args(argv)
+    private_by_default()  # the server's records are the user's own
     logging.basicConfig(level=logging.WARNING)
     # The serving stack (torch, the model, the weights readers) only now: --help and a usage error answer without it.
     # Imported with the garbage collector paused and then frozen (runtime/startup.py), as a rank's: the server's

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc.files import private_by_default
 from xirang_hpc.runs.render import render_array, render_run
 from xirang_hpc.runs.status import find_runs, is_run_dir, run_status, task_key
 from xirang_hpc.slurm import states
@@ -108,6 +109,7 @@ def _finished(snap: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit code (2: nothing found)."""
+    private_by_default()  # plots and exports it writes are the user's own
     from xirang_hpc.launch.cli_help import argparse_texts
 
     ap = argparse.ArgumentParser(prog="xirang-status", **argparse_texts("xirang-status"))  # type: ignore[arg-type]

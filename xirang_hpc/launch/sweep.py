@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
+from xirang_hpc.files import private_by_default
 from xirang_hpc.monitor.events import append_event
 
 
@@ -213,6 +214,7 @@ class XirangLauncher(Launcher):
         loaded = [self.hydra_context.config_loader.load_sweep_config(self.config, list(o)) for o in job_overrides]
         try:
             cfgs = [load_config(c) for c in loaded]
+            private_by_default(cfgs[0].train.share_group if cfgs else "")  # before anything is created
             for c in cfgs:
                 check_runnable(c)
         except ConfigError as exc:

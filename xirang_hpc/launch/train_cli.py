@@ -24,6 +24,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.prepare import CorpusError, ensure_prepared
+from xirang_hpc.files import private_by_default
 from xirang_hpc.job.entry import train_job
 from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
 from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
@@ -244,6 +245,7 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
 def _app(dcfg: DictConfig) -> None:
     try:
         cfg = load_config(dcfg)
+        private_by_default(cfg.train.share_group)  # before anything is created
         # Identity, completion and paths, before anything (plan.json included) is written.
         status = preflight(cfg)
         if status.complete:

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc.files import record_mode
+
 EVENTS_FILE = "events.jsonl"
 # Kinds whose ``node`` should be excluded when the job is requeued.
 FAULT_KINDS = ("dead", "hang")
@@ -27,7 +29,7 @@ def append_event(run_dir: Path | str, kind: str, reason: str, **fields: Any) -> 
     """Append one event; a single ``write`` on an ``O_APPEND`` descriptor, so writers do not interleave."""
     row: dict[str, Any] = {"time": time.time(), "kind": kind, "reason": reason, **fields}
     line = (json.dumps(row, sort_keys=False, default=str) + "\n").encode()
-    fd = os.open(Path(run_dir) / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = os.open(Path(run_dir) / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, record_mode())
     try:
         os.write(fd, line)
     finally:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xirang_hpc.files import write_json_atomic
+from xirang_hpc.files import make_dir, write_json_atomic
 
 HEARTBEAT_DIR = "heartbeats"
 ABORT_FILE = "ABORT.json"
@@ -41,10 +41,9 @@ def stack_file(stacks_dir: Path, rank: int) -> Path:
 
 
 def heartbeat_dir(run_dir: Path | str) -> Path:
-    """``run_dir/heartbeats``, created private (0700)."""
+    """``run_dir/heartbeats``, created private (0700; the share group's when shared)."""
     d = Path(run_dir) / HEARTBEAT_DIR
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return d
+    return d if d.is_dir() else make_dir(d)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from xirang_hpc.config.schema import MonitorConfig, XirangConfig
-from xirang_hpc.files import write_json_atomic
+from xirang_hpc.files import make_dir, write_json_atomic
 from xirang_hpc.monitor.flops import flops_per_token_for
 from xirang_hpc.monitor.heartbeat import (
     SESSION_FILE,
@@ -64,7 +64,7 @@ class MonitorHook(TrainerHook):
 
     def _register_stacks(self, session: str) -> None:
         d = self.run_dir / STACKS_DIR
-        d.mkdir(mode=0o700, exist_ok=True)
+        make_dir(d)
         f = stack_file(d, self.topo.rank).open("a")
         f.write(f"=== rank {self.topo.rank} on {self.topo.node_name} pid {os.getpid()} session {session} "
                 f"registered {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")

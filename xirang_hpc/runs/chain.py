@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from xirang_hpc.config.schema.serve import SERVE_FILE
-from xirang_hpc.files import write_json_atomic
+from xirang_hpc.files import make_dir, write_json_atomic
 from xirang_hpc.slurm import control
 
 STAGES = ("prepare", "train", "eval", "serve")
@@ -43,7 +43,8 @@ def read_json(path: Path) -> dict[str, Any] | None:
 def write_stage(run_dir: Path, stage: str, status: str, **extra: Any) -> None:
     """Record ``status`` (running | completed | failed) of ``stage`` under ``<run>/pipeline/``."""
     d = Path(run_dir) / STAGE_DIR
-    d.mkdir(mode=0o700, exist_ok=True)
+    if not d.is_dir():
+        make_dir(d)
     prev = read_json(d / f"{stage}.json") or {}
     row = {**prev, "stage": stage, "status": status, "time": time.time(), **extra}
     if status == "running":

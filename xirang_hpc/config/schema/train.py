@@ -12,6 +12,20 @@ from xirang_hpc.config.schema.cluster import PRIORITIES
 LOGGERS = ("jsonl", "tensorboard", "mlflow")
 
 
+def check_share_group(group: str) -> None:
+    """``train.share_group`` names a group that exists and that this user is in (else a ConfigError)."""
+    import grp
+    import os
+
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError("train.share_group", group, "no such Unix group on this machine (see getent group)") from None
+    if gid != os.getgid() and gid not in os.getgroups():
+        raise ConfigError("train.share_group", group, "you are not a member of that group (see id -Gn); "
+                          "share with one of your groups, or leave it empty for a private run")
+
+
 @dataclass
 class TrainConfig:
     """Optimisation and loop settings. ``global_batch`` counts sequences per optimizer step."""
@@ -55,6 +69,9 @@ class TrainConfig:
     # same command plus train.extend_to=N finds the run and resumes from its last checkpoint; the LR
     # schedule is still defined by max_steps, so the extra steps run at the final (minimum) LR.
     extend_to: int = 0
+    # A Unix group to share the run with: directories 0o2750 in that group, files 0640 (it reads, runs
+    # xirang-status, exports, serves; never writes). Empty: everything private to the user (0700/0600).
+    share_group: str = ""
 
     def __post_init__(self) -> None:
         check_finite("train", self)
@@ -75,6 +92,8 @@ class TrainConfig:
             raise ConfigError("train.priority", self.priority, f"choose one of {', '.join(PRIORITIES)}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError("train.precision", self.precision, "choose auto, fp32 or bf16")
+        if self.share_group:
+            check_share_group(self.share_group)
         if self.extend_to and self.extend_to <= self.max_steps:
             raise ConfigError("train.extend_to", self.extend_to,
                               f"must exceed train.max_steps={self.max_steps} (or be 0: no extension)")
