@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("runuser") is None,
-                                 reason="creates Unix users: needs root, useradd and runuser")]
+_NO_USERS = os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("runuser") is None
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_NO_USERS, reason="creates Unix users: needs root, useradd, runuser")]
 
 BIN = Path(sys.executable).parent
 CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "email"
