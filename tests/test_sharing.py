@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 _NO_USERS = os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("runuser") is None
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_NO_USERS, reason="creates Unix users: needs root, useradd, runuser")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_NO_USERS, reason="creates Unix users (root, useradd, runuser)")]
 
 BIN = Path(sys.executable).parent
 CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "email"
