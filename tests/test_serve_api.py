@@ -252,3 +252,23 @@ def test_the_info_file_is_never_seen_torn(tmp_path) -> None:
     assert reads[0] > 0 and not torn, f"{len(torn)} of {reads[0]} reads saw a torn file"
     assert json.loads(info.read_text())["i"] == 299
     assert stat.S_IMODE(os.stat(info).st_mode) == 0o600  # it may name the endpoint: the owner's only
+
+
+def test_a_server_reachable_from_other_machines_needs_a_token():
+    from xirang_hpc.config.errors import ConfigError
+    from xirang_hpc.config.schema import ServeConfig
+    from xirang_hpc.serve.run import check_exposure
+
+    for host in ("0.0.0.0", "10.1.2.3", "::", "node7"):
+        with pytest.raises(ConfigError, match=r"serve.host.*needs a bearer token: set \$XIRANG_SERVE_TOKEN"):
+            check_exposure(ServeConfig(host=host), None)
+        check_exposure(ServeConfig(host=host), "secret")
+    for host in ("127.0.0.1", "::1", "[::1]", "localhost"):
+        check_exposure(ServeConfig(host=host), None)
+
+
+def test_responses_name_no_absolute_path():
+    from xirang_hpc.serve.server import public_source
+
+    assert public_source("/home/alice/runs/default-tiny-abc/checkpoints/step_40") == "checkpoints/step_40"
+    assert public_source("random-init") == "random-init"

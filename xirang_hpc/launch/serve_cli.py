@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     with collector_paused():
         import torch
 
-        from xirang_hpc.serve.run import serve
+        from xirang_hpc.serve.run import check_exposure, serve
         from xirang_hpc.weights.load import WeightsError, load_any
 
     try:
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
                            max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                            token_env=args.token_env, duration_s=args.duration_s,
                            read_timeout_s=args.read_timeout_s, model_name=args.model_name)
+        check_exposure(scfg, os.environ.get(scfg.token_env) or None if scfg.token_env else None)
         loaded = load_any(args.path, args.step)
     except (ConfigError, WeightsError, FileNotFoundError) as exc:
         print(f"xirang-serve: error: {exc}", file=sys.stderr)
@@ -71,7 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     info = Path(args.info_file) if args.info_file else None
     run_dir = Path(args.path)
     if info is None and (run_dir / "checkpoints").is_dir():
-        info = run_dir / SERVE_FILE
+        if os.access(run_dir, os.W_OK):
+            info = run_dir / SERVE_FILE
+        else:  # a run shared with us (train.share_group): read, never written
+            print(f"xirang-serve: {run_dir} is not writable by you; no {SERVE_FILE} there (use --info-file)",
+                  file=sys.stderr)
     serve(loaded, scfg, info, log=lambda m: print(m, flush=True))
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ServeConfig
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.serve.engine import Engine
@@ -65,9 +66,25 @@ class Running:
         self.engine.stop()
 
 
+def check_exposure(scfg: ServeConfig, token: str | None) -> None:
+    """A server reachable beyond this machine needs a bearer token: refuse ``serve.host`` off loopback without one."""
+    import ipaddress
+
+    host = scfg.host.strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        loopback = False
+    if not loopback and not token:
+        raise ConfigError("serve.host", scfg.host,
+                          f"a server reachable from other machines needs a bearer token: set ${scfg.token_env} "
+                          "(serve.token_env), or serve on 127.0.0.1 and reach it through an SSH tunnel")
+
+
 async def start_server(loaded: LoadedModel, scfg: ServeConfig, token: str | None = None,
                        tokenizer: Any = None) -> Running:
     """Start the engine and the HTTP server (in the running event loop) on ``scfg.host:scfg.port``."""
+    check_exposure(scfg, token)
     engine = Engine(loaded.model, loaded.cfg.seq_len, scfg.max_batch).start()
     server = Server(loaded, engine, limits_for(scfg, loaded.cfg.seq_len), token, tokenizer=tokenizer,
                     model_id=model_id_for(loaded, scfg), read_timeout_s=scfg.read_timeout_s)

@@ -34,6 +34,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -127,6 +128,13 @@ def _error(path: str, status: int, msg: str, code: str | None = None) -> web.Res
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def public_source(source: str) -> str:
+    """Where the weights came from, without this machine's directory layout: the last two parts of a path
+    (``<run>/step_N`` reads ``checkpoints/step_N``; a Hugging Face dir its parent and name)."""
+    p = Path(source)
+    return "/".join(p.parts[-2:]) if p.is_absolute() else source
 
 
 class Server:
@@ -223,7 +231,8 @@ class Server:
         from xirang_hpc.models.gpt import num_params
 
         return web.json_response({
-            "model": dataclasses.asdict(self.loaded.cfg), "source": self.loaded.source, "step": self.loaded.step,
+            "model": dataclasses.asdict(self.loaded.cfg), "source": public_source(self.loaded.source),
+            "step": self.loaded.step,
             "params": num_params(self.loaded.model), "tokenizer": self.tok.name,
             "tokenizer_info": tokenizer_info(self.tok),
             "limits": dataclasses.asdict(self.limits), "max_batch": self.engine.max_batch, "stats": self.engine.stats,
