@@ -23,6 +23,7 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.tokenizer import install_run_tokenizer
 from xirang_hpc.files import private_by_default
+from xirang_hpc.monitor import environment
 from xirang_hpc.monitor.events import EventLog
 from xirang_hpc.monitor.requeues import record_unlogged_requeue
 from xirang_hpc.monitor.tracking import TrackingHook
@@ -116,6 +117,8 @@ def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[
     topo = xdist.start_job(cfg.cluster, rendezvous_dir=Path(run_dir), before_join=_logging)
     if topo.rank == 0 and topo.source == "slurm":
         log_unlogged_requeue(Path(run_dir))
+    if topo.rank == 0:  # what exactly trains this run: versions, code revision, hosts, container
+        environment.record(Path(run_dir), EventLog(run_dir))
     hooks: list[TrainerHook] = []
     try:
         hooks = build_hooks(cfg, topo, Path(run_dir))

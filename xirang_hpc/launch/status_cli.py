@@ -127,7 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sites", default=None, metavar="A,B|all",
                     help="with --queue: these Slurm clusters (sites) side by side; 'all': every cluster slurmdbd "
                          "knows (sacctmgr show cluster)")
+    ap.add_argument("--env", action="store_true",
+                    help="the environment the run last started in: versions, code revision, hosts, container")
+    ap.add_argument("--env-diff", action="store_true",
+                    help="with two run directories: what differs between their environments")
     a = ap.parse_args(argv)
+    if a.env or a.env_diff:
+        return _environment(a)
     if a.sites is not None and not a.queue:
         print("xirang-status: error: --sites goes with --queue (xirang-status --queue --sites all)", file=sys.stderr)
         return 2
@@ -173,6 +179,35 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(a.interval)
         except KeyboardInterrupt:
             return 0
+
+
+def _environment(a: argparse.Namespace) -> int:
+    """``--env RUN`` (the record) and ``--env-diff RUN_A RUN_B`` (what differs)."""
+    from xirang_hpc.monitor import environment
+
+    want = 2 if a.env_diff else 1
+    if len(a.target) != want:
+        what = "--env-diff takes two run directories" if a.env_diff else "--env takes one run directory"
+        print(f"xirang-status: error: {what}", file=sys.stderr)
+        return 2
+    records = []
+    for t in a.target:
+        rec = environment.read(Path(t))
+        if rec is None:
+            print(f"xirang-status: error: {t}: no {environment.ENV_FILE} (a run records it when it starts)",
+                  file=sys.stderr)
+            return 2
+        records.append(rec)
+    if a.env:
+        print(json.dumps(records[0], indent=1) if a.json else "\n".join(
+            f"{k}: {v}" for k, v in environment.flat(records[0]).items()))
+        return 0
+    changed = environment.diff(records[0], records[1])
+    if a.json:
+        print(json.dumps({k: list(v) for k, v in changed.items()}))
+    else:
+        print(environment.render_diff(a.target[0], a.target[1], changed))
+    return 0
 
 
 def _show_and_wait(a: argparse.Namespace, tty: bool, view: dict, render: Callable[[dict], str]) -> bool:
