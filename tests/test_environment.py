@@ -76,3 +76,40 @@ def test_status_prints_the_record_and_the_difference_of_two_runs(tmp_path, capsy
     assert status_main([str(tmp_path), "--env"]) == 2
     assert "no environment.json" in capsys.readouterr().err
     assert status_main([str(a), "--env-diff"]) == 2
+
+
+def test_the_audit_trail_names_who_did_what_in_the_run_the_users_trail_and_syslog(tmp_path, capsys) -> None:
+    import os
+
+    from xirang_hpc.monitor import audit
+
+    run = tmp_path / "runs" / "exp"
+    run.mkdir(parents=True)
+    sent: list[str] = []
+    audit.record(run, "launch", "123", to_syslog=sent.append, argv=["model=tiny"])
+    audit.record(run, "export", to_syslog=sent.append, step=4, format="hf")
+    rows = audit.read(run)
+    assert [r["action"] for r in rows] == ["launch", "export"]
+    assert rows[0]["job"] == "123" and rows[0]["uid"] == os.getuid() and rows[0]["argv"] == ["model=tiny"]
+    assert rows[0]["run"] == str(run) and rows[1]["step"] == 4
+    assert [json.loads(x)["action"] for x in audit.user_file(tmp_path / "runs").read_text().splitlines()] == \
+        ["launch", "export"]
+    assert len(sent) == 2 and "action=launch" in sent[0] and f"run={run}" in sent[0] and "job=123" in sent[0]
+    assert (run / audit.AUDIT_FILE).stat().st_mode & 0o777 == 0o600
+    assert status_main([str(run), "--audit"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "launch" in out[0] and "job=123" in out[0] and "format=hf" in out[1]
+
+
+def test_an_export_and_a_fork_are_audited(tmp_path) -> None:
+    from xirang_hpc.checkpoint.manager import CheckpointManager
+    from xirang_hpc.launch.ckpt_cli import main as ckpt_main
+    from xirang_hpc.monitor import audit
+
+    run = tmp_path / "exp"
+    CheckpointManager(run / "checkpoints", async_save=False).save(2, {"model": {"w": torch.ones(2)}},
+                                                                  state={"step": 2})
+    assert ckpt_main(["rollback", str(run), "--step", "2", "--to", str(tmp_path / "fork")]) == 0
+    assert ckpt_main(["prune", str(run), "--dry-run"]) == 0
+    rows = audit.read(run)
+    assert [(r["action"], r["step"], r["to"]) for r in rows] == [("fork", 2, str(tmp_path / "fork"))]

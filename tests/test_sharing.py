@@ -107,6 +107,10 @@ def test_a_run_and_its_data_are_the_owners_only(users, home):
     run = _train(users, home, "private")
     data = home / "a" / "private" / "data"
     assert (run / "environment.json").stat().st_mode & 0o777 == 0o600  # the start recorded its environment
+    import json
+
+    (launch,) = [json.loads(x) for x in (run / "audit.jsonl").read_text().splitlines()]
+    assert launch["action"] == "launch" and launch["user"] == users["a"] and launch["job"], launch
     shared = [f"{p}: {stat.filemode(p.stat().st_mode)}" for p in _entries(run, data, run.parent)
               if p.stat().st_mode & 0o077]
     assert not shared, f"readable by group or others: {shared[:10]}"

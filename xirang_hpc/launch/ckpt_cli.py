@@ -234,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Subcommands that change a run or hand its weights out: recorded in its audit trail.
+_AUDITED = {"export": "export", "rollback": "fork", "prune": "prune", "pin": "pin"}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
     a = build_parser().parse_args(argv)
@@ -241,7 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "pin" and a.step is None:
             raise Refused("pin needs --step")
-        return a.fn(a)
+        rc = a.fn(a)
+        if rc == 0 and a.cmd in _AUDITED and not getattr(a, "dry_run", False):
+            from xirang_hpc.monitor import audit
+
+            run = Path(a.run)
+            audit.record(run.parent if run.name == "checkpoints" else run, _AUDITED[a.cmd], step=a.step if
+                         hasattr(a, "step") else None, **({"out": a.out} if getattr(a, "out", None) else {}),
+                         **({"to": a.to} if getattr(a, "to", None) else {}),
+                         **({"format": a.format} if a.cmd == "export" else {}))
+        return rc
     except (Refused, FileNotFoundError, FileExistsError, ckpt_layout.CheckpointCorruptError, ValueError) as exc:
         print(f"xirang-ckpt: error: {exc}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from xirang_hpc.job.stages import STAGE_FNS, serve_stage, train_stage
 from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs, run_app
 from xirang_hpc.launch.preflight import corrupt_message, open_run_dir, preflight
+from xirang_hpc.monitor import audit
 from xirang_hpc.runs.chain import (
     STAGE_DIR,
     STAGES,
@@ -79,6 +80,7 @@ def _submit_train(cfg: XirangConfig, run_dir: Path, data_dir: Path, dep: str) ->
     job = ex.submit(train_stage, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
     append_event(run_dir, "submit", "submitted", job=str(job.job_id), cluster=cfg.cluster.name,
                  nodes=cfg.cluster.nodes, tasks_per_node=cfg.cluster.tasks_per_node, stage="train")
+    audit.record(run_dir, "launch", str(job.job_id), stage="train", argv=sys.argv[1:])
     return job
 
 

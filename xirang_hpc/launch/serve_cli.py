@@ -78,7 +78,16 @@ def main(argv: list[str] | None = None) -> None:
         else:  # a run shared with us (train.share_group): read, never written
             print(f"xirang-serve: {run_dir} is not writable by you; no {SERVE_FILE} there (use --info-file)",
                   file=sys.stderr)
-    serve(loaded, scfg, info, log=lambda m: print(m, flush=True))
+    from xirang_hpc.monitor import audit
+
+    audited = run_dir if (run_dir / "checkpoints").is_dir() else None
+    if audited is not None:
+        audit.record(audited, "serve", host=scfg.host, port=scfg.port, auth=bool(os.environ.get(scfg.token_env)))
+    try:
+        serve(loaded, scfg, info, log=lambda m: print(m, flush=True))
+    finally:
+        if audited is not None:
+            audit.record(audited, "serve_stop")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import submitit
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, RequeueConfig, XirangConfig
 from xirang_hpc.config.validate import scheduling_class
+from xirang_hpc.monitor import audit
 from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.slurm import accounting, control, states
 from xirang_hpc.slurm.control import job_state  # noqa: F401 - the launcher's name for it
@@ -225,6 +226,8 @@ def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any
     append_event(run_dir, "submit", "submitted", job=str(job.job_id), cluster=cfg.cluster.name,
                  nodes=cfg.cluster.nodes, tasks_per_node=cfg.cluster.tasks_per_node,
                  **({"after": after} if after else {}), **({"site": site} if site else {}))
+    audit.record(run_dir, "launch", str(job.job_id), cluster=cfg.cluster.name, argv=sys.argv[1:],
+                 **({"site": site} if site else {}))
     return job
 
 

@@ -131,9 +131,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the environment the run last started in: versions, code revision, hosts, container")
     ap.add_argument("--env-diff", action="store_true",
                     help="with two run directories: what differs between their environments")
+    ap.add_argument("--audit", action="store_true",
+                    help="who did what to the run: launches, cancels, requeues, forks, exports, servers")
     a = ap.parse_args(argv)
     if a.env or a.env_diff:
         return _environment(a)
+    if a.audit:
+        return _audit(a)
     if a.sites is not None and not a.queue:
         print("xirang-status: error: --sites goes with --queue (xirang-status --queue --sites all)", file=sys.stderr)
         return 2
@@ -179,6 +183,18 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(a.interval)
         except KeyboardInterrupt:
             return 0
+
+
+def _audit(a: argparse.Namespace) -> int:
+    """``--audit RUN``: the run's audit trail, oldest first."""
+    from xirang_hpc.monitor import audit
+
+    if len(a.target) != 1 or not Path(a.target[0]).is_dir():
+        print("xirang-status: error: --audit takes one run directory", file=sys.stderr)
+        return 2
+    rows = audit.read(Path(a.target[0]))
+    print("\n".join(json.dumps(r) for r in rows) if a.json else audit.render(rows))
+    return 0
 
 
 def _environment(a: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from xirang_hpc.config.schema import RequeueConfig
+from xirang_hpc.monitor import audit
 from xirang_hpc.monitor.events import append_event, failed_nodes, read_events, storage_failure
 from xirang_hpc.runtime.markers import missing_ranks
 from xirang_hpc.runtime.policy import decide
@@ -280,6 +281,7 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = N
     append_event(run_dir, "requeue", reason, why=verdict.why, job=job_id, target=job_id, restart=restart,
                  excluded=excluded, nodes=nodes, num_tasks=tasks, **at)
     append_event(run_dir, "exit", "requeued", final=False, status="requeued", job=job_id, restart=restart)
+    audit.record(run_dir, "requeue", job_id, why=verdict.why, restart=restart)
     # `scontrol requeue` sends SIGTERM to every process of the job; this one must live on for the
     # updates below (the batch script ignores SIGTERM around it for the same reason).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.files import private_by_default
+from xirang_hpc.monitor import audit
 from xirang_hpc.monitor.events import append_event
 
 
@@ -185,6 +186,7 @@ def _submit_group(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]], 
                         [str(d) for d in data_dirs])
     array_id = str(jobs[0].job_id).split("_")[0]
     for i, (j, d, dd) in enumerate(zip(jobs, run_dirs, data_dirs)):
+        audit.record(d, "launch", str(j.job_id), array=array_id, task=i, cluster=c0.cluster.name)
         append_event(d, "submit", "submitted", job=str(j.job_id), array=array_id, task=i, cluster=c0.cluster.name,
                      **({"site": site} if site else {}))
         if site is not None and plan is not None:  # the task's site and its evidence, as for a single run

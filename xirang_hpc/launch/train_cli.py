@@ -33,6 +33,7 @@ from xirang_hpc.launch.hydra_setup import register_configs, run_app
 from xirang_hpc.launch.preflight import complete_message, corrupt_message, open_run_dir, preflight
 from xirang_hpc.launch.runlock import RunBusyError, claim, record_owner, submission_lock
 from xirang_hpc.launch.slurm import SubmissionError
+from xirang_hpc.monitor import audit
 
 log = logging.getLogger("xirang.train")
 
@@ -120,6 +121,7 @@ def _stop_local(job: submitit.Job, run_dir: Path, signum: int, grace_s: float) -
               f"(again to stop at once) ...", file=sys.stderr, flush=True)
     append_event(run_dir, "launcher_stop", f"xirang-train got {name}: stopping the job after a final checkpoint",
                  signal=name, job=str(job.job_id), pid=os.getpid())
+    audit.record(run_dir, "cancel", str(job.job_id), by=f"xirang-train got {name}")
     stop_gracefully(job)
     forced = False
     try:
@@ -223,6 +225,7 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
         claim(run_dir, "local", cfg.train.after_active)
         job = executor.submit(train_job, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
         record_owner(run_dir, "local", str(job.job_id), pid=int(job.job_id))
+    audit.record(run_dir, "launch", str(job.job_id), cluster=cfg.cluster.name, argv=sys.argv[1:])
     print(f"submitted job {job.job_id} ({cfg.cluster.name}: {cfg.cluster.nodes} node(s) x "
           f"{cfg.cluster.tasks_per_node} ranks) | run dir {run_dir}", flush=True)
     if cfg.train.wait is False:
