@@ -113,3 +113,36 @@ def test_an_export_and_a_fork_are_audited(tmp_path) -> None:
     assert ckpt_main(["prune", str(run), "--dry-run"]) == 0
     rows = audit.read(run)
     assert [(r["action"], r["step"], r["to"]) for r in rows] == [("fork", 2, str(tmp_path / "fork"))]
+
+
+def test_a_tracking_server_that_does_not_answer_is_refused_at_launch() -> None:
+    import socket
+
+    import pytest
+
+    from xirang_hpc.config.errors import ConfigError
+    from xirang_hpc.config.schema import XirangConfig
+    from xirang_hpc.launch.preflight import check_tracking
+
+    cfg = XirangConfig()
+    cfg.train.loggers = ["jsonl", "mlflow"]
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg.train.mlflow_uri = f"http://127.0.0.1:{port}"
+    with pytest.raises(ConfigError, match=r"train.mlflow_uri.*does not answer from this node .*refused"):
+        check_tracking(cfg, timeout_s=2.0)
+    check_tracking(cfg, probe=lambda uri, t: None)  # answered
+    cfg.train.loggers = ["jsonl"]
+    check_tracking(cfg)  # not logged to: not probed
+
+
+def test_a_hang_bound_that_would_abort_healthy_starts_is_refused() -> None:
+    import pytest
+
+    from xirang_hpc.config.errors import ConfigError
+    from xirang_hpc.config.schema.monitor import MonitorConfig
+
+    with pytest.raises(ConfigError, match=r"monitor.hang_s.*under 5 s aborts healthy jobs"):
+        MonitorConfig(hang_s=1)
+    MonitorConfig(hang_s=8)

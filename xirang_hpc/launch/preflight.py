@@ -248,7 +248,35 @@ def preflight(cfg: XirangConfig) -> RunStatus:
     status = check_identity(cfg, run_dir)
     if not status.complete:
         check_paths(cfg, run_dir)
+        check_tracking(cfg)
     return status
+
+
+def _reachable(uri: str, timeout_s: float) -> str | None:
+    """None when an HTTP server answers at ``uri`` (any status), else why not."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(uri, timeout=timeout_s):  # noqa: S310 - the user's own tracking URI
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return str(getattr(exc, "reason", exc))
+
+
+def check_tracking(cfg: XirangConfig, probe: Any = _reachable, timeout_s: float = 5.0) -> None:
+    """An MLflow server the run will log to answers now, not only after the queue wait (http/https URIs)."""
+    uri = cfg.train.mlflow_uri
+    if "mlflow" not in cfg.train.loggers or not uri.startswith(("http://", "https://")):
+        return
+    why = probe(uri, timeout_s)
+    if why is not None:
+        raise PreflightError("train.mlflow_uri", uri,
+                             f"train.mlflow_uri={uri}: the MLflow server does not answer from this node ({why}, "
+                             f"{timeout_s:.0f} s): start "
+                             "it, fix the URI, or leave train.mlflow_uri empty for the run's own store <run>/mlruns")
 
 
 def open_run_dir(cfg: XirangConfig) -> Path:

@@ -55,6 +55,10 @@ class MonitorConfig:
             check_positive("monitor", name, getattr(self, name))
         if self.hang_k < 0:
             raise ConfigError("monitor.hang_k", self.hang_k, "must be >= 0 (0 = use monitor.hang_s in every phase)")
+        if self.hang_s < 5:
+            raise ConfigError("monitor.hang_s", self.hang_s,
+                              "a bound under 5 s aborts healthy jobs in their start-up (imports, rendezvous, the "
+                              "first step); keep the default 300 or at least a few minutes on a cluster")
         if self.stale_s < 2 * self.heartbeat_s:
             raise ConfigError("monitor.stale_s", self.stale_s,
                               f"must be at least 2 x monitor.heartbeat_s={self.heartbeat_s}")
