@@ -210,3 +210,54 @@ def test_the_default_preset_exports_as_an_untied_gpt2_that_transformers_loads(tm
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (theirs(x).logits - ours(x)).abs().max().item() <= TOL
+
+
+#: Our model fields for each Llama-like family export (small, GQA, perturbed norms and biases below).
+FAMILY_FIELDS = {
+    "LlamaForCausalLM": {},
+    "llama31": {"rope_theta": 500000.0, "rope_scaling": "llama3", "rope_factor": 8.0, "rope_low_freq_factor": 1.0,
+                "rope_high_freq_factor": 4.0, "rope_original_max_pos": 16},
+    "llama-linear": {"rope_scaling": "linear", "rope_factor": 4.0},
+    "Qwen2ForCausalLM": {"attn_qkv_bias": True, "rope_theta": 1e6},
+    "qwen2-tied": {"attn_qkv_bias": True, "tie_embeddings": True},
+    "Qwen3ForCausalLM": {"qk_norm": True, "d_head": 32, "rope_theta": 1e6},
+    "qwen3-tied": {"qk_norm": True, "d_head": 32, "tie_embeddings": True},
+}
+EXPECTED_CLASS = {"llama31": "LlamaForCausalLM", "llama-linear": "LlamaForCausalLM", "qwen2-tied": "Qwen2ForCausalLM",
+                  "qwen3-tied": "Qwen3ForCausalLM"}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_FIELDS))
+def test_llama_like_models_export_as_their_family_with_equal_logits_and_greedy_text(tmp_path: Path,
+                                                                                   family: str) -> None:
+    """Our model -> config.json + safetensors -> transformers loads the right class; logits and greedy equal."""
+    from xirang_hpc.config.schema import ModelConfig
+    from xirang_hpc.models.gpt import GPT
+    from xirang_hpc.weights.hf import hf_config_for, to_hf_state, write_hf_weights
+    from xirang_hpc.weights.load import load_hf
+
+    cfg = ModelConfig(name="m", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, vocab_size=256, seq_len=64,
+                      norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, **FAMILY_FIELDS[family])
+    torch.manual_seed(0)
+    ours = GPT(cfg).eval()
+    with torch.no_grad():  # norms start at one and biases at zero: perturb them so their layout is tested
+        for p in ours.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    write_hf_weights(to_hf_state(ours.state_dict(), cfg), tmp_path, 1 << 30)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_for(cfg, torch.float32)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == EXPECTED_CLASS.get(family, family)
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)).abs().max().item() <= TOL
+    prompt = [int(t) for t in x[0, :6]]
+    theirs.generation_config.eos_token_id = None
+    gen = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert our_greedy(ours, cfg.seq_len, prompt, 16) == gen[0, len(prompt):].tolist()
+    # And back in: the exported directory imports as the same model.
+    back = load_hf(tmp_path)
+    for k in FAMILY_FIELDS[family]:
+        assert getattr(back.cfg, k) == getattr(cfg, k), k
+    with torch.no_grad():
+        assert (back.model(x) - ours(x)).abs().max().item() <= TOL
