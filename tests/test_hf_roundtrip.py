@@ -261,3 +261,46 @@ def test_llama_like_models_export_as_their_family_with_equal_logits_and_greedy_t
         assert getattr(back.cfg, k) == getattr(cfg, k), k
     with torch.no_grad():
         assert (back.model(x) - ours(x)).abs().max().item() <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_tensor_parallel_run_exports_with_the_cli_as_its_class(tmp_path: Path, family: str) -> None:
+    """A Qwen directory fine-tuned on 2 ranks (tp2) -> ``xirang-ckpt export --format hf`` -> a fresh transformers
+    process loads the right class: equal logits and greedy tokens equal to our serving engine's."""
+    torch.manual_seed(6)
+    hf_dir = tmp_path / family
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-5,
+                  bos_token_id=None, eos_token_id=None)
+    if family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **common))
+    model.save_pretrained(hf_dir)
+    r = subprocess.run([str(BIN / "xirang-train"), f"model.init_from={hf_dir}", "model.seq_len=32",
+                        "cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.pp=1", "parallel.tp=2",
+                        "train.max_steps=3", "train.warmup_steps=1", "train.global_batch=8", "train.eval_batches=1",
+                        f"data.corpus={ROOT / 'xirang_hpc'}", "data.val_fraction=0.05", f"data.out_dir={tmp_path}/data",
+                        f"train.run_dir={tmp_path}/run"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "exp"
+    e = subprocess.run([str(BIN / "xirang-ckpt"), "export", str(tmp_path / "run"), "--format", "hf", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert e.returncode == 0, e.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    want = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    assert cfg["architectures"] == [want]
+
+    from xirang_hpc.weights.load import load_checkpoint
+
+    ours = load_checkpoint(tmp_path / "run")
+    assert ours.cfg.attn_qkv_bias == (family == "qwen2") and ours.cfg.qk_norm == (family == "qwen3")
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(8))
+    prompt = [int(t) for t in x[0, :5]]
+    theirs = hf_side(out, x, prompt, 12)
+    assert theirs["class"] == want
+    with torch.no_grad():
+        assert (ours.model(x) - torch.tensor(theirs["logits"])).abs().max().item() <= TOL
+    assert our_greedy(ours.model, ours.cfg.seq_len, prompt, 12) == theirs["generated"]
