@@ -55,6 +55,39 @@ def make_gpt2(path: Path, shard: str | None = None) -> Any:
     return model
 
 
+def make_llama_like(path: Path, family: str, layers: int = 4, tie: bool = False, **extra: Any) -> Any:
+    """A random model of a Llama-like family (hidden 64, 4 heads, 2 kv heads, vocab 256) saved to ``path``.
+
+    ``qwen2`` has q/k/v biases, ``qwen3`` q/k norms and head_dim 32 (not hidden/heads = 16), ``mistral`` no
+    sliding window, ``llama31`` Llama 3.1's rope scaling (original context 16, so the 48-token inputs reach
+    the rescaled frequencies). Every 1-D parameter (norm weights, biases) is perturbed: transformers
+    initialises them to ones and zeros, which would hide a wrong permutation of theirs.
+    """
+    classes = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1e6}),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "rope_theta": 1e6}),
+               "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+               "llama31": ("LlamaConfig", "LlamaForCausalLM", {"rope_theta": 500000.0, "rope_scaling": {
+                   "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 16}})}
+    cname, mname, kw = classes[family]
+    torch.manual_seed(13)
+    cfg = getattr(transformers, cname)(hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                       max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                                       bos_token_id=None, eos_token_id=None, **{**kw, **extra})
+    model = getattr(transformers, mname)(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+#: The Llama-like families beyond Llama itself, each with its own directory in ``hf_dirs``.
+NEW_FAMILIES = ["qwen2", "qwen2-tied", "qwen3", "qwen3-tied", "mistral", "llama31"]
+
+
 TOKENS = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(5))
 
 
@@ -73,19 +106,32 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, t
                      ("gpt2-sharded", lambda p: make_gpt2(p, shard="30KB"))):
         model = fn(tmp / name)
         out[name] = (tmp / name, _hf_logits(model))
+    for name in NEW_FAMILIES:
+        family, _, tied = name.partition("-")
+        model = make_llama_like(tmp / name, family, tie=bool(tied))
+        out[name] = (tmp / name, _hf_logits(model))
     assert (tmp / "llama-sharded" / "model.safetensors.index.json").is_file()
     assert (tmp / "gpt2-sharded" / "model.safetensors.index.json").is_file()
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-sharded", "llama-tied", "gpt2", "gpt2-sharded"])
+@pytest.mark.parametrize("name", ["llama", "llama-sharded", "llama-tied", "gpt2", "gpt2-sharded", *NEW_FAMILIES])
 def test_one_process_logits_equal_transformers(hf_dirs, name: str) -> None:
     path, ref = hf_dirs[name]
     loaded = load_any(path)
     with torch.no_grad():
         ours = loaded.model(TOKENS)
     assert (ours - ref).abs().max().item() <= TOL
-    if name.startswith("gpt2"):
+    c = loaded.cfg
+    if name in NEW_FAMILIES:
+        assert c.n_kv_head == 2 and c.pos == "rope" and c.tie_embeddings == name.endswith("-tied")
+        assert c.attn_qkv_bias == name.startswith("qwen2") and c.qk_norm == name.startswith("qwen3")
+        assert c.head_dim == (32 if name.startswith("qwen3") else 16)
+        assert c.rope_scaling == ("llama3" if name == "llama31" else "none")
+        if name == "llama31":
+            assert (c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_max_pos) == \
+                (8.0, 1.0, 4.0, 16)
+    elif name.startswith("gpt2"):
         assert loaded.cfg.pos == "learned" and loaded.cfg.tie_embeddings and loaded.cfg.bias
     else:
         assert loaded.cfg.n_kv_head == 2 and loaded.cfg.rope_theta == 500000.0 and loaded.cfg.pos == "rope"
@@ -176,13 +222,21 @@ def _edit_config(src: Path, dst: Path, **changes: Any) -> Path:
 
 
 @pytest.mark.parametrize("family,field,value,match", [
-    ("llama", "rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}, "rope_parameters.*llama3"),
-    ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling.*linear"),
+    ("llama", "rope_parameters", {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0},
+     r"rope_parameters.rope_type=.?yarn.*supported rotary scalings: \['default', 'linear', 'llama3'\]"),
+    ("llama", "rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_scaling.rope_type.*dynamic.*llama3"),
+    ("llama31", "rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0},
+     "rope_parameters.low_freq_factor"),
     ("llama", "attention_bias", True, "attention_bias"),
+    ("qwen3", "attention_bias", True, "attention_bias"),
+    ("mistral", "attention_bias", True, "attention_bias"),
     ("llama", "mlp_bias", True, "mlp_bias"),
     ("llama", "hidden_act", "gelu", "hidden_act.*silu"),
-    ("llama", "head_dim", 32, "head_dim.*16"),
-    ("llama", "architectures", ["MistralForCausalLM"], "architectures.*Mistral.*GPT2LMHeadModel.*LlamaForCausalLM"),
+    ("qwen2", "hidden_act", "gelu", "hidden_act.*silu.*qwen2"),
+    ("llama", "head_dim", 15, "head_dim.*even"),
+    ("mistral", "sliding_window", 32, r"sliding_window=32.*model.seq_len=64.*model.seq_len <= 32"),
+    ("llama", "architectures", ["PhiForCausalLM"],
+     "architectures.*Phi.*GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3"),
     ("gpt2", "scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx"),
     ("gpt2", "reorder_and_upcast_attn", True, "reorder_and_upcast_attn"),
     ("gpt2", "activation_function", "relu", "activation_function.*gelu_new"),
@@ -196,6 +250,25 @@ def test_unsupported_hf_configs_are_refused_naming_the_field(hf_dirs, tmp_path: 
         (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=match):
         apply_hf_model({"init_from": str(bad)}, [])
+
+
+def test_sliding_window_is_accepted_only_where_it_covers_the_sequence(hf_dirs, tmp_path: Path) -> None:
+    """Sliding-window attention equals full causal attention while the window covers the whole sequence."""
+    mistral = hf_dirs["mistral"][0]
+    assert apply_hf_model({"init_from": str(mistral)}, [])["seq_len"] == 64  # sliding_window null
+    wide = _edit_config(mistral, tmp_path / "wide", sliding_window=64)
+    assert apply_hf_model({"init_from": str(wide)}, [])["seq_len"] == 64
+    narrow = _edit_config(mistral, tmp_path / "narrow", sliding_window=32)
+    with pytest.raises(WeightsError, match="sliding_window=32"):  # also when loading for serving
+        load_hf(narrow)
+    # A training window within the sliding window is exact, so it is allowed.
+    assert apply_hf_model({"seq_len": 32, "init_from": str(narrow)}, ["model.seq_len=32"])["seq_len"] == 32
+    # Qwen's window applies only with use_sliding_window (or sliding layer types).
+    qwen = _edit_config(hf_dirs["qwen2"][0], tmp_path / "qwen-off", sliding_window=8, use_sliding_window=False)
+    assert apply_hf_model({"init_from": str(qwen)}, [])["attn_qkv_bias"] is True
+    on = _edit_config(hf_dirs["qwen2"][0], tmp_path / "qwen-on", sliding_window=8, use_sliding_window=True)
+    with pytest.raises(ConfigError, match="sliding_window=8"):
+        apply_hf_model({"init_from": str(on)}, [])
 
 
 def test_gpt2_window_longer_than_n_positions_is_refused(hf_dirs) -> None:
@@ -373,7 +446,9 @@ def _run(world: int, layout: str, hf_dir: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,layout,world", [("llama-sharded", "dp2xtp2", 4), ("gpt2", "dp2xtp2", 4),
-                                               ("llama", "pp2", 2), ("llama", "fsdp2xtp2", 4)])
+                                               ("llama", "pp2", 2), ("llama", "fsdp2xtp2", 4),
+                                               *[(n, lay, w) for n in ("qwen2", "qwen3", "mistral", "llama31")
+                                                 for lay, w in (("dp2xtp2", 4), ("pp2", 2))]])
 def test_layouts_read_only_their_regions_and_match_transformers(hf_dirs, name: str, layout: str, world: int) -> None:
     path, ref = hf_dirs[name]
     res = _run(world, layout, path)

@@ -210,3 +210,97 @@ def test_the_default_preset_exports_as_an_untied_gpt2_that_transformers_loads(tm
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (theirs(x).logits - ours(x)).abs().max().item() <= TOL
+
+
+#: Our model fields for each Llama-like family export (small, GQA, perturbed norms and biases below).
+FAMILY_FIELDS = {
+    "LlamaForCausalLM": {},
+    "llama31": {"rope_theta": 500000.0, "rope_scaling": "llama3", "rope_factor": 8.0, "rope_low_freq_factor": 1.0,
+                "rope_high_freq_factor": 4.0, "rope_original_max_pos": 16},
+    "llama-linear": {"rope_scaling": "linear", "rope_factor": 4.0},
+    "Qwen2ForCausalLM": {"attn_qkv_bias": True, "rope_theta": 1e6},
+    "qwen2-tied": {"attn_qkv_bias": True, "tie_embeddings": True},
+    "Qwen3ForCausalLM": {"qk_norm": True, "d_head": 32, "rope_theta": 1e6},
+    "qwen3-tied": {"qk_norm": True, "d_head": 32, "tie_embeddings": True},
+}
+EXPECTED_CLASS = {"llama31": "LlamaForCausalLM", "llama-linear": "LlamaForCausalLM", "qwen2-tied": "Qwen2ForCausalLM",
+                  "qwen3-tied": "Qwen3ForCausalLM"}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_FIELDS))
+def test_llama_like_models_export_as_their_family_with_equal_logits_and_greedy_text(tmp_path: Path,
+                                                                                   family: str) -> None:
+    """Our model -> config.json + safetensors -> transformers loads the right class; logits and greedy equal."""
+    from xirang_hpc.config.schema import ModelConfig
+    from xirang_hpc.models.gpt import GPT
+    from xirang_hpc.weights.hf import hf_config_for, to_hf_state, write_hf_weights
+    from xirang_hpc.weights.load import load_hf
+
+    cfg = ModelConfig(name="m", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, vocab_size=256, seq_len=64,
+                      norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, **FAMILY_FIELDS[family])
+    torch.manual_seed(0)
+    ours = GPT(cfg).eval()
+    with torch.no_grad():  # norms start at one and biases at zero: perturb them so their layout is tested
+        for p in ours.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    write_hf_weights(to_hf_state(ours.state_dict(), cfg), tmp_path, 1 << 30)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_for(cfg, torch.float32)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == EXPECTED_CLASS.get(family, family)
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)).abs().max().item() <= TOL
+    prompt = [int(t) for t in x[0, :6]]
+    theirs.generation_config.eos_token_id = None
+    gen = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert our_greedy(ours, cfg.seq_len, prompt, 16) == gen[0, len(prompt):].tolist()
+    # And back in: the exported directory imports as the same model.
+    back = load_hf(tmp_path)
+    for k in FAMILY_FIELDS[family]:
+        assert getattr(back.cfg, k) == getattr(cfg, k), k
+    with torch.no_grad():
+        assert (back.model(x) - ours(x)).abs().max().item() <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_tensor_parallel_run_exports_with_the_cli_as_its_class(tmp_path: Path, family: str) -> None:
+    """A Qwen directory fine-tuned on 2 ranks (tp2) -> ``xirang-ckpt export --format hf`` -> a fresh transformers
+    process loads the right class: equal logits and greedy tokens equal to our serving engine's."""
+    torch.manual_seed(6)
+    hf_dir = tmp_path / family
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-5,
+                  bos_token_id=None, eos_token_id=None)
+    if family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **common))
+    model.save_pretrained(hf_dir)
+    r = subprocess.run([str(BIN / "xirang-train"), f"model.init_from={hf_dir}", "model.seq_len=32",
+                        "cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.pp=1", "parallel.tp=2",
+                        "train.max_steps=3", "train.warmup_steps=1", "train.global_batch=8", "train.eval_batches=1",
+                        f"data.corpus={ROOT / 'xirang_hpc'}", "data.val_fraction=0.05", f"data.out_dir={tmp_path}/data",
+                        f"train.run_dir={tmp_path}/run"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "exp"
+    e = subprocess.run([str(BIN / "xirang-ckpt"), "export", str(tmp_path / "run"), "--format", "hf", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert e.returncode == 0, e.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    want = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    assert cfg["architectures"] == [want]
+
+    from xirang_hpc.weights.load import load_checkpoint
+
+    ours = load_checkpoint(tmp_path / "run")
+    assert ours.cfg.attn_qkv_bias == (family == "qwen2") and ours.cfg.qk_norm == (family == "qwen3")
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(8))
+    prompt = [int(t) for t in x[0, :5]]
+    theirs = hf_side(out, x, prompt, 12)
+    assert theirs["class"] == want
+    with torch.no_grad():
+        assert (ours.model(x) - torch.tensor(theirs["logits"])).abs().max().item() <= TOL
+    assert our_greedy(ours.model, ours.cfg.seq_len, prompt, 12) == theirs["generated"]

@@ -145,3 +145,66 @@ def test_llama3_presets_have_the_published_size(preset: str, billions: float) ->
     from xirang_hpc.models.gpt import full_model_params
 
     assert abs(full_model_params(cfg) / 1e9 - billions) < 0.01
+
+
+# Published parameter counts (model cards / HF pages): Qwen2.5-7B 7.61B, Qwen3-8B 8.19B, Llama 3.1 8B 8.03B,
+# Mistral 7B v0.3 7.25B, Llama 3.1 405B 405.85B.
+NEW_PRESETS = [("qwen2.5-7b", 7.62), ("qwen3-8b", 8.19), ("llama3.1-8b", 8.03), ("mistral-7b", 7.25),
+               ("llama3-405b", 405.85)]
+
+
+@pytest.mark.parametrize("preset,billions", NEW_PRESETS)
+def test_hf_family_presets_compose_count_and_plan(preset: str, billions: float, tmp_path) -> None:
+    """Each preset composes under Hydra, has its published size (model and planner formula agree exactly),
+    and xirang-plan plans it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from xirang_hpc.models.gpt import full_model_params
+    from xirang_hpc.planner.formulas import model_params
+
+    cfg = load_config(compose_cfg([f"model={preset}"])).model
+    n = full_model_params(cfg)
+    assert abs(n / 1e9 - billions) < 0.01, n
+    assert model_params(cfg) == n
+    if preset.startswith("qwen2"):
+        assert cfg.attn_qkv_bias and not cfg.qk_norm
+    if preset.startswith("qwen3"):
+        assert cfg.qk_norm and cfg.head_dim == 128
+    if preset.startswith("llama3"):
+        assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_pos) == ("llama3", 8.0, 8192)
+    exe = Path(sys.executable).parent / "xirang-plan"
+    r = subprocess.run([str(exe), f"model={preset}", "cluster=h100-ib", "cluster.nodes=16", "train.global_batch=256"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"plans for {cfg.n_layer}x{cfg.d_model}" in r.stdout and "recommended" in r.stdout
+
+
+@pytest.mark.parametrize("fields", [{"attn_qkv_bias": True}, {"qk_norm": True, "d_head": 24},
+                                    {"d_head": 8, "n_kv_head": 2}])
+def test_planner_counts_biases_q_k_norms_and_decoupled_heads_exactly(fields: dict[str, object]) -> None:
+    from xirang_hpc.models.gpt import full_model_params
+    from xirang_hpc.planner.formulas import model_params
+
+    cfg = _tiny(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, **fields)
+    assert model_params(cfg) == full_model_params(cfg)
+
+
+def test_decoupled_head_width_and_rope_scaling_run_and_refuse_bad_values() -> None:
+    """Qwen3-style heads wider than d_model/n_head; llama3/linear rope; bad values named."""
+    from xirang_hpc.config.errors import ConfigError
+
+    m = GPT(_tiny(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, qk_norm=True, d_head=16))
+    assert m.layers["0"].attn.q.weight.shape == (4 * 16, 32) and m.layers["0"].attn.o.weight.shape == (32, 64)
+    assert m.layers["0"].attn.q_norm.weight.shape == (16,)
+    assert m(torch.randint(0, 256, (1, 16))).shape == (1, 16, 256)
+    plain = GPT(_tiny(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False))
+    lin = GPT(_tiny(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, rope_scaling="linear", rope_factor=2.0))
+    # Linear scaling = positions / factor: position 2 of the scaled table is position 1 of the plain one.
+    assert torch.allclose(lin.rope_cos[2], plain.rope_cos[1], atol=1e-6)
+    for kw, field in [({"rope_scaling": "yarn"}, "model.rope_scaling"), ({"d_head": -1}, "model.d_head"),
+                      ({"rope_scaling": "llama3", "rope_low_freq_factor": 4.0}, "model.rope_low_freq_factor"),
+                      ({"qk_norm": True}, "model.qk_norm")]:
+        with pytest.raises(ConfigError, match=field):
+            _tiny(pos="rope", **kw)

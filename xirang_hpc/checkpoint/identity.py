@@ -34,7 +34,11 @@ DATA_DEFAULTS = {"vocab_size": 0, "text_field": "text", "on_bad_record": "fail"}
 # the key where they mean what the model always did (n_kv_head == n_head, LayerNorm's 1e-5, RoPE's
 # 10000, untied), so earlier runs keep their directories. RMSNorm's epsilon was 1e-6 before it
 # became a field: an RMSNorm run at 1e-5 computes something else and gets its own directory.
-MODEL_DEFAULTS = {"norm_eps": 1e-5, "rope_theta": 10000.0, "tie_embeddings": False}
+MODEL_DEFAULTS = {"norm_eps": 1e-5, "rope_theta": 10000.0, "tie_embeddings": False,
+                  # The Qwen/Llama 3.1 options: off by default, so earlier runs keep their keys too.
+                  "attn_qkv_bias": False, "d_head": 0, "qk_norm": False, "rope_scaling": "none",
+                  "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                  "rope_original_max_pos": 8192}
 
 
 def tokenizer_identity(spec: str, bpe_vocab: int) -> dict[str, object]:

@@ -1,9 +1,12 @@
 """Hugging Face model directories as ``model.init_from``: their ``config.json`` mapped onto ``model.*``.
 
 Supported families: Llama (``LlamaForCausalLM``: RMSNorm, SwiGLU, RoPE, no biases, optional GQA and
-tied embeddings) and GPT-2 (``GPT2LMHeadModel``: LayerNorm with bias, tanh-GELU MLP, learned positions,
-biased projections, tied head). Anything these configs can say that our model does not implement is
-refused here, naming the Hugging Face field and its value.
+tied embeddings, rope scaling ``linear`` or ``llama3``), Mistral (``MistralForCausalLM``: Llama's layout;
+a ``sliding_window`` shorter than the sequence is refused), Qwen2 (``Qwen2ForCausalLM``: Llama plus q/k/v
+biases), Qwen3 (``Qwen3ForCausalLM``: Llama plus per-head q/k RMSNorm and an explicit ``head_dim``) and
+GPT-2 (``GPT2LMHeadModel``: LayerNorm with bias, tanh-GELU MLP, learned positions, biased projections,
+tied head). Anything these configs can say that our model does not implement is refused here, naming
+the Hugging Face field and its value.
 
 How the mapping meets Hydra (``model.init_from=<dir>``):
 
@@ -32,10 +35,12 @@ from typing import Any
 from xirang_hpc.config.errors import ConfigError
 
 #: ``architectures`` value -> our family name.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                           "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": "gpt2"}
 #: Model fields a Hugging Face directory decides (``seq_len`` and ``name`` are handled separately).
 SHAPE_FIELDS = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "vocab_size", "norm", "mlp", "pos", "bias",
-                "norm_eps", "rope_theta", "tie_embeddings")
+                "norm_eps", "rope_theta", "tie_embeddings", "attn_qkv_bias", "d_head", "qk_norm", "rope_scaling",
+                "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_pos")
 
 
 class HFConfigError(ConfigError):
@@ -89,12 +94,13 @@ def check_hf_weights(path: str | Path) -> None:
 
 
 def hf_family(hf: dict[str, Any], source: str) -> str:
-    """``llama`` or ``gpt2`` from the config's ``architectures``; anything else is refused."""
+    """``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``gpt2`` from the config's ``architectures``; anything
+    else is refused, naming what is supported."""
     archs = hf.get("architectures") or []
     known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
     if not known:
         raise HFConfigError(f"{source}: architectures", archs,
-                            f"supported: {sorted(SUPPORTED_ARCHITECTURES)} (Llama family and GPT-2 family); "
+                            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}; "
                             "convert the model to one of these, or train from a preset")
     return SUPPORTED_ARCHITECTURES[known[0]]
 
@@ -103,47 +109,85 @@ def _refuse(source: str, field: str, value: Any, why: str) -> None:
     raise HFConfigError(f"{source}: {field}", value, why)
 
 
-def _rope_theta_and_type(hf: dict[str, Any]) -> tuple[float, Any, str]:
-    """(rope base, scaling type or None, the field that says so) from the v4 fields or v5's ``rope_parameters``."""
+#: Rotary scalings we implement (``rope_type`` -> our ``model.rope_scaling``); others are refused by name.
+SUPPORTED_ROPE = {"default": "none", "linear": "linear", "llama3": "llama3"}
+
+
+def _rope_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """``rope_theta`` and the ``rope_*`` scaling fields, from v5's ``rope_parameters`` or v4's ``rope_scaling``."""
     params = hf.get("rope_parameters")
-    if isinstance(params, dict):
-        kind = params.get("rope_type", params.get("type", "default"))
-        return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), kind, "rope_parameters.rope_type"
-    scaling = hf.get("rope_scaling")
-    kind = None
-    if isinstance(scaling, dict):
-        kind = scaling.get("rope_type", scaling.get("type"))
-    elif scaling is not None:
-        kind = scaling
-    return float(hf.get("rope_theta", 10000.0)), kind, "rope_scaling"
+    where = "rope_parameters"
+    if not isinstance(params, dict):
+        scaling = hf.get("rope_scaling")
+        where = "rope_scaling"
+        if scaling is not None and not isinstance(scaling, dict):
+            _refuse(source, where, scaling, "expected an object with a rope_type")
+        params = dict(scaling or {})
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in SUPPORTED_ROPE:
+        _refuse(source, f"{where}.rope_type", kind,
+                f"supported rotary scalings: {sorted(SUPPORTED_ROPE)} (dynamic NTK, yarn, longrope and others "
+                "are not implemented); use a model without it, or convert it")
+    out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0),
+                           "rope_scaling": SUPPORTED_ROPE[kind], "rope_factor": 1.0, "rope_low_freq_factor": 1.0,
+                           "rope_high_freq_factor": 4.0, "rope_original_max_pos": 8192}
+    if kind in ("linear", "llama3"):
+        out["rope_factor"] = float(params.get("factor", 1.0))
+    if kind == "llama3":
+        try:
+            out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
+                       rope_high_freq_factor=float(params["high_freq_factor"]),
+                       rope_original_max_pos=int(params["original_max_position_embeddings"]))
+        except KeyError as exc:
+            _refuse(source, f"{where}.{exc.args[0]}", None, "llama3 rope scaling needs factor, low_freq_factor, "
+                    "high_freq_factor and original_max_position_embeddings")
+    return out
 
 
-def _llama_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+def _sliding_window(hf: dict[str, Any], family: str) -> int | None:
+    """The attention window a config asks for, or None when every layer attends to the whole context."""
+    window = hf.get("sliding_window")
+    if window is None:
+        return None
+    if family in ("qwen2", "qwen3"):
+        # Qwen configs carry a window that only applies with use_sliding_window (or a sliding layer type).
+        types = hf.get("layer_types") or []
+        if not hf.get("use_sliding_window") and "sliding_attention" not in types:
+            return None
+    return int(window)
+
+
+def _llama_fields(hf: dict[str, Any], source: str, family: str = "llama") -> dict[str, Any]:
+    """Fields of the Llama-like families: Llama, Mistral (same layout), Qwen2 (q/k/v biases), Qwen3 (q/k norms)."""
     d, nh = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        _refuse(source, "hidden_act", act, "only silu (SwiGLU) is implemented for the Llama family")
+        _refuse(source, "hidden_act", act, f"only silu (SwiGLU) is implemented for the {family} family")
+    # Qwen2 always biases q/k/v (and never o); elsewhere attention_bias biases o as well, which we do not.
     for name in ("attention_bias", "mlp_bias"):
-        if hf.get(name):
-            _refuse(source, name, hf[name], "biased projections are not implemented for the Llama family; "
-                    "use a model without them")
-    theta, kind, where = _rope_theta_and_type(hf)
-    if kind not in (None, "default"):
-        _refuse(source, where, kind, "only plain RoPE (rope_type 'default', no scaling) is implemented")
-    hd = hf.get("head_dim")
-    if hd is not None and int(hd) * nh != d:
-        _refuse(source, "head_dim", hd, f"must equal hidden_size/num_attention_heads = {d}/{nh} = {d // nh}: "
-                "decoupled head widths are not implemented")
-    if d % nh or (d // nh) % 2:
-        _refuse(source, "hidden_size", d, f"must split into num_attention_heads={nh} heads of even width (RoPE)")
+        if hf.get(name) and not (family == "qwen2" and name == "attention_bias"):
+            _refuse(source, name, hf[name], f"biased {'MLP' if name == 'mlp_bias' else 'output'} projections are "
+                    f"not implemented for the {family} family (Qwen2's q/k/v-only biases are); use a model "
+                    "without them")
+    hd = int(hf.get("head_dim") or d // nh)
+    if not hf.get("head_dim") and d % nh:
+        _refuse(source, "hidden_size", d, f"must split into num_attention_heads={nh} heads (or set head_dim)")
+    if hd % 2:
+        _refuse(source, "head_dim", hd, "rotary embeddings need an even head width")
     if int(hf.get("pretraining_tp", 1) or 1) != 1:
         _refuse(source, "pretraining_tp", hf["pretraining_tp"], "only pretraining_tp=1 is implemented")
+    eps = hf.get("rms_norm_eps")
     return {"n_layer": int(hf["num_hidden_layers"]), "n_head": nh,
             "n_kv_head": int(hf.get("num_key_value_heads") or nh), "d_model": d,
             "d_ff": int(hf["intermediate_size"]), "vocab_size": int(hf["vocab_size"]), "norm": "rmsnorm",
-            "mlp": "swiglu", "pos": "rope", "bias": False, "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "rope_theta": theta, "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "seq_len": int(hf.get("max_position_embeddings", 2048))}
+            "mlp": "swiglu", "pos": "rope", "bias": False, "norm_eps": float(1e-6 if eps is None else eps),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "attn_qkv_bias": family == "qwen2", "qk_norm": family == "qwen3",
+            # 0 (d_model/n_head) unless the config decouples the head width, as Qwen3's small models do.
+            "d_head": 0 if hd * nh == d else hd, **_rope_fields(hf, source),
+            "seq_len": int(hf.get("max_position_embeddings", 2048)),
+            "sliding_window": _sliding_window(hf, family)}
 
 
 def _gpt2_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -160,15 +204,17 @@ def _gpt2_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
             "n_kv_head": int(hf.get("n_head", 12)), "d_model": d, "d_ff": int(hf.get("n_inner") or 4 * d),
             "vocab_size": int(hf.get("vocab_size", 50257)), "norm": "layernorm", "mlp": "gelu", "pos": "learned",
             "bias": True, "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)), "rope_theta": 10000.0,
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
-            "seq_len": int(hf.get("n_positions", 1024))}
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", True)), "attn_qkv_bias": False, "d_head": 0,
+            "qk_norm": False, "rope_scaling": "none", "rope_factor": 1.0, "rope_low_freq_factor": 1.0,
+            "rope_high_freq_factor": 4.0, "rope_original_max_pos": 8192,
+            "seq_len": int(hf.get("n_positions", 1024)), "sliding_window": None}
 
 
 def model_fields_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
     """Our ``model.*`` fields (plus ``seq_len`` = the context length) for a Hugging Face config."""
     family = hf_family(hf, source)
     try:
-        return _llama_fields(hf, source) if family == "llama" else _gpt2_fields(hf, source)
+        return _gpt2_fields(hf, source) if family == "gpt2" else _llama_fields(hf, source, family)
     except KeyError as exc:
         raise HFConfigError(f"{source}: {exc.args[0]}", None, "missing from the config; is it a complete "
                             "Hugging Face config.json?") from None
@@ -205,6 +251,7 @@ def apply_hf_model(model: dict[str, Any], overrides: list[str] | None) -> dict[s
     check_hf_weights(path)
     hf = model_fields_from_hf(read_hf_config(path), source)
     context = hf.pop("seq_len")
+    window = hf.pop("sliding_window")
     explicit, preset = _override_keys(overrides or [])
     check_all = overrides is None or preset
     out = dict(model)
@@ -227,6 +274,12 @@ def apply_hf_model(model: dict[str, Any], overrides: list[str] | None) -> dict[s
             out["seq_len"] = context
         if "name" not in explicit:
             out["name"] = f"{hf_family_name(path)}"
+    if window is not None and int(out.get("seq_len") or context) > window:
+        # Within the window, sliding-window attention is plain causal attention: exact, so allowed.
+        raise HFConfigError(f"{source}: sliding_window", window,
+                            f"shorter than the sequence length model.seq_len={out.get('seq_len') or context} "
+                            "(sliding-window attention is not implemented); set model.seq_len <= "
+                            f"{window}, or use a model with sliding_window null")
     if out["pos"] == "learned" and int(out.get("seq_len") or 0) > context:
         raise HFConfigError("model.seq_len", out["seq_len"],
                             f"longer than the GPT-2 model's n_positions={context} ({source}); "

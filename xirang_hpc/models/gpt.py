@@ -11,6 +11,8 @@ Structure choices made for tensor and pipeline parallelism later:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,9 +41,37 @@ def _norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(head_dim: int, base: float, cfg: ModelConfig | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies (head_dim/2,), rescaled as ``cfg.rope_scaling`` says.
+
+    ``linear`` (position interpolation, Chen et al. 2023) divides every frequency by ``rope_factor``.
+    ``llama3`` (Llama 3.1) keeps high frequencies (wavelength < original context / high_freq_factor),
+    divides low ones (wavelength > original context / low_freq_factor) by the factor and blends
+    smoothly in between: the same arithmetic as transformers' ``_compute_llama3_parameters``, so
+    imported Llama 3.1 weights see the angles they were trained with.
+    """
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    kind = cfg.rope_scaling if cfg is not None else "none"
+    if kind == "linear":
+        return inv / cfg.rope_factor  # type: ignore[union-attr]
+    if kind == "llama3":
+        assert cfg is not None
+        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old = cfg.rope_original_max_pos
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, blended, scaled)
+    return inv
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0,
+                cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for rotary embeddings (Su et al. 2021), each (seq_len, head_dim/2)."""
-    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv = rope_inv_freq(head_dim, base, cfg)
     ang = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
     return ang.cos(), ang.sin()
 
@@ -67,18 +97,32 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with separate projections; grouped-query when n_kv_head < n_head."""
+    """Causal self-attention with separate projections; grouped-query when n_kv_head < n_head.
+
+    Options of the Qwen families: biases on q/k/v only (``attn_qkv_bias``, Qwen2), a per-head RMSNorm
+    of q and k before rotary (``qk_norm``, Qwen3; one weight of head_dim shared by all heads, so a
+    tensor-parallel shard keeps it whole), and a head width other than d_model/n_head (``d_head``).
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, hd = cfg.d_model, cfg.head_dim
         self.head_dim = hd
         self.groups = cfg.n_head // cfg.n_kv_head  # query heads per key/value head
-        self.q = nn.Linear(d, cfg.n_head * hd, bias=cfg.bias)
-        self.k = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.bias)
-        self.v = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.attn_qkv_bias
+        self.q = nn.Linear(d, cfg.n_head * hd, bias=qkv_bias)
+        self.k = nn.Linear(d, cfg.n_kv_head * hd, bias=qkv_bias)
+        self.v = nn.Linear(d, cfg.n_kv_head * hd, bias=qkv_bias)
         self.o = nn.Linear(cfg.n_head * hd, d, bias=cfg.bias)
+        self.q_norm: RMSNorm | None = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.use_rope = cfg.pos == "rope"
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of q (B, nh, T, hd) and k (B, nkv, T, hd) over hd, when ``qk_norm``."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C)."""
@@ -88,6 +132,7 @@ class Attention(nn.Module):
         q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nkv_local, T, hd)
         v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = self.norm_qk(q, k)  # before rotary, as Qwen3 does
         if self.use_rope and rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # (B, nh_local, T, hd)
@@ -165,7 +210,7 @@ class GPT(nn.Module):
     def init_buffers(self) -> None:
         """(Re)compute the non-persistent buffers (rope tables) on the model's device, e.g. after ``to_empty``."""
         if self.cfg.pos == "rope":
-            cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta)
+            cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta, self.cfg)
             self.rope_cos = cos.to(self.rope_cos.device)
             self.rope_sin = sin.to(self.rope_sin.device)
 

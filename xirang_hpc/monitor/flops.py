@@ -18,24 +18,28 @@ PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800
 
 
 def flops_per_token(n_layer: int, d_model: int, seq_len: int, vocab_size: int, ffn_dim: int,
-                    mlp: str = "gelu", kv_dim: int | None = None) -> float:
+                    mlp: str = "gelu", kv_dim: int | None = None, q_dim: int | None = None) -> float:
     """Training FLOPs per token (forward + backward, no recomputation).
 
     ``kv_dim``: width of the key and value projections (n_kv_head * head_dim); grouped-query
     attention (Ainslie et al. 2023) makes it smaller than d_model. None = d_model.
+    ``q_dim``: width of the query projection (n_head * head_dim), other than d_model when the head width
+    is decoupled (Qwen3's small models). None = d_model.
     """
     h, l_ = d_model, n_layer
     kv = h if kv_dim is None else kv_dim
+    q = h if q_dim is None else q_dim
     mlp_mats = 3 if mlp == "swiglu" else 2
-    per_layer = 2 * h * h + 2 * h * kv + mlp_mats * h * ffn_dim  # Q and output, K and V projections, MLP
-    return 6.0 * (l_ * per_layer + h * vocab_size) + 12.0 * l_ * h * seq_len
+    per_layer = 2 * h * q + 2 * h * kv + mlp_mats * h * ffn_dim  # Q and output, K and V projections, MLP
+    return 6.0 * (l_ * per_layer + h * vocab_size) + 12.0 * l_ * q * seq_len
 
 
 def flops_per_token_for(model: Any) -> float:
     """:func:`flops_per_token` for a ``ModelConfig``."""
-    kv_dim = getattr(model, "n_kv_head", model.n_head) * (model.d_model // model.n_head)
+    hd = getattr(model, "d_head", 0) or model.d_model // model.n_head
+    kv_dim = getattr(model, "n_kv_head", model.n_head) * hd
     return flops_per_token(model.n_layer, model.d_model, model.seq_len, model.vocab_size, model.ffn_dim, model.mlp,
-                           kv_dim)
+                           kv_dim, model.n_head * hd)
 
 
 def peak_for_device(name: str) -> float:

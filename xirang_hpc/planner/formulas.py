@@ -43,18 +43,37 @@ class Shape:
     # The output head shares the token embedding (Megatron's GPT, GPT-2: Narayanan et al.'s (V+s)h
     # count). Untied models (Llama) hold another V*h.
     tied: bool = True
+    # Width of one attention head; 0 = hidden/heads (Qwen3's small models decouple it).
+    head_dim: int = 0
+    # Biases on q/k/v only (Qwen2) and per-head q/k RMSNorm weights (Qwen3): small, but counted so the
+    # planner's parameter count equals the model's exactly.
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     @classmethod
     def from_model(cls, m: ModelConfig) -> Shape:
         """Shape of a ``model/`` preset."""
         return cls(layers=m.n_layer, hidden=m.d_model, heads=m.n_head, seq=m.seq_len, vocab=m.vocab_size,
                    ffn=m.ffn_dim, swiglu=m.mlp == "swiglu", bias=m.bias, learned_pos=m.pos == "learned",
-                   kv_heads=m.n_kv_head, tied=m.tie_embeddings)
+                   kv_heads=m.n_kv_head, tied=m.tie_embeddings, head_dim=m.d_head, qkv_bias=m.attn_qkv_bias,
+                   qk_norm=m.qk_norm)
 
     @property
     def kv_width(self) -> int:
         """Width of the key and of the value projection: n_kv_head * head_dim (= hidden without GQA)."""
+        if self.head_dim:
+            return self.n_kv * self.head_dim
         return self.hidden * (self.kv_heads or self.heads) // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of the query projection (and the output projection's input): heads * head_dim."""
+        return self.heads * self.head_dim if self.head_dim else self.hidden
+
+    @property
+    def hd(self) -> int:
+        """Width of one attention head."""
+        return self.head_dim or self.hidden // self.heads
 
     @property
     def n_kv(self) -> int:
@@ -63,8 +82,9 @@ class Shape:
 
 
 def attn_matrix_params(sh: Shape) -> int:
-    """q and output projections h*h each, k and v h*kv_width each (GQA); 4h^2 without GQA."""
-    return 2 * sh.hidden * sh.hidden + 2 * sh.hidden * sh.kv_width
+    """q and output projections h*q_width each (h*h unless head_dim is decoupled), k and v h*kv_width each
+    (GQA); 4h^2 without GQA."""
+    return 2 * sh.hidden * sh.q_width + 2 * sh.hidden * sh.kv_width
 
 
 def layer_params(sh: Shape) -> int:
@@ -74,15 +94,19 @@ def layer_params(sh: Shape) -> int:
     """
     h, f = sh.hidden, sh.ffn
     mats = attn_matrix_params(sh) + (3 if sh.swiglu else 2) * h * f
-    bias = (2 * h + 2 * sh.kv_width + f + h + (f if sh.swiglu else 0)) if sh.bias else 0
-    norms = 2 * h * (2 if sh.bias else 1)
+    if sh.bias:
+        bias = sh.q_width + h + 2 * sh.kv_width + f + h + (f if sh.swiglu else 0)  # q, o, k, v, up, down, gate
+    else:
+        bias = sh.q_width + 2 * sh.kv_width if sh.qkv_bias else 0
+    norms = 2 * h * (2 if sh.bias else 1) + (2 * sh.hd if sh.qk_norm else 0)
     return mats + bias + norms
 
 
 def layer_tensors(sh: Shape) -> int:
     """Parameter tensors of one block (per-tensor costs: optimizer loop, grad-norm, hooks)."""
     per = 2 if sh.bias else 1
-    return (4 + (3 if sh.swiglu else 2)) * per + 2 * per
+    extra = (3 if sh.qkv_bias and not sh.bias else 0) + (2 if sh.qk_norm else 0)
+    return (4 + (3 if sh.swiglu else 2)) * per + 2 * per + extra
 
 
 def stage_tensors(sh: Shape, layers: float, first: bool, last: bool) -> float:

@@ -36,9 +36,9 @@ MULTI_SCHEDULES = {"interleaved": "ScheduleInterleaved1F1B"}
 def layer_costs(cfg: ModelConfig) -> tuple[float, list[float], float]:
     """(embedding cost, per-block costs, norm+head cost) in forward FLOPs per token."""
     h, f, s, v = cfg.d_model, cfg.ffn_dim, cfg.seq_len, cfg.vocab_size
-    kv = cfg.n_kv_head * cfg.head_dim
+    kv, q = cfg.n_kv_head * cfg.head_dim, cfg.n_head * cfg.head_dim  # q = h unless d_head is decoupled
     mats = 3 if cfg.mlp == "swiglu" else 2
-    block = 2.0 * (2 * h * h + 2 * h * kv + mats * h * f) + 4.0 * s * h
+    block = 2.0 * (2 * h * q + 2 * h * kv + mats * h * f) + 4.0 * s * q
     return float(h), [block] * cfg.n_layer, 2.0 * h * v + 5.0 * h
 
 

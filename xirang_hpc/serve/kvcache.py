@@ -74,6 +74,7 @@ class KVCache:
             q = q.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
             k = k.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
             v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
+            q, k = a.norm_qk(q, k)  # Qwen3's per-head q/k RMSNorm, before rotary as in the full forward
             if rope is not None:
                 q, k = _rope_at(q, *rope), _rope_at(k, *rope)
             self.k[i][rows, :, pos] = k.transpose(1, 2)  # (B, T, nkv, hd) into (slot, :, position)

@@ -1,4 +1,5 @@
-"""Hugging Face layouts: the one name map between our GPT and Llama / GPT-2 tensors, and export.
+"""Hugging Face layouts: the one name map between our GPT and Llama / Mistral / Qwen2 / Qwen3 / GPT-2 tensors,
+and export.
 
 :func:`tensor_map` says, for each of our parameter names, which Hugging Face tensor holds it and how:
 
@@ -45,14 +46,31 @@ class Src:
     rope_heads: int = 0  # >0: rows permuted inside each of this many heads (half <-> interleaved rotary)
 
 
+#: Our family name -> (architecture, model_type) written on export.
+EXPORT_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gpt2": ("GPT2LMHeadModel", "gpt2")}
+
+
 def family_of(cfg: ModelConfig) -> str:
-    """``llama`` for rmsnorm/swiglu/rope models, ``gpt2`` for layernorm/gelu/learned/biased; else why not."""
+    """The Hugging Face family that expresses ``cfg``, else why none does.
+
+    rmsnorm/swiglu/rope without biases: ``llama`` (Mistral imports land here too: same layout), ``qwen2``
+    with q/k/v biases, ``qwen3`` with q/k norms; layernorm/gelu/learned positions with biases: ``gpt2``.
+    """
     if cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and cfg.pos == "rope" and not cfg.bias:
-        return "llama"
+        if cfg.qk_norm and cfg.attn_qkv_bias:
+            raise ValueError("model.qk_norm with model.attn_qkv_bias: no Hugging Face family has both (Qwen2 has "
+                             "q/k/v biases, Qwen3 q/k norms); export with --format safetensors instead")
+        if cfg.qk_norm:
+            return "qwen3"
+        return "qwen2" if cfg.attn_qkv_bias else "llama"
     if cfg.norm == "layernorm" and cfg.mlp == "gelu" and cfg.pos == "learned" and cfg.bias:
         if cfg.n_kv_head != cfg.n_head:
             raise ValueError(f"model.n_kv_head={cfg.n_kv_head} < n_head={cfg.n_head}: GPT-2 has no grouped-query "
                              "attention; a GPT-2 layout cannot express this model")
+        if cfg.d_head or cfg.qk_norm or cfg.rope_scaling != "none":
+            raise ValueError("model.d_head / qk_norm / rope_scaling: GPT-2 has none of these; export with "
+                             "--format safetensors instead")
         return "gpt2"
     raise ValueError(
         f"no Hugging Face family expresses norm={cfg.norm}, mlp={cfg.mlp}, pos={cfg.pos}, bias={cfg.bias}: "
@@ -65,7 +83,7 @@ def tensor_map(cfg: ModelConfig, family: str | None = None) -> dict[str, Src]:
     fam = family or family_of(cfg)
     m: dict[str, Src] = {}
     d, kvd = cfg.d_model, cfg.n_kv_head * cfg.head_dim
-    if fam == "llama":
+    if fam != "gpt2":  # Llama, Mistral, Qwen2 and Qwen3 share Llama's tensor names
         m["tok_emb.weight"] = Src("model.embed_tokens.weight")
         for i in range(cfg.n_layer):
             a, b = f"layers.{i}.", f"model.layers.{i}."
@@ -73,6 +91,15 @@ def tensor_map(cfg: ModelConfig, family: str | None = None) -> dict[str, Src]:
             m[a + "attn.q.weight"] = Src(b + "self_attn.q_proj.weight", rope_heads=cfg.n_head)
             m[a + "attn.k.weight"] = Src(b + "self_attn.k_proj.weight", rope_heads=cfg.n_kv_head)
             m[a + "attn.v.weight"] = Src(b + "self_attn.v_proj.weight")
+            if cfg.attn_qkv_bias:  # Qwen2: the bias rows follow their weight rows (same rotary permutation)
+                m[a + "attn.q.bias"] = Src(b + "self_attn.q_proj.bias", rope_heads=cfg.n_head)
+                m[a + "attn.k.bias"] = Src(b + "self_attn.k_proj.bias", rope_heads=cfg.n_kv_head)
+                m[a + "attn.v.bias"] = Src(b + "self_attn.v_proj.bias")
+            if cfg.qk_norm:
+                # Qwen3: one (head_dim,) weight per norm, in HF's half-split channel order; ours normalises the
+                # interleaved order, so the weight takes the same in-head permutation as one head of q rows.
+                m[a + "attn.q_norm.weight"] = Src(b + "self_attn.q_norm.weight", rope_heads=1)
+                m[a + "attn.k_norm.weight"] = Src(b + "self_attn.k_norm.weight", rope_heads=1)
             m[a + "attn.o.weight"] = Src(b + "self_attn.o_proj.weight")
             m[a + "mlp_norm.weight"] = Src(b + "post_attention_layernorm.weight")
             m[a + "mlp.gate.weight"] = Src(b + "mlp.gate_proj.weight")
@@ -160,20 +187,27 @@ def to_hf_state(full: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
 
 
 def hf_config_for(cfg: ModelConfig, dtype: torch.dtype, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A transformers ``config.json`` for ``cfg`` (Llama or GPT-2 family); checked by mapping it back."""
+    """A transformers ``config.json`` for ``cfg`` (Llama, Qwen2, Qwen3 or GPT-2 family); checked by mapping it back."""
     fam = family_of(cfg)
     dt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     special = {k: v for k, v in (vocab or {}).items() if v is not None}
-    if fam == "llama":
+    if fam != "gpt2":
+        arch, model_type = EXPORT_ARCH[fam]
         hf: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.d_model,
+            "architectures": [arch], "model_type": model_type, "hidden_size": cfg.d_model,
             "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+            "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling_for(cfg),
             "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "vocab_size": cfg.vocab_size,
             "initializer_range": cfg.init_std, "use_cache": True, "torch_dtype": dt, **special,
         }
+        if fam in ("llama", "qwen3"):
+            hf["attention_bias"] = False
+        if fam == "llama":
+            hf["mlp_bias"] = False
+        if fam in ("qwen2", "qwen3"):
+            hf.update(use_sliding_window=False, sliding_window=None)
     else:
         hf = {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.d_model,
@@ -186,10 +220,25 @@ def hf_config_for(cfg: ModelConfig, dtype: torch.dtype, vocab: dict[str, Any] | 
             "bos_token_id": None, "eos_token_id": None, "torch_dtype": dt, **special,
         }
     back = model_fields_from_hf(hf)
-    for k in ("n_layer", "n_head", "n_kv_head", "d_model", "vocab_size", "norm", "mlp", "pos", "bias"):
+    for k in ("n_layer", "n_head", "n_kv_head", "d_model", "vocab_size", "norm", "mlp", "pos", "bias", "head_dim",
+              "attn_qkv_bias", "qk_norm", "rope_scaling", "rope_factor"):
+        if k == "head_dim":
+            assert (back["d_head"] or back["d_model"] // back["n_head"]) == cfg.head_dim
+            continue
         assert back[k] == getattr(cfg, k), (k, back[k], getattr(cfg, k))
     assert hf_family(hf, "export") == fam
     return hf
+
+
+def _rope_scaling_for(cfg: ModelConfig) -> dict[str, Any] | None:
+    """transformers' ``rope_scaling`` object for our rotary scaling fields (None: plain RoPE)."""
+    if cfg.rope_scaling == "linear":
+        return {"rope_type": "linear", "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "llama3":
+        return {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_pos}
+    return None
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

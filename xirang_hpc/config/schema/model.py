@@ -36,8 +36,25 @@ class ModelConfig:
     # Share the token embedding with the output head (GPT-2 ties them; Llama 3 8B/70B do not).
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Biases on the q, k and v projections only (Qwen2; the output projection stays unbiased). ``bias``
+    # puts biases everywhere (GPT-2) and implies these.
+    attn_qkv_bias: bool = False
+    # Width of one attention head; 0 = d_model/n_head. Qwen3 sets it explicitly (e.g. 128 with d_model
+    # 1024 and 16 heads), so q/k/v are n_head*d_head wide and the output projection maps back to d_model.
+    d_head: int = 0
+    # RMSNorm of each query and key head over its d_head channels, before rotary (Qwen3).
+    qk_norm: bool = False
+    # Rotary frequency rescaling for long contexts: none | linear (positions / rope_factor) | llama3
+    # (Llama 3.1: low frequencies / rope_factor, high ones kept, blended between the wavelengths
+    # rope_original_max_pos / rope_low_freq_factor and rope_original_max_pos / rope_high_freq_factor).
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_pos: int = 8192
     # Weights to initialise from, for fine-tuning: an exported .safetensors file, or a Hugging Face model
-    # directory (Llama or GPT-2 family; its config.json fills model.*, see xirang_hpc/config/hf.py).
+    # directory (Llama, Mistral, Qwen2, Qwen3 or GPT-2 family; its config.json fills model.*, see
+    # xirang_hpc/config/hf.py).
     init_from: str | None = None
 
     def __post_init__(self) -> None:
@@ -53,9 +70,11 @@ class ModelConfig:
             raise ConfigError("model.n_kv_head", self.n_kv_head,
                               f"must divide model.n_head={self.n_head} (each key/value head serves a whole group of "
                               f"query heads); choose from {ok}")
-        if self.d_model % self.n_head:
+        if self.d_head < 0:
+            raise ConfigError("model.d_head", self.d_head, "use a positive head width, or 0 for d_model/n_head")
+        if not self.d_head and self.d_model % self.n_head:
             raise ConfigError(
-                "model.d_model", self.d_model, f"must be divisible by model.n_head={self.n_head}"
+                "model.d_model", self.d_model, f"must be divisible by model.n_head={self.n_head} (or set model.d_head)"
             )
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ConfigError("model.norm", self.norm, "choose layernorm or rmsnorm")
@@ -63,8 +82,20 @@ class ModelConfig:
             raise ConfigError("model.mlp", self.mlp, "choose gelu or swiglu")
         if self.pos not in ("learned", "rope"):
             raise ConfigError("model.pos", self.pos, "choose learned or rope")
-        if self.pos == "rope" and (self.d_model // self.n_head) % 2:
-            raise ConfigError("model.pos", self.pos, "rope needs an even head dimension (d_model/n_head)")
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ConfigError("model.pos", self.pos, "rope needs an even head dimension (d_head or d_model/n_head)")
+        if self.rope_scaling not in ("none", "linear", "llama3"):
+            raise ConfigError("model.rope_scaling", self.rope_scaling, "choose none, linear or llama3")
+        if self.rope_scaling != "none":
+            check_positive("model", "rope_factor", self.rope_factor)
+        if self.rope_scaling == "llama3":
+            check_positive("model", "rope_original_max_pos", self.rope_original_max_pos)
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ConfigError("model.rope_low_freq_factor", self.rope_low_freq_factor,
+                                  f"llama3 rope scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor="
+                                  f"{self.rope_high_freq_factor}")
+        if self.qk_norm and self.norm != "rmsnorm":
+            raise ConfigError("model.qk_norm", self.qk_norm, "q/k norms are RMSNorms: use model.norm=rmsnorm")
         if self.init_from and not str(self.init_from).endswith(".safetensors") and not is_hf_dir(self.init_from):
             raise ConfigError("model.init_from", self.init_from,
                               "point it at a .safetensors file (xirang-ckpt export RUN --format safetensors) or at a "
@@ -72,8 +103,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.d_model // self.n_head
+        """Width of one attention head (``d_head``, or d_model/n_head)."""
+        return self.d_head or self.d_model // self.n_head
 
     @property
     def ffn_dim(self) -> int:
