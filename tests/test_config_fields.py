@@ -119,6 +119,13 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
         "init_std": 0.01, "init_from": "w.safetensors"}.items()},
     "model.rope_theta": (500000.0, identity, ["model.pos=rope"]),
     "model.tie_embeddings": (True, identity, PURE_DP),  # one stage holds embedding and head
+    "model.attn_qkv_bias": (True, identity, []),
+    "model.d_head": (16, identity, []),
+    "model.qk_norm": (True, identity, ["model.norm=rmsnorm"]),
+    "model.rope_scaling": ("linear", identity, ["model.pos=rope"]),
+    "model.rope_factor": (2.0, identity, ["model.pos=rope", "model.rope_scaling=linear"]),
+    **{f"model.{k}": (v, identity, ["model.pos=rope", "model.rope_scaling=llama3", "model.rope_factor=8"])
+       for k, v in {"rope_low_freq_factor": 2.0, "rope_high_freq_factor": 8.0, "rope_original_max_pos": 64}.items()},
     # cluster: the batch script, the hardware preset, the job's threads and backend
     "cluster.name": ("renamed", reads("xirang_hpc.launch.slurm"), []),
     "cluster.executor": ("slurm", reads("xirang_hpc.launch.train_cli"), []),
