@@ -154,13 +154,8 @@ NEW_PRESETS = [("qwen2.5-7b", 7.62), ("qwen3-8b", 8.19), ("llama3.1-8b", 8.03), 
 
 
 @pytest.mark.parametrize("preset,billions", NEW_PRESETS)
-def test_hf_family_presets_compose_count_and_plan(preset: str, billions: float, tmp_path) -> None:
-    """Each preset composes under Hydra, has its published size (model and planner formula agree exactly),
-    and xirang-plan plans it."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def test_hf_family_presets_compose_and_count(preset: str, billions: float) -> None:
+    """Each preset composes under Hydra and has its published size (model and planner formula agree exactly)."""
     from xirang_hpc.models.gpt import full_model_params
     from xirang_hpc.planner.formulas import model_params
 
@@ -174,11 +169,22 @@ def test_hf_family_presets_compose_count_and_plan(preset: str, billions: float, 
         assert cfg.qk_norm and cfg.head_dim == 128
     if preset.startswith("llama3"):
         assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_pos) == ("llama3", 8.0, 8192)
+
+
+@pytest.mark.slow
+def test_hf_family_presets_plan(tmp_path) -> None:
+    """xirang-plan plans each preset on 16 H100 nodes (one command per preset, as a user types it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
     exe = Path(sys.executable).parent / "xirang-plan"
-    r = subprocess.run([str(exe), f"model={preset}", "cluster=h100-ib", "cluster.nodes=16", "train.global_batch=256"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert f"plans for {cfg.n_layer}x{cfg.d_model}" in r.stdout and "recommended" in r.stdout
+    for preset, _ in NEW_PRESETS:
+        cfg = load_config(compose_cfg([f"model={preset}"])).model
+        r = subprocess.run([str(exe), f"model={preset}", "cluster=h100-ib", "cluster.nodes=16",
+                            "train.global_batch=256"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"plans for {cfg.n_layer}x{cfg.d_model}" in r.stdout and "recommended" in r.stdout, preset
 
 
 @pytest.mark.parametrize("fields", [{"attn_qkv_bias": True}, {"qk_norm": True, "d_head": 24},
