@@ -34,6 +34,7 @@ from conftest import compose_cfg
 from xirang_hpc.checkpoint.retention import RetentionPolicy, steps_to_keep
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import GROUPS, XirangConfig
+from xirang_hpc.config.schema.cluster import ContainerConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.launch.executors import local_python
 from xirang_hpc.launch.rundir import run_dir_for
@@ -147,6 +148,8 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "cluster.hardware": ({"peak_tflops": 123.0}, hardware, []),
     "cluster.sites": ([{"name": "alpha"}], REFUSED, []),  # sites are Slurm clusters; cluster=local is not one
     "cluster.site_policy": ("quota", reads("xirang_hpc.launch.sites.placement"), []),
+    "cluster.container": (ContainerConfig(image="/images/train.sif", runtime="apptainer"),
+                          reads("xirang_hpc.slurm.container"), []),
     "cluster.site_stay_s": (60.0, reads("xirang_hpc.launch.sites.placement"), []),
     "cluster.site_migrate_wait_s": (30.0, reads("xirang_hpc.launch.sites.moves"), []),
     "cluster.site_auto_migrate": (False, reads("xirang_hpc.launch.sites.moves"), []),
@@ -298,6 +301,10 @@ def test_a_non_default_value_changes_something_or_is_refused(key: str) -> None:
     changed = [*base_over, f"{key}={_value(value)}"]
     if key == "cluster.hardware":  # a dict: add one entry
         changed = [*base_over, "+cluster.hardware.peak_tflops=123.0"]
+    if dataclasses.is_dataclass(value):  # a nested group: its non-default fields, one override each
+        default = type(value)()
+        changed = [*base_over, *(f"{key}.{f.name}={_value(getattr(value, f.name))}" for f in dataclasses.fields(value)
+                                 if getattr(value, f.name) != getattr(default, f.name))]
     base = _load(base_over)
     assert getattr(getattr(base, group), name) != value, f"{key}: the test value is the default"
     if effect == REFUSED:

@@ -403,3 +403,44 @@ def test_batch_script_killed_the_ranks_tell_it_from_a_cancel(stdlib_data, tmp_pa
     assert stop["saved_step"] == stop["step"] > 0 and _ev(run, "start", 1)[0]["step"] == stop["saved_step"]
     (req,) = _ev(run, "requeue", 0)
     assert req["reason"] == "infra_failure", req
+
+
+# Ranks in a container, through a fake ``apptainer`` on the job's PATH that records its arguments (with the
+# job step and task) and runs the command after the image: no container runtime can be installed here.
+FAKE = """#!/bin/sh
+# A stand-in for apptainer: record, drop its own options and the image, run the command.
+echo "job=$SLURM_JOB_ID step=$SLURM_STEP_ID task=$SLURM_PROCID host=$(hostname) args=$*" >> {log}
+[ "$1" = exec ] && shift
+while [ $# -gt 0 ]; do
+  case "$1" in --nv) shift ;; --bind|--pwd) shift 2 ;; *) break ;; esac
+done
+shift
+exec "$@"
+"""
+
+
+def test_every_rank_start_and_restart_goes_through_the_container_runtime(stdlib_data, tmp_path):
+    bin_dir, log = tmp_path / "bin", tmp_path / "apptainer.log"
+    bin_dir.mkdir()
+    fake = bin_dir / "apptainer"
+    fake.write_text(FAKE.format(log=log))
+    fake.chmod(0o755)
+    image = tmp_path / "train.sif"
+    image.write_bytes(b"not a real image")
+    args = _args(stdlib_data, tmp_path / "runs", "cluster.nodes=1", "cluster.spare_nodes=1", "train.max_steps=30",
+                 "checkpoint.every_steps=10", f"cluster.container.image={image}", "cluster.container.runtime=apptainer",
+                 "cluster.container.nv=false")
+    job, run = _submit(args, env={**PACED, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    _after_checkpoint(run)
+    os.kill(_wait(lambda: rank_pid(run, 0, 1), 30, "rank 1's pid"), signal.SIGKILL)
+    (restart,) = _recovered_inside(job, run)
+    lines = log.read_text().splitlines()
+    steps = sorted({line.split()[1] for line in lines})
+    assert len(steps) == 2, lines  # the first step and the restart's step, nothing else
+    for step in steps:  # 2 ranks each, both wrapped, with the image, the mounts and the working directory
+        mine = [line for line in lines if line.split()[1] == step]
+        assert sorted(line.split()[2] for line in mine) == ["task=0", "task=1"], lines
+        assert all(f"--bind {run.parent}:{run.parent}," in line and str(image) in line and "--nv" not in line
+                   and f"{stdlib_data}:{stdlib_data}" in line and "submitit.core._submit" in line for line in mine)
+    assert not [line for line in lines if "xirang_hpc.launch" in line], "host-side processes went in the container"
+    assert restart["reason"].startswith("dead: rank 1")

@@ -27,13 +27,24 @@ CASES = {
         "cluster.srun_args=['--cpu-bind=none']",
         "train.name=pretrain", "model=gpt2-small", "train.global_batch=64"],
     "sbatch_qos_high.sbatch": ["cluster=site-qos", "train.priority=high", "cluster.account=llm", "train.name=urgent"],
+    "sbatch_pyxis.sbatch": ["cluster=slurm", "cluster.container.image='nvcr.io#nvidia/pytorch:25.01-py3'",
+                            "cluster.container.mounts=[/lustre/shared]", "cluster.container.python=python",
+                            "train.runs_root=/scratch/runs", "data.out_dir=/scratch/data/stdlib-bytes"],
+    "sbatch_apptainer.sbatch": ["cluster=slurm", "cluster.container.image=/images/train.sif",
+                                "cluster.container.runtime=apptainer", "train.runs_root=/scratch/runs",
+                                "data.out_dir=/scratch/data/stdlib-bytes"],
     "sbatch_exploratory.sbatch": ["cluster=testbed", "train.priority=exploratory", "cluster.time_min=120",
                                   "cluster.min_time_min=20", "train.name=explore"],
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_rendered_script_matches_golden(name):
+def test_rendered_script_matches_golden(name, monkeypatch):
+    from xirang_hpc.launch import slurm
+
+    # What a container mounts besides the config's paths: this checkout and its environment, fixed here.
+    monkeypatch.setattr(slurm, "environment_paths", lambda: ["/opt/xirang", "/opt/venv"])
+    monkeypatch.setattr(os, "getcwd", lambda: "/scratch/work")
     cfg = load_config(compose_cfg(CASES[name]))
     text = render(cfg, Path("/scratch/runs/demo"), "/opt/venv/bin/python", "job.sbatch")
     golden = GOLDEN / name

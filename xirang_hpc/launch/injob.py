@@ -96,7 +96,8 @@ def choose_nodes(healthy: list[str], wanted: int, shrink_to: list[int]) -> Plan 
 
 def srun_command(job: Mapping[str, Any], folder: Path, nodes: list[str], attempt: int, python: str,
                  env: Mapping[str, str]) -> list[str]:
-    """The ``srun`` of one attempt: submitit's own step command, placed on ``nodes``."""
+    """The ``srun`` of one attempt: submitit's own step command, placed on ``nodes``; a rank starts as the job
+    file says (``python``: in a container, through its runtime; see slurm/container.py), else with ``python``."""
     out, err = str(folder / "%j_%t_log.out"), str(folder / "%j_%t_log.err")
     if "SLURM_ARRAY_TASK_ID" in env:
         out, err = out.replace("%j", "%A_%a"), err.replace("%j", "%A_%a")
@@ -110,7 +111,7 @@ def srun_command(job: Mapping[str, Any], folder: Path, nodes: list[str], attempt
         # a consumable resource, CR_*_Memory, the new step is otherwise refused: "Memory required by task is
         # not available"). The job's cgroup still limits it to the job's memory.
         cmd += ["--overlap", "--mem=0"]
-    return [*cmd, python, "-u", "-m", "submitit.core._submit", str(folder)]
+    return [*cmd, *job.get("python", [python]), "-u", "-m", "submitit.core._submit", str(folder)]
 
 
 def _ending(events: list[dict], since: float) -> tuple[float, str] | None:

@@ -74,7 +74,7 @@ def _submit_train(cfg: XirangConfig, run_dir: Path, data_dir: Path, dep: str) ->
     folder = run_dir / "submitit"
     slurm.write_job_file(cfg, run_dir)
     slurm.write_run_dir_map(folder, [run_dir], array=False)
-    ex = slurm.make_slurm_executor(cfg.cluster, folder, cfg.train.priority)
+    ex = slurm.make_slurm_executor(cfg.cluster, folder, cfg.train.priority, paths=slurm.container_paths(cfg))
     extra = {**slurm.sbatch_parameters(cfg.cluster, cfg.train.priority)["additional_parameters"], **_dep_params(dep)}
     ex.update_parameters(job_name=f"xirang-{cfg.train.name}-train", additional_parameters=extra)
     job = ex.submit(train_stage, dataclasses.asdict(cfg), str(run_dir), str(data_dir))

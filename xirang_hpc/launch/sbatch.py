@@ -58,14 +58,19 @@ def sbatch_lines(cfg: XirangConfig, run_dir: Path) -> list[str]:
 def render(cfg: XirangConfig, run_dir: Path, python: str, script_path: str = "job.sbatch",
            template: Path = TEMPLATE) -> str:
     """The sbatch script text for ``cfg`` running in ``run_dir`` with interpreter ``python``."""
+    from xirang_hpc.launch.slurm import container_paths, rank_start
+
     c = cfg.cluster
+    # The ranks: in the container when there is one; the supervisor below stays on the host.
+    srun, rank_python = rank_start(c, container_paths(cfg), python)
     values = {
         "script_path": script_path,
         "signal_delay_s": c.signal_delay_s,
         "sbatch_lines": "\n".join(sbatch_lines(cfg, run_dir)),
         "setup": "\n".join(["# setup", *c.setup]) if c.setup else "# setup: none (cluster.setup)",
         "run_dir": shlex.quote(str(run_dir)),
-        "srun_args": "".join(f" {shlex.quote(a)}" for a in c.srun_args),
+        "srun_args": "".join(f" {shlex.quote(a)}" for a in srun),
+        "rank_python": " ".join(shlex.quote(a) for a in rank_python),
         "python": shlex.quote(python),
         "config_path": shlex.quote(str(run_dir / CONFIG_FILE)),
         "map_path": shlex.quote(str(run_dir / "slurm" / "run_dir.json")),

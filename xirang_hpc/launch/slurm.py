@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 import shlex
 import sys
 import time
@@ -23,12 +24,13 @@ from typing import Any
 
 import submitit
 
+import xirang_hpc
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, RequeueConfig, XirangConfig
 from xirang_hpc.config.validate import scheduling_class
 from xirang_hpc.monitor import audit
 from xirang_hpc.monitor.events import append_event, read_events
-from xirang_hpc.slurm import accounting, control, states
+from xirang_hpc.slurm import accounting, container, control, states
 from xirang_hpc.slurm.control import job_state  # noqa: F401 - the launcher's name for it
 from xirang_hpc.slurm.request import SlurmRequest
 
@@ -91,16 +93,44 @@ def injob_lines(folder: Path) -> list[str]:
             line, 'XIRANG_DRIVER_RC=$?', f'{line} --guard "$XIRANG_DRIVER_RC"', "exit $?"]
 
 
+def environment_paths() -> list[str]:
+    """This package's checkout and the Python environment it runs in (a virtualenv and its base interpreter)."""
+    return list(dict.fromkeys([str(Path(xirang_hpc.__file__).resolve().parents[1]), sys.prefix, sys.base_prefix]))
+
+
+def container_paths(cfg: XirangConfig | None = None) -> list[str]:
+    """Host paths the ranks need inside a container: the runs root and data dir of ``cfg``, this package's
+    checkout and its Python environment (the virtualenv and the interpreter it was made from)."""
+    paths = environment_paths()
+    if cfg is not None:
+        root = Path(cfg.train.run_dir).parent if cfg.train.run_dir else Path(cfg.train.runs_root)
+        paths = [str(root.expanduser().absolute()), str(Path(cfg.data.out_dir).expanduser().absolute()), *paths]
+    return paths
+
+
+def rank_start(c: ClusterConfig, paths: list[str], python: str = sys.executable) -> tuple[list[str], list[str]]:
+    """(arguments of the rank ``srun`` step, the command that starts a rank's interpreter) on ``c``: the
+    same for submitit's batch script, the in-job restart's steps and ``xirang-sbatch`` (slurm/container.py)."""
+    wd = os.getcwd()
+    return ([*c.srun_args, *container.srun_args(c, paths, wd)],
+            container.rank_python(c, paths, wd, python))
+
+
 def make_slurm_executor(c: ClusterConfig, folder: Path, priority: str = "normal",
-                        requeue: RequeueConfig | None = None) -> submitit.SlurmExecutor:
+                        requeue: RequeueConfig | None = None,
+                        paths: list[str] | None = None) -> submitit.SlurmExecutor:
     """A submitit SlurmExecutor for ``c``; submitit's own timeout requeue is off (ours decides).
 
     With ``requeue.max_restarts_in_job`` the job is submitted ``--no-kill`` (a failed node leaves the
-    allocation instead of ending the job) and the in-job restart driver runs its steps.
+    allocation instead of ending the job) and the in-job restart driver runs its steps. ``paths``: what a
+    container mounts (:func:`container_paths`).
     """
     check_site_qos(c, priority, site_qos_names())
-    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
+    srun, python = rank_start(c, paths if paths is not None else container_paths())
+    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0, python=" ".join(shlex.quote(a) for a in python))
     params = sbatch_parameters(c, priority)
+    if srun:
+        params["srun_args"] = srun
     if requeue is not None and requeue.max_restarts_in_job > 0:
         params["setup"] = [*params.get("setup", []), *injob_lines(Path(folder))]
         extra = {**params["additional_parameters"], "no_kill": True}
@@ -136,11 +166,12 @@ def write_job_file(cfg: XirangConfig, run_dir: Path) -> None:
     """What the supervisor needs inside the job: the requeue policy and the signal delay."""
     from xirang_hpc.config.elastic import shrink_options
 
+    srun, python = rank_start(cfg.cluster, container_paths(cfg))
     payload = {"requeue": dataclasses.asdict(cfg.requeue), "signal_delay_s": cfg.cluster.signal_delay_s,
                "nodes": cfg.cluster.nodes, "partition": scheduling_class(cfg.cluster, cfg.train.priority)[0],
                # For the in-job restart driver: how each step is placed, and the node counts a shrunk layout allows.
                "tasks_per_node": cfg.cluster.tasks_per_node, "spare_nodes": cfg.cluster.spare_nodes,
-               "srun_args": list(cfg.cluster.srun_args), "shrink_to": shrink_options(cfg), "mem_gb": cfg.cluster.mem_gb,
+               "srun_args": srun, "python": python, "shrink_to": shrink_options(cfg), "mem_gb": cfg.cluster.mem_gb,
                "min_alloc_nodes": min_alloc_nodes(cfg),
                # Recovery from memory: the driver removes the job's node-local copies when the job ends.
                "in_memory": cfg.checkpoint.in_memory, "memory_dir": cfg.checkpoint.memory_dir}
@@ -208,7 +239,7 @@ def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any
         after = claim(run_dir, "slurm", cfg.train.after_active, handover=handover)
         write_job_file(cfg, run_dir)
         write_run_dir_map(folder, [run_dir], array=False)
-        ex = make_slurm_executor(cfg.cluster, folder, cfg.train.priority, cfg.requeue)
+        ex = make_slurm_executor(cfg.cluster, folder, cfg.train.priority, cfg.requeue, container_paths(cfg))
         ex.update_parameters(job_name=f"xirang-{cfg.train.name}")
         extra = dict(ex.parameters.get("additional_parameters") or {})
         if after:

@@ -177,7 +177,8 @@ def _submit_group(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]], 
     # submitit submits a single point as a plain job (no SLURM_ARRAY_TASK_ID): then the map's key is "".
     slurm.write_run_dir_map(folder / "submitit", run_dirs, array=len(run_dirs) > 1)
     c0 = cfgs[0]
-    ex = slurm.make_slurm_executor(c0.cluster, folder / "submitit", c0.train.priority, c0.requeue)
+    ex = slurm.make_slurm_executor(c0.cluster, folder / "submitit", c0.train.priority, c0.requeue,
+                                   sorted({p for c in cfgs for p in slurm.container_paths(c)}))
     ex.update_parameters(job_name=f"xirang-sweep-{c0.train.name}")
     if site is not None:
         ex.update_parameters(additional_parameters={**(ex.parameters.get("additional_parameters") or {}),

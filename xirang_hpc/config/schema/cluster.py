@@ -42,6 +42,31 @@ class SiteConfig:
                               "a site without a shared filesystem needs its own run_root (where runs are copied to)")
 
 
+CONTAINER_RUNTIMES = ("pyxis", "apptainer")
+
+
+@dataclass
+class ContainerConfig:
+    """The container the ranks run in (``cluster.container.*``); the batch script, the in-job restart driver
+    and the supervisor stay on the host. See xirang_hpc/slurm/container.py."""
+
+    image: str = ""  # "" = no container; pyxis: a registry image or a squashfs; apptainer: a .sif
+    runtime: str = "pyxis"  # pyxis (srun --container-image, enroot) | apptainer (apptainer exec)
+    # Host paths mounted at the same place, besides the runs root, the data dir and this package's environment.
+    mounts: list[str] = field(default_factory=list)
+    # The interpreter inside the container; "" = this one's path (the host environment, mounted).
+    python: str = ""
+    nv: bool = True  # apptainer exec --nv: the node's GPUs and driver inside (pyxis does it itself)
+
+    def __post_init__(self) -> None:
+        if self.runtime not in CONTAINER_RUNTIMES:
+            raise ConfigError("cluster.container.runtime", self.runtime,
+                              f"choose one of {', '.join(CONTAINER_RUNTIMES)}")
+        bad = [m for m in self.mounts if not m.startswith("/") or "," in m]
+        if bad:
+            raise ConfigError("cluster.container.mounts", bad, "use absolute host paths (src or src:dst), no commas")
+
+
 @dataclass
 class ClusterConfig:
     """Where the job runs. ``local`` runs submitit's local executor on this machine with a
@@ -64,6 +89,7 @@ class ClusterConfig:
     array_parallelism: int = 256
     setup: list[str] = field(default_factory=list)
     srun_args: list[str] = field(default_factory=list)
+    container: ContainerConfig = field(default_factory=ContainerConfig)
     # Torch intra-op threads per rank; 0 = cores / ranks on this node.
     threads_per_rank: int = 0
     # Local executor, jobs of more than one rank: ranks are forked from one process per job that has imported
