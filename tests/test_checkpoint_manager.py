@@ -46,6 +46,7 @@ def _saver(root: str, start: int, started) -> None:
         started.set()
 
 
+@pytest.mark.slow  # 50 real kill -9 of a saving process: seconds of CPU, a process tier test
 def test_kill_minus_9_at_random_moments_never_leaves_a_bad_latest(tmp_path):
     """>= 50 trials: kill -9 the saver at a random moment; the newest committed checkpoint always verifies
     and loads exactly, leftovers are cleaned, and steps only move forward."""

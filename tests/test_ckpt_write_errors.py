@@ -79,6 +79,7 @@ print("AFTER:", sorted(p.name for p in root.iterdir()), flush=True)
 """
 
 
+@pytest.mark.slow  # real processes filling a real small filesystem
 @pytest.mark.parametrize("how", ["checked", "unchecked", "lzf"])
 def test_full_disk_never_crashes_the_writer(small_fs, how):
     root = small_fs / "ckpt"
