@@ -24,7 +24,7 @@ module decides *how* it lands on disk:
   is stored as a reference (``../step_N/rank_i.h5`` + dataset) instead of a copy.
 
 Nothing read can run code: DCP stores a non-tensor value as a "bytes" item and loads it with
-``torch.load(weights_only=False)``, an unpickling. The writer refuses such items (the checkpoint
+an unpickling ``torch.load`` (weights not only). The writer refuses such items (the checkpoint
 manager keeps non-tensor state out of the DCP state dict, as JSON), and the reader refuses a
 checkpoint whose metadata lists one, and any file that its manifest does not list, before a single
 tensor is read: every file a rank's plan needs is verified first (:meth:`HDF5StorageReader.prepare_local_plan`,
@@ -297,7 +297,7 @@ class HDF5StorageWriter(StorageWriter):
         """Write one DCP item (or record a dedup reference); its storage info for the metadata."""
         name = _dataset_name(item.index)
         if item.type == WriteItemType.BYTE_IO:
-            # DCP would torch.save the value and load it with torch.load(weights_only=False): a pickle.
+            # DCP would torch.save the value and unpickle it on load (a full torch.load): code could run.
             raise TypeError(f"checkpoint item {item.index.fqn!r} is not a tensor; only tensors go through DCP "
                             "(non-tensor state is saved as JSON beside them), so nothing loaded is ever unpickled")
         tensor = planner.resolve_data(item)
@@ -479,7 +479,7 @@ def metadata_from_json(d: dict[str, Any]) -> Metadata:
     sdm: dict[str, Any] = {}
     for fqn, e in d["tensors"].items():
         if e.get("bytes"):
-            # DCP would load it with torch.load(weights_only=False); we never write one.
+            # DCP would unpickle it on load (a full torch.load); we never write one.
             raise ValueError(f"{fqn!r} is a pickled bytes item; a checkpoint we load holds tensors and JSON only "
                              "(a tampered or foreign checkpoint)")
         props = TensorProperties(dtype=dtype_from_str(e["props"]["dtype"]), requires_grad=e["props"]["requires_grad"])
