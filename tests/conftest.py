@@ -24,6 +24,8 @@ from xirang_hpc.runtime.startup import TRAINING_STACK, import_paused
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "xirang_hpc" / "conf")
 TIERS = ("unit", "slow", "slurm")
+# The users' own audit trails of the commands the tests run go to a scratch state directory, not ~.
+os.environ.setdefault("XDG_STATE_HOME", f"/tmp/xirang-test-state-{os.getuid()}")
 
 
 @contextlib.contextmanager

@@ -78,11 +78,13 @@ def test_status_prints_the_record_and_the_difference_of_two_runs(tmp_path, capsy
     assert status_main([str(a), "--env-diff"]) == 2
 
 
-def test_the_audit_trail_names_who_did_what_in_the_run_the_users_trail_and_syslog(tmp_path, capsys) -> None:
+def test_the_audit_trail_names_who_did_what_in_the_run_the_users_trail_and_syslog(tmp_path, capsys,
+                                                                                     monkeypatch) -> None:
     import os
 
     from xirang_hpc.monitor import audit
 
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     run = tmp_path / "runs" / "exp"
     run.mkdir(parents=True)
     sent: list[str] = []
@@ -92,10 +94,12 @@ def test_the_audit_trail_names_who_did_what_in_the_run_the_users_trail_and_syslo
     assert [r["action"] for r in rows] == ["launch", "export"]
     assert rows[0]["job"] == "123" and rows[0]["uid"] == os.getuid() and rows[0]["argv"] == ["model=tiny"]
     assert rows[0]["run"] == str(run) and rows[1]["step"] == 4
-    assert [json.loads(x)["action"] for x in audit.user_file(tmp_path / "runs").read_text().splitlines()] == \
+    assert [json.loads(x)["action"] for x in audit.user_file().read_text().splitlines()] == \
         ["launch", "export"]
     assert len(sent) == 2 and "action=launch" in sent[0] and f"run={run}" in sent[0] and "job=123" in sent[0]
     assert (run / audit.AUDIT_FILE).stat().st_mode & 0o777 == 0o600
+    assert audit.user_file() == tmp_path / "state" / "xirang-hpc" / "audit.jsonl"
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["exp"]  # the runs root holds runs only
     assert status_main([str(run), "--audit"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and "launch" in out[0] and "job=123" in out[0] and "format=hf" in out[1]

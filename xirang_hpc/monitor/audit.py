@@ -1,4 +1,4 @@
-"""Who did what to a run: ``audit.jsonl`` in the run, one per user under the runs root, and syslog.
+"""Who did what to a run: ``audit.jsonl`` in the run, the user's own trail, and syslog.
 
 The commands write it themselves, so a record exists even when the job never starts: a launch (with
 the command line and the job id), a cancel by the launcher, a requeue by the supervisor, a fork, an
@@ -46,9 +46,14 @@ def _user() -> str:
         return str(os.getuid())
 
 
-def user_file(runs_root: Path) -> Path:
-    """The per-user trail under a runs root: every action of this user on any run there."""
-    return Path(runs_root) / f".audit-{_user()}.jsonl"
+def user_file() -> Path:
+    """The user's own trail: every action of this user on any run, in any runs root.
+
+    It lives in the user's state directory (``$XDG_STATE_HOME/xirang-hpc``, by default
+    ``~/.local/state/xirang-hpc``), not in a runs root, which holds runs and nothing else.
+    """
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "xirang-hpc" / AUDIT_FILE
 
 
 def _append(path: Path, line: bytes) -> None:
@@ -61,7 +66,7 @@ def _append(path: Path, line: bytes) -> None:
 
 def record(run_dir: Path | str, action: str, job: str | None = None, *, to_syslog: Callable[[str], None] = _syslog,
            **details: Any) -> dict[str, Any]:
-    """Append one action on ``run_dir`` to its ``audit.jsonl``, the user's trail beside it and syslog.
+    """Append one action on ``run_dir`` to its ``audit.jsonl``, the user's own trail and syslog.
 
     Never raises for a trail it cannot write (a run directory shared read-only with this user: the user's
     own trail and syslog still get it).
@@ -71,8 +76,10 @@ def record(run_dir: Path | str, action: str, job: str | None = None, *, to_syslo
                            "action": action, "run": str(run), "job": job or os.environ.get("SLURM_JOB_ID"),
                            **details}
     line = (json.dumps(row, default=str) + "\n").encode()
-    for path in (run / AUDIT_FILE, user_file(run.parent)):
+    for path in (run / AUDIT_FILE, user_file()):
         try:
+            if path.parent != run:
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             _append(path, line)
         except OSError:
             continue
