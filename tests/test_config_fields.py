@@ -119,6 +119,12 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
         "init_std": 0.01, "init_from": "w.safetensors"}.items()},
     "model.rope_theta": (500000.0, identity, ["model.pos=rope"]),
     "model.tie_embeddings": (True, identity, PURE_DP),  # one stage holds embedding and head
+    # mixture of experts: data-parallel only, SwiGLU experts
+    "model.moe_experts": (4, identity, ["model.mlp=swiglu", *PURE_DP, "parallel.tp=1"]),
+    **{f"model.{k}": (v, identity, ["model.mlp=swiglu", "model.moe_experts=8", *PURE_DP, "parallel.tp=1"])
+       for k, v in {"moe_top_k": 1, "moe_ffn_hidden": 64, "moe_shared_ffn_hidden": 64, "moe_score": "sigmoid",
+                    "moe_norm_topk": False, "moe_balance": "bias", "moe_aux_coef": 0.001, "moe_bias_rate": 0.01,
+                    "moe_every": 2, "moe_first_dense": 1}.items()},
     # cluster: the batch script, the hardware preset, the job's threads and backend
     "cluster.name": ("renamed", reads("xirang_hpc.launch.slurm"), []),
     "cluster.executor": ("slurm", reads("xirang_hpc.launch.train_cli"), []),

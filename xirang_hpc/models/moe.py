@@ -135,12 +135,15 @@ class MoE(nn.Module):
                 self.load_since_update.add_(counts)
         xs = x2[token]  # (N*k, d), expert 0's slots first, then expert 1's, ...
         # One host sync for the split sizes; then each expert runs on one contiguous slice.
+        # unbind, not w1[e]: indexing a parameter E times makes E full-size (E, ffn, d) zero gradients in
+        # backward; unbind's backward stacks the per-expert gradients once.
+        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)  # E x (ffn, d), (ffn, d), (d, ffn)
         outs = []
         for e, xe in enumerate(torch.split(xs, counts.tolist())):  # xe: (n_e, d)
             if xe.shape[0] == 0:
                 continue
-            h = F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e])  # (n_e, ffn)
-            outs.append(F.linear(h, self.w2[e]))  # (n_e, d)
+            h = F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e])  # (n_e, ffn)
+            outs.append(F.linear(h, w2[e]))  # (n_e, d)
         ys = torch.cat(outs) * w.reshape(-1)[order].unsqueeze(-1)  # (N*k, d), weighted as Hugging Face: after down
         out = torch.zeros_like(x2).index_add_(0, token, ys)  # (N, d): sum of each token's k expert outputs
         if self.shared is not None:
