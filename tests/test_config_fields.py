@@ -127,6 +127,12 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "model.rope_factor": (2.0, identity, ["model.pos=rope", "model.rope_scaling=linear"]),
     **{f"model.{k}": (v, identity, ["model.pos=rope", "model.rope_scaling=llama3", "model.rope_factor=8"])
        for k, v in {"rope_low_freq_factor": 2.0, "rope_high_freq_factor": 8.0, "rope_original_max_pos": 64}.items()},
+    # mixture of experts: data-parallel only, SwiGLU experts
+    "model.moe_experts": (4, identity, ["model.mlp=swiglu", *PURE_DP, "parallel.tp=1"]),
+    **{f"model.{k}": (v, identity, ["model.mlp=swiglu", "model.moe_experts=8", *PURE_DP, "parallel.tp=1"])
+       for k, v in {"moe_top_k": 1, "moe_ffn_hidden": 64, "moe_shared_ffn_hidden": 64, "moe_score": "sigmoid",
+                    "moe_norm_topk": False, "moe_balance": "bias", "moe_aux_coef": 0.001, "moe_bias_rate": 0.01,
+                    "moe_every": 2, "moe_first_dense": 1}.items()},
     # cluster: the batch script, the hardware preset, the job's threads and backend
     "cluster.name": ("renamed", reads("xirang_hpc.launch.slurm"), []),
     "cluster.executor": ("slurm", reads("xirang_hpc.launch.train_cli"), []),

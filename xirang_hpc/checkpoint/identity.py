@@ -38,7 +38,11 @@ MODEL_DEFAULTS = {"norm_eps": 1e-5, "rope_theta": 10000.0, "tie_embeddings": Fal
                   # The Qwen/Llama 3.1 options: off by default, so earlier runs keep their keys too.
                   "attn_qkv_bias": False, "d_head": 0, "qk_norm": False, "rope_scaling": "none",
                   "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-                  "rope_original_max_pos": 8192}
+                  "rope_original_max_pos": 8192,
+                  # Mixture of experts: a dense model (0 experts) keeps the key it had before MoE existed.
+                  "moe_experts": 0, "moe_top_k": 2, "moe_ffn_hidden": 0, "moe_shared_ffn_hidden": 0,
+                  "moe_score": "softmax", "moe_norm_topk": True, "moe_balance": "aux_loss", "moe_aux_coef": 0.01,
+                  "moe_bias_rate": 0.001, "moe_every": 1, "moe_first_dense": 0}
 
 
 def tokenizer_identity(spec: str, bpe_vocab: int) -> dict[str, object]:

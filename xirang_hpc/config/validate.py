@@ -172,6 +172,10 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             t.warmup_steps,
             f"must not exceed train.max_steps={t.max_steps}; lower train.warmup_steps",
         )
+    if m.moe_experts and (p.pp > 1 or p.tp > 1):
+        field, value = ("parallel.pp", p.pp) if p.pp > 1 else ("parallel.tp", p.tp)
+        raise ConfigError(field, value, "mixture-of-experts models train data-parallel only for now (no pipeline "
+                          "stages, tensor or expert parallelism); use parallel.pp=1 parallel.tp=1")
     if m.tie_embeddings and p.pp > 1:
         raise ConfigError(
             "model.tie_embeddings",

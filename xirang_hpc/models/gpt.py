@@ -19,6 +19,7 @@ from torch import nn
 
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.init import init_parameters
+from xirang_hpc.models.moe import MoE, load_balancing_loss
 
 
 class RMSNorm(nn.Module):
@@ -161,12 +162,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, moe: bool = False) -> None:
         super().__init__()
         self.attn_norm = _norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = _norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg) if moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C)."""
@@ -193,7 +194,7 @@ class GPT(nn.Module):
         self.pos_emb: nn.Embedding | None = (
             nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.pos == "learned" else None
         )
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i in cfg.moe_layers) for i in range(cfg.n_layer)})
         self.norm: nn.Module | None = _norm(cfg)
         self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -213,6 +214,8 @@ class GPT(nn.Module):
             cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta, self.cfg)
             self.rope_cos = cos.to(self.rope_cos.device)
             self.rope_sin = sin.to(self.rope_sin.device)
+        for m in self.moe_blocks():
+            m.reset_buffers()
 
     def reset_parameters(self, seed: int | None = None) -> None:
         """GPT-2 init: N(0, init_std), residual output projections scaled by 1/sqrt(2L), norms one, biases zero.
@@ -251,6 +254,34 @@ class GPT(nn.Module):
             model = cls(cfg)
         model.materialize(device, seed=None)
         return model
+
+    def moe_blocks(self) -> list[MoE]:
+        """The mixture-of-experts feed-forwards this model (stage) holds, in block order."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        """``moe_aux_coef`` * the load-balancing loss of the last forward over all MoE blocks; None if not used."""
+        blocks = self.moe_blocks()
+        if not blocks or self.cfg.moe_balance != "aux_loss":
+            return None
+        logits = [m.router_logits for m in blocks if m.router_logits is not None]
+        return self.cfg.moe_aux_coef * load_balancing_loss(logits, self.cfg.moe_experts, self.cfg.moe_top_k)
+
+    @torch.no_grad()
+    def moe_after_step(self) -> None:
+        """After ``optimizer.step()``: the expert-bias update of bias balancing (a no-op otherwise).
+
+        The loads are summed over all ranks first when a process group is up, so every replica
+        takes the same bias step and the replicas stay identical.
+        """
+        blocks = self.moe_blocks()
+        if not blocks or self.cfg.moe_balance != "bias":
+            return
+        loads = torch.stack([m.load_since_update for m in blocks])  # (n_moe, E)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(loads)
+        for m, load in zip(blocks, loads, strict=True):
+            m.update_bias(load)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, V); or hidden (B, T, C) on later stages."""

@@ -37,7 +37,8 @@ from xirang_hpc.config.schema import ModelConfig
 # Elements per generated block: 4 MiB of fp32. Part of the definition of the initial values (the
 # row-block split depends on it), so changing it changes every seed's weights.
 BLOCK_ELEMS = 1 << 20
-_RESIDUAL = ("attn.o.weight", "mlp.down.weight")
+# Residual output projections, dense and mixture-of-experts (stacked experts' down, shared expert's down).
+_RESIDUAL = ("attn.o.weight", "mlp.down.weight", "mlp.w2", "mlp.shared.down.weight")
 
 
 def param_init(cfg: ModelConfig, name: str, ndim: int) -> tuple[str, float]:

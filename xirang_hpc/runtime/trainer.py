@@ -182,7 +182,11 @@ class Trainer:
                     self.model.set_requires_gradient_sync(last or self.pm.zero >= 2)  # type: ignore[operator]
                 with ctx:
                     self.phase("forward")
-                    loss = lm_loss(self.ddp(xs), ys) / self.accum
+                    loss = lm_loss(self.ddp(xs), ys)
+                    aux = self.model.moe_aux_loss() if self.cfg.model.moe_experts else None  # type: ignore[operator]
+                    if aux is not None:  # MoE load balancing: part of the loss that is minimised
+                        loss = loss + aux
+                    loss = loss / self.accum
                     # DDP's all-reduce overlaps with backward; "backward" covers both.
                     self.phase("backward")
                     loss.backward()
@@ -190,6 +194,8 @@ class Trainer:
         self.phase("optimizer")
         mean_loss, gnorm = clip_and_reduce(self.pm, t.grad_clip, loss_sum, self._grads_replicated(), reduce_loss)
         self.opt.step()
+        if self.cfg.model.moe_experts:
+            self.model.moe_after_step()  # type: ignore[operator]  # expert-bias balancing, after the weights move
         self.opt.zero_grad(set_to_none=True)
         return mean_loss, gnorm
 

@@ -56,6 +56,18 @@ class ModelConfig:
     # directory (Llama, Mistral, Qwen2, Qwen3 or GPT-2 family; its config.json fills model.*, see
     # xirang_hpc/config/hf.py).
     init_from: str | None = None
+    # Mixture of experts (xirang_hpc/models/moe.py): 0 experts = a dense MLP in every block.
+    moe_experts: int = 0
+    moe_top_k: int = 2  # experts per token
+    moe_ffn_hidden: int = 0  # one expert's SwiGLU width; 0 = the dense width (ffn_dim)
+    moe_shared_ffn_hidden: int = 0  # width of a dense shared SwiGLU expert added to every token; 0 = none
+    moe_score: str = "softmax"  # softmax | sigmoid: router scores, computed in fp32
+    moe_norm_topk: bool = True  # renormalise the top-k weights to sum to one (Mixtral; Qwen3-MoE's norm_topk_prob)
+    moe_balance: str = "aux_loss"  # aux_loss | bias | none
+    moe_aux_coef: float = 0.01  # weight of the load-balancing loss (router_aux_loss_coef; aux_loss only)
+    moe_bias_rate: float = 0.001  # expert-bias update speed per optimizer step (bias only)
+    moe_every: int = 1  # every moe_every-th block is MoE (1 = all; 2 = blocks 1, 3, 5, ...)
+    moe_first_dense: int = 0  # the first moe_first_dense blocks stay dense (DeepSeek's first_k_dense_replace)
 
     def __post_init__(self) -> None:
         check_finite("model", self)
@@ -96,10 +108,58 @@ class ModelConfig:
                                   f"{self.rope_high_freq_factor}")
         if self.qk_norm and self.norm != "rmsnorm":
             raise ConfigError("model.qk_norm", self.qk_norm, "q/k norms are RMSNorms: use model.norm=rmsnorm")
+        self._check_moe()
         if self.init_from and not str(self.init_from).endswith(".safetensors") and not is_hf_dir(self.init_from):
             raise ConfigError("model.init_from", self.init_from,
                               "point it at a .safetensors file (xirang-ckpt export RUN --format safetensors) or at a "
                               "Hugging Face model directory (config.json + model.safetensors or its index)")
+
+    def _check_moe(self) -> None:
+        defaults = {"moe_top_k": 2, "moe_ffn_hidden": 0, "moe_shared_ffn_hidden": 0, "moe_score": "softmax",
+                    "moe_norm_topk": True, "moe_balance": "aux_loss", "moe_aux_coef": 0.01, "moe_bias_rate": 0.001,
+                    "moe_every": 1, "moe_first_dense": 0}
+        if self.moe_experts < 0:
+            raise ConfigError("model.moe_experts", self.moe_experts, "use a positive expert count, or 0 for dense")
+        if self.moe_experts == 0:
+            for name, default in defaults.items():
+                if getattr(self, name) != default:
+                    raise ConfigError(f"model.{name}", getattr(self, name),
+                                      "is a mixture-of-experts setting but model.moe_experts=0 (dense); "
+                                      "set model.moe_experts or drop it")
+            return
+        if self.mlp != "swiglu":
+            raise ConfigError("model.mlp", self.mlp, "MoE experts are SwiGLU: set model.mlp=swiglu")
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ConfigError("model.moe_top_k", self.moe_top_k,
+                              f"must be between 1 and model.moe_experts={self.moe_experts}")
+        for name in ("moe_ffn_hidden", "moe_shared_ffn_hidden", "moe_first_dense"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name}", getattr(self, name), "must be >= 0")
+        if self.moe_every < 1:
+            raise ConfigError("model.moe_every", self.moe_every, "must be >= 1 (1 = every block is MoE)")
+        if not self.moe_layers:
+            raise ConfigError("model.moe_first_dense", self.moe_first_dense,
+                              f"with model.moe_every={self.moe_every} and model.n_layer={self.n_layer} no block is MoE")
+        if self.moe_score not in ("softmax", "sigmoid"):
+            raise ConfigError("model.moe_score", self.moe_score, "choose softmax or sigmoid")
+        if self.moe_balance not in ("aux_loss", "bias", "none"):
+            raise ConfigError("model.moe_balance", self.moe_balance, "choose aux_loss, bias or none")
+        for name in ("moe_aux_coef", "moe_bias_rate"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name}", getattr(self, name), "must be >= 0")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the blocks whose feed-forward is a mixture of experts (empty for a dense model)."""
+        if not self.moe_experts:
+            return ()
+        return tuple(i for i in range(self.moe_first_dense, self.n_layer)
+                     if (i - self.moe_first_dense) % self.moe_every == self.moe_every - 1)
+
+    @property
+    def moe_ffn_dim(self) -> int:
+        """Hidden width of one expert."""
+        return self.moe_ffn_hidden or self.ffn_dim
 
     @property
     def head_dim(self) -> int:

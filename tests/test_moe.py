@@ -1,0 +1,219 @@
+"""The mixture-of-experts block against transformers' own Qwen3-MoE and Mixtral blocks, and its balancing."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from parallel_harness import make_cfg, topology
+
+from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.schema import ModelConfig
+from xirang_hpc.models.gpt import GPT, lm_loss
+from xirang_hpc.models.moe import MoE, load_balancing_loss
+
+D, FFN = 32, 16
+
+
+def _cfg(**kw: object) -> ModelConfig:
+    base = dict(name="t", n_layer=2, n_head=4, d_model=D, seq_len=16, norm="rmsnorm", mlp="swiglu", pos="rope",
+                bias=False, moe_experts=8, moe_top_k=2, moe_ffn_hidden=FFN)
+    base.update(kw)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def _copy_from_hf(ours: MoE, hf: torch.nn.Module) -> None:
+    """transformers >= 5 stacks experts as gate_up_proj (E, 2*ffn, d) and down_proj (E, d, ffn)."""
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        gate, up = hf.experts.gate_up_proj.chunk(2, dim=1)  # (E, ffn, d) each
+        ours.w1.copy_(gate)
+        ours.w3.copy_(up)
+        ours.w2.copy_(hf.experts.down_proj)
+
+
+@pytest.mark.parametrize("experts,norm", [(4, True), (8, False), (8, True)])
+def test_equals_qwen3_moe_block_and_its_aux_loss(experts: int, norm: bool) -> None:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, load_balancing_loss_func
+
+    torch.manual_seed(0)
+    hc = Qwen3MoeConfig(hidden_size=D, num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=FFN,
+                        norm_topk_prob=norm)
+    hf = Qwen3MoeSparseMoeBlock(hc).float()
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ours = MoE(_cfg(moe_experts=experts, moe_norm_topk=norm))
+    _copy_from_hf(ours, hf)
+    x = torch.randn(3, 10, D)
+    torch.testing.assert_close(ours(x), hf(x), atol=1e-5, rtol=1e-5)
+    hf_logits = hf.gate(x)[0]
+    assert ours.router_logits is not None
+    torch.testing.assert_close(ours.router_logits, hf_logits, atol=1e-5, rtol=1e-5)
+    x2 = torch.randn(2, 7, D)  # a second layer's logits: the loss pools rows over layers
+    ours(x2)
+    l2 = ours.router_logits
+    theirs = load_balancing_loss_func((hf_logits, hf.gate(x2)[0]), experts, 2)
+    torch.testing.assert_close(load_balancing_loss([hf_logits, l2], experts, 2), theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_equals_mixtral_block() -> None:
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
+
+    torch.manual_seed(1)
+    hc = MixtralConfig(hidden_size=D, num_local_experts=8, num_experts_per_tok=2, intermediate_size=FFN)
+    hf = MixtralSparseMoeBlock(hc).float().eval()
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ours = MoE(_cfg(moe_norm_topk=True)).eval()
+    _copy_from_hf(ours, hf)
+    x = torch.randn(2, 9, D)
+    torch.testing.assert_close(ours(x), hf(x), atol=1e-5, rtol=1e-5)
+    logits = hf.gate(x.view(-1, D))[0]
+    torch.testing.assert_close(ours.router_logits, logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(load_balancing_loss([logits], 8, 2), load_balancing_loss_func((logits,), 8, 2),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_shared_expert_is_added() -> None:
+    torch.manual_seed(2)
+    with_shared = MoE(_cfg(moe_shared_ffn_hidden=24))
+    plain = MoE(_cfg())
+    for p in (*with_shared.parameters(), *plain.parameters()):
+        torch.nn.init.normal_(p, std=0.2)
+    plain.load_state_dict({k: v for k, v in with_shared.state_dict().items() if not k.startswith("shared.")})
+    x = torch.randn(2, 5, D)
+    assert with_shared.shared is not None
+    torch.testing.assert_close(with_shared(x), plain(x) + with_shared.shared(x), atol=1e-6, rtol=1e-6)
+
+
+def test_counts_sum_to_tokens_times_top_k_and_imbalance() -> None:
+    torch.manual_seed(3)
+    m = MoE(_cfg(moe_top_k=3))
+    torch.nn.init.normal_(m.gate.weight)
+    m(torch.randn(4, 6, D))
+    assert int(m.tokens_per_expert.sum()) == 4 * 6 * 3
+    assert 1.0 <= m.load_imbalance() <= 8 / 3 + 1e-6
+
+
+def test_bias_update_moves_toward_balance() -> None:
+    m = MoE(_cfg(moe_balance="bias", moe_bias_rate=0.1, moe_experts=4))
+    m.update_bias(torch.tensor([10.0, 0.0, 5.0, 5.0]))  # mean 5: expert 0 over, 1 under, 2 and 3 on the mean
+    torch.testing.assert_close(m.expert_bias, torch.tensor([-0.1, 0.1, 0.0, 0.0]))
+    # The bias steers the choice only: a large bias on expert 3 makes every token pick it, with its own weight.
+    with torch.no_grad():
+        m.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 100.0]))
+    x = torch.randn(5, D)
+    _, w, idx = m.route(x)
+    assert (idx == 3).any(dim=-1).all()
+    m.balance = "none"
+    torch.testing.assert_close(w.sum(-1), torch.ones(5))
+    assert "expert_bias" in m.state_dict()
+
+
+def test_bias_balancing_in_a_model_updates_after_step() -> None:
+    torch.manual_seed(4)
+    m = GPT(_cfg(vocab_size=64, moe_balance="bias"))
+    m(torch.randint(0, 64, (2, 16)))
+    m.moe_after_step()
+    blocks = m.moe_blocks()
+    assert len(blocks) == 2 and all(b.expert_bias.abs().sum() > 0 for b in blocks)
+    assert all(b.load_since_update.sum() == 0 for b in blocks)
+    assert m.moe_aux_loss() is None
+
+
+def test_backward_reaches_selected_experts_and_the_gate() -> None:
+    torch.manual_seed(5)
+    m = MoE(_cfg(moe_experts=8, moe_top_k=1))
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(1, 3, D, requires_grad=True)  # 3 tokens, 1 expert each: at most 3 of 8 experts used
+    m(x).pow(2).sum().backward()
+    used = m.tokens_per_expert > 0
+    assert m.w1.grad is not None and m.w2.grad is not None and m.gate.weight.grad is not None
+    assert (m.w1.grad[used].abs().sum(dim=(1, 2)) > 0).all()
+    assert (m.w1.grad[~used] == 0).all() and (m.w2.grad[~used] == 0).all()
+    assert m.gate.weight.grad.abs().sum() > 0 and x.grad is not None
+
+
+def test_moe_gpt_layers_and_aux_loss() -> None:
+    cfg = _cfg(n_layer=4, moe_every=2, vocab_size=64)
+    assert cfg.moe_layers == (1, 3)
+    m = GPT(cfg)
+    assert [type(b.mlp).__name__ for b in m.layers.values()] == ["MLP", "MoE", "MLP", "MoE"]
+    m(torch.randint(0, 64, (2, 16)))
+    aux = m.moe_aux_loss()
+    assert aux is not None and aux.requires_grad
+    assert _cfg(n_layer=4, moe_first_dense=1).moe_layers == (1, 2, 3)
+    dense = ModelConfig(name="d", mlp="swiglu")
+    assert dense.moe_layers == () and GPT(dense).moe_aux_loss() is None
+
+
+def test_meta_build_then_materialize_zeroes_moe_buffers() -> None:
+    with torch.device("meta"):
+        m = GPT(_cfg(vocab_size=64, moe_balance="bias"))
+    m.materialize("cpu", seed=0)
+    assert all(b.expert_bias.eq(0).all() for b in m.moe_blocks())
+    assert m(torch.randint(0, 64, (1, 8))).isfinite().all()
+
+
+def test_tiny_moe_gpt_trains_through_the_trainer(stdlib_data: Path, tmp_path: Path) -> None:
+    from xirang_hpc.runtime.trainer import Trainer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = {"norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False, "n_layer": 2,
+                 "moe_experts": 4, "moe_top_k": 2, "moe_ffn_hidden": 32, "moe_aux_coef": 0.01}
+        cfg = make_cfg(1, {}, steps=20, model=model, train={"grad_clip": 1.0})
+        tr = Trainer(cfg, topology(0, 1, port), tmp_path, stdlib_data, log=lambda s: None)
+        losses = [tr.train_step(s)[0] for s in range(12)]
+        assert losses[-1] < losses[0] - 0.3, losses
+        assert sum(int(b.tokens_per_expert.sum()) for b in tr.model.moe_blocks()) > 0  # type: ignore[operator]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_aux_loss_reaches_the_gate_gradient() -> None:
+    torch.manual_seed(6)
+    m = GPT(_cfg(vocab_size=64, moe_aux_coef=1.0))
+    x = torch.randint(0, 64, (2, 16))
+    lm_loss(m(x), x).backward()
+    g_lm = m.layers["0"].mlp.gate.weight.grad.clone()
+    m.zero_grad()
+    out = m(x)
+    (lm_loss(out, x) + m.moe_aux_loss()).backward()
+    assert not torch.allclose(m.layers["0"].mlp.gate.weight.grad, g_lm)
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"moe_top_k": 9}, "model.moe_top_k"),
+    ({"moe_top_k": 0}, "model.moe_top_k"),
+    ({"moe_experts": 0, "moe_top_k": 4}, "model.moe_top_k"),
+    ({"moe_experts": 0, "moe_ffn_hidden": 0, "moe_balance": "bias"}, "model.moe_balance"),
+    ({"moe_experts": -1}, "model.moe_experts"),
+    ({"moe_score": "relu"}, "model.moe_score"),
+    ({"moe_balance": "loss"}, "model.moe_balance"),
+    ({"mlp": "gelu"}, "model.mlp"),
+    ({"moe_every": 0}, "model.moe_every"),
+    ({"moe_first_dense": 2}, "model.moe_first_dense"),
+    ({"moe_aux_coef": -1.0}, "model.moe_aux_coef"),
+])
+def test_bad_moe_settings_name_the_field(kw: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        _cfg(**kw)
+    assert field in str(e.value)
+
+
+def test_moe_refuses_pipeline_and_tensor_parallel() -> None:
+    model = {"mlp": "swiglu", "moe_experts": 4}
+    with pytest.raises(ConfigError, match="parallel.pp"):
+        make_cfg(2, {"pp": 2}, model=model)
+    with pytest.raises(ConfigError, match="parallel.tp"):
+        make_cfg(2, {"tp": 2}, model=model)

@@ -1,0 +1,167 @@
+"""A Mixture-of-Experts feed-forward block (token-choice top-k routing over SwiGLU experts).
+
+The block replaces a dense MLP: a linear router without bias scores every token against every
+expert, each token goes to its ``top_k`` best experts and the output is the routing-weighted sum
+of those experts' SwiGLU outputs (plus an optional dense shared expert, as in Qwen2-MoE and
+DeepSeek). It computes what Hugging Face's ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``
+compute, with a different dispatch: tokens are sorted by expert once (an argsort of the flat
+top-k indices) and every expert runs one matmul chain on its contiguous slice, instead of a
+one-hot mask and a ``torch.where`` per expert.
+
+Expert weights are stacked per expert so that they map one to one onto Hugging Face's per-expert
+tensors: ``w1[e]`` is ``experts.{e}.gate_proj.weight`` (ffn, d), ``w3[e]`` is ``up_proj`` (ffn, d)
+and ``w2[e]`` is ``down_proj`` (d, ffn); transformers >= 5 fuses them as
+``gate_up_proj = cat(w1, w3, dim=1)`` and ``down_proj = w2``.
+
+Load balancing, one of:
+
+- ``aux_loss``: the Switch-Transformer auxiliary loss exactly as transformers'
+  ``load_balancing_loss_func`` computes it over all MoE layers (:func:`load_balancing_loss`),
+  added to the language-model loss times ``moe_aux_coef`` (:meth:`GPT.moe_aux_loss`);
+- ``bias``: auxiliary-loss-free balancing (DeepSeek-V3): a non-trainable per-expert bias is added
+  to the scores for the top-k *selection* only (the weights still come from the unbiased scores),
+  and after every optimizer step ``bias += rate * sign(mean_load - load)`` (:meth:`MoE.update_bias`);
+- ``none``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xirang_hpc.config.schema import ModelConfig
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU feed-forward without biases (the shared expert), named as Hugging Face's MLPs."""
+
+    def __init__(self, d: int, ffn: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, ffn, bias=False)
+        self.up = nn.Linear(d, ffn, bias=False)
+        self.down = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., d) -> (..., d)."""
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss over all layers, as transformers' ``load_balancing_loss_func``.
+
+    ``router_logits``: one (N, E) tensor per MoE layer. Counts and probabilities are summed over
+    *all* layers' rows before the product (not a mean of per-layer losses), which is what
+    Hugging Face does for Mixtral and Qwen-MoE: ``E * sum_e f_e * P_e`` with ``f_e`` the top-k
+    assignments of expert e per row and ``P_e`` its mean softmax probability. Only ``P`` carries
+    gradient (the counts come from a top-k).
+    """
+    dev = router_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    rows = 0
+    for logits in router_logits:
+        # Softmax in fp32 whatever the routing score is: the loss is defined on softmax probabilities.
+        p = torch.softmax(logits.float(), dim=-1)  # (N, E)
+        idx = torch.topk(p, top_k, dim=-1).indices  # (N, k)
+        counts = counts + torch.bincount(idx.reshape(-1), minlength=num_experts).float()  # (E,)
+        probs = probs + p.sum(dim=0)  # (E,)
+        rows += p.shape[0]
+    return num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (+ optional shared expert): (B, T, d) -> (B, T, d).
+
+    After each forward: ``router_logits`` (N, E) of that forward (for the auxiliary loss),
+    ``tokens_per_expert`` (E,) assignments of that forward (a non-persistent buffer, for logging)
+    and :meth:`load_imbalance` (max/mean of those counts; 1.0 is perfectly balanced).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, ffn, e = cfg.d_model, cfg.moe_ffn_dim, cfg.moe_experts
+        self.num_experts, self.top_k = e, cfg.moe_top_k
+        self.score, self.norm_topk, self.balance = cfg.moe_score, cfg.moe_norm_topk, cfg.moe_balance
+        self.bias_rate = cfg.moe_bias_rate
+        self.gate = nn.Linear(d, e, bias=False)  # the router: weight (E, d)
+        self.w1 = nn.Parameter(torch.empty(e, ffn, d))  # gate_proj per expert
+        self.w3 = nn.Parameter(torch.empty(e, ffn, d))  # up_proj per expert
+        self.w2 = nn.Parameter(torch.empty(e, d, ffn))  # down_proj per expert
+        self.shared = SwiGLU(d, cfg.moe_shared_ffn_hidden) if cfg.moe_shared_ffn_hidden else None
+        # State, not weights: the selection bias is checkpointed (persistent) but never trained; the
+        # counts are per-forward observations. Both are zeroed by reset_buffers (meta-built models too).
+        self.register_buffer("expert_bias", torch.zeros(e), persistent=cfg.moe_balance == "bias")
+        self.register_buffer("tokens_per_expert", torch.zeros(e), persistent=False)
+        # Assignments summed over the forwards since the last bias update (micro-steps of one step).
+        self.register_buffer("load_since_update", torch.zeros(e), persistent=False)
+        self.router_logits: torch.Tensor | None = None
+
+    def reset_buffers(self) -> None:
+        """Zero the bias and the counters (after ``to_empty``, whose buffers hold garbage)."""
+        for b in (self.expert_bias, self.tokens_per_expert, self.load_since_update):
+            b.zero_()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, d) -> (router logits (N, E), top-k weights (N, k) in x's dtype, top-k expert ids (N, k))."""
+        logits = self.gate(x)  # (N, E), in the activation dtype as Hugging Face's router
+        # Scores in fp32: a bf16 softmax over many experts loses the small probabilities' ordering.
+        scores = torch.softmax(logits.float(), dim=-1) if self.score == "softmax" else torch.sigmoid(logits.float())
+        # The bias steers which experts are chosen, never how much they weigh (DeepSeek-V3).
+        choose = scores + self.expert_bias if self.balance == "bias" else scores  # (N, E)
+        idx = torch.topk(choose, self.top_k, dim=-1).indices  # (N, k)
+        w = scores.gather(1, idx)  # (N, k)
+        if self.norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return logits, w.to(x.dtype), idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, d) -> (B, T, d)."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # (N, d), N = B*T tokens
+        logits, w, idx = self.route(x2)
+        self.router_logits = logits
+        k = self.top_k
+        flat = idx.reshape(-1)  # (N*k,): slot j = token j//k's (j%k)-th choice
+        # Group the N*k (token, choice) slots by expert; stable so each expert sees its tokens in order.
+        order = torch.argsort(flat, stable=True)  # (N*k,)
+        token = order // k  # (N*k,): source token of each sorted slot
+        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
+        with torch.no_grad():
+            self.tokens_per_expert.copy_(counts)
+            if self.training:
+                self.load_since_update.add_(counts)
+        xs = x2[token]  # (N*k, d), expert 0's slots first, then expert 1's, ...
+        # One host sync for the split sizes; then each expert runs on one contiguous slice.
+        # unbind, not w1[e]: indexing a parameter E times makes E full-size (E, ffn, d) zero gradients in
+        # backward; unbind's backward stacks the per-expert gradients once.
+        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)  # E x (ffn, d), (ffn, d), (d, ffn)
+        outs = []
+        for e, xe in enumerate(torch.split(xs, counts.tolist())):  # xe: (n_e, d)
+            if xe.shape[0] == 0:
+                continue
+            h = F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e])  # (n_e, ffn)
+            outs.append(F.linear(h, w2[e]))  # (n_e, d)
+        ys = torch.cat(outs) * w.reshape(-1)[order].unsqueeze(-1)  # (N*k, d), weighted as Hugging Face: after down
+        out = torch.zeros_like(x2).index_add_(0, token, ys)  # (N, d): sum of each token's k expert outputs
+        if self.shared is not None:
+            out = out + self.shared(x2)
+        return out.view(shape)  # (B, T, d)
+
+    def load_imbalance(self) -> float:
+        """max/mean tokens per expert in the last forward (1.0 = perfectly balanced, E/k = all on k experts)."""
+        c = self.tokens_per_expert.float()
+        return float(c.max() / c.mean().clamp_min(1e-9))
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor | None = None) -> None:
+        """DeepSeek-V3's balancing step: ``bias += rate * sign(mean_load - load)``; resets the load counter.
+
+        ``load``: per-expert assignments to use (e.g. summed over data-parallel ranks); by default
+        those counted on this rank since the last update. Underloaded experts gain bias, overloaded lose.
+        """
+        load = self.load_since_update if load is None else load
+        self.expert_bias.add_(self.bias_rate * torch.sign(load.float().mean() - load.float()))
+        self.load_since_update.zero_()
