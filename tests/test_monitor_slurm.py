@@ -2,7 +2,8 @@
 
 - a job preempted once by a real ``high`` job, requeued (``requeue=testbed``: ``start_now``) and
   finished: state from squeue/scontrol, requeue count 1, the requeue event, the last checkpoint and
-  its age, and ``--plot``'s requeue marker read back from the figure;
+  its age, and ``--plot``'s requeue marker read back from the figure; then exported and served with a
+  named key: the run's audit trail reads launch, requeue, export, serve, the request, serve_stop;
 - a real array sweep: one line per task, a task held back by the array's parallelism limit shows
   PENDING (from squeue) before it has written anything but its ``submit`` event, then every task
   COMPLETED.
@@ -82,6 +83,51 @@ def test_status_of_a_preempted_requeued_then_finished_job(slurm, stdlib_data, tm
     assert f"requeues at [{stop_step}]" in out and png.read_bytes()[:4] == b"\x89PNG", out
     info = plot_run(run, tmp_path / "again.png")
     assert info["requeue_steps"] == [stop_step] and steps in info["checkpoint_steps"], info
+    _export_serve_and_read_the_audit_trail(run, job, tmp_path, capsys)
+
+
+def _export_serve_and_read_the_audit_trail(run: Path, job: str, tmp_path: Path, capsys) -> None:
+    """After the requeued run: an export and a server with a named key; the run's audit trail has them all, in order,
+    with the Slurm job, and the request under the key's name (never the key)."""
+    import os
+    import signal
+    import sys
+    import time
+    import urllib.request
+
+    from xirang_hpc.launch.ckpt_cli import main as ckpt_main
+    from xirang_hpc.monitor import audit
+
+    assert ckpt_main(["export", str(run), "--format", "safetensors", "--out", str(tmp_path / "export")]) == 0
+    key = "k" * 32
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"name": "reviewer", "key": key, "runs": [run.name]}]}))
+    keys.chmod(0o600)
+    info = tmp_path / "serve.json"
+    serve = Path(sys.executable).parent / "xirang-serve"
+    proc = subprocess.Popen([str(serve), str(run), "--port", "0", "--info-file", str(info), "--keys-file", str(keys)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "XIRANG_SERVE_TOKEN": ""})
+    try:
+        deadline = time.monotonic() + 300  # a safety net against a hang
+        while not info.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        req = urllib.request.Request(f"{json.loads(info.read_text())['url']}/v1/models",
+                                     headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            assert r.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=300)[0]
+    assert "access 127.0.0.1 GET /v1/models 200 key=reviewer" in out, out
+    rows = audit.read(run)
+    assert [r["action"] for r in rows] == ["launch", "requeue", "export", "serve", "request", "serve_stop"], rows
+    assert rows[0]["job"] == job and rows[1]["job"] == job and rows[1]["why"]
+    assert rows[4]["key"] == "reviewer" and key not in (run / audit.AUDIT_FILE).read_text()
+    capsys.readouterr()
+    assert status_main([str(run), "--audit"]) == 0
+    assert "requeue" in capsys.readouterr().out
 
 
 def _lines(text: str) -> dict[str, list[str]]:

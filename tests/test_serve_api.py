@@ -260,7 +260,7 @@ def test_a_server_reachable_from_other_machines_needs_a_token():
     from xirang_hpc.serve.run import check_exposure
 
     for host in ("0.0.0.0", "10.1.2.3", "::", "node7"):
-        with pytest.raises(ConfigError, match=r"serve.host.*needs a bearer token: set \$XIRANG_SERVE_TOKEN"):
+        with pytest.raises(ConfigError, match=r"serve.host.*needs keys: set serve.keys_file, or \$XIRANG_SERVE_TOKEN"):
             check_exposure(ServeConfig(host=host), None)
         check_exposure(ServeConfig(host=host), "secret")
     for host in ("127.0.0.1", "::1", "[::1]", "localhost"):

@@ -91,8 +91,8 @@ def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[in
         return exc.code, json.loads(exc.read())
 
 
-def get_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=600) as r:
+def get_text(url: str, headers: dict[str, str] | None = None) -> str:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=600) as r:
         return r.read().decode()
 
 
@@ -369,10 +369,13 @@ def test_bearer_token_errors_are_the_clients_authentication_error() -> None:
         ok = s.client(api_key="s3cret")
         assert ok.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
         assert [m.id for m in ok.models.list()] == [MODEL]
-        # The existing endpoint keeps its own error shape; /metrics and /health need no token.
+        # The existing endpoint keeps its own error shape; /metrics needs the token too, /health none.
         status, body = post(f"{s.url}/v1/generate", {"prompt": "hi"})
         assert status == 401 and "bearer token" in body["error"]
-        assert "xirang_serve_requests_total" in get_text(f"{s.url}/metrics")
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            get_text(f"{s.url}/metrics")
+        assert "xirang_serve_requests_total" in get_text(f"{s.url}/metrics", {"Authorization": "Bearer s3cret"})
+        assert get_text(f"{s.url}/health")
 
 
 # ---- metrics -------------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="0 = model.seq_len")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--token-env", default=d.token_env, help="env var holding the bearer token (unset = no auth)")
+    p.add_argument("--keys-file", default=d.keys_file,
+                   help="named API keys (JSON, mode 0600), each with the runs it may use")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
     p.add_argument("--duration-s", type=float, default=0.0, help="stop after this long (0 = until interrupted)")
     p.add_argument("--info-file", default=None,
                    help=f"where to write url/port/pid JSON (default: <run dir>/{SERVE_FILE} for a run dir)")
@@ -42,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="model id of the OpenAI-compatible API (default: the run directory's name)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     return p
+
+
+def _quiet(line: str) -> None:
+    """Requests stay out of the system log (the server's start and stop go there): one line per request would
+    flood it; the run's audit trail keeps them."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,12 +64,14 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         from xirang_hpc.serve.run import check_exposure, serve
+        from xirang_hpc.serve.server import Access
         from xirang_hpc.weights.load import WeightsError, load_any
 
     try:
         scfg = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch,
                            max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                           token_env=args.token_env, duration_s=args.duration_s,
+                           token_env=args.token_env, keys_file=args.keys_file,
+                           metrics_public=args.metrics_public, duration_s=args.duration_s,
                            read_timeout_s=args.read_timeout_s, model_name=args.model_name)
         check_exposure(scfg, os.environ.get(scfg.token_env) or None if scfg.token_env else None)
         loaded = load_any(args.path, args.step)
@@ -82,9 +92,18 @@ def main(argv: list[str] | None = None) -> None:
 
     audited = run_dir if (run_dir / "checkpoints").is_dir() else None
     if audited is not None:
-        audit.record(audited, "serve", host=scfg.host, port=scfg.port, auth=bool(os.environ.get(scfg.token_env)))
+        audit.record(audited, "serve", host=scfg.host, port=scfg.port,
+                     auth=bool(scfg.keys_file or os.environ.get(scfg.token_env)))
+
+    def on_access(a: Access) -> None:
+        """The access log (stdout, one line per request) and, for a run, its audit trail: the key's name only."""
+        print(f"access {a.peer} {a.method} {a.path} {a.status} key={a.key or '-'}", flush=True)
+        if audited is not None:
+            audit.record(audited, "request", key=a.key, path=a.path, status=a.status, peer=a.peer,
+                         to_syslog=_quiet)
+
     try:
-        serve(loaded, scfg, info, log=lambda m: print(m, flush=True))
+        serve(loaded, scfg, info, log=lambda m: print(m, flush=True), on_access=on_access)
     finally:
         if audited is not None:
             audit.record(audited, "serve_stop")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ServeConfig
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.serve.engine import Engine
-from xirang_hpc.serve.server import Limits, Server
+from xirang_hpc.serve.keys import Keys
+from xirang_hpc.serve.server import Access, Limits, Server
 from xirang_hpc.weights.load import LoadedModel
 
 
@@ -66,8 +68,16 @@ class Running:
         self.engine.stop()
 
 
+def server_keys(scfg: ServeConfig, token: str | None) -> Keys:
+    """The keys the server accepts: ``serve.keys_file`` (checked: owner-only, well formed) plus the bearer token."""
+    return Keys.load(scfg.keys_file, token) if scfg.keys_file else Keys.from_token(token)
+
+
 def check_exposure(scfg: ServeConfig, token: str | None) -> None:
-    """A server reachable beyond this machine needs a bearer token: refuse ``serve.host`` off loopback without one."""
+    """A server reachable beyond this machine needs keys: refuse ``serve.host`` off loopback without a keys file or
+    a bearer token, and check the keys file itself."""
+    if scfg.keys_file:
+        server_keys(scfg, token)
     import ipaddress
 
     host = scfg.host.strip("[]")
@@ -75,19 +85,22 @@ def check_exposure(scfg: ServeConfig, token: str | None) -> None:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it may resolve to any interface
         loopback = False
-    if not loopback and not token:
+    if not loopback and not token and not scfg.keys_file:
         raise ConfigError("serve.host", scfg.host,
-                          f"a server reachable from other machines needs a bearer token: set ${scfg.token_env} "
-                          "(serve.token_env), or serve on 127.0.0.1 and reach it through an SSH tunnel")
+                          f"a server reachable from other machines needs keys: set serve.keys_file, or "
+                          f"${scfg.token_env} (serve.token_env), or serve on 127.0.0.1 and reach it through an "
+                          "SSH tunnel")
 
 
 async def start_server(loaded: LoadedModel, scfg: ServeConfig, token: str | None = None,
-                       tokenizer: Any = None) -> Running:
+                       tokenizer: Any = None, on_access: Callable[[Access], None] | None = None) -> Running:
     """Start the engine and the HTTP server (in the running event loop) on ``scfg.host:scfg.port``."""
     check_exposure(scfg, token)
+    keys = server_keys(scfg, token)
     engine = Engine(loaded.model, loaded.cfg.seq_len, scfg.max_batch).start()
-    server = Server(loaded, engine, limits_for(scfg, loaded.cfg.seq_len), token, tokenizer=tokenizer,
-                    model_id=model_id_for(loaded, scfg), read_timeout_s=scfg.read_timeout_s)
+    server = Server(loaded, engine, limits_for(scfg, loaded.cfg.seq_len), tokenizer=tokenizer,
+                    model_id=model_id_for(loaded, scfg), read_timeout_s=scfg.read_timeout_s, keys=keys,
+                    metrics_public=scfg.metrics_public, on_access=on_access)
     runner = web.AppRunner(server.app(), **server.runner_kwargs())
     await runner.setup()
     site = web.TCPSite(runner, scfg.host, scfg.port)
@@ -102,16 +115,17 @@ async def start_server(loaded: LoadedModel, scfg: ServeConfig, token: str | None
 
 
 async def _serve(loaded: LoadedModel, scfg: ServeConfig, info_path: Path | None, token: str | None,
-                 log: Any) -> dict[str, Any]:
-    running = await start_server(loaded, scfg, token)
+                 log: Any, on_access: Callable[[Access], None] | None) -> dict[str, Any]:
+    running = await start_server(loaded, scfg, token, on_access=on_access)
     engine, host, port = running.engine, running.host, running.port
+    auth = bool(running.server.keys)
     info = {"url": running.url, "host": host, "port": port, "pid": os.getpid(), "source": loaded.source,
-            "step": loaded.step, "model": running.server.model_id, "auth": bool(token), "status": "serving"}
+            "step": loaded.step, "model": running.server.model_id, "auth": auth, "status": "serving"}
     if info_path is not None:
         write_info(info_path, info)
     log(f"serving {loaded.source} as model {running.server.model_id!r} on {info['url']} (POST /v1/generate, "
         "/v1/completions, /v1/chat/completions; GET /v1/models, /v1/model, /metrics, /health"
-        f"{'; bearer token required' if token else ''})")
+        f"{'; a key is required' if auth else ''})")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -136,7 +150,9 @@ async def _serve(loaded: LoadedModel, scfg: ServeConfig, info_path: Path | None,
 
 
 def serve(loaded: LoadedModel, scfg: ServeConfig, info_path: Path | None = None,
-          log: Any = print) -> dict[str, Any]:
-    """Serve ``loaded`` over HTTP (blocking); the bearer token comes from ``$<serve.token_env>``."""
+          log: Any = print, on_access: Callable[[Access], None] | None = None) -> dict[str, Any]:
+    """Serve ``loaded`` over HTTP (blocking); keys come from ``serve.keys_file`` and ``$<serve.token_env>``.
+
+    ``on_access`` gets every answered request (the access log, the audit trail)."""
     token = os.environ.get(scfg.token_env) or None if scfg.token_env else None
-    return asyncio.run(_serve(loaded, scfg, info_path, token, log))
+    return asyncio.run(_serve(loaded, scfg, info_path, token, log, on_access))

@@ -10,14 +10,17 @@ Endpoints:
 
 Every malformed request gets HTTP 400 with ``{"error": "<what is wrong and how to fix it>"}``:
 invalid JSON, a non-object body, unknown or mistyped fields, an empty or oversized prompt, a
-negative or too large ``max_tokens``, a negative temperature or top_k. With a token configured,
-``/v1/*`` needs ``Authorization: Bearer <token>`` (401 otherwise).
+negative or too large ``max_tokens``, a negative temperature or top_k. With keys configured
+(:mod:`xirang_hpc.serve.keys`: ``serve.keys_file`` and/or the single bearer token), ``/v1/*`` and
+``/metrics`` (unless ``metrics_public``) need ``Authorization: Bearer <key>``: 401 for a missing or
+unknown key, 403 for a key whose runs do not cover the served model. Every answered request
+(``/health`` aside) goes to ``on_access`` with the key's name, never the key.
 
 The OpenAI-compatible API (:mod:`xirang_hpc.serve.openai_api`): ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (server-sent events with ``stream: true``), ``GET /v1/models`` and
 ``GET /v1/models/{id}``; its errors have OpenAI's shape ``{"error": {"message", "type", "param",
 "code"}}`` (400 bad parameters, 401 bearer token, 404 unknown model). ``GET /metrics`` is the
-Prometheus exposition (:mod:`xirang_hpc.serve.metrics`; like ``/health``, no token).
+Prometheus exposition (:mod:`xirang_hpc.serve.metrics`).
 
 A request body that has not fully arrived ``read_timeout_s`` after the headers gets 408 and its
 connection is closed; a client that goes away mid-stream cancels its generation (one log line).
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -42,6 +44,7 @@ from aiohttp import web
 from xirang_hpc.data.tokenizer import StreamDecoder, Tokenizer, tokenizer_info
 from xirang_hpc.serve import openai_api as oa
 from xirang_hpc.serve.engine import Engine, GenRequest
+from xirang_hpc.serve.keys import Keys
 from xirang_hpc.serve.metrics import STATUS_KEY, ServeMetrics
 from xirang_hpc.serve.openai_api import Limits, OpenAIError
 from xirang_hpc.weights.load import LoadedModel
@@ -137,6 +140,17 @@ def public_source(source: str) -> str:
     return "/".join(p.parts[-2:]) if p.is_absolute() else source
 
 
+@dataclass(frozen=True)
+class Access:
+    """One answered request, for the access log and the audit trail: never the key, only its name."""
+
+    peer: str
+    method: str
+    path: str
+    status: int
+    key: str | None
+
+
 class Server:
     """The aiohttp application around one :class:`Engine`.
 
@@ -148,8 +162,13 @@ class Server:
 
     def __init__(self, loaded: LoadedModel, engine: Engine, limits: Limits, token: str | None = None,
                  tokenizer: Any = None, model_id: str | None = None, read_timeout_s: float = 30.0,
-                 metrics: ServeMetrics | None = None) -> None:
-        self.loaded, self.engine, self.limits, self.token = loaded, engine, limits, token or None
+                 metrics: ServeMetrics | None = None, keys: Keys | None = None, metrics_public: bool = False,
+                 on_access: Callable[[Access], None] | None = None) -> None:
+        self.loaded, self.engine, self.limits = loaded, engine, limits
+        # Who may call: named keys (serve.keys_file) and/or the single bearer token; none = open (loopback only).
+        self.keys = keys if keys is not None else Keys.from_token(token)
+        self.metrics_public = metrics_public
+        self.on_access = on_access
         # The run's own tokenizer (bytes, a trained BPE or a tokenizer.json), unless one is passed explicitly.
         self.tok: Tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.eos_id: int | None = getattr(self.tok, "eos_id", None)
@@ -184,14 +203,36 @@ class Server:
         """
         return {"access_log": None, "keepalive_timeout": self.read_timeout_s}
 
+    def _guarded(self, path: str) -> bool:
+        """Whether ``path`` needs a key: the API always, ``/metrics`` unless ``serve.metrics_public``."""
+        return bool(self.keys) and (path.startswith("/v1/") or (path == "/metrics" and not self.metrics_public))
+
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.token and request.path.startswith("/v1/"):
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
-                return _error(request.path, 401, "missing or wrong bearer token; send 'Authorization: Bearer <token>'",
-                              "invalid_api_key")
-        return await handler(request)
+        key_name = None
+        status = 500
+        try:
+            if self._guarded(request.path):
+                key = self.keys.match(request.headers.get("Authorization", ""))
+                if key is None:
+                    status = 401
+                    return _error(request.path, 401, "missing or unknown bearer token; send 'Authorization: Bearer <key>'",
+                                  "invalid_api_key")
+                key_name = key.name
+                if not key.may_serve(self.model_id):
+                    status = 403
+                    return _error(request.path, 403, f"the key {key.name!r} may not use the model {self.model_id!r} "
+                                  "(its 'runs' in serve.keys_file do not cover it)", "permission_denied")
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            if self.on_access is not None and request.path != "/health":
+                self.on_access(Access(request.remote or "?", request.method, request.path,
+                                      request.get(STATUS_KEY, status), key_name))
 
     @web.middleware
     async def _read_body(self, request: web.Request, handler: Handler) -> web.StreamResponse:

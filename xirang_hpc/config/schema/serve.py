@@ -44,6 +44,11 @@ class ServeConfig:
     max_prompt_tokens: int = 0  # 0 = model.seq_len
     max_new_tokens: int = 256
     token_env: str = "XIRANG_SERVE_TOKEN"  # bearer token read from this env var; unset or empty = no auth
+    # Named API keys for a server several people use (xirang_hpc/serve/keys.py): a JSON file, mode 0600, each
+    # key with the runs it may use; its name goes to the access log and the run's audit trail. "" = none.
+    keys_file: str = ""
+    # /metrics needs a key when keys are configured, unless this is set (a Prometheus scraper without one).
+    metrics_public: bool = False
     duration_s: float = 0.0  # 0 = serve until interrupted; > 0 = stop after this long (smoke runs, tests)
     # A request whose headers or body have not fully arrived this many seconds after the connection
     # opened (or after the previous response) is answered 408 / closed: half-sent requests cannot pin
