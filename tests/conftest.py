@@ -241,9 +241,10 @@ class TrainedRun:
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file under ``root`` with its size and mtime: any write shows up."""
+    """Every file under ``root`` with its size and mtime: any write shows up. Not the run's audit trail: it records
+    the readers too (an export, a server and its requests append to it), which changes nothing the run is."""
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root) != Path("audit.jsonl")}
 
 
 @pytest.fixture(scope="session")
