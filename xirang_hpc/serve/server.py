@@ -216,7 +216,8 @@ class Server:
                 key = self.keys.match(request.headers.get("Authorization", ""))
                 if key is None:
                     status = 401
-                    return _error(request.path, 401, "missing or unknown bearer token; send 'Authorization: Bearer <key>'",
+                    return _error(request.path, 401,
+                                  "missing or unknown bearer token; send 'Authorization: Bearer <key>'",
                                   "invalid_api_key")
                 key_name = key.name
                 if not key.may_serve(self.model_id):
