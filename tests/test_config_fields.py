@@ -266,7 +266,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "serve.max_new_tokens": (32, serve_limits, []),
     **{f"serve.{k}": (v, reads("xirang_hpc.serve.run"), []) for k, v in {
         "host": "0.0.0.0", "port": 9000, "max_batch": 4, "token_env": "MY_TOKEN", "duration_s": 5.0,
-        "read_timeout_s": 5.0, "model_name": "m"}.items()},
+        "read_timeout_s": 5.0, "model_name": "m", "keys_file": "keys.json", "metrics_public": True}.items()},
 }
 
 

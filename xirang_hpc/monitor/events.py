@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from xirang_hpc.files import record_mode
+from xirang_hpc.monitor import audit
 
 EVENTS_FILE = "events.jsonl"
 # Kinds whose ``node`` should be excluded when the job is requeued.
@@ -110,8 +111,12 @@ class EventLog:
         self.run_dir = Path(run_dir)
 
     def append(self, kind: str, reason: str, **fields: Any) -> dict[str, Any]:
-        """Append one event to ``<run>/events.jsonl``."""
-        return append_event(self.run_dir, kind, reason, **fields)
+        """Append one event to ``<run>/events.jsonl``; a requeue by the ranks also goes to the audit trail."""
+        row = append_event(self.run_dir, kind, reason, **fields)
+        if kind == "requeue":
+            audit.record(self.run_dir, "requeue", fields.get("target") or fields.get("job"), reason=reason,
+                         why=fields.get("why"), step=fields.get("step"), by="the job's ranks")
+        return row
 
     def count(self, kind: str) -> int:
         """How many events of ``kind`` the log holds."""

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc.monitor import audit
 from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.slurm import accounting, states
 
@@ -83,4 +84,6 @@ def record_unlogged_requeue(run_dir: Path, env: Mapping[str, str],
                   detected_at_restart=restart)
     if not any(e.get("kind") == "stop" for e in prior):
         append_event(run_dir, "stop", reason, handled_by=source, detail=f"sacct State={state}", **fields)
+    audit.record(run_dir, "requeue", target, reason=reason, why=f"requeued by {source}, not by the job",
+                 by=source, detected_at_restart=restart)
     return append_event(run_dir, "requeue", reason, why=f"requeued by {source}, not by the job", **fields)
