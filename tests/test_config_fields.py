@@ -193,6 +193,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "train.loggers": (["tensorboard"], reads("xirang_hpc.monitor.tracking"), []),
     "train.mlflow_uri": ("file:/tmp/mlruns", reads("xirang_hpc.monitor.tracking"), ["train.loggers=[mlflow]"]),
     "train.share_group": ("root", reads("xirang_hpc.launch.train_cli"), []),
+    "train.loss_chunk_tokens": (4096, reads("xirang_hpc.runtime.parallelize"), []),
     # checkpoint: retention, the manager, the tuner
     "checkpoint.enabled": (False, reads("xirang_hpc.job.training"), []),
     "checkpoint.every_steps": (7, reads("xirang_hpc.checkpoint.trainer_hook"), []),

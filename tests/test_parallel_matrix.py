@@ -47,6 +47,11 @@ GQA = {"name": "gqa", "n_kv_head": 2, "norm": "rmsnorm", "mlp": "swiglu", "pos":
 TIED = {"name": "tied", "tie_embeddings": True}
 UNEVEN = {"name": "uneven", "n_layer": 5}  # pipeline stages that do not divide the layers
 MODELS = {"gqa": GQA, "tied": TIED, "uneven": UNEVEN}
+# The chunked head + loss (train.loss_chunk_tokens; 24 tokens: chunks cross sequence rows) against the plain
+# single-process reference: inside the forward under DDP and FSDP2 (ZeRO-2 and -3), in the last pipeline stage
+# (1F1B and interleaved), beside tensor parallelism.
+CHUNKED = [(2, "dp2"), (2, "tp2"), (2, "pp2"), (2, "pp2v2"), (2, "zero2dp2"), (4, "fsdp4"), (4, "dp2xpp2"),
+           (4, "fsdp2xtp2")]
 SHAPE_CASES = [(4, "dp2xtp2", "gqa"), (4, "tp2xpp2", "gqa"), (4, "fsdp2xtp2", "gqa"), (4, "dp2xpp2v2", "gqa"),
                (4, "dp2xtp2", "tied"), (4, "fsdp4", "tied"), (2, "tp2sp", "gqa"), (4, "dp2xpp2", "uneven"),
                (2, "pp2v2", "uneven")]
@@ -69,6 +74,8 @@ def groups(email_data: Path):
             jobs += [(k, H.make_cfg(w, H.LAYOUTS[n], train=tr)) for k, (w, n, tr) in EXTRA.items() if w == world]
             jobs += [(f"{n}/{m}", H.make_cfg(w, H.LAYOUTS[n], model=MODELS[m]))
                      for w, n, m in SHAPE_CASES if w == world]
+            jobs += [(f"{n}/chunked", H.make_cfg(w, H.LAYOUTS[n], train={"loss_chunk_tokens": 24}))
+                     for w, n in CHUNKED if w == world]
             cache[world] = H.run_group(world, jobs, email_data, steps=10, timeout_s=420)
         return cache[world]
 
@@ -100,6 +107,21 @@ def test_layout_matches_single_process(world: int, layout: str, recompute: str, 
     elif zero >= 2:  # weights, and so their state, are dp shards (also after evaluation); replicated: >= dp*total
         assert all(r["n_opt_state"] == r["n_local_params"] for r in per_rank)
         assert held < 1.5 * total * rep < dp * total, (held, total)  # HSDP: one full copy per replicate group
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout", CHUNKED, ids=[n for _, n in CHUNKED])
+def test_chunked_loss_layout_matches_single_process(world: int, layout: str, groups, ref: dict) -> None:
+    """The head and loss a chunk of tokens at a time: the plain single process's losses, norms and weights."""
+    per_rank = groups(world)[f"{layout}/chunked"]
+    assert len(per_rank) == world and all(per_rank), "every rank reports"
+    for r in per_rank:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, atol=0)
+        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5, atol=0)
+        np.testing.assert_allclose(r["val"], ref["val"], rtol=1e-5, atol=0)
+    params = H.merged_params(per_rank)
+    for name, want in ref["params"].items():
+        np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.slow

@@ -25,7 +25,9 @@ IDENTITY_FORMAT = 1
 # Train fields that change how a run is executed or reported, not what it computes.
 TRAIN_NON_SEMANTIC = frozenset({"name", "grad_accum", "eval_every", "eval_batches", "log_every", "runs_root",
                                 "run_dir", "wait", "resume_from", "priority", "loggers", "mlflow_uri",
-                                "after_active", "extend_to", "share_group"})
+                                "after_active", "extend_to", "share_group",
+                                # how the loss is computed, not what: equal up to summation order
+                                "loss_chunk_tokens"})
 DATA_NON_SEMANTIC = frozenset({"out_dir", "shard_tokens"})
 # Data fields added with tokenizer/corpus choice: left out of the key at their defaults, so the run
 # directories of byte-level runs keep the names they always had.

@@ -19,6 +19,7 @@ from torch import nn
 
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.init import init_parameters
+from xirang_hpc.models.loss import chunked_lm_loss
 from xirang_hpc.models.moe import MoE, load_balancing_loss
 
 
@@ -197,6 +198,9 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, i in cfg.moe_layers) for i in range(cfg.n_layer)})
         self.norm: nn.Module | None = _norm(cfg)
         self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # Tokens per chunk of the fused head + loss (train.loss_chunk_tokens; 0: the plain head), set by the
+        # job that builds the model; a forward given targets then returns the loss, not the logits.
+        self.loss_chunk = 0
         if cfg.tie_embeddings:
             # One parameter under two names: the state dict keeps both keys (identical tensors).
             self.head.weight = self.tok_emb.weight
@@ -283,8 +287,13 @@ class GPT(nn.Module):
         for m, load in zip(blocks, loads, strict=True):
             m.update_bias(load)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, V); or hidden (B, T, C) on later stages."""
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, V); or hidden (B, T, C) on later stages.
+
+        With ``targets`` (B, T) and ``loss_chunk`` > 0, the head's stage returns the mean loss (1,) instead
+        (:func:`xirang_hpc.models.loss.chunked_lm_loss`): computed inside the forward, so the head's
+        weight is the gathered one under FSDP and the pipeline's last stage needs no other access to it.
+        """
         if self.tok_emb is not None:
             t = x.shape[1]
             h = self.tok_emb(x)  # (B, T, C)
@@ -298,6 +307,9 @@ class GPT(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.head is not None:
+            if targets is not None and self.loss_chunk > 0:
+                # (1,): a pipeline concatenates its microbatches' outputs
+                return chunked_lm_loss(h, self.head.weight, targets, self.loss_chunk).reshape(1)
             h = self.head(h)  # (B, T, V)
         return h
 

@@ -100,6 +100,7 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
     chunks_per_rank = layout.virtual_stages
     ranges = pipeline.stage_ranges(cfg.model, dims.pp * chunks_per_rank)
     stages = pipeline.rank_stages(coords["pp"], dims.pp, chunks_per_rank)
+    model.loss_chunk = t.loss_chunk_tokens
     if dims.pp > 1:
         pipeline.carve_stage(model, stages, ranges)
     if _full_build:
@@ -140,7 +141,7 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
         interleaved = chunks_per_rank > 1
         pm.schedule = pipeline.build_schedule(chunks if interleaved else module, stages if interleaved else stages[0],
                                               dims.pp * chunks_per_rank, mesh["pp"], pm.n_microbatches, p.schedule,
-                                              device)
+                                              device, loss_in_stage=t.loss_chunk_tokens > 0)
     return pm
 
 

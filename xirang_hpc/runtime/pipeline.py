@@ -114,6 +114,7 @@ class StageChunk(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in blocks})
         self.norm = model.norm if last else None
         self.head = model.head if last else None
+        self.loss_chunk = model.loss_chunk
         if model.cfg.pos == "rope":
             self.register_buffer("rope_cos", model.rope_cos, persistent=False)
             self.register_buffer("rope_sin", model.rope_sin, persistent=False)
@@ -126,12 +127,20 @@ def stage_chunks(model: nn.Module, stages: list[int], ranges: list[range]) -> li
     return [StageChunk(model, ranges[s], s == 0, s == len(ranges) - 1) for s in stages]
 
 
+def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The last stage computed the loss itself (chunked head + loss, given the targets as a kwarg): (1,) -> ()."""
+    return output.squeeze(0)
+
+
 def build_schedule(module: nn.Module | list[nn.Module], stage: int | list[int], n_stages: int,
-                   pp_mesh: DeviceMesh, n_microbatches: int, schedule: str, device: torch.device) -> object:
+                   pp_mesh: DeviceMesh, n_microbatches: int, schedule: str, device: torch.device,
+                   loss_in_stage: bool = False) -> object:
     """The schedule running ``module`` as ``stage`` (loss = per-microbatch mean).
 
     For ``interleaved``, ``module`` and ``stage`` are lists: this rank's chunks and their stage indices.
+    ``loss_in_stage``: the last stage's forward gets ``targets=`` and returns the loss (``train.loss_chunk_tokens``).
     """
+    loss_fn = _loss_is_output if loss_in_stage else lm_loss
     if schedule not in SCHEDULES and schedule not in MULTI_SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r}: choose one of {sorted(SCHEDULES | MULTI_SCHEDULES)}")
     from torch.distributed import pipelining
@@ -141,7 +150,7 @@ def build_schedule(module: nn.Module | list[nn.Module], stage: int | list[int], 
         assert isinstance(module, list) and isinstance(stage, list)
         pstages = [pipelining.PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(module, stage)]
         return getattr(pipelining, MULTI_SCHEDULES[schedule])(pstages, n_microbatches=n_microbatches,
-                                                              loss_fn=lm_loss, scale_grads=True)
+                                                              loss_fn=loss_fn, scale_grads=True)
     pstage = pipelining.PipelineStage(module, stage, n_stages, device, group=group)
-    return getattr(pipelining, SCHEDULES[schedule])(pstage, n_microbatches=n_microbatches, loss_fn=lm_loss,
+    return getattr(pipelining, SCHEDULES[schedule])(pstage, n_microbatches=n_microbatches, loss_fn=loss_fn,
                                                     scale_grads=True)

@@ -111,15 +111,23 @@ class Trainer:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def _loss(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of ``module`` on (x, y): the chunked head + loss in the forward, or the plain one."""
+        if self.cfg.train.loss_chunk_tokens:
+            return module(x, targets=y).squeeze(0)
+        return lm_loss(module(x), y)
+
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> float:
         """Loss of this rank's batch slice through the pipeline (0.0 on non-last stages)."""
         losses: list[torch.Tensor] = []
         sched = self.pm.schedule
         run = sched.step if train else sched.eval  # type: ignore[union-attr]
+        # A chunked loss is computed inside the last stage's forward: it gets the targets too (split per microbatch).
+        fused = {"targets": y} if self.cfg.train.loss_chunk_tokens and self.pm.is_last_stage else {}
         if self.pm.is_first_stage:
-            run(x, target=y if self.pm.is_last_stage else None, losses=losses)
+            run(x, target=y if self.pm.is_last_stage else None, losses=losses, **fused)
         elif self.pm.is_last_stage:
-            run(target=y, losses=losses)
+            run(target=y, losses=losses, **fused)
         else:
             run()
         return float(torch.stack([v.detach().float() for v in losses]).mean()) if losses else 0.0
@@ -135,7 +143,7 @@ class Trainer:
             if self.pm.schedule is not None:
                 total += self._forward_loss(x, y, train=False)
             else:
-                total += lm_loss(self.ddp(x) if self.pm.data_parallel == "fsdp" else self.model(x), y).item()
+                total += self._loss(self.ddp if self.pm.data_parallel == "fsdp" else self.model, x, y).item()
             if self.cfg.monitor.debug_slow_eval_s > 0:  # test-only: a long evaluation
                 time.sleep(self.cfg.monitor.debug_slow_eval_s)
             liveness.tick("eval batch")  # a long evaluation that still moves is no hang
@@ -182,7 +190,7 @@ class Trainer:
                     self.model.set_requires_gradient_sync(last or self.pm.zero >= 2)  # type: ignore[operator]
                 with ctx:
                     self.phase("forward")
-                    loss = lm_loss(self.ddp(xs), ys)
+                    loss = self._loss(self.ddp, xs, ys)
                     aux = self.model.moe_aux_loss() if self.cfg.model.moe_experts else None  # type: ignore[operator]
                     if aux is not None:  # MoE load balancing: part of the loss that is minimised
                         loss = loss + aux

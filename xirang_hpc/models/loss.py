@@ -1,0 +1,84 @@
+"""The next-token loss computed with the output head, a chunk of tokens at a time.
+
+The plain path (``head(h)`` then :func:`xirang_hpc.models.gpt.lm_loss`) holds the whole ``(tokens,
+vocab)`` logits, their fp32 copy and, in the backward, a gradient of the same size: at a 128k
+vocabulary and 4 x 4,096 tokens that is 8 GiB per copy. Here the head's matmul and the
+cross-entropy run on ``chunk`` tokens at a time, and the gradients of the hidden states and of the
+head weight are computed in the same pass (as Liger-Kernel's fused linear cross-entropy does), so
+no more than one chunk's logits ever exists, forward or backward. The backward only scales the
+stored gradients by the incoming one.
+
+The result equals the plain loss up to summation order (a few ulps in fp32); under autocast the
+chunk's matmul runs in the autocast dtype and the softmax in fp32, as in the plain path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(n, C) x (V, C) -> (n, V) fp32 logits of one chunk (the head has no bias)."""
+    return F.linear(h, weight).float()
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``h @ weight.T`` against ``targets``; gradients computed in the forward."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
+                chunk: int) -> torch.Tensor:
+        n = h.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for start in range(0, n, chunk):
+            hc, tc = h[start:start + chunk], targets[start:start + chunk]  # (n_c, C), (n_c,)
+            logits = _chunk_logits(hc, weight)  # (n_c, V)
+            lse = torch.logsumexp(logits, dim=-1)  # (n_c,)
+            total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            if grad_h is None and grad_w is None:
+                continue
+            # d(sum of the chunk's losses)/d logits = softmax - one_hot, written over the logits (no second
+            # (n_c, V) buffer); the 1/n of the mean is applied here once.
+            g = logits.sub_(lse[:, None]).exp_()  # (n_c, V)
+            g[torch.arange(tc.shape[0], device=g.device), tc] -= 1.0
+            g.div_(n)
+            if grad_h is not None:
+                grad_h[start:start + chunk] = (g.to(weight.dtype) @ weight).to(h.dtype)  # (n_c, C)
+            if grad_w is not None:
+                grad_w += g.t() @ hc.float()  # (V, C)
+            del logits, g
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
+        ctx.has = (grad_h is not None, grad_w is not None)
+        ctx.weight_dtype = weight.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        saved = list(ctx.saved_tensors)
+        grad_h = saved.pop(0) * grad_out.to(saved[0].dtype) if ctx.has[0] else None
+        grad_w = (saved.pop(0) * grad_out).to(ctx.weight_dtype) if ctx.has[1] else None
+        return grad_h, grad_w, None, None
+
+
+def chunked_lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``h @ weight.T``: h (B, T, C), weight (V, C), targets (B, T).
+
+    Equal to ``lm_loss(F.linear(h, weight), targets)`` (values and gradients) without ever holding
+    more than ``chunk`` tokens' logits.
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunked_lm_loss: chunk must be > 0, got {chunk}")
+    flat_h = h.reshape(-1, h.shape[-1])  # (B*T, C)
+    flat_t = targets.reshape(-1)  # (B*T,)
+    if not torch.is_grad_enabled() or not (h.requires_grad or weight.requires_grad):
+        with torch.no_grad():  # evaluation: the loss only, chunk by chunk
+            total = sum(F.cross_entropy(_chunk_logits(flat_h[s:s + chunk], weight), flat_t[s:s + chunk],
+                                        reduction="sum") for s in range(0, flat_h.shape[0], chunk))
+            return torch.as_tensor(total, dtype=torch.float32) / flat_h.shape[0]
+    return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_t, chunk)
