@@ -148,6 +148,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "cluster.high_qos": ("top", sbatch, ["train.priority=high", "cluster.high_partition=urgent"]),
     "cluster.qos_names": (["normal"], REFUSED, ["cluster.qos=high"]),  # high is not one of the site's QOS
     "cluster.threads_per_rank": (3, threads, []),
+    "cluster.omp_wait_policy": ("active", sbatch, []),
     "cluster.preload": (False, lambda cfg: local_python(cfg.cluster), []),  # the local executor's task command
     "cluster.backend": ("nccl", backend, []),
     "cluster.gpu": ("h100", hardware, []),

@@ -27,7 +27,8 @@ def make_executor(c: ClusterConfig, folder: Path, watch_pid: int | None = None) 
     """
     if c.executor == "local":
         ex = local_controller.LocalExecutor(folder=folder, python=local_python(c), watch_pid=watch_pid,
-                                            grace_s=max(60.0, float(c.signal_delay_s)))
+                                            grace_s=max(60.0, float(c.signal_delay_s)),
+                                            rank_env=c.rank_environment())
         # The local executor runs one node; virtual nodes are carved out inside the job.
         ex.update_parameters(tasks_per_node=c.world_size, timeout_min=c.time_min,
                              signal_delay_s=min(c.signal_delay_s, 60 * c.time_min // 2))

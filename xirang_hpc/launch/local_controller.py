@@ -37,9 +37,12 @@ DEFAULT_GRACE_S = 120.0
 
 def start(folder: Path, command: str, *, tasks_per_node: int, timeout_min: float, signal_delay_s: int,
           cuda_devices: str = "", stderr_to_stdout: bool = False, watch_pid: int | None = None,
-          grace_s: float = DEFAULT_GRACE_S) -> subprocess.Popen[bytes]:
-    """Start the controller as submitit's ``start_controller`` does, in its own session, watching ``watch_pid``."""
-    env = dict(os.environ)
+          grace_s: float = DEFAULT_GRACE_S, rank_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start the controller as submitit's ``start_controller`` does, in its own session, watching ``watch_pid``.
+
+    ``rank_env``: variables the tasks start with (``ClusterConfig.rank_environment``).
+    """
+    env = {**os.environ, **(rank_env or {})}
     env.update(
         SUBMITIT_LOCAL_NTASKS=str(tasks_per_node),
         SUBMITIT_LOCAL_COMMAND=command,
@@ -64,9 +67,9 @@ class LocalExecutor(_sl.LocalExecutor):
     """submitit's local executor with this module's controller (own session; the launcher watched)."""
 
     def __init__(self, folder: Path, python: str | None = None, watch_pid: int | None = None,
-                 grace_s: float = DEFAULT_GRACE_S) -> None:
+                 grace_s: float = DEFAULT_GRACE_S, rank_env: dict[str, str] | None = None) -> None:
         super().__init__(folder=folder, python=python)
-        self.watch_pid, self.grace_s = watch_pid, grace_s
+        self.watch_pid, self.grace_s, self.rank_env = watch_pid, grace_s, dict(rank_env or {})
 
     def _submit_command(self, command: str) -> _sl.LocalJob[Any]:
         p = self.parameters
@@ -78,7 +81,7 @@ class LocalExecutor(_sl.LocalExecutor):
         process = start(self.folder, command, tasks_per_node=ntasks, timeout_min=p.get("timeout_min", 2.0),
                         signal_delay_s=p.get("signal_delay_s", 30), cuda_devices=",".join(str(k) for k in gpus),
                         stderr_to_stdout=p.get("stderr_to_stdout", False), watch_pid=self.watch_pid,
-                        grace_s=self.grace_s)
+                        grace_s=self.grace_s, rank_env=self.rank_env)
         return _sl.LocalJob(folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks)))
 
 

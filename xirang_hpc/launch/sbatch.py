@@ -27,6 +27,7 @@ from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.files import private_by_default
 from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs, run_app
+from xirang_hpc.slurm.request import setup_lines
 
 # Inside the package (so a non-editable install has it); the repo's top-level sbatch_templates/ links here.
 TEMPLATE = Path(__file__).resolve().parents[1] / "sbatch_templates" / "xirang.sbatch"
@@ -67,7 +68,7 @@ def render(cfg: XirangConfig, run_dir: Path, python: str, script_path: str = "jo
         "script_path": script_path,
         "signal_delay_s": c.signal_delay_s,
         "sbatch_lines": "\n".join(sbatch_lines(cfg, run_dir)),
-        "setup": "\n".join(["# setup", *c.setup]) if c.setup else "# setup: none (cluster.setup)",
+        "setup": "\n".join(["# setup (the ranks' environment, cluster.setup)", *setup_lines(c)]),
         "run_dir": shlex.quote(str(run_dir)),
         "srun_args": "".join(f" {shlex.quote(a)}" for a in srun),
         "rank_python": " ".join(shlex.quote(a) for a in rank_python),

@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 
@@ -138,12 +138,42 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def threads_per_rank(requested: int, local_world: int) -> int:
-    """Torch intra-op threads for one rank: ``requested``, else this node's cores shared by its ranks."""
+def cgroup_cpu_limit(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
+    """CPUs the cgroup's quota allows (cgroup v2 ``cpu.max`` "quota period", rounded up); None: no quota."""
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    return max(1, -(-int(quota) // int(period)))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its CPU set (Slurm's binding, a cgroup cpuset), capped by a CPU quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = cgroup_cpu_limit()
+    return min(cores, limit) if limit else cores
+
+
+def threads_per_rank(requested: int, local_world: int, env: Mapping[str, str] | None = None,
+                     cpus: int | None = None) -> int:
+    """Torch intra-op threads for one rank: ``requested``, else the CPUs this rank is given.
+
+    Under Slurm with ``--cpus-per-task=c`` a task bound to its own CPUs sees c of them (all are its own);
+    one that sees more shares them with the node's other ranks and takes c at most. Elsewhere the node's
+    usable CPUs are split between its ``local_world`` ranks. Never more threads than CPUs: oversubscribed
+    OpenMP threads wait on each other at every parallel region.
+    """
     if requested > 0:
         return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // local_world)
+    env = os.environ if env is None else env
+    cpus = usable_cpus() if cpus is None else cpus
+    per_task = int(env.get("SLURM_CPUS_PER_TASK", "0") or 0)
+    if per_task > 0 and cpus <= per_task:
+        return cpus
+    share = max(1, cpus // local_world)
+    return min(share, per_task) if per_task > 0 else share
 
 
 def start_job(cluster: ClusterConfig, rendezvous_dir: Path | None = None,

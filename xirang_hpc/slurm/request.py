@@ -18,6 +18,11 @@ from xirang_hpc.config.schema import ClusterConfig
 from xirang_hpc.config.validate import scheduling_class
 
 
+def setup_lines(c: ClusterConfig) -> tuple[str, ...]:
+    """The batch script's lines before the ranks start: the ranks' environment, then ``cluster.setup``."""
+    return (*(f"export {k}={v}" for k, v in c.rank_environment().items()), *c.setup)
+
+
 @dataclass(frozen=True)
 class SlurmRequest:
     """One job's request: shape, limits, scheduling class, placement constraints."""
@@ -68,7 +73,8 @@ class SlurmRequest:
                    mem_mb=int(c.mem_gb * 1024) if c.mem_gb else 0, partition=partition or "", qos=qos or "",
                    account=c.account or "", constraint=c.constraint or "", exclude=c.exclude or "",
                    backfill_min_min=backfill, cluster=cluster, array_parallelism=c.array_parallelism,
-                   setup=tuple(c.setup), srun_args=tuple(c.srun_args))
+                   setup=setup_lines(c),
+                   srun_args=tuple(c.srun_args))
 
     def stage(self) -> SlurmRequest:
         """A one-task job of a pipeline stage (prepare, eval, serve): one node of the same kind (memory,

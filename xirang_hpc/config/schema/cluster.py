@@ -17,6 +17,8 @@ PRIORITIES = ("exploratory", "normal", "high")
 SITE_POLICIES = ("earliest", "quota", "stay")
 # cluster.site_sweep values: a Hydra sweep as one array on the placed site, or one array per site.
 SITE_SWEEPS = ("one", "spread")
+# cluster.omp_wait_policy values.
+OMP_WAIT_POLICIES = ("passive", "active", "inherit")
 
 
 @dataclass
@@ -90,8 +92,15 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)
     srun_args: list[str] = field(default_factory=list)
     container: ContainerConfig = field(default_factory=ContainerConfig)
-    # Torch intra-op threads per rank; 0 = cores / ranks on this node.
+    # Torch intra-op threads per rank; 0 = the CPUs the rank is given: its own CPU set where Slurm binds
+    # each task (--cpus-per-task), else the node's CPU set (cgroup cpuset, CPU quota) shared by its ranks.
     threads_per_rank: int = 0
+    # OpenMP's wait policy for the ranks (OMP_WAIT_POLICY, set before torch loads OpenMP): passive threads
+    # sleep between parallel regions, active ones spin. On a node shared with other work spinning threads
+    # steal the CPUs the busy ones need (an 8-11x slower single rank measured on a loaded box; see
+    # benchmarks/bench_threads.py); on a quiet, exclusive node the two are within noise. inherit: leave the
+    # environment's value.
+    omp_wait_policy: str = "passive"
     # Local executor, jobs of more than one rank: ranks are forked from one process per job that has imported
     # torch and the package (launch/preload.py), instead of each starting a fresh interpreter (~4 s of CPU per
     # rank). false: plain.
@@ -155,6 +164,9 @@ class ClusterConfig:
             check_positive("cluster", name, getattr(self, name))
         if self.spare_nodes < 0:
             raise ConfigError("cluster.spare_nodes", self.spare_nodes, "use 0 (no spare) or more")
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise ConfigError("cluster.omp_wait_policy", self.omp_wait_policy,
+                              f"choose one of {list(OMP_WAIT_POLICIES)}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError("cluster.backend", self.backend, "choose auto, gloo or nccl")
         if self.qos_names:
@@ -165,6 +177,12 @@ class ClusterConfig:
                                       f"cluster {self.name!r} defines the QOS {list(self.qos_names)}; choose one "
                                       "of them (a new QOS is added by the site's admin with `sacctmgr add qos`, "
                                       "then listed in cluster.qos_names)")
+
+    def rank_environment(self) -> dict[str, str]:
+        """Environment variables every rank starts with (before any import of torch)."""
+        if self.omp_wait_policy == "inherit":
+            return {}
+        return {"OMP_WAIT_POLICY": self.omp_wait_policy.upper()}
 
     @property
     def world_size(self) -> int:
