@@ -311,6 +311,10 @@ def timeline(sessions: Sequence[Session], events: Sequence[dict[str, Any]]) -> T
             continue
         nxt = sessions[i + 1] if i + 1 < len(sessions) else None
         t_next = nxt.proc_start if nxt is not None else math.inf
+        if nxt is not None and t_next < t_last:  # the next start seems to begin before this one ended: two clocks
+            negative.append({"where": "between starts", "session_pid": s.pid, "next_pid": nxt.pid,
+                             "seconds": round(t_next - t_last, 6)})
+            t_next = t_last
         lo, hi = bisect.bisect_right(ftimes, t_last), bisect.bisect_left(ftimes, t_next)
         found = fevents[lo:hi]
         if nxt is None and not found:
@@ -342,11 +346,7 @@ def timeline(sessions: Sequence[Session], events: Sequence[dict[str, Any]]) -> T
                                "lost_steps": lost_steps, "lost_s": lost_here,
                                "detection_s": parts.get("hang_detection", 0.0), "recovery_s": None}
         if nxt is not None:
-            gap = t_next - t_fault
-            if gap < 0:
-                negative.append({"where": "between starts", "session_pid": s.pid, "next_pid": nxt.pid,
-                                 "seconds": round(gap, 6)})
-                gap = 0.0
+            gap = max(0.0, t_next - t_fault)
             spans.append(Span(t_fault, t_fault + gap, {"recovery": gap}))
             covered.append((t_fault, t_fault + gap))
             # Recovery as people quote it: fault to the next start's first step (start-up and restore included).
