@@ -370,18 +370,30 @@ def test_the_hook_ends_blocks_at_saves_and_writes_where_the_run_trains(tmp_path)
 # ---- a real run ---------------------------------------------------------------------------------------------------
 
 RANK_SCRIPT = r'''
-import dataclasses, json, os, signal, sys
+import json, os, signal, sys
 from pathlib import Path
+from xirang_hpc.checkpoint.layout import committed_steps
 from xirang_hpc.job import training as jobmod
 from xirang_hpc.runtime.hooks import TrainerHook
 cfg, run, data, kill_at = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
-if kill_at:
-    class KillAt(TrainerHook):  # kill -9 of the rank, between two checkpoints
-        def on_step_end(self, trainer, metrics):
-            if trainer.state.step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-    real = jobmod.build_hooks
-    jobmod.build_hooks = lambda *a: [*real(*a), KillAt()]
+
+
+class KillAt(TrainerHook):
+    # kill -9 of the rank between two checkpoints, once one is committed (saves persist in the background)
+    def on_step_end(self, trainer, metrics):
+        s = trainer.state.step
+        if kill_at and s >= kill_at and s % 5 and committed_steps(Path(run) / "checkpoints"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hooks(*a):
+    out = [*real(*a), KillAt()]
+    out[0].flush_s = 0.0  # a block per step, as for steps longer than FLUSH_S: the steps reached are all recorded
+    return out
+
+
+real = jobmod.build_hooks
+jobmod.build_hooks = hooks
 jobmod.run_training(cfg, run, data)
 '''
 
@@ -396,7 +408,7 @@ def test_a_real_run_killed_and_resumed_has_lost_steps_and_recovery(tmp_path, ema
     run = tmp_path / "run"
     make_private_dir(run)
     over = ["model=tiny", "cluster=local", "cluster.nodes=1", "cluster.tasks_per_node=1", "parallel.tp=1",
-            "parallel.pp=1", "parallel.microbatches=1", "train.max_steps=14", "train.global_batch=4",
+            "parallel.pp=1", "parallel.microbatches=1", "train.max_steps=20", "train.global_batch=4",
             "train.warmup_steps=2", "train.eval_batches=1", "train.log_every=2", "checkpoint.every_steps=5",
             "checkpoint.async_save=false", f"data.out_dir={email_data}", f"train.run_dir={run}"]
     cfg = json.dumps(dataclasses.asdict(load_config(compose_cfg(over))))
@@ -408,9 +420,10 @@ def test_a_real_run_killed_and_resumed_has_lost_steps_and_recovery(tmp_path, ema
         assert p.returncode == rc, p.stdout[-2000:] + p.stderr[-2000:]
         time.sleep(0.5)
     r = run_goodput(run)  # local jobs: no accounting to ask
-    assert r["basis"] == "observed" and r["starts"] == 2 and r["last_step"] == 14 and r["steps_kept"] == 14
+    assert r["basis"] == "observed" and r["starts"] == 2 and r["last_step"] == 20 and r["steps_kept"] == 20
     (d,) = r["disruption_list"]
-    assert d["restored_step"] == 5 and d["step_reached"] >= 6 and d["lost_steps"] >= 1
+    assert d["cause"] == "dead" and d["restored_step"] in (5, 10, 15)
+    assert d["step_reached"] % 5 and d["lost_steps"] == d["step_reached"] - d["restored_step"] >= 1
     b = r["badput_s"]
     assert b["lost_progress"] > 0 and d["lost_s"] > 0
     assert b["recovery"] > 0 and d["recovery_s"] > b["recovery"]
