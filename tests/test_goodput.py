@@ -26,7 +26,7 @@ from xirang_hpc.monitor.goodput_hook import GoodputHook
 from xirang_hpc.runtime.topology import Topology
 from xirang_hpc.slurm.accounting import HistJob
 
-T0 = 1_800_000_000.0  # wall time of the first process start
+T0 = 1_700_000_000.0  # wall time of the first process start
 
 
 def _w(path: Path, rows: list[dict[str, Any]], extra: str = "") -> None:
@@ -84,7 +84,7 @@ def test_a_clean_run_splits_into_known_buckets_and_says_what_is_unknown(tmp_path
     assert b["data_loading"] == pytest.approx(0.3)
     assert b["checkpoint_save"] == pytest.approx(0.3 + 3.0)  # blocking save inside the loop + the final one
     assert r["productive_s"] == pytest.approx(1.0 + 9.0 + 10.0)
-    assert b["other"] == pytest.approx(0.0, abs=1e-5)  # float error of wall times near 1.8e9
+    assert b["other"] == pytest.approx(0.0, abs=1e-5)  # float error of wall times near 1.7e9
     assert r["productive_s"] + sum(b.values()) == pytest.approx(r["total_s"])
     assert r["goodput"] == pytest.approx(20.0 / 37.4)
     assert r["disruptions"] == 0 and r["mtbf_s"] is None and r["steps_kept"] == 20
@@ -431,3 +431,25 @@ def test_a_real_run_killed_and_resumed_has_lost_steps_and_recovery(tmp_path, ema
     assert 0 < r["goodput"] < 1
     assert r["productive_s"] + sum(b.values()) == pytest.approx(r["total_s"])
     assert r["bad_lines"] == {"steps.jsonl": 0, "events.jsonl": 0} and r["negative_spans"] == []
+
+
+def test_the_fleet_view_sums_runs_per_account_and_writes_prometheus_gauges(tmp_path, monkeypatch):
+    root = tmp_path / "runs"
+    root.mkdir()
+    a = _clean_run(root)
+    (root / "old").mkdir()
+    (root / "old" / "events.jsonl").write_text("")
+    monkeypatch.setattr(goodput, "slurm_allocations", lambda jobs, history=None: None)
+    one = run_goodput(a, allocations=None)
+    view = goodput.fleet([a, root / "old"], -math.inf, math.inf)
+    (g,) = view["groups"]
+    assert g["account"] == "local" and g["runs"] == 1 and view["skipped"] == [str(root / "old")]
+    assert g["total_s"] == pytest.approx(one["total_s"]) and g["goodput"] == pytest.approx(one["goodput"])
+    assert g["top_causes"][0] == "startup" and "queue_wait" in g["unknown"]
+    text = goodput.prometheus_text(view)
+    assert f'xirang_goodput_ratio{{account="local",user="{g["user"]}"}} {one["goodput"]:.6f}' in text
+    assert 'cause="startup"} 12.000' in text
+    prom = tmp_path / "goodput.prom"
+    out = status_cli_text(Path("unused"), "--queue", "--runs-root", str(root), "--since", "1e9", "--prom", str(prom))
+    assert "local" in out and "1 run(s) without a goodput record" in out
+    assert prom.read_text() == text

@@ -139,8 +139,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the run's time went: goodput, badput by cause (start-up, restore, data, saves, eval, "
                          "lost steps, hang detection, recovery), disruptions and MTBF, the last hour and day "
                          "(with --plot: its timeline, default RUN_DIR/goodput.png)")
+    ap.add_argument("--since", type=float, default=24.0, metavar="HOURS",
+                    help="with --goodput --queue: the window, the last HOURS hours (default 24)")
+    ap.add_argument("--prom", type=Path, default=None, metavar="FILE",
+                    help="with --goodput --queue: also write Prometheus gauges to FILE (node_exporter textfile)")
     a = ap.parse_args(argv)
-    if a.goodput and not a.queue:
+    if a.goodput and a.queue:
+        return _goodput_fleet(a)
+    if a.goodput:
         return _goodput(a)
     if a.env or a.env_diff:
         return _environment(a)
@@ -224,6 +230,24 @@ def _goodput(a: argparse.Namespace) -> int:
         print(render_goodput(rep))
         if "plot" in rep:
             print(f"wrote {rep['plot']['path']}")
+    return 0
+
+
+def _goodput_fleet(a: argparse.Namespace) -> int:
+    """``--goodput --queue``: every run under --runs-root over the last --since hours, per account and user."""
+    from xirang_hpc.files import write_bytes_atomic
+    from xirang_hpc.monitor.goodput import fleet, prometheus_text
+    from xirang_hpc.runs.goodput import render_fleet
+
+    runs = find_runs(a.runs_root) if a.runs_root.is_dir() else []
+    if not runs:
+        print(f"xirang-status: error: no run directories under {a.runs_root.absolute()} (--runs-root)", file=sys.stderr)
+        return 2
+    now = time.time()
+    view = fleet(runs, now - a.since * 3600, now)
+    if a.prom is not None:
+        write_bytes_atomic(a.prom, prometheus_text(view).encode(), mode=0o644)  # node_exporter reads it
+    print(json.dumps(view) if a.json else render_fleet(view))
     return 0
 
 

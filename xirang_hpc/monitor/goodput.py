@@ -504,3 +504,66 @@ def run_goodput(run_dir: Path | str, now: float | None = None, allocations: list
                 history: Callable[[Sequence[str]], list[Any]] | None = None) -> dict[str, Any]:
     """The goodput report of one run directory (:func:`load_run`, then :func:`report`)."""
     return report(load_run(run_dir, allocations, history), now)
+
+
+def _owner(path: Path) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(path.stat().st_uid).pw_name
+    except (KeyError, OSError):
+        return "?"
+
+
+def fleet(runs: Sequence[Path], since: float, until: float,
+          history: Callable[[Sequence[str]], list[Any]] | None = None) -> dict[str, Any]:
+    """Goodput of every run in ``runs`` over [since, until], summed per account (from sacct; ``local`` without
+    accounting) and user: seconds per bucket, goodput, the top causes of badput. Runs without a goodput record
+    are listed as skipped."""
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    skipped: list[str] = []
+    for run in runs:
+        try:
+            rec = load_run(run, history=history)
+        except GoodputInputError:
+            skipped.append(str(run))
+            continue
+        b = breakdown(rec.timeline, rec.allocations, since, until)
+        if not b["total_s"]:
+            continue
+        allocs = rec.allocations or []
+        key = (allocs[0].account if allocs and allocs[0].account else "local",
+               allocs[0].user if allocs and allocs[0].user else _owner(run))
+        g = groups.setdefault(key, {"account": key[0], "user": key[1], "runs": 0, "total_s": 0.0,
+                                    "productive_s": 0.0, "badput_s": dict.fromkeys(BUCKETS[1:], 0.0),
+                                    "queue_wait_s": 0.0, "unknown": set()})
+        g["runs"] += 1
+        g["total_s"] += b["total_s"]
+        g["productive_s"] += b["productive_s"]
+        for k, v in b["badput_s"].items():
+            g["badput_s"][k] += v
+        g["queue_wait_s"] += b["queue_wait_s"] or 0.0
+        g["unknown"].update(b["unknown"])
+    rows = []
+    for g in groups.values():
+        g["goodput"] = g["productive_s"] / g["total_s"] if g["total_s"] else None
+        g["top_causes"] = [k for k, v in sorted(g["badput_s"].items(), key=lambda kv: -kv[1]) if v > 0][:3]
+        g["unknown"] = sorted(g["unknown"])
+        rows.append(g)
+    rows.sort(key=lambda g: (g["account"], g["user"]))
+    return {"since": since, "until": until, "groups": rows, "skipped": skipped}
+
+
+def prometheus_text(view: dict[str, Any]) -> str:
+    """The fleet view as Prometheus gauges (node_exporter's textfile collector format)."""
+    out = ["# HELP xirang_goodput_ratio Productive step time over total time, per account and user.",
+           "# TYPE xirang_goodput_ratio gauge",
+           "# HELP xirang_badput_seconds Time lost by cause over the window, per account and user.",
+           "# TYPE xirang_badput_seconds gauge"]
+    for g in view["groups"]:
+        lab = f'account="{g["account"]}",user="{g["user"]}"'
+        if g["goodput"] is not None:
+            out.append(f"xirang_goodput_ratio{{{lab}}} {g['goodput']:.6f}")
+        for k, v in g["badput_s"].items():
+            out.append(f'xirang_badput_seconds{{{lab},cause="{k}"}} {v:.3f}')
+    return "\n".join(out) + "\n"

@@ -115,3 +115,20 @@ def plot_goodput(rec: RunRecord, r: dict[str, Any], out: Path | str) -> dict[str
     plt.close(fig)
     return {"path": str(out), "spans": drawn, "disruptions": len(r["disruption_list"]),
             "bars": {k: round(100 * values[k] / total, 3) for k in names}}
+
+
+def render_fleet(view: dict[str, Any]) -> str:
+    """``--goodput --queue``: one line per account and user, hours lost by cause, the top causes."""
+    span = (view["until"] - view["since"]) / 3600
+    lines = [f"goodput over the last {span:g} h, per account and user:",
+             f"{'account':<14}{'user':<12}{'runs':>5}{'total h':>9}{'goodput':>9}  top causes of badput (h)"]
+    for g in view["groups"]:
+        top = ", ".join(f"{LABELS[k]} {g['badput_s'][k] / 3600:.2f}" for k in g["top_causes"]) or "-"
+        lines.append(f"{g['account']:<14.14}{g['user']:<12.12}{g['runs']:>5}{g['total_s'] / 3600:>9.2f}"
+                     f"{share(g['goodput']):>9}  {top}")
+        if g["unknown"]:
+            lines.append(f"{'':31}unknown (no Slurm accounting): {', '.join(g['unknown'])}")
+    if view["skipped"]:
+        lines.append(f"{len(view['skipped'])} run(s) without a goodput record (steps.jsonl): "
+                     + ", ".join(view["skipped"][:3]))
+    return "\n".join(lines)
