@@ -15,7 +15,8 @@ from xirang_hpc.runtime.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1] / "xirang_hpc"
 HOOK_FILES = ["checkpoint/trainer_hook.py", "checkpoint/state.py", "monitor/trainer_hook.py", "monitor/tracking.py",
-              "runtime/signals.py", "runtime/comm/install.py", "weights/load.py"]
+              "monitor/goodput_hook.py", "runtime/signals.py", "runtime/comm/install.py",
+              "weights/load.py"]
 
 
 def test_the_trainer_is_a_loop(stdlib_data: Path, tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from xirang_hpc.data.tokenizer import install_run_tokenizer
 from xirang_hpc.files import private_by_default
 from xirang_hpc.monitor import environment
 from xirang_hpc.monitor.events import EventLog
+from xirang_hpc.monitor.goodput_hook import GoodputHook
 from xirang_hpc.monitor.requeues import record_unlogged_requeue
 from xirang_hpc.monitor.tracking import TrackingHook
 from xirang_hpc.monitor.trainer_hook import MonitorHook
@@ -42,11 +43,12 @@ def _say(msg: str) -> None:
 
 
 def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[TrainerHook]:
-    """The trainer's hooks, in order: weight import, comm, checkpoint, monitoring, stop signals.
+    """The trainer's hooks, in order: goodput's timing, weight import, comm, checkpoint, monitoring, stop signals.
 
     Each feature adds its hook here (one line each) so the loop itself stays small.
     """
-    hooks: list[TrainerHook] = []
+    # Goodput's record first: it times the restore the hooks below do, and closes each step before the save.
+    hooks: list[TrainerHook] = [GoodputHook(topo, run_dir)]
     if cfg.model.init_from:  # exported weights first, so a checkpoint restore (next hooks) wins
         hooks.append(InitFromHook(cfg.model.init_from))
     # Hierarchical all-reduce / bandwidth budget on plain DDP. Before the checkpoint hook, so a

@@ -6,6 +6,8 @@
   array tasks in task order, failed runs with their cause;
 - a job id: the runs under ``--runs-root`` launched by that job (array tasks ``ID_N`` included);
 - two or more run directories: a comparison (config differences, progress, final numbers);
+- ``--goodput``: where the run's time went: goodput, badput by cause, disruptions, MTBF, rolling
+  windows (``--json``; ``--plot [PNG]`` draws its timeline and breakdown);
 - ``--queue``: the cluster (partitions, nodes, jobs with pending reasons in words, quotas, fair share,
   utilization of the last hour from sacct).
 
@@ -133,7 +135,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="with two run directories: what differs between their environments")
     ap.add_argument("--audit", action="store_true",
                     help="who did what to the run: launches, cancels, requeues, forks, exports, servers")
+    ap.add_argument("--goodput", action="store_true",
+                    help="where the run's time went: goodput, badput by cause (start-up, restore, data, saves, eval, "
+                         "lost steps, hang detection, recovery), disruptions and MTBF, the last hour and day "
+                         "(with --plot: its timeline, default RUN_DIR/goodput.png)")
+    ap.add_argument("--since", type=float, default=24.0, metavar="HOURS",
+                    help="with --goodput --queue: the window, the last HOURS hours (default 24)")
+    ap.add_argument("--prom", type=Path, default=None, metavar="FILE",
+                    help="with --goodput --queue: also write Prometheus gauges to FILE (node_exporter textfile)")
     a = ap.parse_args(argv)
+    if a.goodput and a.queue:
+        return _goodput_fleet(a)
+    if a.goodput:
+        return _goodput(a)
     if a.env or a.env_diff:
         return _environment(a)
     if a.audit:
@@ -183,6 +197,58 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(a.interval)
         except KeyboardInterrupt:
             return 0
+
+
+def _goodput(a: argparse.Namespace) -> int:
+    """``--goodput RUN``: the run's goodput report (text, --json, --plot)."""
+    from xirang_hpc.monitor.goodput import GoodputInputError, load_run, report
+    from xirang_hpc.runs.goodput import plot_goodput, render_goodput
+
+    if len(a.target) != 1:
+        print("xirang-status: error: --goodput takes one run directory (or job id)", file=sys.stderr)
+        return 2
+    try:
+        runs, many = resolve(a.target[0], a.runs_root)
+    except StatusError as exc:
+        print(f"xirang-status: error: {exc}", file=sys.stderr)
+        return 2
+    if many:
+        print(f"xirang-status: error: --goodput takes one run; {a.target[0]} holds {len(runs)} runs: name one of "
+              f"them ({runs[0]})", file=sys.stderr)
+        return 2
+    try:
+        rec = load_run(runs[0])
+    except GoodputInputError as exc:
+        print(f"xirang-status: error: {exc}", file=sys.stderr)
+        return 2
+    rep = report(rec)
+    if a.plot is not None:
+        rep["plot"] = plot_goodput(rec, rep, Path(a.plot) if a.plot else runs[0] / "goodput.png")
+    if a.json:
+        print(json.dumps(rep, default=str))
+    else:
+        print(render_goodput(rep))
+        if "plot" in rep:
+            print(f"wrote {rep['plot']['path']}")
+    return 0
+
+
+def _goodput_fleet(a: argparse.Namespace) -> int:
+    """``--goodput --queue``: every run under --runs-root over the last --since hours, per account and user."""
+    from xirang_hpc.files import write_bytes_atomic
+    from xirang_hpc.monitor.goodput import fleet, prometheus_text
+    from xirang_hpc.runs.goodput import render_fleet
+
+    runs = find_runs(a.runs_root) if a.runs_root.is_dir() else []
+    if not runs:
+        print(f"xirang-status: error: no run directories under {a.runs_root.absolute()} (--runs-root)", file=sys.stderr)
+        return 2
+    now = time.time()
+    view = fleet(runs, now - a.since * 3600, now)
+    if a.prom is not None:
+        write_bytes_atomic(a.prom, prometheus_text(view).encode(), mode=0o644)  # node_exporter reads it
+    print(json.dumps(view) if a.json else render_fleet(view))
+    return 0
 
 
 def _audit(a: argparse.Namespace) -> int:
