@@ -220,6 +220,16 @@ def goodput(cfg: XirangConfig, sim: dict[str, str], as_json: bool) -> str:
 
     sc, step = goodput_inputs(cfg, sim)
     rec = recommend(sc, configured_policy(cfg))
+    # The simulator lets every policy restart as often as it needs; today's budgets end a run sooner.
+    conf = rec.configured
+    if conf is not None and conf.policy != "requeue" and conf.restarts_in_job_max > cfg.requeue.max_restarts_in_job:
+        rec.notes.append(f"as configured, an allocation needs up to {conf.restarts_in_job_max} in-job restarts "
+                         f"but requeue.max_restarts_in_job={cfg.requeue.max_restarts_in_job}: the rest become "
+                         "requeues (the row assumes no limit)")
+    if conf is not None and cfg.requeue.enabled and conf.requeues_max > cfg.requeue.max_requeues:
+        rec.notes.append(f"as configured, the run needs up to {conf.requeues_max} requeues over "
+                         f"{sc.days:g} days but requeue.max_requeues={cfg.requeue.max_requeues}: it would end "
+                         "max_requeues_exceeded first (the row assumes no limit)")
     if as_json:
         return json.dumps(dict(rec.to_dict(), step_s=step), indent=2, default=str)
     return render(rec, step)

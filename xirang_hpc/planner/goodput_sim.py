@@ -115,7 +115,7 @@ class FailureModel:
         """Mean time between interruptions of a job on ``nodes`` nodes (seconds); inf when none."""
         r = self.rates()
         rate = (r[:3].sum() if unplanned_only else r.sum()) * nodes / DAY_S
-        return math.inf if rate <= 0 else 1.0 / rate
+        return math.inf if rate <= 0 else float(1.0 / rate)
 
 
 # This build's measured costs (benchmarks/RESULTS.md), the defaults of RecoveryCosts and CheckpointCosts.
@@ -311,9 +311,9 @@ def simulate(sc: Scenario, policy: str, trace: Trace, intervals: np.ndarray | No
         # One snapshot per memory interval (the stall); every q-th is also written to the filesystem, in the
         # background (checkpoint.in_memory saves from the snapshot), durable a write later.
         stall, save = ck.snapshot_s, ck.write_s
-        m = np.full(shape, sc.memory_every_s)
+        m = np.full(shape, float(sc.memory_every_s))
         q = np.maximum(1.0, np.round(np.maximum(iv, save)[:, None] / m))
-        lag = np.full(shape, sc.memory_lag_s if sc.memory_lag_s >= 0 else sc.memory_every_s)
+        lag = np.full(shape, float(sc.memory_lag_s if sc.memory_lag_s >= 0 else sc.memory_every_s))
     else:
         stall, save = ck.stall_s, ck.save_s
         m, q, lag = np.maximum(iv, save)[:, None] * np.ones(shape), np.ones(shape), np.zeros(shape)
@@ -323,8 +323,8 @@ def simulate(sc: Scenario, policy: str, trace: Trace, intervals: np.ndarray | No
     b = {k: np.zeros(shape) for k in BUCKETS}
     interruptions, requeues = np.zeros(shape), np.zeros(shape)
     t = np.zeros(shape)
-    pend_stall, pend_rec, pend_queue = np.zeros(shape), np.zeros(shape), np.full(shape, co.queue_wait_s)
-    over_rec, over_start = np.zeros(shape), np.full(shape, co.startup_s)
+    pend_stall, pend_rec, pend_queue = np.zeros(shape), np.zeros(shape), np.full(shape, float(co.queue_wait_s))
+    over_rec, over_start = np.zeros(shape), np.full(shape, float(co.startup_s))
     spare = spare0.copy()
     mem_only = np.zeros(shape)  # progress restored from memory and not yet on the filesystem
     ptr = np.zeros(shape, dtype=np.int64)
@@ -484,7 +484,7 @@ def scan_intervals(sc: Scenario, policy: str, trace: Trace, spares: int | None =
     """Goodput at Daly's interval times each of ``factors`` (never below the save time), same failures for
     all. The flat region: every scanned interval within ``tolerance_pct`` points, or the CI of the best, of
     the best mean."""
-    daly = sc.daly_s(policy)
+    daly = float(sc.daly_s(policy))
     ivs = np.array(sorted({max(daly * f, 1e-3) for f in factors}))  # simulate() keeps them >= the save time
     res = simulate(sc, policy, trace, ivs, np.full(ivs.size, sc.spares if spares is None else spares))
     gp = res["goodput"] * 100  # (intervals, seeds)
