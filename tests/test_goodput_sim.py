@@ -17,6 +17,7 @@ from xirang_hpc.planner.goodput_sim import (
     BUCKETS,
     DAY_S,
     LLAMA3_COUNTS,
+    POLICIES,
     CheckpointCosts,
     FailureModel,
     RecoveryCosts,
@@ -28,6 +29,7 @@ from xirang_hpc.planner.goodput_sim import (
     render,
     scan_intervals,
     simulate,
+    summarize,
 )
 
 H = 1000.0  # seconds of wall time in the hand-computed cases
@@ -45,9 +47,12 @@ def _hand(nodes: int = 1, spares: int = 1) -> Scenario:
 
 
 def _buckets(sc: Scenario, policy: str, events: list[tuple[float, str]]) -> dict[str, float]:
+    """Seconds per bucket; ``shrunk`` only where the allocation shrank."""
     res = simulate(sc, policy, fixed_trace(events, H))
     out = {k: float(res[k][0, 0]) for k in BUCKETS}
     assert sum(out.values()) == pytest.approx(H)  # every second in exactly one bucket
+    if out["shrunk"] == 0:
+        del out["shrunk"]
     return out
 
 
@@ -82,6 +87,19 @@ def test_in_job_restart_on_a_spare_by_hand() -> None:
     # A software fault needs no spare: restarted in place.
     sw = _buckets(_hand(spares=0), "in-job", [(300.0, "software")])
     assert sw == pytest.approx(seconds | {"spares": 0})
+
+
+def test_lost_node_without_spare_shrinks_by_hand() -> None:
+    # 4 nodes, no spare, a replica of 1 node: after the failure at 300 s the restart (8 s) goes on with 3
+    # nodes, so the 686 s computed after it train 3/4 as fast; the other 1/4 is the shrunk bucket.
+    sc = replace(_hand(nodes=4, spares=0), shrink_nodes=1, min_nodes=3)
+    b = _buckets(sc, "in-job", [(300.0, "hardware")])
+    assert b == pytest.approx(dict(productive=200 + 686 * 0.75, lost=48, recovery=8, startup=10, stall=8, queue=40,
+                                   shrunk=686 * 0.25, spares=0))
+    # A second loss would leave 2 nodes, below min_nodes: a requeue, whose new allocation is whole again.
+    two = _buckets(sc, "in-job", [(300.0, "hardware"), (600.0, "hardware")])
+    assert two["shrunk"] == pytest.approx((600 - 308 - 2) * 0.25)  # 2 of the 292 s were stalls
+    assert two["queue"] == 40 + 70
 
 
 def test_in_job_restart_from_memory_by_hand() -> None:
@@ -123,9 +141,11 @@ def test_llama3_405b_published_setting_is_above_90_percent() -> None:
     sc = llama3_405b(seeds=16)
     assert sc.gpus == 16384 and sc.days == 54
     assert sc.checkpoint.bytes_total == 12 * model_params(to_typed(compose_cfg(["model=llama3-405b"])).model)
-    rec = recommend(sc)
-    by = {r.policy: r for r in rec.results}
-    for r in rec.results:
+    trace = draw_trace(sc)
+    by = {}
+    for p in POLICIES:
+        res = simulate(sc, p, trace, np.array([sc.daly_s(p)]), np.array([0 if p == "requeue" else 8]))
+        by[p] = r = summarize(sc, p, res, 0, sc.daly_s(p), 8)
         assert r.goodput_pct - r.ci_pct > 90.0, r
         assert r.interruptions == pytest.approx(sum(LLAMA3_COUNTS.values()), rel=0.05)
     assert by["in-job"].goodput_pct > by["requeue"].goodput_pct  # no Slurm cycle, no new allocation
@@ -175,13 +195,17 @@ def test_bad_input_is_refused_by_name() -> None:
 def test_plan_cli_goodput_from_the_config() -> None:
     """``xirang-plan --goodput``'s inputs come from the composed config, goodput.* overrides them, and
     unknown or bad ones are refused by name."""
-    cfg = to_typed(compose_cfg(["model=llama3-405b", "cluster=h100-ib", "cluster.nodes=2048",
+    cfg = to_typed(compose_cfg(["model=llama3-405b", "cluster=h100-ib", "cluster.nodes=2048", "train.global_batch=2048",
                                 "requeue.start_now=true", "cluster.spare_nodes=2"]))
     sc, step = plan_cli.goodput_inputs(cfg, {"days": "3", "seeds": "4", "step_s": "8", "queue_wait_s": "60"})
     assert (sc.gpus, sc.days, sc.seeds, sc.spares, step) == (16384, 3.0, 4, 2, 8.0)
     assert sc.costs.requeue_hold_s == 0 and sc.costs.queue_wait_s == 60  # start_now: no hold
     assert sc.interval_s == cfg.checkpoint.every_steps * 8.0
     assert sc.checkpoint.bytes_total == 12 * model_params(cfg.model)
+    assert sc.shrink_nodes >= 1  # requeue.min_nodes=0: a restart may go on without the lost node's replica
+    no_shrink = cfg.__class__(**{**cfg.__dict__, "requeue": type(cfg.requeue)(**{**cfg.requeue.__dict__,
+                                                                                  "min_nodes": 2048})})
+    assert plan_cli.goodput_inputs(no_shrink, {"step_s": "8", "days": "1", "seeds": "2"})[0].shrink_nodes == 0
     text = render(recommend(sc, plan_cli.configured_policy(cfg)), step)
     assert "recommended:" in text and "(as configured)" in text and "checkpoint.every_steps=" in text
     for sim, field in (({"hardware_per_node_dya": "1"}, "goodput.hardware_per_node_dya"),

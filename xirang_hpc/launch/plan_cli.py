@@ -120,6 +120,8 @@ GOODPUT_KEYS: dict[str, str] = {
     "seed": "the random seed (default 0)",
     "spares": "spare nodes of the configured setting (default cluster.spare_nodes)",
     "step_s": "seconds per step (default: the planner's recommended layout)",
+    "shrink_nodes": "nodes a lost node takes out of a shrunk restart with no spare left (default: one "
+                    "data-parallel replica of the planner's layout; 0 = requeue instead)",
     "interval_s": "compute between checkpoints (default checkpoint.every_steps x step_s)",
     "memory_every_s": "compute between in-memory copies (default checkpoint.memory_every_steps, else 1, x step_s)",
     "hardware_per_node_day": "interruptions per node per day: GPU and host hardware (default Llama 3's)",
@@ -177,20 +179,26 @@ def goodput_inputs(cfg: XirangConfig, sim: dict[str, str]) -> tuple[Any, float]:
     from xirang_hpc.planner.goodput_sim import CheckpointCosts, FailureModel, RecoveryCosts, Scenario
 
     v = {k: _sim_value(k, t) for k, t in sim.items()}
-    for k in ("seeds", "seed", "spares"):
+    for k in ("seeds", "seed", "spares", "shrink_nodes"):
         if k in v and v[k] != int(v[k]):
             raise ConfigError(f"goodput.{k}", sim[k], "use a whole number")
     c = cfg.cluster
     nodes, per_node = c.nodes, c.gpus_per_node or c.tasks_per_node
-    step = v.get("step_s")
-    if step is None:
+    step, shrink = v.get("step_s"), v.get("shrink_nodes")
+    if step is None or shrink is None:
         from xirang_hpc.planner.auto import plan_for
 
         res = plan_for(cfg)
-        if not res.ranked:
+        if res.ranked:
+            best = res.best
+            step = best.step_time if step is None else step
+            # A shrunk restart drops the data-parallel replica of the lost node: tp x pp GPUs.
+            shrink = -(-best.plan.tp * best.plan.pp // per_node) if shrink is None else shrink
+        elif step is None:
             raise ConfigError("goodput.step_s", None, f"no layout of model {cfg.model.name} fits this cluster, so "
                               "the planner gives no step time; give it (goodput.step_s=SECONDS)")
-        step = res.best.step_time
+    if shrink is None or cfg.requeue.min_nodes >= nodes or shrink >= nodes:
+        shrink = 0  # no layout known, shrinking forbidden, or one replica is the whole job: a requeue
     if step <= 0:
         raise ConfigError("goodput.step_s", step, "use a positive step time in seconds")
     llama = FailureModel.llama3()
@@ -210,7 +218,8 @@ def goodput_inputs(cfg: XirangConfig, sim: dict[str, str]) -> tuple[Any, float]:
     sc = Scenario(nodes=nodes, gpus_per_node=per_node, days=v.get("days", 30.0), failures=failures, costs=costs,
                   checkpoint=ck, interval_s=v.get("interval_s", cfg.checkpoint.every_steps * step),
                   memory_every_s=v.get("memory_every_s", mem_steps * step), spares=int(v.get("spares", c.spare_nodes)),
-                  seeds=int(v.get("seeds", 32)), seed=int(v.get("seed", 0)))
+                  seeds=int(v.get("seeds", 32)), seed=int(v.get("seed", 0)), shrink_nodes=int(shrink),
+                  min_nodes=max(1, cfg.requeue.min_nodes))
     return sc, step
 
 

@@ -49,7 +49,7 @@ from xirang_hpc.config.errors import ConfigError
 
 POLICIES = ("requeue", "in-job", "in-job+memory")
 CLASSES = ("hardware", "network", "software", "planned")
-BUCKETS = ("productive", "lost", "recovery", "startup", "stall", "queue", "spares")
+BUCKETS = ("productive", "lost", "recovery", "startup", "stall", "queue", "shrunk", "spares")
 DAY_S = 86400.0
 
 # Llama 3 405B's interruptions ("The Llama 3 Herd of Models", Meta 2024, Sec. 3.3.4 and Table 5): 466 job
@@ -220,6 +220,11 @@ class Scenario:
     interval_s: float  # compute between filesystem checkpoints
     memory_every_s: float  # compute between in-memory copies (in-job+memory)
     spares: int = 0
+    # A lost node with no spare left: the in-job restart goes on without the data-parallel replica that
+    # held it (``shrink_nodes`` nodes; the same global batch through more accumulation, so progress slows
+    # by their share) as long as ``min_nodes`` remain; 0 = no shrinking, a requeue.
+    shrink_nodes: int = 0
+    min_nodes: int = 1
     memory_lag_s: float = -1.0  # a copy completes this long after its snapshot; < 0 = one memory interval
     seeds: int = 32
     seed: int = 0
@@ -230,6 +235,9 @@ class Scenario:
                 raise ConfigError(f"goodput.{name}", getattr(self, name), "use a whole number >= 1")
         if self.spares < 0:
             raise ConfigError("goodput.spares", self.spares, "use 0 (no spare node) or more")
+        if self.shrink_nodes < 0 or self.shrink_nodes >= self.nodes:
+            raise ConfigError("goodput.shrink_nodes", self.shrink_nodes,
+                              "use 0 (no shrinking) or the nodes of one data-parallel replica, fewer than the nodes")
         for name in ("days", "interval_s", "memory_every_s"):
             v = getattr(self, name)
             if not math.isfinite(v) or v <= 0:
@@ -327,6 +335,7 @@ def simulate(sc: Scenario, policy: str, trace: Trace, intervals: np.ndarray | No
     over_rec, over_start = np.zeros(shape), np.full(shape, float(co.startup_s))
     spare = spare0.copy()
     mem_only = np.zeros(shape)  # progress restored from memory and not yet on the filesystem
+    lost_nodes = np.zeros(shape)  # nodes a shrunk allocation trains without
     ptr = np.zeros(shape, dtype=np.int64)
     active = np.ones(shape, dtype=bool)
     # One padding column past the horizon, so that a pointer past the last interruption reads "none".
@@ -372,7 +381,12 @@ def simulate(sc: Scenario, policy: str, trace: Trace, intervals: np.ndarray | No
         i_fs = np.clip(np.floor(np.floor((run - save) / u) / q) * q, 0, k)
         j_mem = np.clip(np.floor((run - lag) / u), 0, k)
         fs_kept = i_fs * m
-        fs_back = np.where(i_fs >= 1, fs_kept, fs_kept - mem_only)  # progress kept by a filesystem rollback
+        # Progress is counted in GPU-seconds at full size: on a shrunk allocation a second trains `cap` of one
+        # and the rest is the `shrunk` bucket. mem_only is in the same units.
+        cap = 1.0 - lost_nodes / sc.nodes
+        b["shrunk"] += comp * (1.0 - cap)
+        comp = comp * cap
+        fs_back = np.where(i_fs >= 1, fs_kept * cap, -mem_only)  # progress kept by a filesystem rollback
         done = active & ~failed  # the horizon: the run ends with a final save, everything computed is kept
         b["productive"] += np.where(done, comp, 0.0)
         active &= failed
@@ -386,17 +400,20 @@ def simulate(sc: Scenario, policy: str, trace: Trace, intervals: np.ndarray | No
         if policy == "requeue":
             injob = np.zeros(shape, dtype=bool)
         else:
-            injob = failed & ~planned & (~node_lost | (spare >= 1))
-            spare = np.where(injob & node_lost, spare - 1, spare)
+            has_spare = spare >= 1
+            can_shrink = (sc.shrink_nodes > 0) & (sc.nodes - lost_nodes - sc.shrink_nodes >= sc.min_nodes)
+            injob = failed & ~planned & (~node_lost | has_spare | can_shrink)
+            spare = np.where(injob & node_lost & has_spare, spare - 1, spare)
+            lost_nodes = np.where(injob & node_lost & ~has_spare, lost_nodes + sc.shrink_nodes, lost_nodes)
         req = failed & ~injob
         injob_now = np.where(req, 0.0, injob_now + injob)
         injob_max = np.maximum(injob_max, injob_now)
         # Planned: saved on the signal, everything kept. Requeue / in-job from the filesystem: the newest durable
         # checkpoint. In-job from memory: the newest complete copy.
         if memory:
-            mem_kept = j_mem * m
+            mem_kept = j_mem * m * cap
             kept = np.where(planned, comp, np.where(injob, mem_kept, fs_back))
-            mem_only = np.where(injob, np.where(i_fs >= 1, mem_kept - fs_kept, mem_only + mem_kept), 0.0)
+            mem_only = np.where(injob, np.where(i_fs >= 1, mem_kept - fs_kept * cap, mem_only + mem_kept), 0.0)
             mem_only = np.where(failed, np.maximum(mem_only, 0.0), mem_only)
         else:
             kept = np.where(planned, comp, fs_back)
@@ -409,7 +426,8 @@ def simulate(sc: Scenario, policy: str, trace: Trace, intervals: np.ndarray | No
         over_start = np.where(req, co.startup_s + ck.load_s, np.where(injob, 0.0, over_start))
         restore = co.memory_restore_s if memory else ck.load_s
         over_rec = np.where(injob, co.injob_recovery_s + restore, np.where(req, 0.0, over_rec))
-        spare = np.where(req, spare0, spare)  # a new allocation: its spares are all free
+        spare = np.where(req, spare0, spare)  # a new allocation: its spares are all free, no node missing
+        lost_nodes = np.where(req, 0.0, lost_nodes)
     # The spares' GPUs are allocated and idle all along: a share of the GPU time that trains nothing.
     alloc = (sc.nodes + spare0) / sc.nodes  # allocated / training GPU time
     out = {k: b[k] / alloc for k in BUCKETS if k != "spares"}
@@ -442,6 +460,7 @@ class PolicyResult:
     # requeue, planned ones too, and requeue.max_restarts_in_job the in-job restarts of one allocation.
     requeues_max: int
     restarts_in_job_max: int
+    shrink_nodes: int = 0  # > 0: with no spare left a lost node's replica is dropped; 0: a requeue
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
@@ -456,7 +475,7 @@ def summarize(sc: Scenario, policy: str, res: dict[str, np.ndarray], row: int, i
     brk = {k: float(np.mean(res[k][row])) / h * 100 for k in BUCKETS}
     return PolicyResult(policy, interval_s, spares, g, ci, brk, float(res["interruptions"][row].mean()),
                         float(res["requeues"][row].mean()), int(res["requeues"][row].max()),
-                        int(res["injob_max"][row].max()))
+                        int(res["injob_max"][row].max()), 0 if policy == "requeue" else sc.shrink_nodes)
 
 
 INTERVAL_FACTORS = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)
@@ -523,13 +542,15 @@ class Recommendation:
     spares: int
     configured: PolicyResult | None = None
     notes: list[str] = field(default_factory=list)
+    shrink_nodes: int = 0  # the recommended policy shrinks (> 0) or requeues when no spare is left
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         return {"scenario": self.scenario, "results": [r.to_dict() for r in self.results],
                 "interval_scan": self.scan.to_dict(),
                 "spares_scan": {p: {"spares": s, "goodput_pct": g} for p, (s, g) in self.spares_scan.items()},
-                "recommended": {"policy": self.policy, "interval_s": self.interval_s, "spares": self.spares},
+                "recommended": {"policy": self.policy, "interval_s": self.interval_s, "spares": self.spares,
+                                "shrink_when_no_spare": self.shrink_nodes > 0},
                 "configured": self.configured.to_dict() if self.configured else None, "notes": self.notes}
 
 
@@ -539,17 +560,21 @@ def recommend(sc: Scenario, configured_policy: str | None = None) -> Recommendat
     scenario's own interval and spares under that policy."""
     trace = draw_trace(sc)
     results, spares_scan = [], {}
+    # With no spare left an in-job restart either shrinks (when the scenario may) or requeues: both are tried.
+    variants = [sc] + ([replace(sc, shrink_nodes=0)] if sc.shrink_nodes else [])
+    chosen: dict[str, Scenario] = {"requeue": sc}
     for p in POLICIES:
         daly = sc.daly_s(p)
-        if p == "requeue":
-            best_sp = 0
-        else:
-            best_sp, counts, g = scan_spares(sc, p, trace, daly)
-            spares_scan[p] = (counts, g)
-        res = simulate(sc, p, trace, np.array([daly]), np.array([best_sp]))
-        results.append(summarize(sc, p, res, 0, daly, best_sp))
+        best_sp, best_g = 0, -1.0
+        for v in variants if p != "requeue" else []:
+            sp, counts, g = scan_spares(v, p, trace, daly)
+            spares_scan[p + (" (shrinking)" if v.shrink_nodes else " (requeue when none left)")] = (counts, g)
+            if max(g) > best_g:
+                best_sp, best_g, chosen[p] = sp, max(g), v
+        res = simulate(chosen[p], p, trace, np.array([daly]), np.array([best_sp]))
+        results.append(summarize(chosen[p], p, res, 0, daly, best_sp))
     best = max(results, key=lambda r: r.goodput_pct)
-    scan = scan_intervals(sc, best.policy, trace, best.spares)
+    scan = scan_intervals(chosen[best.policy], best.policy, trace, best.spares)
     configured = None
     if configured_policy is not None:
         sp = 0 if configured_policy == "requeue" else sc.spares
@@ -564,7 +589,7 @@ def recommend(sc: Scenario, configured_policy: str | None = None) -> Recommendat
         notes.append(f"Daly's interval {daly:.1f} s is outside the simulated optimum's flat region "
                      f"[{lo:.1f}, {hi:.1f}] s; the simulated optimum {scan.best_s:.1f} s is recommended")
     return Recommendation(scenario_dict(sc), results, scan, spares_scan, best.policy, interval, best.spares,
-                          configured, notes)
+                          configured, notes, best.shrink_nodes)
 
 
 def scenario_dict(sc: Scenario) -> dict[str, Any]:
@@ -606,7 +631,7 @@ def llama3_405b(policy_costs: RecoveryCosts | None = None, seeds: int = 32) -> S
 
 # Table columns: bucket -> header.
 _HEADERS = {"productive": "productive", "lost": "lost progress", "recovery": "recovery", "startup": "start-up",
-            "stall": "ckpt stall", "queue": "queue wait", "spares": "spares idle"}
+            "stall": "ckpt stall", "queue": "queue wait", "shrunk": "shrunk", "spares": "spares idle"}
 
 
 def render(rec: Recommendation, step_s: float | None = None) -> str:
@@ -629,15 +654,16 @@ def render(rec: Recommendation, step_s: float | None = None) -> str:
         f"{ck['load_s']:.3g} s",
         "  Daly's interval    " + ", ".join(f"{p} {v:.1f} s" for p, v in s["daly_s"].items()),
         "",
-        "| policy | spares | interval (s) | goodput (95% CI) | " + " | ".join(_HEADERS.values())
+        "| policy | spares | no spare left | interval (s) | goodput (95% CI) | " + " | ".join(_HEADERS.values())
         + " | interruptions | requeues |",
-        "|---" * (5 + len(_HEADERS) + 1) + "|",
+        "|---" * (6 + len(_HEADERS) + 1) + "|",
     ]
     rows = list(rec.results) + ([rec.configured] if rec.configured else [])
     for i, r in enumerate(rows):
         name = r.policy + (" (as configured)" if i >= len(rec.results) else "")
         name = f"**{name}**" if r.policy == rec.policy and i < len(rec.results) else name
-        lines.append(f"| {name} | {r.spares} | {r.interval_s:.1f} | {r.goodput_pct:.2f}% +- {r.ci_pct:.2f} | "
+        left = "-" if r.policy == "requeue" else ("shrink" if r.shrink_nodes else "requeue")
+        lines.append(f"| {name} | {r.spares} | {left} | {r.interval_s:.1f} | {r.goodput_pct:.2f}% +- {r.ci_pct:.2f} | "
                      + " | ".join(f"{r.breakdown_pct[k]:.2f}%" for k in _HEADERS)
                      + f" | {r.interruptions:.1f} | {r.requeues:.1f} |")
     sc = rec.scan
@@ -651,7 +677,10 @@ def render(rec: Recommendation, step_s: float | None = None) -> str:
     every = f" = checkpoint.every_steps={max(1, round(rec.interval_s / step_s))} at {step_s:.2f} s/step" \
         if step_s else ""
     lines += ["", f"recommended: {rec.policy}, a checkpoint every {rec.interval_s:.1f} s{every}, "
-                  f"{rec.spares} spare node(s)", "  " + " ".join(policy_overrides(rec, step_s))]
+                  f"{rec.spares} spare node(s)"
+                  + ("" if rec.policy == "requeue" else
+                     ", with none left " + ("shrink" if rec.shrink_nodes else "requeue")),
+          "  " + " ".join(policy_overrides(rec, step_s))]
     lines += [f"note: {n}" for n in rec.notes]
     return "\n".join(lines)
 
@@ -664,6 +693,8 @@ def policy_overrides(rec: Recommendation, step_s: float | None = None) -> list[s
            "in-job+memory": [f"requeue.max_restarts_in_job={max(1, r.restarts_in_job_max)}",
                              "checkpoint.in_memory=true", "checkpoint.memory_every_steps=1"]}[rec.policy]
     out += [f"requeue.max_requeues={r.requeues_max}", f"cluster.spare_nodes={rec.spares}"]
+    if rec.policy != "requeue" and not rec.shrink_nodes:
+        out.append(f"requeue.min_nodes={rec.scenario['nodes']}")  # requeue rather than shrink
     if step_s:
         out.append(f"checkpoint.every_steps={max(1, round(rec.interval_s / step_s))}")
     return out
