@@ -10,8 +10,9 @@ the testbed) and rolls back to its own copy of the state:
   checkpoint, Slurm requeues it (``requeue_recovery_s``, then ``requeue_hold_s`` and ``queue_wait_s``) and the
   new allocation starts up (``startup_s`` + the checkpoint load);
 - ``in-job``: the allocation is kept; a software fault restarts the ranks in place, a lost node is replaced
-  by a spare (``injob_recovery_s`` + the checkpoint load, same rollback); with no spare left it is a requeue
-  (a new allocation, whose spares are all free again);
+  by a spare (``injob_recovery_s`` + the checkpoint load, same rollback); with no spare left the allocation
+  shrinks by the lost node's data-parallel replica (``Scenario.shrink_nodes``; progress slows by its share
+  until the next requeue) or, where it may not, the job is requeued (a new allocation, all its spares free);
 - ``in-job+memory``: as ``in-job``, but it rolls back to the newest complete in-memory copy (one every
   ``memory_every_s``) and restores it (``memory_restore_s``) instead of reading the filesystem.
 
