@@ -88,7 +88,8 @@ COMMANDS: dict[str, CommandHelp] = {
     "xirang-plan": CommandHelp(
         usage="xirang-plan [--json] [--top N] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
               "       xirang-plan --layout SPEC|config [--json] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
-              "       xirang-plan --calibrate [--out FILE] [--rounds N] cluster=OPTION",
+              "       xirang-plan --calibrate [--out FILE] [--rounds N] cluster=OPTION\n"
+              "       xirang-plan --goodput [--json] [goodput.KEY=VALUE ...] [GROUP=OPTION ...] [KEY=VALUE ...]",
         about=(
             "Rank parallel layouts (dp x tp x pp, ZeRO-1/2/3 with any tp and pp, recomputation, microbatches) for a "
             "model on "
@@ -96,7 +97,15 @@ COMMANDS: dict[str, CommandHelp] = {
             "exposed data-parallel communication), MFU and tokens/s, and why each runner-up lost. The parallel "
             "group is ignored (the planner chooses it) unless --layout config asks for exactly that layout. "
             "--calibrate measures this cluster's compute and links "
-            "instead and writes a cluster preset."
+            "instead and writes a cluster preset. --goodput simulates the run's effective training time "
+            "instead: failures by class (default: Llama 3's published rates), this build's measured recovery "
+            "costs per policy (requeue, in-job restart, in-job from memory), checkpoint costs scaled from the "
+            "model's size, spares; goodput and its breakdown per policy with a 95% CI over seeds, and the "
+            "recommended policy, checkpoint interval (Daly's, checked by a scan) and spare nodes. Its inputs "
+            "are goodput.KEY=VALUE: days, seeds, step_s, interval_s, spares, hardware/network/software/"
+            "planned_per_node_day, startup_s, requeue_recovery_s, requeue_hold_s, queue_wait_s, "
+            "injob_recovery_s, memory_restore_s, checkpoint_bytes, fs_gbps, synchronous and more "
+            "(docs/parallel-and-planning.md)."
         ),
         flags=[
             ("--json", "machine-readable plans"),
@@ -110,6 +119,8 @@ COMMANDS: dict[str, CommandHelp] = {
             ("--out FILE", "where --calibrate writes the preset (default conf/cluster/<cluster>-calibrated.yaml)"),
             ("--rounds N", "rounds of --calibrate's probe training runs on CPU clusters, median kept (default "
                            f"{PROBE_ROUNDS}; 1 is the fastest and noisiest)"),
+            ("--goodput", "simulate the run's goodput per recovery policy and recommend policy, interval and "
+                          "spares (goodput.KEY=VALUE set its inputs)"),
             *_HYDRA_FLAGS,
         ],
         examples=[
@@ -117,8 +128,10 @@ COMMANDS: dict[str, CommandHelp] = {
             ("xirang-plan model=gpt-7b cluster=h100-ib cluster.nodes=8 --json --top 5", ""),
             ("xirang-plan --layout config parallel=dp2xtp2", "the cost of one layout, as xirang-train runs it"),
             ("xirang-plan --calibrate cluster=local --out conf/cluster/local-calibrated.yaml", ""),
+            ("xirang-plan --goodput model=llama3-405b cluster=h100-ib cluster.nodes=2048 goodput.days=54",
+             "16,384 GPUs, Llama 3's failure rates"),
         ],
-        notes="Exit status: 0 planned, 2 a bad config or no layout fits.",
+        notes="Exit status: 0 planned, 2 a bad config, a bad goodput.* input or no layout fits.",
     ),
     "xirang-sbatch": CommandHelp(
         usage="xirang-sbatch [--out FILE] [GROUP=OPTION ...] [KEY=VALUE ...]",

@@ -5,6 +5,7 @@
     xirang-plan --calibrate cluster=local [--out conf/cluster/local-calibrated.yaml] [--rounds N]
     xirang-plan --layout tp=8,pp=16,dp=64,mbs=1,v=4,zero=1,recompute=selective,sp=true model=llama3-405b ...
     xirang-plan --layout config parallel=dp2xtp2    # the layout of the parallel group, as xirang-train runs it
+    xirang-plan --goodput model=llama3-405b cluster=h100-ib cluster.nodes=2048 goodput.days=54 [goodput.KEY=VALUE]
 
 The same Hydra config groups as xirang-train; the parallel group is ignored (the planner chooses it).
 Every ranked plan is one this build's runtime runs (the search is vetoed by config validation, as
@@ -16,9 +17,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
@@ -30,7 +33,7 @@ from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs, run_app
 
 _OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="", layout="",
-                                               rounds=None)
+                                               rounds=None, goodput=False, sim={})
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -110,12 +113,145 @@ def run_calibration(cluster: ClusterConfig, folder: Path, rounds: int | None = N
     return job.results()[0]
 
 
+# goodput.KEY: (default, meaning); "" defaults come from the config or the planner (goodput_inputs).
+GOODPUT_KEYS: dict[str, str] = {
+    "days": "days of wall time simulated (default 30)",
+    "seeds": "Monte Carlo repetitions (default 32); goodput.seed the first seed (default 0)",
+    "seed": "the random seed (default 0)",
+    "spares": "spare nodes of the configured setting (default cluster.spare_nodes)",
+    "step_s": "seconds per step (default: the planner's recommended layout)",
+    "shrink_nodes": "nodes a lost node takes out of a shrunk restart with no spare left (default: one "
+                    "data-parallel replica of the planner's layout; 0 = requeue instead)",
+    "interval_s": "compute between checkpoints (default checkpoint.every_steps x step_s)",
+    "memory_every_s": "compute between in-memory copies (default checkpoint.memory_every_steps, else 1, x step_s)",
+    "hardware_per_node_day": "interruptions per node per day: GPU and host hardware (default Llama 3's)",
+    "network_per_node_day": "... network switch, cable, NIC (default Llama 3's)",
+    "software_per_node_day": "... software bugs, NCCL timeouts (default Llama 3's)",
+    "planned_per_node_day": "... planned maintenance, preemption (default Llama 3's)",
+    "startup_s": "process start -> first step (default 7.3, measured)",
+    "requeue_recovery_s": "fault -> requeued job's processes start (default 19.6, measured)",
+    "requeue_hold_s": "Slurm's hold of a requeued job (default 146, 0 with requeue.start_now=true)",
+    "queue_wait_s": "pending time of a (re)queued job (default 0)",
+    "injob_recovery_s": "fault -> first step of an in-job restart (default 10.8, measured)",
+    "memory_restore_s": "restore from memory instead of the checkpoint load (default 0.4, measured)",
+    "checkpoint_bytes": "one checkpoint's size (default 12 bytes per parameter of the model)",
+    "stall_gbps": "snapshot rate per GPU (default 13.4, measured)",
+    "write_gbps": "write rate per node (default 1.31, measured)",
+    "read_gbps": "read rate per node (default 3.55, measured)",
+    "fs_gbps": "the file system's aggregate bandwidth, 0 = no limit (default 0)",
+    "synchronous": "1 = the training waits for each write (default: not checkpoint.async_save)",
+    "snapshot_s": "the stall per checkpoint, instead of the scaled one",
+    "write_s": "the write until durable, instead of the scaled one",
+    "load_s": "the checkpoint load, instead of the scaled one",
+}
+
+
+def _sim_value(key: str, text: str) -> float:
+    """One ``goodput.KEY=VALUE``'s number; unknown keys and non-numbers are refused by name."""
+    if key not in GOODPUT_KEYS:
+        import difflib
+
+        near = difflib.get_close_matches(key, GOODPUT_KEYS, n=3)
+        raise ConfigError(f"goodput.{key}", text, "unknown simulator input; "
+                          + (f"did you mean {', '.join('goodput.' + k for k in near)}? " if near else "")
+                          + "xirang-plan --help lists them (docs/parallel-and-planning.md)")
+    try:
+        v = float(text)
+    except ValueError:
+        raise ConfigError(f"goodput.{key}", text, "use a number") from None
+    if not math.isfinite(v):
+        raise ConfigError(f"goodput.{key}", text, "use a finite number")
+    return v
+
+
+def configured_policy(cfg: XirangConfig) -> str:
+    """The recovery policy ``cfg`` runs: requeue, in-job (restarts in the allocation) or in-job+memory."""
+    if cfg.requeue.max_restarts_in_job == 0:
+        return "requeue"
+    return "in-job+memory" if cfg.checkpoint.in_memory else "in-job"
+
+
+def goodput_inputs(cfg: XirangConfig, sim: dict[str, str]) -> tuple[Any, float]:
+    """The simulator's scenario for ``cfg`` and the ``goodput.*`` inputs, and the step time: size from
+    ``cluster``, checkpoint size from ``model`` (as the launcher sizes it), step time from the planner's
+    recommended layout, interval and spares from ``checkpoint`` and ``cluster``, hold from ``requeue``."""
+    from xirang_hpc.launch.preflight import checkpoint_bytes
+    from xirang_hpc.planner.goodput_sim import CheckpointCosts, FailureModel, RecoveryCosts, Scenario
+
+    v = {k: _sim_value(k, t) for k, t in sim.items()}
+    for k in ("seeds", "seed", "spares", "shrink_nodes"):
+        if k in v and v[k] != int(v[k]):
+            raise ConfigError(f"goodput.{k}", sim[k], "use a whole number")
+    c = cfg.cluster
+    nodes, per_node = c.nodes, c.gpus_per_node or c.tasks_per_node
+    step, shrink = v.get("step_s"), v.get("shrink_nodes")
+    if step is None or shrink is None:
+        from xirang_hpc.planner.auto import plan_for
+
+        res = plan_for(cfg)
+        if res.ranked:
+            best = res.best
+            step = best.step_time if step is None else step
+            # A shrunk restart drops the data-parallel replica of the lost node: tp x pp GPUs.
+            shrink = -(-best.plan.tp * best.plan.pp // per_node) if shrink is None else shrink
+        elif step is None:
+            raise ConfigError("goodput.step_s", None, f"no layout of model {cfg.model.name} fits this cluster, so "
+                              "the planner gives no step time; give it (goodput.step_s=SECONDS)")
+    if shrink is None or cfg.requeue.min_nodes >= nodes or shrink >= nodes:
+        shrink = 0  # no layout known, shrinking forbidden, or one replica is the whole job: a requeue
+    if step <= 0:
+        raise ConfigError("goodput.step_s", step, "use a positive step time in seconds")
+    llama = FailureModel.llama3()
+    failures = FailureModel(**{k: v.get(k, getattr(llama, k)) for k in
+                               ("hardware_per_node_day", "network_per_node_day", "software_per_node_day",
+                                "planned_per_node_day")},
+                            source=llama.source if not any(k.endswith("_per_node_day") for k in v) else "given")
+    base = RecoveryCosts(requeue_hold_s=0.0 if cfg.requeue.start_now else RecoveryCosts.requeue_hold_s)
+    costs = RecoveryCosts(**{f: v.get(f, getattr(base, f)) for f in base.__dataclass_fields__})
+    sync = bool(v.get("synchronous", 0.0 if cfg.checkpoint.async_save else 1.0))
+    ck = CheckpointCosts.from_bytes(v.get("checkpoint_bytes", float(checkpoint_bytes(cfg))), nodes * per_node, nodes,
+                                    **{k: v[k] for k in ("stall_gbps", "write_gbps", "read_gbps", "fs_gbps") if k in v},
+                                    synchronous=sync)
+    ck = CheckpointCosts(snapshot_s=v.get("snapshot_s", ck.snapshot_s), write_s=v.get("write_s", ck.write_s),
+                         load_s=v.get("load_s", ck.load_s), synchronous=sync, bytes_total=ck.bytes_total)
+    mem_steps = cfg.checkpoint.memory_every_steps or 1
+    sc = Scenario(nodes=nodes, gpus_per_node=per_node, days=v.get("days", 30.0), failures=failures, costs=costs,
+                  checkpoint=ck, interval_s=v.get("interval_s", cfg.checkpoint.every_steps * step),
+                  memory_every_s=v.get("memory_every_s", mem_steps * step), spares=int(v.get("spares", c.spare_nodes)),
+                  seeds=int(v.get("seeds", 32)), seed=int(v.get("seed", 0)), shrink_nodes=int(shrink),
+                  min_nodes=max(1, cfg.requeue.min_nodes))
+    return sc, step
+
+
+def goodput(cfg: XirangConfig, sim: dict[str, str], as_json: bool) -> str:
+    """``--goodput``: the simulated effective training time per recovery policy and the recommendation."""
+    from xirang_hpc.planner.goodput_sim import recommend, render
+
+    sc, step = goodput_inputs(cfg, sim)
+    rec = recommend(sc, configured_policy(cfg))
+    # The simulator lets every policy restart as often as it needs; today's budgets end a run sooner.
+    conf = rec.configured
+    if conf is not None and conf.policy != "requeue" and conf.restarts_in_job_max > cfg.requeue.max_restarts_in_job:
+        rec.notes.append(f"as configured, an allocation needs up to {conf.restarts_in_job_max} in-job restarts "
+                         f"but requeue.max_restarts_in_job={cfg.requeue.max_restarts_in_job}: the rest become "
+                         "requeues (the row assumes no limit)")
+    if conf is not None and cfg.requeue.enabled and conf.requeues_max > cfg.requeue.max_requeues:
+        rec.notes.append(f"as configured, the run needs up to {conf.requeues_max} requeues over "
+                         f"{sc.days:g} days but requeue.max_requeues={cfg.requeue.max_requeues}: it would end "
+                         "max_requeues_exceeded first (the row assumes no limit)")
+    if as_json:
+        return json.dumps(dict(rec.to_dict(), step_s=step), indent=2, default=str)
+    return render(rec, step)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _app(dcfg: DictConfig) -> None:
     try:
         cfg = typed_config(dcfg)
         if _OPTS.calibrate:
             calibrate(cfg, _OPTS.out, _OPTS.rounds)
+        elif _OPTS.goodput:
+            print(goodput(cfg, _OPTS.sim, _OPTS.json), flush=True)
         elif _OPTS.layout:
             print(evaluate_layout(cfg, _OPTS.layout, _OPTS.json), flush=True)
         else:
@@ -137,7 +273,11 @@ def parse_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--out", default="")
     ap.add_argument("--layout", default="")
     ap.add_argument("--rounds", type=_positive, default=None)
-    return ap.parse_known_args(argv)
+    ap.add_argument("--goodput", action="store_true")
+    opts, rest = ap.parse_known_args(argv)
+    # goodput.KEY=VALUE are the simulator's inputs, not config fields: kept from Hydra.
+    opts.sim = dict(a.removeprefix("goodput.").split("=", 1) for a in rest if a.startswith("goodput.") and "=" in a)
+    return opts, [a for a in rest if not (a.startswith("goodput.") and "=" in a)]
 
 
 def _positive(text: str) -> int:
@@ -158,6 +298,8 @@ def main() -> None:
     _OPTS, rest = parse_flags(sys.argv[1:])
     if _OPTS.rounds is not None and not _OPTS.calibrate:
         _fail("--rounds applies to --calibrate only")
+    if _OPTS.sim and not _OPTS.goodput:
+        _fail(f"goodput.{next(iter(_OPTS.sim))}= applies to --goodput only")
     sys.argv = [sys.argv[0], *rest]
     register_configs()
     run_app("xirang-plan", _app)
