@@ -454,13 +454,18 @@ def global_batch_for(compute: float, seq_len: int, lo: int = 1, hi: int = 1 << 1
 
 
 def _aspect(d_model: int) -> int:
-    """Width per layer: ~64 for models up to d_model 1024 (GPT-2 small 768/12, medium 1024/24 ~ 43),
-    ~128 beyond (Llama 3.2 1B 2048/16, Llama 3 8B 4096/32, 405B 16384/126)."""
+    """Width per layer: ~32 for the smallest models (the tiny presets, 64/4 = 16 to 128/4), ~64 up to d_model
+    1024 (GPT-2 small 768/12), ~128 beyond (Llama 3.2 1B 2048/16, Llama 3 8B 4096/32, 405B 16384/126).
+    The loss is nearly flat in this ratio over a wide range (Kaplan et al. 2020, Fig. 5)."""
+    if d_model <= 256:
+        return 32
     return 64 if d_model <= 1024 else 128
 
 
 def _head_dim(d_model: int) -> int:
-    """64 below d_model 2560 (Llama 3.2 1B), 128 above (Llama 3 8B-405B); 32 for very small models."""
+    """128 from d_model 2560 (Llama 3 8B-405B), 64 below (Llama 3.2 1B, GPT-2), 32 and 16 for tiny models."""
+    if d_model < 128:
+        return 16
     if d_model < 256:
         return 32
     return 64 if d_model < 2560 else 128
@@ -474,20 +479,24 @@ def model_shape(n_params: float, template: ModelConfig, name: str = "") -> Model
     (:func:`~xirang_hpc.planner.formulas.model_params`, embeddings included) comes closest to
     ``n_params`` at an aspect ratio near :func:`_aspect`. GQA: a template with fewer key/value heads
     than query heads keeps Llama 3's 8 key/value heads (fewer when there are fewer heads); the MLP
-    keeps the template's width ratio, rounded to a multiple of 64.
+    keeps the template's width ratio, rounded to a multiple of 64 (16 for tiny models).
     """
     ffn_ratio = template.ffn_dim / template.d_model
     gqa = template.n_kv_head < template.n_head
     best: tuple[float, ModelConfig] | None = None
-    d = 64
+    d = 16
     while d <= 65536:
         hd = _head_dim(d)
-        if d % hd == 0:
+        # Heads in multiples of 8 from d_model 1024 (tensor parallelism up to a node's 8 GPUs divides them,
+        # and 8 key/value heads divide them), of 2 from 256.
+        mult = 8 if d >= 1024 else (2 if d >= 256 else 1)
+        if d % (hd * mult) == 0:
             heads = d // hd
             kv = min(8, heads) if gqa else heads
             while heads % kv:
                 kv -= 1
-            ffn = max(64, int(round(ffn_ratio * d / 64)) * 64)
+            q = 64 if d >= 256 else 16
+            ffn = max(q, int(round(ffn_ratio * d / q)) * q)
             base = dataclasses.replace(template, name=name or template.name, n_layer=1, d_model=d, n_head=heads,
                                        n_kv_head=kv, d_ff=ffn, d_head=0, init_from=None)
             one = model_params(base)
@@ -496,12 +505,19 @@ def model_shape(n_params: float, template: ModelConfig, name: str = "") -> Model
             cand = dataclasses.replace(base, n_layer=layers)
             p = model_params(cand)
             # Closeness in parameters first, then an aspect ratio near the usual one.
-            score = abs(math.log(p / n_params)) + 0.05 * abs(math.log((d / layers) / _aspect(d)))
+            score = abs(math.log(p / n_params)) + 0.25 * abs(math.log((d / layers) / _aspect(d)))
             if best is None or score < best[0]:
                 best = (score, cand)
-        d += 64
+        d += 16 if d < 256 else 64
     assert best is not None
     return best[1]
+
+
+# The default sweep of ``xirang-plan --fit-scaling``: small enough for CPU ranks (minutes per run), three
+# budgets a factor ~3 apart and four sizes each, so both exponents see a trend (Hoffmann et al. use 9
+# budgets; more budgets and sizes give tighter intervals).
+SWEEP_BUDGETS = (3e11, 1e12, 3e12)
+SWEEP_SIZES = (1e5, 2e5, 4e5, 8e5)
 
 
 def isoflop_grid(budgets: Sequence[float], sizes_per_budget: int, min_params: float, max_params: float,
