@@ -28,7 +28,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ModelConfig, XirangConfig
 from xirang_hpc.config.schema.target import deadline_seconds, parse_budget
 from xirang_hpc.config.validate import check_runnable, tokenizer_vocab_size, validate
-from xirang_hpc.planner.auto import apply_plan, plan_for
+from xirang_hpc.planner.auto import apply_plan, plan_for, problem_of, runnable_space
 from xirang_hpc.planner.cost import Estimate
 from xirang_hpc.planner.formulas import model_params
 from xirang_hpc.planner.scaling import (
@@ -43,6 +43,7 @@ from xirang_hpc.planner.scaling import (
     load_fit,
     model_shape,
 )
+from xirang_hpc.planner.search import search
 
 INDEX = "index.json"  # a prepared data directory's index (xirang_hpc.data.prepare.INDEX)
 
@@ -164,8 +165,18 @@ def _configured(cfg: XirangConfig, model: ModelConfig, nodes: int, batch: int, s
                                parallel=dataclasses.replace(cfg.parallel, auto=False))
 
 
-def _search(cfg: XirangConfig) -> tuple[Estimate | None, float, str]:
-    """The planner's best plan for ``cfg`` (None when nothing fits), its search time, and why nothing fits."""
+def _search(cfg: XirangConfig, probe: bool = False) -> tuple[Estimate | None, float, str]:
+    """The planner's best plan for ``cfg`` (None when nothing fits), its search time, and why nothing fits.
+
+    ``probe``: a narrower search (ZeRO-1/3, selective or full recompute, no interleaving, micro-batches up
+    to 4) whose step time only sizes the node count; the plan shown always comes from the full search.
+    """
+    if probe:
+        space = dataclasses.replace(runnable_space(cfg), zero=(1, 3), recompute=("selective", "full"),
+                                    max_interleave=1, max_micro=4)
+        res = search(problem_of(cfg), space)
+        if res.ranked:
+            return res.ranked[0], res.seconds, ""
     res = plan_for(cfg)
     if not res.ranked:
         return None, res.seconds, res.limit or "no layout fits in memory"
@@ -177,6 +188,11 @@ def _size(n: float) -> str:
         if n >= v:
             return f"{n / v:.3g}{unit}"
     return f"{n:.3g}"
+
+
+def _amount_str(x: float) -> str:
+    """Thousands separated; three significant digits below 100 (a CPU run's fraction of a rank-hour)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def _hours(s: float) -> str:
@@ -202,8 +218,9 @@ def plan_target(cfg: XirangConfig, overrides: Sequence[str] = ()) -> TargetPlan:
                           "target.compute= (FLOPs)")
     ask, n_want, d_want = _amount(cfg, law)
     template = _template(cfg)
-    model = model_shape(n_want, template, name=f"plan-{_size(n_want).lower()}")
+    model = model_shape(n_want, template)
     n = model_params(model)
+    model = dataclasses.replace(model, name=f"plan-{_size(n).lower()}")
     compute = 6.0 * n * d_want
     batch = global_batch_for(compute, model.seq_len)
     steps = max(1, math.ceil(d_want / (batch * model.seq_len)))
@@ -212,37 +229,43 @@ def plan_target(cfg: XirangConfig, overrides: Sequence[str] = ()) -> TargetPlan:
     max_nodes = cfg.cluster.nodes
     per_node = _devices_per_node(cfg)
 
-    def at(nodes: int) -> tuple[XirangConfig, Estimate | None, float, str]:
+    def at(nodes: int, probe: bool = False) -> tuple[XirangConfig, Estimate | None, float, str]:
         c = _configured(cfg, model, nodes, batch, steps, lr)
-        est, secs, why = _search(c)
+        est, secs, why = _search(c, probe)
         return c, est, secs, why
 
-    c_max, est, searched, why = at(max_nodes)
+    # With a deadline, a quick probe on all nodes sizes the node count; the full search runs where it lands.
+    c_max, est, searched, why = at(max_nodes, probe=deadline is not None)
     if est is None:
         raise TargetError(f"{ask}: the planned {_size(n)}-parameter model ({model.n_layer} layers x "
                           f"{model.d_model}) fits no layout on cluster.nodes={max_nodes}: {why}")
     wall = steps * est.step_time
-    chosen, c_cfg = max_nodes, c_max
-    if deadline is not None and wall > deadline:
-        need = wall / deadline
-        c_dead = compute / need  # what the cluster trains by the deadline at this throughput
-        raise TargetError(
-            f"{ask}: the deadline binds: {_hours(wall)} on all {max_nodes} nodes of cluster.nodes "
-            f"({est.plan.label()}, {est.step_time:.3g} s/step x {steps} steps) against {_hours(deadline)} "
-            f"allowed: the deadline needs {need:.2g}x the nodes (about cluster.nodes={math.ceil(max_nodes * need)} "
-            f"if throughput scaled linearly). By the deadline these nodes train about {c_dead:.3g} FLOPs: "
-            f"predicted loss {law.optimal_loss(c_dead):.4g} (target.compute={c_dead:.3g})")
+    chosen = max_nodes
     if deadline is not None:
-        # The fewest nodes (a power of two, or all of them) that still meet the deadline: estimated from the
-        # throughput on all nodes, then checked with the planner (at most two more searches).
+        # The fewest nodes (a power of two, or all of them) that meet the deadline: estimated from the
+        # probe's throughput on all nodes, then checked with the full search (more nodes while it misses).
         cand = 1 << max(0, math.ceil(math.log2(max(1.0, max_nodes * wall / deadline))))
-        while cand < max_nodes:
+        found = None
+        while found is None:
+            cand = min(cand, max_nodes)
             c_try, e_try, s_try, _ = at(cand)
             searched += s_try
-            if e_try is not None and steps * e_try.step_time <= deadline:
-                chosen, c_cfg, est, wall = cand, c_try, e_try, steps * e_try.step_time
-                break
+            if e_try is not None and (steps * e_try.step_time <= deadline or cand == max_nodes):
+                found = (cand, c_try, e_try)
             cand *= 2
+        chosen, c_max, est = found
+        wall = steps * est.step_time
+        if wall > deadline:
+            need = wall / deadline
+            c_dead = compute / need  # what the cluster trains by the deadline at this throughput
+            raise TargetError(
+                f"{ask}: the deadline binds: {_hours(wall)} on all {max_nodes} nodes of cluster.nodes "
+                f"({est.plan.label()}, {est.step_time:.3g} s/step x {steps:,} steps) against {_hours(deadline)} "
+                f"allowed: the deadline needs {need:.2g}x the nodes (about cluster.nodes="
+                f"{math.ceil(max_nodes * need)} if throughput scaled linearly). By the deadline these nodes train "
+                f"about {c_dead:.3g} FLOPs: predicted loss {law.optimal_loss(c_dead):.4g} "
+                f"(target.compute={c_dead:.3g})")
+    c_cfg = c_max
     gpu_hours = wall / 3600.0 * chosen * per_node
     cost = gpu_hours * price if price is not None else None
     if budget is not None:
@@ -312,11 +335,11 @@ def render(tp: TargetPlan) -> str:
         f"({tp.tokens / tp.params:.1f} tokens/parameter); {tp.compute:.3g} FLOPs (6ND)",
         f"loss         predicted {tp.loss:.4g}{iv}",
         f"schedule     lr {tp.lr:.3g} (DeepSeek LLM's compute law), global batch {tp.global_batch}",
-        f"layout       {e.plan.label()} on {tp.nodes} node(s): {e.step_time:.3g} s/step, "
+        f"layout       {e.plan.label().strip()} on {tp.nodes} node(s): {e.step_time:.3g} s/step, "
         f"{e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%, {e.peak_memory / 1024**3:.1f} GiB/rank",
         f"time         {_hours(tp.wall_s)} of training"
         + (f" (deadline {_hours(tp.deadline_s)})" if tp.deadline_s else "") + " before restarts and evaluation",
-        f"cost         {tp.gpu_hours:,.0f} GPU-hours" + (f" = {tp.cost:,.0f} at the cluster's price"
+        f"cost         {_amount_str(tp.gpu_hours)} GPU-hours" + (f" = {_amount_str(tp.cost)} at the cluster's price"
                                                          if tp.cost is not None
                                                          else " (set cluster.price_per_gpu_hour for money)"),
         f"launch       {shlex.join(tp.command)}",
