@@ -88,7 +88,10 @@ COMMANDS: dict[str, CommandHelp] = {
     "xirang-plan": CommandHelp(
         usage="xirang-plan [--json] [--top N] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
               "       xirang-plan --layout SPEC|config [--json] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
-              "       xirang-plan --calibrate [--out FILE] [--rounds N] cluster=OPTION",
+              "       xirang-plan --calibrate [--out FILE] [--rounds N] cluster=OPTION\n"
+              "       xirang-plan target.loss=L|target.tokens=D|target.compute=C [target.deadline=T] "
+              "[target.budget=B] ...\n"
+              "       xirang-plan --fit-scaling [data=...] [train.runs_root=DIR]",
         about=(
             "Rank parallel layouts (dp x tp x pp, ZeRO-1/2/3 with any tp and pp, recomputation, microbatches) for a "
             "model on "
@@ -96,7 +99,9 @@ COMMANDS: dict[str, CommandHelp] = {
             "exposed data-parallel communication), MFU and tokens/s, and why each runner-up lost. The parallel "
             "group is ignored (the planner chooses it) unless --layout config asks for exactly that layout. "
             "--calibrate measures this cluster's compute and links "
-            "instead and writes a cluster preset."
+            "instead and writes a cluster preset. With target.* it plans from a target instead of a model: a "
+            "scaling law gives the model size and tokens, then the layout, nodes, wall time, GPU-hours, cost and "
+            "the xirang-train command; --fit-scaling fits that law on the user's own sweep of small runs."
         ),
         flags=[
             ("--json", "machine-readable plans"),
@@ -110,6 +115,8 @@ COMMANDS: dict[str, CommandHelp] = {
             ("--out FILE", "where --calibrate writes the preset (default conf/cluster/<cluster>-calibrated.yaml)"),
             ("--rounds N", "rounds of --calibrate's probe training runs on CPU clusters, median kept (default "
                            f"{PROBE_ROUNDS}; 1 is the fastest and noisiest)"),
+            ("--fit-scaling", "print the IsoFLOP sweep to run, or, once its runs finished, fit the scaling law to "
+                              "their validation losses and store it beside the data"),
             *_HYDRA_FLAGS,
         ],
         examples=[
@@ -117,8 +124,11 @@ COMMANDS: dict[str, CommandHelp] = {
             ("xirang-plan model=gpt-7b cluster=h100-ib cluster.nodes=8 --json --top 5", ""),
             ("xirang-plan --layout config parallel=dp2xtp2", "the cost of one layout, as xirang-train runs it"),
             ("xirang-plan --calibrate cluster=local --out conf/cluster/local-calibrated.yaml", ""),
+            ("xirang-plan model=llama3-8b cluster=h100-ib cluster.nodes=64 target.loss=2.1 target.deadline=30d",
+             "the model, tokens and run that reach a loss by a deadline"),
         ],
-        notes="Exit status: 0 planned, 2 a bad config or no layout fits.",
+        notes="Exit status: 0 planned, 2 a bad config, no layout fits, or a target the deadline or budget "
+              "cannot meet (the message says which binds and by how much).",
     ),
     "xirang-sbatch": CommandHelp(
         usage="xirang-sbatch [--out FILE] [GROUP=OPTION ...] [KEY=VALUE ...]",
