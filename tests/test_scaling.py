@@ -342,3 +342,52 @@ def test_sweep_commands_compose_and_cover_the_isoflop_grid() -> None:
         d = int(steps[1]) * cfg.train.global_batch * cfg.model.seq_len
         assert 6 * model_params(cfg.model) * d == pytest.approx(3e12, rel=0.05)
     assert shlex.join(cmds[0]).startswith("xirang-train -m train.name=scaling ")
+
+
+# ---- the docs' commands, as written -------------------------------------------------------------------
+
+def _doc_commands() -> list[tuple[str, int]]:
+    """(command, expected exit status) of each line of the bash block under "## Plan from a target"."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "parallel-and-planning.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text.split("## Plan from a target", 1)[1], flags=re.S)
+    assert block, "no bash block under 'Plan from a target'"
+    out = []
+    for line in block.group(1).strip().splitlines():
+        cmd, _, comment = line.partition("   #")
+        out.append((cmd.strip(), 2 if "exit 2" in comment else 0))
+    return out
+
+
+@pytest.mark.slow  # six xirang-plan processes
+def test_docs_plan_from_a_target_commands_run_as_written(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    cmds = _doc_commands()
+    assert len(cmds) == 6 and all(c.startswith("xirang-plan ") for c, _ in cmds)
+    bin_dir = Path(sys.executable).parent
+    for cmd, code in cmds:
+        argv = shlex.split(cmd)
+        r = subprocess.run([str(bin_dir / argv[0]), *argv[1:]], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600, env=dict(os.environ))
+        assert r.returncode == code, (cmd, r.stdout[-2000:], r.stderr[-2000:])
+        if code == 2:
+            assert "the budget binds" in r.stderr and "x the budget" in r.stderr, r.stderr
+            continue
+        if "--fit-scaling" in argv:
+            assert "xirang-train -m train.name=scaling" in r.stdout
+            continue
+        if "--json" in argv:
+            out = json.loads(r.stdout)
+            assert out["tokens"] >= 2e11 and out["command"].startswith("xirang-train ")
+            launch = out["command"]
+        else:
+            assert "using the published law of Hoffmann et al. 2022" in r.stderr
+            launch = next(ln for ln in r.stdout.splitlines() if ln.startswith("launch ")).split(None, 1)[1]
+            if "cluster.price_per_gpu_hour=2.5" in argv:
+                assert "at the cluster's price" in r.stdout
+        args = shlex.split(launch)[1:]
+        check_runnable(load_config(compose_cfg(args)))  # the printed command is one xirang-train launches

@@ -156,6 +156,18 @@ def _amount(cfg: XirangConfig, law: ScalingLaw) -> tuple[str, float, float]:
     return f"target.compute={t.compute:g}", n, d
 
 
+def _tokens_for(cfg: XirangConfig, law: ScalingLaw, n: float, d_opt: float) -> float:
+    """Training tokens for the shaped model of ``n`` parameters (not exactly the law's N): the same FLOPs for
+    target.compute, the tokens where its loss meets target.loss, the given tokens for target.tokens."""
+    t = cfg.target
+    if t.compute is not None:
+        return float(t.compute) / (6.0 * n)
+    if t.loss is not None:
+        rest = float(t.loss) - law.E - law.A / n**law.alpha  # what B / D^beta may still add
+        return (law.B / rest) ** (1.0 / law.beta) if rest > 0 else d_opt
+    return d_opt
+
+
 def _configured(cfg: XirangConfig, model: ModelConfig, nodes: int, batch: int, steps: int, lr: float) -> XirangConfig:
     # The configured warmup when it is a small part of the run, else a tenth of the steps.
     warmup = cfg.train.warmup_steps if steps > 10 * cfg.train.warmup_steps else steps // 10
@@ -221,6 +233,7 @@ def plan_target(cfg: XirangConfig, overrides: Sequence[str] = ()) -> TargetPlan:
     model = model_shape(n_want, template)
     n = model_params(model)
     model = dataclasses.replace(model, name=f"plan-{_size(n).lower()}")
+    d_want = _tokens_for(cfg, law, n, d_want)
     compute = 6.0 * n * d_want
     batch = global_batch_for(compute, model.seq_len)
     steps = max(1, math.ceil(d_want / (batch * model.seq_len)))
