@@ -300,6 +300,7 @@ def test_sweep_runs_read_points_and_list_failures(tmp_path: Path) -> None:
     assert len(got.unfinished) == 1 and "no validation loss at its last step 50" in got.unfinished[0]
 
 
+@pytest.mark.slow  # a full-grid fit
 def test_fit_scaling_stores_the_fit_beside_the_data_and_target_plans_use_it(tmp_path: Path) -> None:
     runs, data = tmp_path / "runs", _data(tmp_path)
     over = [f"train.runs_root={runs}", f"data.out_dir={data}"]
