@@ -392,3 +392,13 @@ def test_docs_plan_from_a_target_commands_run_as_written(tmp_path: Path) -> None
                 assert "at the cluster's price" in r.stdout
         args = shlex.split(launch)[1:]
         check_runnable(load_config(compose_cfg(args)))  # the printed command is one xirang-train launches
+
+
+@pytest.mark.slow  # a few planner searches
+def test_a_deadline_alone_plans_the_most_compute_it_allows() -> None:
+    tp = plan_target(typed_config(compose_cfg([*H100, "target.deadline=14d"])))
+    assert "deadline-optimal" in tp.ask and tp.nodes == 64
+    # Within the deadline, and not far under it: the budget was fitted to the deadline.
+    assert 0.8 * 14 * 86400 <= tp.wall_s <= 14 * 86400
+    with pytest.raises(ConfigError, match="say how much to train"):
+        plan_target(typed_config(compose_cfg([*H100, "target.budget=5000"])))

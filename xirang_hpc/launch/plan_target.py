@@ -226,8 +226,17 @@ def plan_target(cfg: XirangConfig, overrides: Sequence[str] = ()) -> TargetPlan:
         raise ConfigError("target.budget", t.budget, "a budget in money needs the price of a GPU-hour: set "
                           "cluster.price_per_gpu_hour=..., or give the budget in GPU-hours (target.budget=5000)")
     if t.loss is None and t.tokens is None and t.compute is None:
-        raise ConfigError("target.loss", None, "say how much to train: target.loss=, target.tokens= or "
-                          "target.compute= (FLOPs)")
+        if deadline is None:
+            raise ConfigError("target.loss", None, "say how much to train: target.loss=, target.tokens= or "
+                              "target.compute= (FLOPs), or give target.deadline= for the most the deadline allows")
+        c = deadline_compute(cfg, law, deadline)
+        try:
+            plan = plan_target(dataclasses.replace(cfg, target=dataclasses.replace(t, compute=c)), overrides)
+        except TargetError:  # the estimate overshot (the batch, and so the layout, moves with the budget)
+            c *= 0.9
+            plan = plan_target(dataclasses.replace(cfg, target=dataclasses.replace(t, compute=c)), overrides)
+        plan.ask = f"target.deadline={t.deadline} (deadline-optimal: {c:.3g} FLOPs)"
+        return plan
     ask, n_want, d_want = _amount(cfg, law)
     template = _template(cfg)
     model = model_shape(n_want, template)
@@ -303,6 +312,29 @@ def plan_target(cfg: XirangConfig, overrides: Sequence[str] = ()) -> TargetPlan:
     if t.loss is not None and law.interval("E") is not None:
         plan.notes.append(f"irreducible loss E={law.E:.4g}, 95% interval {law.interval('E')}")
     return plan
+
+
+def deadline_compute(cfg: XirangConfig, law: ScalingLaw, deadline: float, rounds: int = 4) -> float:
+    """The most compute ``cluster.nodes`` nodes train by ``deadline`` seconds: the compute-optimal model of a
+    budget is shaped and probed (the planner's quick search), and the budget rescaled by deadline / wall
+    time until it agrees within 10% (wall time grows about linearly in the budget at a fixed cluster)."""
+    c = 1e21
+    template = _template(cfg)
+    for _ in range(rounds):
+        n_opt, d = law.optimal(c)
+        model = model_shape(n_opt, template)
+        n = model_params(model)
+        batch = global_batch_for(6.0 * n * d, model.seq_len)
+        steps = max(1, math.ceil(d / (batch * model.seq_len)))
+        est, _, why = _search(_configured(cfg, model, cfg.cluster.nodes, batch, steps, learning_rate(c)), probe=True)
+        if est is None:
+            raise TargetError(f"target.deadline={cfg.target.deadline}: the {_size(n)}-parameter model of "
+                              f"{c:.3g} FLOPs fits no layout on cluster.nodes={cfg.cluster.nodes}: {why}")
+        ratio = deadline / (steps * est.step_time)
+        c *= ratio
+        if abs(ratio - 1) < 0.1:
+            break
+    return c
 
 
 # The fields the command sets; the user's own overrides of them are replaced.

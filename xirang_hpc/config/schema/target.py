@@ -90,4 +90,4 @@ class TargetConfig:
     def active(self) -> bool:
         """Whether a target was given (xirang-plan then plans from it; a deadline alone asks for the most
         compute it allows)."""
-        return any(getattr(self, k) is not None for k in ("loss", "tokens", "compute")) or bool(self.deadline)
+        return any(getattr(self, k) is not None for k in ("loss", "tokens", "compute")) or bool(self.deadline or self.budget)
