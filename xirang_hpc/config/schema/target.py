@@ -90,4 +90,5 @@ class TargetConfig:
     def active(self) -> bool:
         """Whether a target was given (xirang-plan then plans from it; a deadline alone asks for the most
         compute it allows)."""
-        return any(getattr(self, k) is not None for k in ("loss", "tokens", "compute")) or bool(self.deadline or self.budget)
+        amount = any(getattr(self, k) is not None for k in ("loss", "tokens", "compute"))
+        return amount or bool(self.deadline or self.budget)  # a budget alone is refused there, not ignored
