@@ -161,6 +161,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "cluster.site_migrate_wait_s": (30.0, reads("xirang_hpc.launch.sites.moves"), []),
     "cluster.site_auto_migrate": (False, reads("xirang_hpc.launch.sites.moves"), []),
     "cluster.site_sweep": ("spread", reads("xirang_hpc.launch.sweep"), []),
+    "cluster.price_per_gpu_hour": (2.5, reads("xirang_hpc.launch.plan_target"), []),  # xirang-plan's cost
     # parallel: the degrees, or refused where the layout cannot apply the choice
     "parallel.dp": (3, REFUSED, []),
     "parallel.tp": (2, dims, []),
@@ -269,6 +270,10 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     **{f"serve.{k}": (v, reads("xirang_hpc.serve.run"), []) for k, v in {
         "host": "0.0.0.0", "port": 9000, "max_batch": 4, "token_env": "MY_TOKEN", "duration_s": 5.0,
         "read_timeout_s": 5.0, "model_name": "m", "keys_file": "keys.json", "metrics_public": True}.items()},
+    # target: what xirang-plan plans for (no training run reads it)
+    **{f"target.{k}": (v, reads("xirang_hpc.launch.plan_target"), []) for k, v in {
+        "loss": 2.5, "tokens": 1e9, "compute": 1e20, "deadline": "36h", "budget": "5000gpuh",
+        "fit": "/tmp/scaling_fit.json"}.items()},
 }
 
 

@@ -89,7 +89,10 @@ COMMANDS: dict[str, CommandHelp] = {
         usage="xirang-plan [--json] [--top N] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
               "       xirang-plan --layout SPEC|config [--json] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
               "       xirang-plan --calibrate [--out FILE] [--rounds N] cluster=OPTION\n"
-              "       xirang-plan --goodput [--json] [goodput.KEY=VALUE ...] [GROUP=OPTION ...] [KEY=VALUE ...]",
+              "       xirang-plan --goodput [--json] [goodput.KEY=VALUE ...] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
+              "       xirang-plan target.loss=L|target.tokens=D|target.compute=C [target.deadline=T] "
+              "[target.budget=B] ...\n"
+              "       xirang-plan --fit-scaling [data=...] [train.runs_root=DIR]",
         about=(
             "Rank parallel layouts (dp x tp x pp, ZeRO-1/2/3 with any tp and pp, recomputation, microbatches) for a "
             "model on "
@@ -106,6 +109,9 @@ COMMANDS: dict[str, CommandHelp] = {
             "planned_per_node_day, startup_s, requeue_recovery_s, requeue_hold_s, queue_wait_s, "
             "injob_recovery_s, memory_restore_s, checkpoint_bytes, fs_gbps, synchronous and more "
             "(docs/parallel-and-planning.md)."
+            " With target.* it plans from a target instead of a model: a "
+            "scaling law gives the model size and tokens, then the layout, nodes, wall time, GPU-hours, cost and "
+            "the xirang-train command; --fit-scaling fits that law on the user's own sweep of small runs."
         ),
         flags=[
             ("--json", "machine-readable plans"),
@@ -121,6 +127,8 @@ COMMANDS: dict[str, CommandHelp] = {
                            f"{PROBE_ROUNDS}; 1 is the fastest and noisiest)"),
             ("--goodput", "simulate the run's goodput per recovery policy and recommend policy, interval and "
                           "spares (goodput.KEY=VALUE set its inputs)"),
+            ("--fit-scaling", "print the IsoFLOP sweep to run, or, once its runs finished, fit the scaling law to "
+                              "their validation losses and store it beside the data"),
             *_HYDRA_FLAGS,
         ],
         examples=[
@@ -130,8 +138,11 @@ COMMANDS: dict[str, CommandHelp] = {
             ("xirang-plan --calibrate cluster=local --out conf/cluster/local-calibrated.yaml", ""),
             ("xirang-plan --goodput model=llama3-405b cluster=h100-ib cluster.nodes=2048 goodput.days=54",
              "16,384 GPUs, Llama 3's failure rates"),
+            ("xirang-plan model=llama3-8b cluster=h100-ib cluster.nodes=64 target.loss=2.1 target.deadline=30d",
+             "the model, tokens and run that reach a loss by a deadline"),
         ],
-        notes="Exit status: 0 planned, 2 a bad config, a bad goodput.* input or no layout fits.",
+        notes="Exit status: 0 planned, 2 a bad config, a bad goodput.* input, no layout fits, or a target the "
+              "deadline or budget cannot meet (the message says which binds and by how much).",
     ),
     "xirang-sbatch": CommandHelp(
         usage="xirang-sbatch [--out FILE] [GROUP=OPTION ...] [KEY=VALUE ...]",

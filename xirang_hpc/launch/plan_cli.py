@@ -6,6 +6,8 @@
     xirang-plan --layout tp=8,pp=16,dp=64,mbs=1,v=4,zero=1,recompute=selective,sp=true model=llama3-405b ...
     xirang-plan --layout config parallel=dp2xtp2    # the layout of the parallel group, as xirang-train runs it
     xirang-plan --goodput model=llama3-405b cluster=h100-ib cluster.nodes=2048 goodput.days=54 [goodput.KEY=VALUE]
+    xirang-plan model=llama3-8b cluster=h100-ib cluster.nodes=64 target.loss=2.0 target.deadline=30d
+    xirang-plan --fit-scaling [data=...]            # the sweep to run, then the scaling law from its runs
 
 The same Hydra config groups as xirang-train; the parallel group is ignored (the planner chooses it).
 Every ranked plan is one this build's runtime runs (the search is vetoed by config validation, as
@@ -33,7 +35,8 @@ from xirang_hpc.launch.cli_help import maybe_print_help
 from xirang_hpc.launch.hydra_setup import register_configs, run_app
 
 _OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="", layout="",
-                                               rounds=None, goodput=False, sim={})
+                                               rounds=None, goodput=False, sim={},
+                                               fit_scaling=False)
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -248,6 +251,10 @@ def goodput(cfg: XirangConfig, sim: dict[str, str], as_json: bool) -> str:
 def _app(dcfg: DictConfig) -> None:
     try:
         cfg = typed_config(dcfg)
+        if _OPTS.fit_scaling or cfg.target.active:  # plan from a target, or fit its scaling law
+            from xirang_hpc.launch import plan_target
+
+            sys.exit(plan_target.main(cfg, _OPTS.fit_scaling, _OPTS.json))
         if _OPTS.calibrate:
             calibrate(cfg, _OPTS.out, _OPTS.rounds)
         elif _OPTS.goodput:
@@ -259,7 +266,7 @@ def _app(dcfg: DictConfig) -> None:
             print(report, flush=True)
             if why is not None:
                 _fail(why)
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError) as exc:  # also a target no plan meets (plan_target.TargetError)
         _fail(str(exc))
 
 
@@ -274,6 +281,7 @@ def parse_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--layout", default="")
     ap.add_argument("--rounds", type=_positive, default=None)
     ap.add_argument("--goodput", action="store_true")
+    ap.add_argument("--fit-scaling", action="store_true")
     opts, rest = ap.parse_known_args(argv)
     # goodput.KEY=VALUE are the simulator's inputs, not config fields: kept from Hydra.
     opts.sim = dict(a.removeprefix("goodput.").split("=", 1) for a in rest if a.startswith("goodput.") and "=" in a)

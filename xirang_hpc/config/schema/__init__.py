@@ -20,6 +20,7 @@ from xirang_hpc.config.schema.model import ModelConfig
 from xirang_hpc.config.schema.monitor import MonitorConfig
 from xirang_hpc.config.schema.parallel import ParallelConfig
 from xirang_hpc.config.schema.serve import EvalConfig, ServeConfig
+from xirang_hpc.config.schema.target import TargetConfig
 from xirang_hpc.config.schema.train import LOGGERS, TrainConfig
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "SITE_SWEEPS",
     "ServeConfig",
     "SiteConfig",
+    "TargetConfig",
     "TrainConfig",
     "XirangConfig",
 ]
@@ -60,6 +62,7 @@ class XirangConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)  # read by xirang-plan only
 
 
 GROUPS: dict[str, type] = {
@@ -74,4 +77,5 @@ GROUPS: dict[str, type] = {
     "comm": CommConfig,
     "eval": EvalConfig,
     "serve": ServeConfig,
+    "target": TargetConfig,
 }

@@ -142,9 +142,15 @@ class ClusterConfig:
     # splits its tasks over the sites that answer (one array per site, earliest start first) and records
     # the split in <sweep folder>/sites.json; each task's run directory is on its site's run root.
     site_sweep: str = "one"
+    # What one GPU-hour costs here (any currency; 0 = not set): xirang-plan's target.budget in money and
+    # its cost figures. A CPU cluster (gpus_per_node 0) prices a rank-hour.
+    price_per_gpu_hour: float = 0.0
 
     def __post_init__(self) -> None:
         check_finite("cluster", self)
+        if self.price_per_gpu_hour < 0:
+            raise ConfigError("cluster.price_per_gpu_hour", self.price_per_gpu_hour,
+                              "use the price of one GPU-hour (>= 0; 0 = not set)")
         if self.site_policy not in SITE_POLICIES:
             raise ConfigError("cluster.site_policy", self.site_policy, f"choose one of {list(SITE_POLICIES)}")
         if self.site_sweep not in SITE_SWEEPS:
