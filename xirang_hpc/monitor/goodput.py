@@ -291,7 +291,9 @@ def timeline(sessions: Sequence[Session], events: Sequence[dict[str, Any]]) -> T
             spans.append(Span(t1 - dur, t1, {"productive": kept, "lost_progress": work - kept, "startup": warm,
                                              "data_loading": data, "eval": ev, "checkpoint_save": save}))
             covered.append((t1 - dur, t1))
-            if m1 - dur < prev_mono - 1e-6:  # a block that starts before the previous one ended: records overlap
+            # A block that starts before the previous one ended: records overlap. Both ends are written rounded to
+            # the microsecond, so a gap of a few microseconds either way is rounding, not an overlap.
+            if m1 - dur < prev_mono - 1e-5:
                 negative.append({"where": STEPS_FILE, "session_pid": s.pid, "step": a,
                                  "seconds": round(m1 - dur - prev_mono, 6)})
             prev_mono = m1
