@@ -33,7 +33,7 @@ from conftest import compose_cfg
 
 from xirang_hpc.checkpoint.retention import RetentionPolicy, steps_to_keep
 from xirang_hpc.config.errors import ConfigError
-from xirang_hpc.config.schema import GROUPS, XirangConfig
+from xirang_hpc.config.schema import GROUPS, LoraConfig, XirangConfig
 from xirang_hpc.config.schema.cluster import ContainerConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.launch.executors import local_python
@@ -270,6 +270,10 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     **{f"serve.{k}": (v, reads("xirang_hpc.serve.run"), []) for k, v in {
         "host": "0.0.0.0", "port": 9000, "max_batch": 4, "token_env": "MY_TOKEN", "duration_s": 5.0,
         "read_timeout_s": 5.0, "model_name": "m", "keys_file": "keys.json", "metrics_public": True}.items()},
+    # finetune: what is trained -> the run's identity (and the adapters built from it)
+    "finetune.method": ("lora", identity, []),
+    "finetune.lora": (LoraConfig(rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj", "k_proj"]), identity,
+                      ["finetune.method=lora"]),
     # target: what xirang-plan plans for (no training run reads it)
     **{f"target.{k}": (v, reads("xirang_hpc.launch.plan_target"), []) for k, v in {
         "loss": 2.5, "tokens": 1e9, "compute": 1e20, "deadline": "36h", "budget": "5000gpuh",

@@ -84,18 +84,22 @@ def key_of_dict(cfg: dict[str, Any], strict: bool = True) -> dict[str, Any]:
     for k, default in MODEL_DEFAULTS.items():
         if model.get(k) == default and not (k == "norm_eps" and model.get("norm") == "rmsnorm"):
             model.pop(k, None)
-    return {"model": model, "data": data, "train": train}
+    key: dict[str, Any] = {"model": model, "data": data, "train": train}
+    finetune = cfg.get("finetune") or {}
+    if finetune.get("method", "full") != "full":  # LoRA: what trains is part of the experiment
+        key["finetune"] = finetune
+    return key
 
 
 def experiment_key(cfg: XirangConfig) -> dict[str, Any]:
     """The part of the config that identifies the experiment (the tokenizer by its identity, not its path)."""
     return key_of_dict({"model": dataclasses.asdict(cfg.model), "data": dataclasses.asdict(cfg.data),
-                        "train": dataclasses.asdict(cfg.train)})
+                        "train": dataclasses.asdict(cfg.train), "finetune": dataclasses.asdict(cfg.finetune)})
 
 
 def flatten(key: dict[str, Any]) -> dict[str, Any]:
     """``{"model": {"d_model": 64}}`` -> ``{"model.d_model": 64}`` (the override spelling of each field)."""
-    return {f"{group}.{name}": value for group in ("model", "data", "train")
+    return {f"{group}.{name}": value for group in ("model", "data", "train", "finetune")
             for name, value in key.get(group, {}).items()}
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -63,12 +64,28 @@ def _zero_local_state(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
     return out
 
 
+def has_frozen(model: torch.nn.Module) -> bool:
+    """Whether some parameters do not train (LoRA's frozen base): checkpoints then hold the trainable ones only."""
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def _options(model: torch.nn.Module) -> StateDictOptions:
+    # Frozen parameters come from model.init_from at every start; a checkpoint holds what trains (and its
+    # optimizer state), and loading then leaves the frozen ones as they are (checked in apply_tensor_state).
+    frozen = has_frozen(model)
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def tensor_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(DCP tensor state dict, JSON-able optimizer param_groups). Initialises empty optimizer state."""
+    """(DCP tensor state dict, JSON-able optimizer param_groups). Initialises empty optimizer state.
+
+    Frozen parameters (``requires_grad`` False) are left out: a LoRA checkpoint holds the adapters only.
+    """
     if _is_zero(opt):
         groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        return {"model": get_model_state_dict(model), "optim": {"state": _zero_local_state(model, opt)}}, groups
-    msd, osd = get_state_dict(model, opt)
+        return {"model": get_model_state_dict(model, options=_options(model)),
+                "optim": {"state": _zero_local_state(model, opt)}}, groups
+    msd, osd = get_state_dict(model, opt, options=_options(model))
     groups = [{k: _jsonable(v) for k, v in g.items()} for g in osd.get("param_groups", [])]
     return {"model": msd, "optim": {"state": osd["state"]}}, groups
 
@@ -145,14 +162,23 @@ def apply_tensor_state(model: torch.nn.Module, opt: torch.optim.Optimizer, tenso
     """Put loaded tensors and hyperparameters back (``current_groups``: from :func:`tensor_state`)."""
     if _is_zero(opt):
         # DCP loaded the optimizer tensors in place into the local state; only weights and groups remain.
-        set_model_state_dict(model, tensors["model"])
+        _check_missing(model, set_model_state_dict(model, tensors["model"], options=_options(model)))
         for g, m in zip(opt.param_groups, _merge_groups(saved_groups, current_groups)):
             g.update({k: v for k, v in m.items() if k != "params"})
         for g, m in zip(opt.optim.param_groups, opt.param_groups):
             g.update({k: v for k, v in m.items() if k != "params"})
         return
     osd = {"state": tensors["optim"]["state"], "param_groups": _merge_groups(saved_groups, current_groups)}
-    set_state_dict(model, opt, model_state_dict=tensors["model"], optim_state_dict=osd)
+    _check_missing(model, set_state_dict(model, opt, model_state_dict=tensors["model"], optim_state_dict=osd,
+                                         options=_options(model)))
+
+
+def _check_missing(model: torch.nn.Module, result: Any) -> None:
+    """Non-strict loading (frozen parameters present) may skip only frozen parameters, never a trainable one."""
+    missing = set(getattr(result, "missing_keys", None) or [])
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad and n in missing]
+    if trainable:
+        raise ValueError(f"checkpoint lacks trainable parameters: {', '.join(sorted(trainable)[:5])}")
 
 
 class MetricsHistory:

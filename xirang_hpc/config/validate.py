@@ -271,6 +271,13 @@ def check_runnable(cfg: XirangConfig) -> None:
         raise ConfigError("parallel.dp", p.dp, "unresolved: check_runnable needs a config from load_config/validate")
     dp = p.dp
     _check_comm_applies(cfg)
+    if cfg.finetune.method == "lora":
+        if p.tp > 1:
+            raise ConfigError("finetune.method", "lora", f"not yet with parallel.tp={p.tp} (adapters are not "
+                              "tensor-parallel); use data parallelism (ddp or fsdp) or pipeline stages")
+        if cfg.model.moe_experts:
+            raise ConfigError("finetune.method", "lora", "mixture-of-experts blocks have no dense MLP linears to "
+                              "adapt; use finetune.method=full")
     c = cfg.cluster
     scheduling_class(c, cfg.train.priority)
     if p.dp_replicate > 1 and p.data_parallel != "fsdp":

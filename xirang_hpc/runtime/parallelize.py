@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.models.gpt import GPT
+from xirang_hpc.models.lora import apply_lora
 from xirang_hpc.runtime import pipeline
 from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer, ddp_bucket_cap_mb
 from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims, dp_mesh, mesh_coords
@@ -101,6 +102,8 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
     ranges = pipeline.stage_ranges(cfg.model, dims.pp * chunks_per_rank)
     stages = pipeline.rank_stages(coords["pp"], dims.pp, chunks_per_rank)
     model.loss_chunk = t.loss_chunk_tokens
+    if cfg.finetune.method == "lora":  # adapters beside the frozen base linears, before any carving or sharding
+        apply_lora(model, cfg.finetune.lora)
     if dims.pp > 1:
         pipeline.carve_stage(model, stages, ranges)
     if _full_build:

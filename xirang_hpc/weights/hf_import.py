@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from xirang_hpc.config.hf import hf_family, read_hf_config
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.weights.errors import WeightsError
+from xirang_hpc.models.lora import is_lora_param
 from xirang_hpc.weights.hf import IGNORED_HF_SUFFIXES, Src, expected_hf_shapes, hf_rows_for, tensor_map
 
 #: What opens a safetensors file lazily (a module attribute so tests can record what each rank reads).
@@ -171,7 +172,8 @@ def init_model_from_hf(model: nn.Module, path: str | Path, cfg: ModelConfig) -> 
         if unknown:
             raise HFImportError(f"{ckpt.path}: {len(unknown)} tensor(s) our model has no place for, e.g. "
                                 f"{unknown[:3]}; the model config does not match the weights")
-        params = [(_clean(n), p) for n, p in model.named_parameters()]  # tied head: listed once
+        # Tied head: listed once. LoRA adapters are not base weights: they keep their own start (B zero).
+        params = [(_clean(n), p) for n, p in model.named_parameters() if not is_lora_param(_clean(n))]
         missing = [n for n, _ in params if n not in tmap]
         if missing:
             raise HFImportError(f"parameters {missing[:3]} have no Hugging Face source")

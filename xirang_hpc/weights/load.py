@@ -28,6 +28,7 @@ from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.data.tokenizer import ByteTokenizer, Tokenizer, load_run_tokenizer, load_tokenizer
 from xirang_hpc.models.gpt import GPT
+from xirang_hpc.models.lora import is_lora_param
 from xirang_hpc.runtime.hooks import Loop, TrainerHook
 from xirang_hpc.weights.errors import WeightsError
 from xirang_hpc.weights.export import load_full, run_dir_of
@@ -219,9 +220,11 @@ def init_model_from(model: nn.Module, path: str | Path) -> int:
     tensors, _ = load_safetensors(path)
     # Full (unsharded) shapes of this rank's parameters; a pipeline stage holds a subset of names.
     ours = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    adapters = {k for k in ours if is_lora_param(k) and k not in tensors}  # LoRA on a base: adapters start fresh
+    ours = {k: v for k, v in ours.items() if k not in adapters}
     check_fits(ours, tensors, str(path))
     wanted = {k: tensors[k].to(ours[k].dtype) for k in ours}
-    set_model_state_dict(model, wanted, options=StateDictOptions(full_state_dict=True, strict=True))
+    set_model_state_dict(model, wanted, options=StateDictOptions(full_state_dict=True, strict=not adapters))
     return len(wanted)
 
 

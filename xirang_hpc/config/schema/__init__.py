@@ -16,6 +16,7 @@ from xirang_hpc.config.schema.checkpoint import COMPRESSIONS, CheckpointConfig, 
 from xirang_hpc.config.schema.cluster import PRIORITIES, SITE_POLICIES, SITE_SWEEPS, ClusterConfig, SiteConfig
 from xirang_hpc.config.schema.comm import CommConfig
 from xirang_hpc.config.schema.data import DataConfig
+from xirang_hpc.config.schema.finetune import FinetuneConfig, LoraConfig
 from xirang_hpc.config.schema.model import ModelConfig
 from xirang_hpc.config.schema.monitor import MonitorConfig
 from xirang_hpc.config.schema.parallel import ParallelConfig
@@ -30,8 +31,10 @@ __all__ = [
     "CommConfig",
     "DataConfig",
     "EvalConfig",
+    "FinetuneConfig",
     "GROUPS",
     "LOGGERS",
+    "LoraConfig",
     "ModelConfig",
     "MonitorConfig",
     "PRIORITIES",
@@ -63,6 +66,7 @@ class XirangConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     target: TargetConfig = field(default_factory=TargetConfig)  # read by xirang-plan only
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
 GROUPS: dict[str, type] = {
@@ -78,4 +82,5 @@ GROUPS: dict[str, type] = {
     "eval": EvalConfig,
     "serve": ServeConfig,
     "target": TargetConfig,
+    "finetune": FinetuneConfig,
 }
