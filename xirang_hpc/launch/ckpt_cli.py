@@ -142,16 +142,27 @@ def cmd_export(a: argparse.Namespace) -> int:
     """Write full model weights: safetensors plus our JSON config, or a Hugging Face directory."""
     from xirang_hpc.weights.export import export_safetensors
 
-    if a.format not in ("safetensors", "hf"):
-        raise Refused(f"--format {a.format!r} is not supported; use safetensors or hf")
+    if a.format not in ("safetensors", "hf", "peft"):
+        raise Refused(f"--format {a.format!r} is not supported; use safetensors, hf or peft")
+    if a.merge and a.format != "hf":
+        raise Refused("--merge applies to --format hf only")
     root = _root(a.run)
     step = _step(root, a.step)
+    if a.format == "peft":
+        from xirang_hpc.weights.peft import export_peft
+
+        out = Path(a.out) if a.out else root.parent / "export" / f"peft_step_{step}"
+        files = export_peft(root / ckpt_layout.step_dir_name(step), out)
+        size = sum(f.stat().st_size for f in files)
+        print(f"wrote {out} ({len(files)} files, {size / 1e6:.2f} MB): load it with "
+              f"peft.PeftModel.from_pretrained(base_model, {str(out)!r})")
+        return 0
     if a.format == "hf":
         from xirang_hpc.weights.hf import export_hf
 
         out = Path(a.out) if a.out else root.parent / "export" / f"hf_step_{step}"
         files = export_hf(root / ckpt_layout.step_dir_name(step), out, dtype=a.dtype,
-                          max_shard_bytes=int(a.max_shard_mb * 2**20))
+                          max_shard_bytes=int(a.max_shard_mb * 2**20), merge=a.merge)
         size = sum(f.stat().st_size for f in files)
         print(f"wrote {out} ({len(files)} files, {size / 1e6:.2f} MB): load it with "
               f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
@@ -222,7 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("pin", cmd_pin, help_="protect a step from retention").add_argument("--unpin", action="store_true")
     sp = add("export", cmd_export, help_="export model weights")
     sp.add_argument("--format", default="safetensors",
-                    help="safetensors: model.safetensors + our config; hf: a Hugging Face (transformers) directory")
+                    help="safetensors: model.safetensors + our config; hf: a Hugging Face (transformers) directory; "
+                    "peft: a LoRA run's adapters as a PEFT adapter directory")
+    sp.add_argument("--merge", action="store_true",
+                    help="--format hf of a LoRA run: the adapters added into the base (model.init_from)")
     sp.add_argument("--out", default=None, help="output directory (default: RUN/export/step_N or hf_step_N)")
     sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="tensor dtype (--format hf)")
     sp.add_argument("--max-shard-mb", type=float, default=5120.0,

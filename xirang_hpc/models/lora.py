@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.config.schema.finetune import LORA_TARGETS, LoraConfig
 
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -109,3 +110,13 @@ def merged_state(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor
         w = base[mod + ".weight"]
         out[mod + ".weight"] = (w.float() + scale * (b @ a)).to(w.dtype)
     return out
+
+
+def lora_params(model_cfg: ModelConfig, lora: LoraConfig) -> int:
+    """Adapter parameters of the whole model (not one rank's share), counted on the meta device."""
+    from xirang_hpc.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    apply_lora(model, lora)
+    return sum(p.numel() for n, p in model.named_parameters() if is_lora_param(n))

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.data.dataset import TokenWindows
 from xirang_hpc.models.gpt import full_model_params, lm_loss
+from xirang_hpc.models.lora import lora_params
 from xirang_hpc.runtime import liveness, testpoint
 from xirang_hpc.runtime.data_parallel import build_optimizer
 from xirang_hpc.runtime.hooks import TrainerHook
@@ -222,6 +223,12 @@ class Trainer:
                 f"{topo.world_size} ranks on {topo.num_nodes} node(s) | dp={self.dp_size} | {self.pm.precision} | "
                 f"global batch {t.global_batch} x {self.cfg.model.seq_len} tokens | run dir {self.run_dir}"
             )
+            if self.cfg.finetune.method == "lora":
+                n = lora_params(self.cfg.model, self.cfg.finetune.lora)
+                # fp32 adapters + AdamW's two moments: what a checkpoint holds (the base is frozen, not saved)
+                self.log(f"lora: {n / 1e6:.3f}M trainable params ({', '.join(self.cfg.finetune.lora.modules())}, "
+                         f"rank {self.cfg.finetune.lora.rank}) | checkpoint ~{3 * 4 * n / 1e6:.2f} MB "
+                         "(adapters + optimizer state)")
         for h in self.hooks:
             h.on_fit_start(self)
         if math.isnan(self.state.initial_val_loss):

@@ -35,6 +35,9 @@ def export_safetensors(step_dir: Path, out_dir: Path, mode: int = 0o700) -> tupl
     from safetensors.torch import save_file
 
     ckpt_layout.verify(step_dir)
+    if ((ckpt_layout.read_state(step_dir).get("config") or {}).get("finetune") or {}).get("method") == "lora":
+        raise ValueError(f"{step_dir}: a LoRA run's checkpoint holds adapters only; export them with --format peft, "
+                         "or a whole model with --format hf --merge")
     weights = {k.removeprefix("model."): v.contiguous() for k, v in load_full(step_dir, "model.").items()}
     if not weights:
         raise ValueError(f"{step_dir}: no model tensors in this checkpoint")

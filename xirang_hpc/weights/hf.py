@@ -307,9 +307,27 @@ def _tokenizer_files(run_dir: Path, out: Path) -> dict[str, Any]:
     return {"eos_token_id": eos_id, "bos_token_id": eos_id} if eos is not None else {}
 
 
+def merged_lora_weights(state: dict[str, Any], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA run's full weights: its base (the run's ``model.init_from``) with ``scale * B @ A`` added."""
+    from xirang_hpc.config.schema import LoraConfig
+    from xirang_hpc.models.lora import merged_state
+    from xirang_hpc.weights.load import load_any
+
+    base_path = state["config"]["model"].get("init_from")
+    if not base_path:
+        raise ValueError("this LoRA run records no model.init_from: no base to merge the adapters into")
+    base = {k: v.detach() for k, v in load_any(base_path).model.state_dict().items()}
+    lora = LoraConfig(**state["config"]["finetune"].get("lora", {}))
+    return merged_state(base, adapters, lora.scale)
+
+
 def export_hf(step_dir: Path, out_dir: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
-              mode: int = 0o700) -> list[Path]:
-    """Write a transformers-loadable directory from a checkpoint of any layout; returns the files written."""
+              mode: int = 0o700, merge: bool = False) -> list[Path]:
+    """Write a transformers-loadable directory from a checkpoint of any layout; returns the files written.
+
+    A LoRA run's checkpoint holds adapters only: ``merge`` adds them into the base weights of its
+    ``model.init_from`` (``W + scale * B @ A``) and writes that whole model.
+    """
     import dataclasses
 
     from xirang_hpc.weights.export import load_full, run_dir_of
@@ -325,6 +343,14 @@ def export_hf(step_dir: Path, out_dir: Path, dtype: str = "float32", max_shard_b
     full = {k.removeprefix("model."): v for k, v in load_full(step_dir, "model.").items()}
     if not full:
         raise ValueError(f"{step_dir}: no model tensors in this checkpoint")
+    lora_run = (state["config"].get("finetune") or {}).get("method") == "lora"
+    if lora_run and not merge:
+        raise ValueError(f"{step_dir}: a LoRA run's checkpoint holds adapters only; export them with --format peft, "
+                         "or a whole model with --format hf --merge")
+    if merge and not lora_run:
+        raise ValueError("--merge applies to LoRA runs (finetune.method=lora) only")
+    if lora_run:
+        full = merged_lora_weights(state, full)
     hf_state = {k: v.to(dtypes[dtype]) for k, v in to_hf_state(full, cfg).items()}
     ckpt_layout.make_dir(out_dir, mode)
     special = _tokenizer_files(run_dir_of(step_dir), out_dir)
