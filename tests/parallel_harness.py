@@ -24,6 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from xirang_hpc.config.schema import (
     ClusterConfig,
+    FinetuneConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     TrainConfig,
@@ -69,7 +71,7 @@ def world_of(layout: dict[str, Any]) -> int:
 
 
 def make_cfg(world: int, parallel: dict[str, Any], steps: int = 10, model: dict[str, Any] | None = None,
-             train: dict[str, Any] | None = None) -> XirangConfig:
+             train: dict[str, Any] | None = None, finetune: FinetuneConfig | None = None) -> XirangConfig:
     """A validated config for ``world`` ranks on 2 virtual nodes (1 node for world 1)."""
     nodes = 2 if world >= 4 else 1
     m = {"name": "test", "n_layer": 4, "n_head": 4, "d_model": 32, "d_ff": 64, "seq_len": 16, **(model or {})}
@@ -80,6 +82,7 @@ def make_cfg(world: int, parallel: dict[str, Any], steps: int = 10, model: dict[
         cluster=ClusterConfig(name="test", nodes=nodes, tasks_per_node=world // nodes, backend="gloo"),
         parallel=ParallelConfig(**parallel),
         train=TrainConfig(**t),
+        finetune=finetune or FinetuneConfig(),
     )
     cfg = validate(cfg)
     check_runnable(cfg)
@@ -209,3 +212,9 @@ def reference(data_dir: Path, steps: int = 10, **kw: Any) -> dict[str, Any]:
 def with_recompute(cfg: XirangConfig, mode: str) -> XirangConfig:
     """``cfg`` with another recompute mode."""
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, recompute=mode))
+
+
+#: LoRA on every linear of the test model's blocks (GELU MLP: no gate); rank 4.
+LORA = FinetuneConfig(method="lora", lora=LoraConfig(rank=4, alpha=8.0,
+                                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "up_proj", "down_proj"]))

@@ -52,6 +52,9 @@ MODELS = {"gqa": GQA, "tied": TIED, "uneven": UNEVEN}
 # (1F1B and interleaved), beside tensor parallelism.
 CHUNKED = [(2, "dp2"), (2, "tp2"), (2, "pp2"), (2, "pp2v2"), (2, "zero2dp2"), (4, "fsdp4"), (4, "dp2xpp2"),
            (4, "fsdp2xtp2")]
+# LoRA (frozen base, adapters on every block linear) against the single-process LoRA run, in process groups
+# of their own: data parallel (DDP), FSDP2 (ZeRO-3), pipeline stages (1F1B), both together.
+LORA_CASES = [(2, "dp2"), (2, "pp2"), (4, "fsdp4"), (4, "dp2xpp2")]
 SHAPE_CASES = [(4, "dp2xtp2", "gqa"), (4, "tp2xpp2", "gqa"), (4, "fsdp2xtp2", "gqa"), (4, "dp2xpp2v2", "gqa"),
                (4, "dp2xtp2", "tied"), (4, "fsdp4", "tied"), (2, "tp2sp", "gqa"), (4, "dp2xpp2", "uneven"),
                (2, "pp2v2", "uneven")]
@@ -161,3 +164,40 @@ def test_bf16_pipeline_stages_run_under_autocast(groups, ref: dict, email_data: 
     params = H.merged_params(per_rank)
     for name, want in refb["params"].items():
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-2, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def lora_groups(email_data: Path):
+    cache: dict[int, dict] = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            jobs = [(f"{n}/lora", H.make_cfg(w, H.LAYOUTS[n], finetune=H.LORA)) for w, n in LORA_CASES if w == world]
+            cache[world] = H.run_group(world, jobs, email_data, steps=10, timeout_s=420)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout", LORA_CASES, ids=[n for _, n in LORA_CASES])
+def test_lora_layout_matches_single_process(world: int, layout: str, lora_groups, email_data: Path) -> None:
+    """LoRA trains the adapters only, like one process: losses, norms, adapters; the base stays as it started."""
+    ref = H.reference(email_data, finetune=H.LORA)
+    per_rank = lora_groups(world)[f"{layout}/lora"]
+    assert len(per_rank) == world and all(per_rank), "every rank reports"
+    for r in per_rank:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, atol=0)
+        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5, atol=0)
+        np.testing.assert_allclose(r["val"], ref["val"], rtol=1e-5, atol=0)
+    params = H.merged_params(per_rank)
+    assert sorted(params) == sorted(ref["params"])
+    start = H.reference(email_data, steps=0, finetune=H.LORA)["params"]
+    for name, want in ref["params"].items():
+        np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
+        if ".lora_" not in name:  # frozen: bitwise as initialised
+            np.testing.assert_array_equal(params[name], start[name], err_msg=name)
+    assert any(not np.array_equal(ref["params"][n], start[n]) for n in ref["params"] if ".lora_B" in n)
+    # AdamW state for the adapters only: 6 linears x (A, B) x 4 blocks of rank-4 factors, far below the model
+    n_adapters = sum(v.size for n, v in ref["params"].items() if ".lora_" in n)
+    assert ref["n_opt_state"] == n_adapters < sum(v.size for v in ref["params"].values()) / 5
