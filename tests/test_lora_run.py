@@ -1,7 +1,8 @@
 """A LoRA fine-tune through the real job function: base from a Hugging Face directory, adapters only in the
 checkpoints, an exact resume, and exports that peft and transformers load with our logits.
 
-A small Llama (the tiny preset's shapes, byte vocabulary) is built with transformers and ``save_pretrained`` (nothing downloaded).
+A small Llama (the tiny preset's shapes, byte vocabulary) is built with transformers and ``save_pretrained``
+(nothing downloaded).
 20 steps uninterrupted vs 10 + resume + 10 on 2 gloo ranks (dp2): the saved adapters and their optimizer
 state are bitwise equal, and the checkpoint holds nothing of the frozen base.
 """

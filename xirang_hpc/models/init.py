@@ -43,7 +43,7 @@ _RESIDUAL = ("attn.o.weight", "mlp.down.weight", "mlp.w2", "mlp.shared.down.weig
 
 def param_init(cfg: ModelConfig, name: str, ndim: int) -> tuple[str, float]:
     """How parameter ``name`` (full-model name, ``ndim`` dims) starts: ("ones"|"zeros"|"normal", std)."""
-    if name.endswith(".lora_B.weight"):  # LoRA (xirang_hpc/models/lora.py): B zero, the adapted model starts as its base
+    if name.endswith(".lora_B.weight"):  # LoRA (models/lora.py): B zero, the adapted model starts as its base
         return "zeros", 0.0
     if name.endswith(".lora_A.weight"):  # the std of PEFT's kaiming-uniform A (+-1/sqrt(in)) for in = d_model
         return "normal", 1.0 / math.sqrt(3 * cfg.d_model)

@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from xirang_hpc.config.hf import hf_family, read_hf_config
 from xirang_hpc.config.schema import ModelConfig
-from xirang_hpc.weights.errors import WeightsError
 from xirang_hpc.models.lora import is_lora_param
+from xirang_hpc.weights.errors import WeightsError
 from xirang_hpc.weights.hf import IGNORED_HF_SUFFIXES, Src, expected_hf_shapes, hf_rows_for, tensor_map
 
 #: What opens a safetensors file lazily (a module attribute so tests can record what each rank reads).
