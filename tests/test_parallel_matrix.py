@@ -112,16 +112,21 @@ def test_layout_matches_single_process(world: int, layout: str, recompute: str, 
         assert held < 1.5 * total * rep < dp * total, (held, total)  # HSDP: one full copy per replicate group
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world,layout", CHUNKED, ids=[n for _, n in CHUNKED])
-def test_chunked_loss_layout_matches_single_process(world: int, layout: str, groups, ref: dict) -> None:
-    """The head and loss a chunk of tokens at a time: the plain single process's losses, norms and weights."""
-    per_rank = groups(world)[f"{layout}/chunked"]
+def _assert_same_curves(per_rank: list[dict], world: int, ref: dict) -> None:
+    """Every rank reported, and each one's losses, gradient norms and validation losses are the reference's."""
     assert len(per_rank) == world and all(per_rank), "every rank reports"
     for r in per_rank:
         np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, atol=0)
         np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5, atol=0)
         np.testing.assert_allclose(r["val"], ref["val"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout", CHUNKED, ids=[n for _, n in CHUNKED])
+def test_chunked_loss_layout_matches_single_process(world: int, layout: str, groups, ref: dict) -> None:
+    """The head and loss a chunk of tokens at a time: the plain single process's losses, norms and weights."""
+    per_rank = groups(world)[f"{layout}/chunked"]
+    _assert_same_curves(per_rank, world, ref)
     params = H.merged_params(per_rank)
     for name, want in ref["params"].items():
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
@@ -185,11 +190,7 @@ def test_lora_layout_matches_single_process(world: int, layout: str, lora_groups
     """LoRA trains the adapters only, like one process: losses, norms, adapters; the base stays as it started."""
     ref = H.reference(email_data, finetune=H.LORA)
     per_rank = lora_groups(world)[f"{layout}/lora"]
-    assert len(per_rank) == world and all(per_rank), "every rank reports"
-    for r in per_rank:
-        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, atol=0)
-        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5, atol=0)
-        np.testing.assert_allclose(r["val"], ref["val"], rtol=1e-5, atol=0)
+    _assert_same_curves(per_rank, world, ref)
     params = H.merged_params(per_rank)
     assert sorted(params) == sorted(ref["params"])
     start = H.run_layout(H.make_cfg(1, {}, finetune=H.LORA), H.topology(0, 1, 0), email_data, steps=0)["params"]

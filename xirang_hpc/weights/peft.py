@@ -22,10 +22,12 @@ from xirang_hpc.weights.hf import Src, hf_rows_for, tensor_map
 PEFT_PREFIX = "base_model.model."
 
 
-def _base_src(name: str, tmap: dict[str, Src]) -> tuple[str, Src]:
-    """(our base weight name, its Hugging Face source) of adapter tensor ``name``."""
+def _peft_key(name: str, tmap: dict[str, Src]) -> tuple[str, str, Src]:
+    """(PEFT's key, "lora_A" or "lora_B", the base weight's Hugging Face source) of our adapter tensor ``name``."""
     mod = name.rsplit(".lora_", 1)[0]
-    return mod + ".weight", tmap[mod + ".weight"]
+    src = tmap[mod + ".weight"]
+    kind = "lora_A" if name.endswith(".lora_A.weight") else "lora_B"
+    return PEFT_PREFIX + src.hf.removesuffix(".weight") + f".{kind}.weight", kind, src
 
 
 def to_peft_state(adapters: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -33,9 +35,7 @@ def to_peft_state(adapters: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     tmap = tensor_map(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, t in adapters.items():
-        _, src = _base_src(name, tmap)
-        kind = "lora_A" if name.endswith(".lora_A.weight") else "lora_B"
-        key = PEFT_PREFIX + src.hf.removesuffix(".weight") + f".{kind}.weight"
+        key, kind, src = _peft_key(name, tmap)
         if kind == "lora_B" and src.rope_heads:
             idx = torch.tensor(hf_rows_for(src, range(t.shape[0]), t.shape[0]))
             dst = torch.empty_like(t)
@@ -51,9 +51,7 @@ def from_peft_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
     tmap = tensor_map(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, shape in expected.items():
-        _, src = _base_src(name, tmap)
-        kind = "lora_A" if name.endswith(".lora_A.weight") else "lora_B"
-        key = PEFT_PREFIX + src.hf.removesuffix(".weight") + f".{kind}.weight"
+        key, kind, src = _peft_key(name, tmap)
         if key not in tensors:
             raise ValueError(f"PEFT adapter has no tensor {key} (for our {name})")
         t = tensors[key]
