@@ -109,8 +109,33 @@ def test_resume_from_forks_once_and_is_idempotent(run):
     new = fork_for_resume(src, 1)
     assert new != src and ckpt_layout.committed_steps(new / "checkpoints") == [1]
     assert fork_for_resume(src, 1) == new  # a requeued job finds the same fork
+    assert fork_for_resume(new, 1) == new  # the job handed the fork itself continues in it
     with pytest.raises(FileNotFoundError, match=r"train.resume_from=7: no checkpoint .*have \[1, 2, 3\]"):
         fork_for_resume(src, 7)
+
+
+def test_a_launch_with_resume_from_hands_the_job_the_fork(run, capsys):
+    """The fork is made at launch, once: the job, its batch step and everything they write use the fork's
+    directory, and the run it forks from gains nothing but the fork's name in forks.json."""
+    from conftest import compose_cfg
+
+    from xirang_hpc.checkpoint.identity import read_identity
+    from xirang_hpc.checkpoint.rollback import forked_at
+    from xirang_hpc.config.validate import load_config
+    from xirang_hpc.launch.preflight import open_run_dir
+
+    src = run[0]
+    before = sorted(p.name for p in src.iterdir())
+    cfg = load_config(compose_cfg([f"train.run_dir={src}", "train.resume_from=2", "train.lr=1e-4"]))
+    fork = open_run_dir(cfg)
+    assert fork != src and forked_at(fork) == 2 and ckpt_layout.committed_steps(fork / "checkpoints") == [2]
+    ident = read_identity(fork)
+    assert ident is not None and ident["fork_step"] == 2 and ident["forked_from"] == str(src)
+    assert ident["train"]["lr"] == 1e-4
+    assert f"forked {src} -> {fork}" in capsys.readouterr().out
+    assert sorted(p.name for p in src.iterdir()) == sorted([*before, "forks.json"])
+    assert open_run_dir(cfg) == fork  # the same command again (or a requeue): the same fork
+    assert len(list(src.parent.glob(f"{src.name}-from2-*"))) == 1
 
 
 def test_prune_and_pin(run, capsys):

@@ -160,6 +160,7 @@ def test_resume_from_forks_a_new_run_through_the_job_function(runs):
     full = runs["full"]
     before = {s: ckpt_layout.read_manifest(full / "checkpoints" / f"step_{s}")["committed_at"] for s in (10, 20)}
     metrics_before = (full / "metrics.jsonl").read_text()
+    events_before = (full / "events.jsonl").read_text()
     run_job(make_cfg(runs["data"], full, [*SAVE_LAYOUT, "train.resume_from=10"]), full, runs["data"])
     fork = Path(json.loads((full / "forks.json").read_text())["10"])
     assert fork.parent == full.parent and fork.name.startswith(f"{full.name}-from10-")
@@ -172,6 +173,10 @@ def test_resume_from_forks_a_new_run_through_the_job_function(runs):
     assert _losses(fork) == _losses(full)
     after = {s: ckpt_layout.read_manifest(full / "checkpoints" / f"step_{s}")["committed_at"] for s in (10, 20)}
     assert after == before and (full / "metrics.jsonl").read_text() == metrics_before
+    # Every hook wrote where the run trains: the fork's events, none of them in the original's history.
+    assert (full / "events.jsonl").read_text() == events_before
+    kinds = [json.loads(x)["kind"] for x in (fork / "events.jsonl").read_text().splitlines() if x.strip()]
+    assert kinds.count("checkpoint") == 1 and (fork / "environment.json").exists()
 
 
 @pytest.mark.slow

@@ -191,7 +191,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "train.log_every": (5, reads("xirang_hpc.runtime.trainer"), []),
     "train.wait": (True, reads("xirang_hpc.launch.slurm"), []),
     "train.priority": ("exploratory", REFUSED, []),  # cluster=local names no scavenger partition
-    "train.resume_from": (10, reads("xirang_hpc.checkpoint.trainer_hook"), []),
+    "train.resume_from": (10, reads("xirang_hpc.launch.preflight"), []),
     "train.loggers": (["tensorboard"], reads("xirang_hpc.monitor.tracking"), []),
     "train.mlflow_uri": ("file:/tmp/mlruns", reads("xirang_hpc.monitor.tracking"), ["train.loggers=[mlflow]"]),
     "train.share_group": ("root", reads("xirang_hpc.launch.train_cli"), []),

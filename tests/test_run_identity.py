@@ -181,6 +181,7 @@ def test_fork_may_change_optimisation_but_not_the_model(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     write_identity(run, load_config(compose_cfg([f"train.run_dir={run}"])))
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
     # train.resume_from forks: a new LR is what forks are for...
     st = preflight(load_config(compose_cfg([f"train.run_dir={run}", "train.resume_from=2", "train.lr=1e-4"])))
     assert not st.complete
@@ -189,6 +190,9 @@ def test_fork_may_change_optimisation_but_not_the_model(tmp_path: Path) -> None:
         preflight(load_config(compose_cfg([f"train.run_dir={run}", "train.resume_from=2", "model.n_head=2"])))
     with pytest.raises(PreflightError, match="train.lr: the run has 0.003, this launch has 0.0001"):
         preflight(load_config(compose_cfg([f"train.run_dir={run}", "train.lr=1e-4"])))
+    # ...and only from a step the run has, refused before anything is written.
+    with pytest.raises(PreflightError, match=r"train.resume_from=3: .* has no checkpoint for step 3 \(it has \[2\]\)"):
+        preflight(load_config(compose_cfg([f"train.run_dir={run}", "train.resume_from=3"])))
 
 
 def test_unreadable_identity_is_named(tmp_path: Path) -> None:

@@ -66,14 +66,25 @@ def fork_run(run_dir: Path, step: int, new_dir: Path | None = None, mode: int = 
     return dst_run
 
 
+def forked_at(run_dir: Path) -> int | None:
+    """The step ``run_dir`` was forked from (its ``forked_from.json``), or None for a run that is no fork."""
+    try:
+        return int(json.loads((run_dir / FORKED_FROM).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def fork_for_resume(run_dir: Path, step: int, mode: int = 0o700) -> Path:
     """``train.resume_from=step``: the run directory to continue in (idempotent across requeues).
 
     If ``step`` is already the newest checkpoint, training continues in place. Otherwise the
     first call forks and records the fork in ``<run>/forks.json``; later calls (a requeued job
-    with the same config) find that fork and continue there.
+    with the same config) find that fork and continue there, and so does a call on the fork itself
+    (the launch forks on the login node and hands the job the fork's directory).
     """
     root = Path(run_dir) / "checkpoints"
+    if forked_at(Path(run_dir)) == step:  # the fork itself (made at launch): continue in it
+        return Path(run_dir)
     steps = ckpt_layout.committed_steps(root)
     if step not in steps:
         raise FileNotFoundError(f"train.resume_from={step}: no checkpoint for that step under {root} (have {steps})")

@@ -20,12 +20,10 @@ from xirang_hpc.checkpoint import extra as ckpt_extra
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint import state as ckpt_state
 from xirang_hpc.checkpoint.errors import CheckpointWriteError
-from xirang_hpc.checkpoint.identity import read_identity, write_identity
 from xirang_hpc.checkpoint.manager import CheckpointManager, LoadResult, SaveRecord
 from xirang_hpc.checkpoint.memory import MemoryRecord, MemoryStore
 from xirang_hpc.checkpoint.naming import memory_root
 from xirang_hpc.checkpoint.retention import RetentionPolicy
-from xirang_hpc.checkpoint.rollback import fork_for_resume
 from xirang_hpc.checkpoint.snapshot import restore_rng
 from xirang_hpc.checkpoint.tuner import IntervalTuner, read_history
 from xirang_hpc.config.schema import XirangConfig
@@ -60,36 +58,6 @@ class CheckpointHook(TrainerHook):
         self._step_times: list[float] = []
 
     # ---- helpers -----------------------------------------------------------------------
-    def _bcast(self, obj: Any) -> Any:
-        if self.group is None:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def _resolve_run_dir(self, trainer: Loop) -> Path:
-        """``train.resume_from``: continue in a fork of the run (made once, by rank 0)."""
-        step = self.cfg.train.resume_from
-        if step < 0:
-            return self.run_dir
-        target: str | None = None
-        if self.topo.rank == 0:
-            try:
-                target = str(fork_for_resume(self.run_dir, step, self.cfg.checkpoint.dir_mode))
-            except Exception as exc:  # noqa: BLE001 - broadcast first, then every rank raises
-                target = f"error: {exc}"
-        target = self._bcast(target)
-        if target.startswith("error: "):  # every rank stops with rank 0's reason (no rank left waiting)
-            raise FileNotFoundError(target.removeprefix("error: "))
-        new = Path(target)
-        if new != self.run_dir and self.topo.rank == 0:
-            if read_identity(new) is None:  # the fork records what it trains (lr etc. may differ)
-                write_identity(new, self.cfg, forked_from=str(self.run_dir), fork_step=step)
-            trainer.log(f"checkpoint: train.resume_from={step} forked {self.run_dir} -> {new}; "
-                        "the original history is untouched")
-        trainer.run_dir, trainer.metrics_path = new, new / "metrics.jsonl"
-        return new
-
     # ---- hook points -------------------------------------------------------------------
     def on_fit_start(self, trainer: Loop) -> None:
         """Make the checkpoint group and manager, clean leftovers, restore the newest good checkpoint."""
@@ -97,7 +65,6 @@ class CheckpointHook(TrainerHook):
         if dist.is_initialized() and self.topo.world_size > 1:
             # Background saves must never share a communicator with training.
             self.group = dist.new_group(backend="gloo")
-        self.run_dir = self._resolve_run_dir(trainer)
         if c.in_memory:
             self.memory = MemoryStore(memory_root(self.topo.job_id, self.run_dir, c.memory_dir),
                                       node=self.topo.node_name, rank=self.topo.rank, world_size=self.topo.world_size,

@@ -13,9 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from xirang_hpc.checkpoint.errors import CheckpointWriteError
+from xirang_hpc.checkpoint.identity import read_identity, write_identity
+from xirang_hpc.checkpoint.rollback import fork_for_resume
 from xirang_hpc.checkpoint.trainer_hook import CheckpointHook
 from xirang_hpc.config.elastic import for_environment
 from xirang_hpc.config.errors import ConfigError
@@ -64,6 +67,37 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
     # Stop signals -> consensus -> save (through the checkpoint hook above) -> requeue -> exit.
     hooks.append(StopSignalHook(cfg, topo, run_dir, events=EventLog(run_dir), save_fn=find_saver(hooks)).installed())
     return hooks
+
+
+def resolve_fork(cfg: XirangConfig, topo: Topology, run_dir: Path) -> Path:
+    """``train.resume_from``: the run directory this start trains in, forked once by rank 0 and told to every rank.
+
+    Resolved before any hook or the trainer is built, so that everything the start writes (events, checkpoints,
+    metrics, heartbeats, stop markers, goodput records) goes to the fork and the original history stays untouched.
+    A requeued start of the same config finds the same fork (``forks.json``).
+    """
+    step = cfg.train.resume_from
+    if step < 0:
+        return run_dir
+    target: str | None = None
+    if topo.rank == 0:
+        try:
+            target = str(fork_for_resume(run_dir, step, cfg.checkpoint.dir_mode))
+        except Exception as exc:  # noqa: BLE001 - told to every rank first, then every rank raises
+            target = f"error: {exc}"
+    if dist.is_initialized() and topo.world_size > 1:
+        box = [target]
+        dist.broadcast_object_list(box, src=0)
+        target = box[0]
+    assert target is not None
+    if target.startswith("error: "):  # every rank stops with rank 0's reason (no rank left waiting)
+        raise FileNotFoundError(target.removeprefix("error: "))
+    new = Path(target)
+    if new != run_dir and topo.rank == 0:
+        if read_identity(new) is None:  # the fork records what it trains (lr etc. may differ)
+            write_identity(new, cfg, forked_from=str(run_dir), fork_step=step)
+        _say(f"checkpoint: train.resume_from={step} forked {run_dir} -> {new}; the original history is untouched")
+    return new
 
 
 def report_save_failure(exc: CheckpointWriteError, topo: Topology, run_dir: Path, hooks: list[TrainerHook]) -> None:
@@ -117,6 +151,7 @@ def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[
         )
 
     topo = xdist.start_job(cfg.cluster, rendezvous_dir=Path(run_dir), before_join=_logging)
+    run_dir = str(resolve_fork(cfg, topo, Path(run_dir)))
     if topo.rank == 0 and topo.source == "slurm":
         log_unlogged_requeue(Path(run_dir))
     if topo.rank == 0:  # what exactly trains this run: versions, code revision, hosts, container

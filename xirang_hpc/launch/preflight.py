@@ -22,6 +22,7 @@ from typing import Any
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.identity import experiment_key, flatten, read_identity, write_identity
 from xirang_hpc.checkpoint.naming import committed_steps
+from xirang_hpc.checkpoint.rollback import fork_for_resume, forked_at
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.data.prepare import is_prepared
@@ -223,6 +224,11 @@ def check_identity(cfg: XirangConfig, run_dir: Path) -> RunStatus:
     corrupt: list[tuple[int, str]] = []
     if last is not None:
         last, corrupt = ckpt_layout.newest_good(run_dir / "checkpoints")
+    fork = cfg.train.resume_from
+    if fork >= 0 and fork not in steps and forked_at(run_dir) != fork:
+        raise PreflightError("train.resume_from", fork,
+                             f"train.resume_from={fork}: {run_dir} has no checkpoint for step {fork} "
+                             f"(it has {steps or 'none'}); name one of its steps (xirang-ckpt list {run_dir})")
     complete = cfg.train.resume_from < 0 and last is not None and last >= cfg.train.end_step
     return RunStatus(run_dir=run_dir, last_step=last, complete=complete, corrupt=tuple(corrupt))
 
@@ -280,13 +286,25 @@ def check_tracking(cfg: XirangConfig, probe: Any = _reachable, timeout_s: float 
 
 
 def open_run_dir(cfg: XirangConfig) -> Path:
-    """:func:`preflight` passed: create the private run directory and record its identity (first launch)."""
+    """:func:`preflight` passed: create the private run directory and record its identity (first launch).
+
+    With ``train.resume_from=STEP`` the directory the job trains in is the fork (made here, once; a later
+    launch of the same command finds it): the job's events, checkpoints, metrics, markers and records all go
+    there, and the batch step watches the same directory. The run it forks from is left as it was.
+    """
     run_dir = make_private_dir(run_dir_for(cfg), cfg.checkpoint.dir_mode)
-    # A fork (train.resume_from) may change optimisation fields: it records its own identity in the
-    # fork the job makes, never in the run it forks from.
-    if read_identity(run_dir) is None and cfg.train.resume_from < 0:
-        write_identity(run_dir, cfg)
-    return run_dir
+    step = cfg.train.resume_from
+    if step < 0:
+        if read_identity(run_dir) is None:
+            write_identity(run_dir, cfg)
+        return run_dir
+    fork = fork_for_resume(run_dir, step, cfg.checkpoint.dir_mode)
+    # A fork may change optimisation fields: it records its own identity, never in the run it forks from.
+    if fork != run_dir and read_identity(fork) is None:
+        write_identity(fork, cfg, forked_from=str(run_dir), fork_step=step)
+        print(f"train.resume_from={step}: forked {run_dir} -> {fork}; the original history is untouched",
+              flush=True)
+    return fork
 
 
 def complete_message(cfg: XirangConfig, status: RunStatus) -> str:

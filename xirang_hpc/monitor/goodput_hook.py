@@ -92,7 +92,7 @@ class GoodputHook(TrainerHook):
             ev = self.acc["eval"]
             self.session.update(setup_s=round(now - self.session["mono"] - ev, 6), eval_s=round(ev, 6),
                                 step=trainer.state.step)
-            # A train.resume_from fork was resolved by now: the record goes with the run that trains.
+            # The record goes with the run that trains (the trainer's directory).
             self.run_dir = Path(trainer.run_dir)
             self._write(self.session)
             self.acc = dict.fromkeys(self.acc, 0.0)

@@ -272,7 +272,7 @@ class TrackingHook(TrainerHook):
         """Write config.json; open the back ends; back-fill rows and events they have not seen."""
         if self.topo.rank != 0:
             return
-        self.run_dir = Path(trainer.run_dir)  # the checkpoint hook may have forked it (train.resume_from)
+        self.run_dir = Path(trainer.run_dir)
         self.step = trainer.state.step
         cfg = dataclasses.asdict(self.cfg)
         write_json_atomic(self.run_dir / CONFIG_FILE, {"config": cfg, "run_dir": str(self.run_dir),
