@@ -99,6 +99,39 @@ def make_model_dir(path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_docs_fine_tune_with_lora(tmp_path: Path) -> None:
+    """The LoRA commands of the page as written: the adapter peft loads and the merged model agree."""
+    model_dir, corpus = tmp_path / "my-llama", tmp_path / "corpus.jsonl"
+    make_model_dir(model_dir)
+    corpus.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(DOCS)))
+    script = doc_block("models-and-fine-tuning.md", "## Fine-tune with LoRA")
+    env = {**os.environ, "MODEL": str(model_dir), "CORPUS": str(corpus),
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=1500)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "step    30/30" in r.stdout and "lora: " in r.stdout
+    assert "Document 7:" in r.stdout.splitlines()[-1]  # peft generated through our adapter and tokenizer
+
+    from safetensors.torch import load_file
+
+    run = tmp_path / "runs" / "lora"
+    adapter = load_file(run / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    assert {k.split(".")[-3] for k in adapter} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert json.loads((run / "adapter" / "adapter_config.json").read_text())["r"] == 8
+    peft = pytest.importorskip("peft")
+    x = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        plain = base(x).logits
+        tuned = peft.PeftModel.from_pretrained(base, run / "adapter").eval()(x).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(run / "merged", dtype=torch.float32)(x).logits
+    assert (tuned - plain).abs().max().item() > 1e-3  # the adapters trained
+    assert (tuned - merged).abs().max().item() <= TOL
+
+
+@pytest.mark.slow
 def test_docs_bring_your_own_model_and_data(tmp_path: Path) -> None:
     model_dir, corpus = tmp_path / "my-llama", tmp_path / "corpus.jsonl"
     make_model_dir(model_dir)
