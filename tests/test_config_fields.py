@@ -102,7 +102,19 @@ def threads(cfg: XirangConfig) -> int:
 
 
 def backend(cfg: XirangConfig) -> str:
-    return pick_backend(cfg.cluster.backend)
+    return pick_backend(cfg.cluster.backend, "xpu:0")  # what an accelerator rank's process group gets
+
+
+def device(cfg: XirangConfig) -> str:
+    from types import SimpleNamespace
+
+    import torch
+
+    from xirang_hpc.runtime.device import decide
+
+    gpus = SimpleNamespace(is_available=lambda: True, current_accelerator=lambda: torch.device("cuda"),
+                           device_count=lambda: 2)  # the decision on a node with two GPUs
+    return str(decide(cfg.cluster.device, 1, "auto", accel=gpus))
 
 
 def reads(module: str) -> tuple[str, str]:
@@ -151,6 +163,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "cluster.omp_wait_policy": ("active", sbatch, []),
     "cluster.preload": (False, lambda cfg: local_python(cfg.cluster), []),  # the local executor's task command
     "cluster.backend": ("nccl", backend, []),
+    "cluster.device": ("cpu", device, []),
     "cluster.gpu": ("h100", hardware, []),
     "cluster.hardware": ({"peak_tflops": 123.0}, hardware, []),
     "cluster.sites": ([{"name": "alpha"}], REFUSED, []),  # sites are Slurm clusters; cluster=local is not one
@@ -262,14 +275,15 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     # eval: inside the eval stage
     **{f"eval.{k}": (v, reads("xirang_hpc.eval.evaluate"), []) for k, v in {
         "batches": 4, "batch_size": 2, "seed": 5, "sample_prompt": "class", "sample_tokens": 8,
-        "max_val_loss": 3.0}.items()},
+        "max_val_loss": 3.0, "device": "cpu"}.items()},
     "eval.step": (100, reads("xirang_hpc.job.stages"), []),
     # serve: the request limits; the rest configure the server
     "serve.max_prompt_tokens": (16, serve_limits, []),
     "serve.max_new_tokens": (32, serve_limits, []),
     **{f"serve.{k}": (v, reads("xirang_hpc.serve.run"), []) for k, v in {
         "host": "0.0.0.0", "port": 9000, "max_batch": 4, "token_env": "MY_TOKEN", "duration_s": 5.0,
-        "read_timeout_s": 5.0, "model_name": "m", "keys_file": "keys.json", "metrics_public": True}.items()},
+        "read_timeout_s": 5.0, "model_name": "m", "keys_file": "keys.json", "metrics_public": True,
+        "device": "cpu"}.items()},
     # finetune: what is trained -> the run's identity (and the adapters built from it)
     "finetune.method": ("lora", identity, []),
     "finetune.lora": (LoraConfig(rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj", "k_proj"]), identity,

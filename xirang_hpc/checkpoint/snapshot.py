@@ -27,7 +27,7 @@ class HostSnapshot:
     """Copies nested state dicts into reusable host buffers."""
 
     def __init__(self, pin_memory: bool = False) -> None:
-        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.pin_memory = pin_memory and torch.accelerator.is_available()
         self._buffers: dict[str, torch.Tensor] = {}
         # The copy plan of the last snapshot: (its source object, [(buffer, source tensor)], the copy it returned).
         self._plan: tuple[Any, list[tuple[torch.Tensor, torch.Tensor]], Any] | None = None
@@ -79,7 +79,7 @@ class HostSnapshot:
             finally:
                 self._pairs = None
         if self.pin_memory:
-            torch.cuda.synchronize()
+            torch.accelerator.synchronize()
         return out
 
 
@@ -100,9 +100,22 @@ def capture_rng() -> dict[str, Any]:
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
         "torch": _b64(torch.get_rng_state()),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    kind, mod = _accelerator_rng()
+    if mod is not None:  # keyed by the device type (cuda, xpu, ...)
+        out[kind] = [_b64(s) for s in mod.get_rng_state_all()]
     return out
+
+
+def _accelerator_rng() -> tuple[str, Any]:
+    """The accelerator's torch module with per-device RNG states, once this process has used it; else ("", None)."""
+    if not torch.accelerator.is_available():
+        return "", None
+    acc = torch.accelerator.current_accelerator()
+    mod = getattr(torch, acc.type, None) if acc is not None else None
+    if acc is None or not callable(getattr(mod, "get_rng_state_all", None)):
+        return "", None
+    used = getattr(mod, "is_initialized", None)
+    return (acc.type, mod) if not callable(used) or used() else ("", None)
 
 
 def restore_rng(d: dict[str, Any]) -> None:
@@ -112,5 +125,6 @@ def restore_rng(d: dict[str, Any]) -> None:
     kind, keys, pos, has_gauss, cached = d["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(_unb64(d["torch"]))
-    if "cuda" in d and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in d["cuda"]])
+    kind, mod = _accelerator_rng()
+    if mod is not None and kind in d:
+        mod.set_rng_state_all([_unb64(s) for s in d[kind]])

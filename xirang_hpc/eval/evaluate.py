@@ -35,10 +35,12 @@ class EvalGateError(RuntimeError):
 def heldout_loss(loaded: LoadedModel, data_dir: str | Path, ecfg: EvalConfig) -> tuple[float, int]:
     """(mean next-token loss over ``eval.batches`` x ``eval.batch_size`` val windows, tokens scored)."""
     val = TokenWindows(data_dir, "val", loaded.cfg.seq_len)
+    dev = next(loaded.model.parameters()).device  # where run_eval placed it (eval.device)
     try:
         total, tokens = 0.0, 0
         for i in range(ecfg.batches):
             x, y = val.batch(ecfg.seed, i, ecfg.batch_size)
+            x, y = x.to(dev), y.to(dev)
             total += float(lm_loss(loaded.model(x), y)) * y.numel()
             tokens += y.numel()
     finally:
@@ -79,6 +81,7 @@ def run_eval(run_dir: str | Path, data_dir: str | Path, ecfg: EvalConfig) -> dic
     Raises :class:`EvalGateError` (after writing the file) when the loss fails ``eval.max_val_loss``.
     """
     loaded = load_checkpoint(run_dir, ecfg.step if ecfg.step >= 0 else None)
+    loaded.place(ecfg.device, field="eval.device")
     result = evaluate(loaded, data_dir, ecfg)
     path = Path(run_dir) / EVAL_FILE
     path.write_text(json.dumps(result, indent=1))

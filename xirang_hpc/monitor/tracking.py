@@ -253,6 +253,9 @@ class TrackingHook(TrainerHook):
         self.state: dict[str, Any] = {}
         self.fpt = flops_per_token_for(cfg.model)
         self.devices = topo.world_size if cfg.cluster.gpus_per_node else 0
+        from xirang_hpc.runtime.device import Device  # torch: imported by the ranks only
+
+        self.device = Device.parse(topo.device)  # this rank's (runtime/device.py)
         self.peak = cfg.monitor.peak_tflops
         self.step = 0
         self.finished = False
@@ -277,11 +280,8 @@ class TrackingHook(TrainerHook):
         cfg = dataclasses.asdict(self.cfg)
         write_json_atomic(self.run_dir / CONFIG_FILE, {"config": cfg, "run_dir": str(self.run_dir),
                                                        "time": time.time()})
-        if not self.peak and self.devices:
-            import torch
-
-            if torch.cuda.is_available():
-                self.peak = peak_for_device(torch.cuda.get_device_name())
+        if not self.peak and self.device.is_accelerator:
+            self.peak = peak_for_device(self.device.name())
         try:
             self.state = json.loads((self.run_dir / TRACKING_FILE).read_text())
         except (OSError, ValueError):
@@ -324,11 +324,8 @@ class TrackingHook(TrainerHook):
             if u is not None:
                 row["mfu"] = u
             row["rss_mb"] = psutil.Process().memory_info().rss / 2**20
-            if self.devices:
-                import torch
-
-                if torch.cuda.is_available():
-                    row["gpu_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            if (peak := self.device.peak_memory_mb()) is not None:
+                row["gpu_mem_mb"] = peak
         if self.backends:
             self.step = max(self.step, int(row.get("step", 0)))  # type: ignore[call-overload]
             self._forward(row)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,6 +16,8 @@ import torch.distributed as dist
 
 from xirang_hpc.config.schema import ClusterConfig
 from xirang_hpc.runtime import testpoint
+from xirang_hpc.runtime.device import Device
+from xirang_hpc.runtime.device import decide as decide_device
 from xirang_hpc.runtime.topology import Topology, job_topology
 
 log = logging.getLogger(__name__)
@@ -24,11 +27,11 @@ class RendezvousError(RuntimeError):
     """Not every rank reached the rendezvous in time."""
 
 
-def pick_backend(requested: str) -> str:
-    """``auto`` -> nccl when CUDA is usable, else gloo."""
-    if requested != "auto":
-        return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def pick_backend(requested: str, device: str = "") -> str:
+    """The process group's backend for ``device`` (this rank's, or the one ``auto`` finds): ``requested`` unless
+    ``auto``, else torch's map of device type to backend, with gloo beside it for CPU tensors on an accelerator."""
+    dev = Device.parse(device) if device else decide_device("auto", 0, requested)
+    return dev.backend(requested)
 
 
 def _wait_for_all(store: dist.TCPStore, topo: Topology, port: int, timeout_s: float) -> None:
@@ -101,7 +104,8 @@ def init_distributed(
     executor) with a ``rendezvous_dir`` let rank 0 bind any free port and publish it there
     (a private run directory), so a port that happens to be taken cannot break the start.
     """
-    backend = pick_backend(backend)
+    device = Device.parse(topo.device)
+    backend = device.backend(backend)
     if topo.world_size == 1 and dist.is_initialized():
         return backend
     port = topo.master_port
@@ -122,8 +126,7 @@ def init_distributed(
         testpoint.pause("rendezvous")  # tests only: rank 0 is then waiting in the rendezvous
     store.add("arrived_count", 1)
     _wait_for_all(store, topo, port, timeout_s)
-    if backend == "nccl":
-        torch.cuda.set_device(topo.local_rank)
+    device.set_current()  # before the group starts: its communicators bind to the current device
     dist.init_process_group(
         backend, store=store, rank=topo.rank, world_size=topo.world_size, timeout=timedelta(seconds=timeout_s)
     )
@@ -185,6 +188,8 @@ def start_job(cluster: ClusterConfig, rendezvous_dir: Path | None = None,
     known (e.g. to set up logging with the rank). Pair with :func:`shutdown`.
     """
     topo = job_topology(cluster)
+    # The one device decision: every consumer reads topo.device (and the Layout that carries it).
+    topo = dataclasses.replace(topo, device=str(decide_device(cluster.device, topo.local_rank, cluster.backend)))
     if before_join is not None:
         before_join(topo)
     torch.set_num_threads(threads_per_rank(cluster.threads_per_rank, topo.local_world_size))

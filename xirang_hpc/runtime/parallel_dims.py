@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xirang_hpc.config.schema import ParallelConfig
 from xirang_hpc.config.validate import resolve_zero
+from xirang_hpc.runtime.device import CPU, Device
 from xirang_hpc.runtime.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class ParallelDims:
                          "pp": c["pp"], "dp": c["dp"], "tp": c["tp"]})
         return sorted(rows, key=lambda r: r["rank"])
 
-    def build_mesh(self, topo: Topology, device_type: str = "cpu",
+    def build_mesh(self, topo: Topology, device_type: str = CPU,
                    log_fn: Callable[[str], None] | None = None,
                    nodes: list[tuple[int, int]] | None = None) -> DeviceMesh | None:
         """Build the named mesh on every rank (collective); ``None`` for a single process.
@@ -154,12 +155,13 @@ class Layout:
     dims: ParallelDims
     placement: tuple[tuple[int, int], ...]
     parallel: ParallelConfig = field(repr=False)
+    device: Device = Device("cpu")  # this rank's device (topo.device): the mesh, the model, the batches
 
     @classmethod
     def for_job(cls, p: ParallelConfig, topo: Topology) -> Layout:
         """Collective: the layout of the running job (one all-gather of the placement)."""
         dims = ParallelDims.from_config(p, topo.world_size)
-        return cls(dims=dims, placement=tuple(gather_nodes(topo)), parallel=p)
+        return cls(dims=dims, placement=tuple(gather_nodes(topo)), parallel=p, device=Device.parse(topo.device))
 
     @property
     def zero(self) -> int:
@@ -171,10 +173,9 @@ class Layout:
         """Pipeline model chunks per rank: ``parallel.virtual_stages`` under interleaved 1F1B, else 1."""
         return self.parallel.virtual_stages if self.parallel.schedule == "interleaved" else 1
 
-    def build_mesh(self, topo: Topology, device_type: str = "cpu",
-                   log_fn: Callable[[str], None] | None = None) -> DeviceMesh | None:
-        """The named mesh for this layout's placement (collective; ``None`` for a single process)."""
-        return self.dims.build_mesh(topo, device_type, log_fn=log_fn, nodes=list(self.placement))
+    def build_mesh(self, topo: Topology, log_fn: Callable[[str], None] | None = None) -> DeviceMesh | None:
+        """The named mesh for this layout's placement, on its device (collective; ``None`` for a single process)."""
+        return self.dims.build_mesh(topo, self.device.type, log_fn=log_fn, nodes=list(self.placement))
 
 
 def gather_nodes(topo: Topology) -> list[tuple[int, int]]:

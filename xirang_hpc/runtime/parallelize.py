@@ -67,13 +67,6 @@ class ParallelModel:
         return self.is_last_stage and self.coords.get("tp", 0) == 0
 
 
-def device_for(mesh: DeviceMesh | None) -> torch.device:
-    """CUDA device of this rank under nccl, else CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
                 _full_build: bool = False) -> ParallelModel:
     """Build this rank's model for ``layout`` on ``mesh``: on the meta device, then materialise only its share.
@@ -92,7 +85,7 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
     """
     p, t, dims = layout.parallel, cfg.train, layout.dims
     coords = mesh_coords(dims, mesh)
-    device = device_for(mesh)
+    device = layout.device.torch  # the job's one device decision (runtime/device.py)
     if _full_build:
         model = GPT(cfg.model, seed=t.seed)
     else:

@@ -1,6 +1,6 @@
 """Mixed precision: bf16 autocast on GPU, plain fp32 on CPU by default (``train.precision``).
 
-- ``auto``: bf16 autocast when the model runs on CUDA (the nccl backend), fp32 otherwise.
+- ``auto``: bf16 autocast when the model runs on an accelerator (runtime/device.py), fp32 on the CPU.
 - ``fp32``: no autocast at all; the forward is left untouched (bitwise the plain fp32 run).
 - ``bf16``: ``torch.autocast(device_type, dtype=torch.bfloat16)`` around the forward. Parameters,
   gradients and optimizer state stay fp32 (the autocast recipe: only the matmul-class ops run in
@@ -30,7 +30,7 @@ def resolve(mode: str, device: torch.device) -> str:
     if mode not in MODES:
         raise ValueError(f"train.precision {mode!r}: choose one of {MODES}")
     if mode == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
+        return "fp32" if device.type == "cpu" else "bf16"
     return mode
 
 

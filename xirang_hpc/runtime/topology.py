@@ -39,6 +39,8 @@ class Topology:
     master_port: int
     job_id: str
     source: str  # local | slurm | torchrun | single
+    # This rank's device (``cuda:3``, ``cpu``): decided once at start-up (runtime/device.py, by start_job).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

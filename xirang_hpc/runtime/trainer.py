@@ -112,6 +112,13 @@ class Trainer:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def _on_device(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The batch's tensors on the layout's device (read from the shards on the host)."""
+        dev = self.layout.device
+        if not dev.is_accelerator:
+            return batch
+        return tuple(b.to(dev.torch, non_blocking=True) for b in batch)
+
     def _loss(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss of ``module`` on (x, y): the chunked head + loss in the forward, or the plain one."""
         if self.cfg.train.loss_chunk_tokens:
@@ -141,6 +148,7 @@ class Trainer:
         total = 0.0
         for i in range(t.eval_batches):
             x, y = self.val_data.batch(t.seed, i, t.global_batch, self.dp_rank, self.dp_size)
+            x, y = self._on_device(x, y)
             if self.pm.schedule is not None:
                 total += self._forward_loss(x, y, train=False)
             else:
@@ -170,6 +178,7 @@ class Trainer:
         t = self.cfg.train
         self.phase("data")
         x, y = self.train_data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
+        x, y = self._on_device(x, y)
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, t)
         loss_sum = 0.0

@@ -118,6 +118,9 @@ class Engine:
 
     def __init__(self, model: nn.Module, seq_len: int, max_batch: int = 16, kv_cache: bool = True) -> None:
         self.model, self.seq_len, self.max_batch = model.eval(), seq_len, max_batch
+        # Where the model's weights are (serve/run.py placed them by the one device decision): inputs go there,
+        # each step's last-position logits come back to the host for sampling.
+        self.device = next(model.parameters()).device
         # KV cache: a whole GPT only (a pipeline stage or another module decodes by full recompute).
         use = kv_cache and isinstance(model, GPT) and model.tok_emb is not None and model.head is not None
         self.cache: KVCache | None = KVCache(model, max_batch) if use else None
@@ -218,6 +221,7 @@ class Engine:
 
     def _emit_all(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
         """Sample one token per request from its (B, V) logits row and hand each to its request."""
+        logits = logits.float().cpu()  # (B, V): sampling and the requests' generators live on the host
         toks = sample_rows(logits, [r.temperature for r in reqs], [r.top_k for r in reqs],
                            [r.top_p for r in reqs], [r.gen for r in reqs])
         for r, tok in zip(reqs, toks):
@@ -253,7 +257,8 @@ class Engine:
             # looks (keys j <= the query's position) until the row's next real token overwrites them.
             slots = torch.tensor([r.slot for r in fill])
             logits = self.cache.forward(x, slots, torch.zeros(len(fill), dtype=torch.long))
-            last = logits[torch.arange(len(fill)), torch.tensor(lens) - 1]  # (B, V) at each row's last token
+            last = logits[torch.arange(len(fill), device=logits.device),
+                          torch.tensor(lens, device=logits.device) - 1]  # (B, V) at each row's last token
             self.stats["forward_passes"] += 1
             self.stats["batched_rows"] += len(fill)
             for r, seq in zip(fill, seqs):
@@ -279,8 +284,8 @@ class Engine:
         x = torch.zeros(len(seqs), width, dtype=torch.long)  # right padding, invisible to causal attention
         for i, s in enumerate(seqs):
             x[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        logits = self.model(x)  # (B, T, V)
-        last = logits[torch.arange(len(seqs)), torch.tensor(lens) - 1]  # (B, V)
+        logits = self.model(x.to(self.device))  # (B, T, V)
+        last = logits[torch.arange(len(seqs), device=logits.device), torch.tensor(lens, device=logits.device) - 1]
         self.stats["forward_passes"] += 1
         self.stats["batched_rows"] += len(seqs)
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(seqs))

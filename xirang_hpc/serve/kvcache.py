@@ -33,8 +33,9 @@ class KVCache:
         p = next(model.parameters())
         # Grouped-query attention caches only the n_kv_head key/value heads (the memory GQA saves).
         shape = (slots, cfg.n_kv_head, cfg.seq_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=p.dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, dtype=p.dtype) for _ in range(cfg.n_layer)]
+        self.device = p.device  # the model's: the cache lives beside the weights
+        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.n_layer)]
         # q, k and v of a layer as one projection: one matmul per layer instead of three (a decode
         # step is a few rows, so its cost is per call, not per FLOP). Copies, made once: serving
         # does not change weights.
@@ -49,9 +50,10 @@ class KVCache:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) at positions start[b]..start[b]+T-1 of slot slots[b] -> logits (B, T, V)."""
-        m, cfg = self.model, self.model.cfg
+        m, cfg, dev = self.model, self.model.cfg, self.device
+        tokens, slots, start = tokens.to(dev), slots.to(dev), start.to(dev)
         b, t = tokens.shape
-        pos = start[:, None] + torch.arange(t)[None, :]  # (B, T)
+        pos = start[:, None] + torch.arange(t, device=dev)[None, :]  # (B, T)
         h = m.tok_emb(tokens)  # type: ignore[misc]
         if m.pos_emb is not None:
             h = h + m.pos_emb(pos)
@@ -59,13 +61,13 @@ class KVCache:
         if cfg.pos == "rope":
             rope = (m.rope_cos[pos], m.rope_sin[pos])  # (B, T, hd/2) each
         # Key j of a row is visible to its query i when j <= position of i (causal over the cache).
-        visible = torch.arange(self.seq_len)[None, None, :] <= pos[:, :, None]  # (B, T, S)
+        visible = torch.arange(self.seq_len, device=dev)[None, None, :] <= pos[:, :, None]  # (B, T, S)
         mask = visible[:, None]  # (B, 1, T, S)
         rows = slots[:, None].expand(b, t)
         # Rows whose slots are consecutive (a full batch, or the usual case after sorting by slot) read
         # the cache through a view; otherwise gather their slots (a copy per layer).
         lo = int(slots[0])
-        contiguous = bool(torch.equal(slots, torch.arange(lo, lo + b)))
+        contiguous = bool(torch.equal(slots, torch.arange(lo, lo + b, device=dev)))
         for i, block in enumerate(m.layers.values()):
             a = block.attn
             x = block.attn_norm(h)

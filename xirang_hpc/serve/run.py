@@ -97,6 +97,7 @@ async def start_server(loaded: LoadedModel, scfg: ServeConfig, token: str | None
     """Start the engine and the HTTP server (in the running event loop) on ``scfg.host:scfg.port``."""
     check_exposure(scfg, token)
     keys = server_keys(scfg, token)
+    loaded.place(scfg.device, field="serve.device")  # the one device decision (runtime/device.py)
     engine = Engine(loaded.model, loaded.cfg.seq_len, scfg.max_batch).start()
     server = Server(loaded, engine, limits_for(scfg, loaded.cfg.seq_len), tokenizer=tokenizer,
                     model_id=model_id_for(loaded, scfg), read_timeout_s=scfg.read_timeout_s, keys=keys,

@@ -29,6 +29,8 @@ from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.data.tokenizer import ByteTokenizer, Tokenizer, load_run_tokenizer, load_tokenizer
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.models.lora import is_lora_param
+from xirang_hpc.runtime.device import Device
+from xirang_hpc.runtime.device import decide as decide_device
 from xirang_hpc.runtime.hooks import Loop, TrainerHook
 from xirang_hpc.weights.errors import WeightsError
 from xirang_hpc.weights.export import load_full, run_dir_of
@@ -46,6 +48,13 @@ class LoadedModel:
     step: int | None = None
     # The tokenizer the weights were trained with (<run>/tokenizer.json, or the one beside exported weights).
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+
+    def place(self, requested: str = "auto", field: str = "serve.device") -> Device:
+        """Move the model to the device ``requested`` resolves to (``auto``: the accelerator torch finds, else the
+        CPU; runtime/device.py) and return it. ``field`` is the config field a refusal names."""
+        dev = decide_device(requested, field=field)
+        self.model.to(dev.torch)
+        return dev
 
 
 def model_config_from(d: dict[str, Any]) -> ModelConfig:

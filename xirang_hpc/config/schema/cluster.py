@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from omegaconf import MISSING
@@ -11,6 +12,7 @@ from xirang_hpc.config.schema._checks import check_finite, check_positive
 
 # train.priority levels, lowest first: exploratory is preemptible (requeued), high is the site's urgent class.
 PRIORITIES = ("exploratory", "normal", "high")
+BACKENDS = ("auto", "gloo", "nccl", "xccl", "hccl")
 
 
 # cluster.site_policy values: where a job goes when the preset lists several sites.
@@ -117,7 +119,10 @@ class ClusterConfig:
     # so a typo is refused before anything reaches sbatch. Empty: not checked here.
     qos_names: list[str] = field(default_factory=list)
     min_time_min: int = 0
-    backend: str = "auto"  # auto | gloo | nccl
+    # Each rank's device: auto (the accelerator torch finds, CUDA/ROCm, XPU, NPU, MPS; else the CPU) | cpu | a
+    # device type. backend: auto (torch's own for the device: nccl, xccl, hccl; gloo on the CPU) or named.
+    device: str = "auto"
+    backend: str = "auto"  # auto | gloo | nccl | xccl | hccl
     # Planner: accelerator preset (a100-40gb | a100-80gb | h100 | h200 | cpu; "" = cpu
     # without GPUs, else a100-80gb) and measured overrides of its fields (xirang_hpc/planner/hardware.py).
     gpu: str = ""
@@ -173,8 +178,11 @@ class ClusterConfig:
         if self.omp_wait_policy not in OMP_WAIT_POLICIES:
             raise ConfigError("cluster.omp_wait_policy", self.omp_wait_policy,
                               f"choose one of {list(OMP_WAIT_POLICIES)}")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ConfigError("cluster.backend", self.backend, "choose auto, gloo or nccl")
+        if self.backend not in BACKENDS:
+            raise ConfigError("cluster.backend", self.backend, f"choose one of {', '.join(BACKENDS)}")
+        if not re.match(r"^[a-z][a-z0-9_]*$", self.device):
+            raise ConfigError("cluster.device", self.device,
+                              "use auto, cpu or an accelerator type (cuda, xpu, npu, mps)")
         if self.qos_names:
             for key in ("qos", "scavenger_qos", "high_qos"):
                 value = getattr(self, key)

@@ -20,6 +20,7 @@ class EvalConfig:
     batch_size: int = 8
     seed: int = 0
     step: int = -1  # checkpoint step to evaluate; -1 = the newest good one
+    device: str = "auto"  # auto (the accelerator torch finds, else the CPU) | cpu | a device type
     sample_prompt: str = "def "
     sample_tokens: int = 64
     # Quality gate for xirang-pipeline: > 0 fails the eval stage (and stops the chain) above this loss.
@@ -41,6 +42,7 @@ class ServeConfig:
     host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 exposes the server to the network
     port: int = 8000  # 0 = any free port (written to <run>/SERVE_FILE)
     max_batch: int = 16  # requests decoded together in one generation loop
+    device: str = "auto"  # auto (the accelerator torch finds, else the CPU) | cpu | a device type
     max_prompt_tokens: int = 0  # 0 = model.seq_len
     max_new_tokens: int = 256
     token_env: str = "XIRANG_SERVE_TOKEN"  # bearer token read from this env var; unset or empty = no auth

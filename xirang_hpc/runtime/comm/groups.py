@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from xirang_hpc.runtime.device import Device
 from xirang_hpc.runtime.topology import Topology
 
 if TYPE_CHECKING:
@@ -67,14 +68,14 @@ def split_by_node(members: list[tuple[int, int, int]]) -> list[list[int]]:
     return rows
 
 
-def build_layout(topo: Topology, group: Any = None, backend: str = "gloo",
-                 placement: Sequence[tuple[int, int]] | None = None) -> CommLayout:
+def build_layout(topo: Topology, group: Any = None, placement: Sequence[tuple[int, int]] | None = None) -> CommLayout:
     """Collective over the world: build the node groups for ``group`` (default: the world).
 
     ``placement[rank] = (node_id, local_rank)`` is the job's gathered placement (the trainer's
     :class:`~xirang_hpc.runtime.parallel_dims.Layout` passes it, the same one its mesh uses); only
     standalone callers (benchmarks, tests) leave it out, and then it is gathered here.
     """
+    accelerated = Device.parse(topo.device).is_accelerator
     if not dist.is_initialized():
         return CommLayout(group=None, group_ranks=[0], num_nodes=1, local=1, node_index=0, local_index=0,
                           node_id=topo.node_id, token=uuid.uuid4().hex[:12], intra_ranks=[0])
@@ -97,7 +98,9 @@ def build_layout(topo: Topology, group: Any = None, backend: str = "gloo",
         m, k = len(rows), len(rows[0])
         token = info[g[0]][3]
         cross = [dist.new_group([rows[n][j] for n in range(m)]) if m > 1 else None for j in range(k)]
-        intra = [dist.new_group(row, backend="nccl") if backend == "nccl" and k > 1 else None for row in rows]
+        # Node-local groups for an accelerator's collective library (the default group's, runtime/device.py);
+        # on the CPU the node's ranks meet in shared memory instead.
+        intra = [dist.new_group(row) if accelerated and k > 1 else None for row in rows]
         if g != mine:
             continue
         for n, row in enumerate(rows):

@@ -50,7 +50,9 @@ class HierarchicalAllreduce:
                  pipeline_bytes: int = 4 << 20) -> None:
         self.layout = layout
         self.pipeline_bytes = pipeline_bytes
-        self.gpu = dist.is_initialized() and dist.get_backend(layout.group) == "nccl"
+        # An accelerator's group ("cpu:gloo,cuda:nccl", runtime/device.py) reduces device tensors itself;
+        # a plain gloo group goes through the node's shared memory.
+        self.gpu = dist.is_initialized() and str(dist.get_backend(layout.group)) != "gloo"
         self.shm: NodeShm | None = None
         self.slot_bytes = slot_bytes
         self.region = 0
