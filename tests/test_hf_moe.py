@@ -31,7 +31,7 @@ from xirang_hpc.weights.load import load_hf  # noqa: E402
 
 TOL = 1e-4
 AUX_TOL = 1e-5
-VOCAB = 128
+VOCAB = 256
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
 
 #: name -> (config class, model class, fields beyond the common ones, save_pretrained max_shard_size).
@@ -49,7 +49,7 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str | None]] = {
 
 
 def make_moe(path: Path, name: str) -> Any:
-    """A random model of ``MODELS[name]`` (hidden 64, 4 heads, 2 kv heads, vocab 128) saved to ``path``.
+    """A random model of ``MODELS[name]`` (hidden 64, 4 heads, 2 kv heads, vocab 256) saved to ``path``.
 
     Weights are redrawn wider than transformers' init (std 0.2) and 1-D ones perturbed, so routing
     differs between tokens and a wrong expert or channel order shows in the logits.
@@ -127,14 +127,14 @@ def test_command_line_may_change_the_aux_coefficient_but_not_the_expert_count(mo
 
 def _qwen3moe(**kw: Any) -> dict[str, Any]:
     base = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 48, "vocab_size": 128,
+            "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 48, "vocab_size": 256,
             "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 16}
     return {**base, **kw}
 
 
 def _mixtral(**kw: Any) -> dict[str, Any]:
     base = {"architectures": ["MixtralForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 48, "vocab_size": 128,
+            "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 48, "vocab_size": 256,
             "num_local_experts": 4, "num_experts_per_tok": 2}
     return {**base, **kw}
 
@@ -281,3 +281,31 @@ def test_a_bias_balanced_run_imports_from_a_qwen3_moe_directory(moe_dirs) -> Non
         assert (model.eval()(TOKENS) - hf(TOKENS).logits).abs().max().item() <= TOL
     with pytest.raises(ValueError, match="moe_balance=bias"):
         family_of(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,layout,world", [("qwen3moe", "fsdp4", 4), ("mixtral", "dp2", 2)])
+def test_ranks_read_only_their_experts_and_match_transformers(moe_dirs, name: str, layout: str, world: int) -> None:
+    """MoE trains data-parallel (DDP or FSDP2; no tp/pp). FSDP2 shards every stacked expert tensor along its
+    expert dimension: each of 4 ranks holds 2 of the 8 experts and opens only those experts' tensors, reading
+    exactly the elements it holds. Under DDP every rank reads every expert once."""
+    from test_hf_import import TOKENS as WORKER_TOKENS
+    from test_hf_import import _run
+
+    path, hf = moe_dirs[name]
+    with torch.no_grad():
+        ref = hf(WORKER_TOKENS).logits  # the tokens each rank runs
+    res = _run(world, layout, path)
+    for r in res:
+        assert (torch.from_numpy(r["logits"]) - ref).abs().max().item() <= TOL
+        assert sum(int(torch.tensor(s).prod()) for _, s, _ in r["requests"]) == r["local_numel"]
+    experts = MODELS[name][2].get("num_experts") or MODELS[name][2]["num_local_experts"]
+    for rank, r in enumerate(res):
+        read = {int(n.split(".experts.")[1].split(".")[0]) for n, _, _ in r["requests"] if ".experts." in n}
+        if layout == "fsdp4":
+            share = experts // world
+            assert read == set(range(rank * share, (rank + 1) * share)), (rank, read)
+            routers = [(s, full) for n, s, full in r["requests"] if n.endswith("mlp.gate.weight")]
+            assert routers and all(s == [share, full[1]] for s, full in routers)  # its experts' router rows
+        else:
+            assert read == set(range(experts))
