@@ -309,3 +309,111 @@ def test_ranks_read_only_their_experts_and_match_transformers(moe_dirs, name: st
             assert routers and all(s == [share, full[1]] for s, full in routers)  # its experts' router rows
         else:
             assert read == set(range(experts))
+
+
+def make_moe_dir_with_tokenizer(path: Path) -> Any:
+    """A Qwen3-MoE directory as users bring it: config, sharded safetensors, tokenizer.json (BPE, </s>).
+
+    4 layers, the first dense (``mlp_only_layers=[0]``), 8 experts of which each token takes 2.
+    """
+    from test_hf_roundtrip import DOCS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(path)
+    torch.manual_seed(23)
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, vocab_size=320, num_experts=8,
+                                      num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0],
+                                      norm_topk_prob=True, max_position_embeddings=64, rms_norm_eps=1e-5,
+                                      router_aux_loss_coef=0.01, bos_token_id=None,
+                                      eos_token_id=tok.token_to_id("</s>"))
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".mlp.gate." in n:  # a router that prefers different experts for different tokens
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path, max_shard_size="200KB")
+    return model
+
+
+@pytest.mark.slow
+def test_docs_mixture_of_experts_fine_tune_round_trip(tmp_path: Path) -> None:
+    """The docs' Qwen3-MoE commands as written: FSDP2 on 4 ranks, export, transformers loads Qwen3MoeForCausalLM;
+    logits equal ours, greedy tokens equal our serving engine's, and the fine-tune moved the weights."""
+    import os
+    import subprocess
+
+    from test_hf_roundtrip import BIN, DOCS, doc_block, hf_side
+
+    from xirang_hpc.data.dataset import TokenWindows
+    from xirang_hpc.weights.load import load_checkpoint
+
+    model_dir, corpus = tmp_path / "my-moe", tmp_path / "corpus.jsonl"
+    make_moe_dir_with_tokenizer(model_dir)
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    corpus.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(DOCS)))
+    script = doc_block("models-and-fine-tuning.md", "### A mixture-of-experts model")
+    env = {**os.environ, "MODEL": str(model_dir), "CORPUS": str(corpus),
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=1500)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "4 ranks on 2 node(s)" in r.stdout and "step    20/20" in r.stdout
+    assert r.stdout.splitlines()[-1] == "Qwen3MoeForCausalLM 8 [0]"
+
+    run, out = tmp_path / "runs" / "moe", tmp_path / "runs" / "moe" / "hf"
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["architectures"] == ["Qwen3MoeForCausalLM"] and exported["router_aux_loss_coef"] == 0.01
+    ours = load_checkpoint(run)
+    assert ours.step == 20 and ours.cfg.moe_experts == 8 and ours.cfg.moe_layers == (1, 2, 3)
+    assert ours.cfg.moe_balance == "aux_loss" and ours.cfg.moe_aux_coef == 0.01
+    x, _ = TokenWindows(tmp_path / "data" / "moe", "val", ours.cfg.seq_len).batch(99, 0, 2)  # held-out tokens
+    prompt = [int(t) for t in x[0, :8]]
+    theirs = hf_side(out, x, prompt, 24)
+    assert theirs["class"] == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        assert (ours.model(x) - torch.tensor(theirs["logits"])).abs().max().item() <= TOL
+    assert our_greedy(ours.model, ours.cfg.seq_len, prompt, 24) == theirs["generated"]
+    with torch.no_grad():
+        assert (load_hf(model_dir).model(x) - ours.model(x)).abs().max().item() > 1e-2  # it trained
+
+
+@pytest.mark.slow
+def test_mixtral_run_exports_sharded_with_the_cli_and_serves_what_transformers_generates(moe_dirs,
+                                                                                          tmp_path: Path) -> None:
+    """A Mixtral directory fine-tuned on 2 DDP ranks -> ``xirang-ckpt export --format hf`` (sharded) -> a fresh
+    transformers process loads MixtralForCausalLM: equal logits, greedy tokens equal to our engine's."""
+    import subprocess
+
+    from test_hf_roundtrip import BIN, ROOT, hf_side
+
+    from xirang_hpc.weights.load import load_checkpoint
+
+    hf_dir = moe_dirs["mixtral"][0]
+    r = subprocess.run([str(BIN / "xirang-train"), f"model.init_from={hf_dir}", "model.seq_len=32",
+                        "cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.pp=1", "parallel.tp=1",
+                        "train.max_steps=3", "train.warmup_steps=1", "train.global_batch=8", "train.eval_batches=1",
+                        f"data.corpus={ROOT / 'xirang_hpc'}", "data.val_fraction=0.05", f"data.out_dir={tmp_path}/data",
+                        f"train.run_dir={tmp_path}/run"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "exp"
+    e = subprocess.run([str(BIN / "xirang-ckpt"), "export", str(tmp_path / "run"), "--format", "hf", "--out", str(out),
+                        "--max-shard-mb", "0.05"], capture_output=True, text=True, timeout=600)
+    assert e.returncode == 0, e.stderr
+    assert len(set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["num_local_experts"] == 4
+    ours = load_checkpoint(tmp_path / "run")
+    x = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(8))
+    prompt = [int(t) for t in x[0, :5]]
+    theirs = hf_side(out, x, prompt, 12)
+    assert theirs["class"] == "MixtralForCausalLM"
+    with torch.no_grad():
+        assert (ours.model(x) - torch.tensor(theirs["logits"])).abs().max().item() <= TOL
+    assert our_greedy(ours.model, ours.cfg.seq_len, prompt, 12) == theirs["generated"]
