@@ -239,7 +239,8 @@ def test_moe_exact_resume_20_vs_10_plus_10(stdlib_data, tmp_path, balance, layou
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after resume"
     bias = [k for k in a if k.endswith("mlp.expert_bias")]
-    assert len(bias) == (2 if balance == "bias" else 0)
+    experts = [k for k in a if k.startswith("model.") and k.endswith("mlp.w1")]  # one per block (model=tiny: 4)
+    assert len(experts) == 4 and len(bias) == (len(experts) if balance == "bias" else 0)
     early = saved_tensors(full / "checkpoints" / "step_10")
     for k in ("model.layers.0.mlp.w1", "model.layers.0.mlp.gate.weight", *bias):
         assert not torch.equal(a[k], early[k]), f"{k} did not change between steps 10 and 20"
