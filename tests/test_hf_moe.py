@@ -217,9 +217,8 @@ def _perturbed(cfg: ModelConfig, seed: int = 0) -> GPT:
 #: Native MoE models and the architecture each exports as.
 NATIVE = {
     "mixtral": ({}, "MixtralForCausalLM"),
-    "qwen3moe": ({"qk_norm": True, "d_head": 32, "moe_first_dense": 1, "moe_every": 2, "moe_norm_topk": False},
-                 "Qwen3MoeForCausalLM"),
-    "qwen3moe-tied": ({"qk_norm": True, "tie_embeddings": True}, "Qwen3MoeForCausalLM"),
+    "qwen3moe": ({"qk_norm": True, "d_head": 32, "moe_first_dense": 1, "moe_every": 2, "moe_norm_topk": False,
+                  "tie_embeddings": True}, "Qwen3MoeForCausalLM"),
 }
 
 
