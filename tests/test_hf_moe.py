@@ -386,7 +386,8 @@ def test_docs_mixture_of_experts_fine_tune_round_trip(tmp_path: Path) -> None:
 def test_mixtral_run_exports_sharded_with_the_cli_and_serves_what_transformers_generates(moe_dirs,
                                                                                           tmp_path: Path) -> None:
     """A Mixtral directory fine-tuned on 2 DDP ranks -> ``xirang-ckpt export --format hf`` (sharded) -> a fresh
-    transformers process loads MixtralForCausalLM: equal logits, greedy tokens equal to our engine's."""
+    transformers process loads MixtralForCausalLM: equal logits, greedy tokens equal to our engine's, and a real
+    ``xirang-serve`` of the exported directory answers with the text of transformers' greedy tokens."""
     import subprocess
 
     from test_hf_roundtrip import BIN, ROOT, hf_side
@@ -416,3 +417,19 @@ def test_mixtral_run_exports_sharded_with_the_cli_and_serves_what_transformers_g
     with torch.no_grad():
         assert (ours.model(x) - torch.tensor(theirs["logits"])).abs().max().item() <= TOL
     assert our_greedy(ours.model, ours.cfg.seq_len, prompt, 12) == theirs["generated"]
+    assert ours.step == 3 and ours.cfg.moe_experts == 4
+    # The served directory (no tokenizer.json: bytes, as the 256-entry vocabulary) over HTTP, greedy.
+    import signal
+
+    from test_serve_roundtrip import _post, _start_server
+
+    text = "def "
+    want = hf_side(out, x, list(text.encode()), 12)["generated"]
+    proc = _start_server(out, tmp_path / "serve.json")
+    try:
+        served = _post(json.loads((tmp_path / "serve.json").read_text())["url"],
+                       {"prompt": text, "max_tokens": 12, "temperature": 0})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    assert served["text"] == bytes(want).decode("utf-8", "replace")
