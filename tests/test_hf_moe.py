@@ -228,6 +228,7 @@ def _native(kw: dict[str, Any]) -> ModelConfig:
                        moe_ffn_hidden=32, **kw)
 
 
+@pytest.mark.slow  # transformers' from_pretrained and generate: seconds each
 @pytest.mark.parametrize("name", list(NATIVE))
 def test_native_moe_exports_as_its_architecture_with_equal_logits_and_greedy_tokens(tmp_path: Path,
                                                                                     name: str) -> None:
