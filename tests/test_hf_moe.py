@@ -330,7 +330,7 @@ def make_moe_dir_with_tokenizer(path: Path) -> Any:
                                       num_key_value_heads=2, head_dim=16, vocab_size=320, num_experts=8,
                                       num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0],
                                       norm_topk_prob=True, max_position_embeddings=64, rms_norm_eps=1e-5,
-                                      router_aux_loss_coef=0.01, bos_token_id=None,
+                                      router_aux_loss_coef=0.005, bos_token_id=None,
                                       eos_token_id=tok.token_to_id("</s>"))
     model = transformers.Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():
@@ -368,10 +368,11 @@ def test_docs_mixture_of_experts_fine_tune_round_trip(tmp_path: Path) -> None:
 
     run, out = tmp_path / "runs" / "moe", tmp_path / "runs" / "moe" / "hf"
     exported = json.loads((out / "config.json").read_text())
-    assert exported["architectures"] == ["Qwen3MoeForCausalLM"] and exported["router_aux_loss_coef"] == 0.01
+    assert exported["architectures"] == ["Qwen3MoeForCausalLM"] and exported["router_aux_loss_coef"] == 0.005
     ours = load_checkpoint(run)
     assert ours.step == 20 and ours.cfg.moe_experts == 8 and ours.cfg.moe_layers == (1, 2, 3)
-    assert ours.cfg.moe_balance == "aux_loss" and ours.cfg.moe_aux_coef == 0.01
+    # The directory's router_aux_loss_coef (0.005), not the schema's default (0.01).
+    assert ours.cfg.moe_balance == "aux_loss" and ours.cfg.moe_aux_coef == 0.005
     x, _ = TokenWindows(tmp_path / "data" / "moe", "val", ours.cfg.seq_len).batch(99, 0, 2)  # held-out tokens
     prompt = [int(t) for t in x[0, :8]]
     theirs = hf_side(out, x, prompt, 24)
