@@ -198,7 +198,7 @@ def test_expert_count_mismatch_names_the_tensor_and_both_shapes(moe_dirs, tmp_pa
     fields = apply_hf_model({"init_from": str(path)}, [])
     wrong = ModelConfig(**{**{k: v for k, v in fields.items() if k != "init_from"}, "moe_ffn_hidden": 8})
     with pytest.raises(HFImportError, match=r"experts\.0\.down_proj\.weight has shape \(64, 16\), the model config "
-                                            r"needs \(64, 8\)"):
+                                            r"needs \(64, 8\) \(for layers\.1\.mlp\.w2\)"):
         init_model_from_hf(GPT.for_loading(wrong), path, wrong)
 
 

@@ -158,7 +158,7 @@ def check_hf_shapes(ckpt: HFCheckpoint, cfg: ModelConfig, tmap: dict[str, Src], 
         exp = want[hf]
         ok = got == exp or (hf == "transformer.wpe.weight" and got[1:] == exp[1:] and got[0] >= exp[0])
         if not ok:
-            ours = [n for n in names if tmap[n].hf == hf]
+            ours = [n for n in names if hf in tmap[n].expert_names()]
             raise HFImportError(f"{ckpt.path}: tensor {hf} has shape {got}, the model config needs {exp} "
                                 f"(for {', '.join(ours)}); use the model config the weights were saved with")
 
