@@ -284,11 +284,13 @@ def test_a_bias_balanced_run_imports_from_a_qwen3_moe_directory(moe_dirs) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,layout,world", [("qwen3moe", "fsdp4", 4), ("mixtral", "dp2", 2)])
+@pytest.mark.parametrize("name,layout,world", [("qwen3moe", "fsdp4", 4), ("qwen3moe-step2", "zero3dp2", 2),
+                                               ("mixtral", "dp2", 2), ("mixtral", "dp2zero", 2)])
 def test_ranks_read_only_their_experts_and_match_transformers(moe_dirs, name: str, layout: str, world: int) -> None:
-    """MoE trains data-parallel (DDP or FSDP2; no tp/pp). FSDP2 shards every stacked expert tensor along its
-    expert dimension: each of 4 ranks holds 2 of the 8 experts and opens only those experts' tensors, reading
-    exactly the elements it holds. Under DDP every rank reads every expert once."""
+    """MoE trains data-parallel (DDP, ZeRO 1-2, or FSDP2 = ZeRO-3; no tp/pp). FSDP2 shards every stacked expert
+    tensor along its expert dimension: each of 4 ranks holds 2 of the 8 experts (of 2 ranks, 2 of 4) and opens
+    only those experts' tensors, reading exactly the elements it holds. Under DDP and ZeRO-1 (optimizer state
+    sharded, weights whole) every rank reads every expert once."""
     from test_hf_import import TOKENS as WORKER_TOKENS
     from test_hf_import import _run
 
@@ -302,7 +304,7 @@ def test_ranks_read_only_their_experts_and_match_transformers(moe_dirs, name: st
     experts = MODELS[name][2].get("num_experts") or MODELS[name][2]["num_local_experts"]
     for rank, r in enumerate(res):
         read = {int(n.split(".experts.")[1].split(".")[0]) for n, _, _ in r["requests"] if ".experts." in n}
-        if layout == "fsdp4":
+        if layout in ("fsdp4", "zero3dp2"):
             share = experts // world
             assert read == set(range(rank * share, (rank + 1) * share)), (rank, read)
             routers = [(s, full) for n, s, full in r["requests"] if n.endswith("mlp.gate.weight")]
