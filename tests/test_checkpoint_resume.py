@@ -221,3 +221,32 @@ def test_metrics_history_reads_each_row_once_and_follows_a_rewrite(tmp_path) -> 
     assert [r["step"] for r in h.read(path)] == [0, 1, 2, 3, 4] and h.offset > read_from
     path.write_text(json.dumps({"step": 0}) + "\n")  # a rollback rewrites the file shorter
     assert [r["step"] for r in h.read(path)] == [0]
+
+
+#: A mixture-of-experts tiny model (4 experts, top 2, every block) for the MoE resume runs.
+MOE_MODEL = ["model.norm=rmsnorm", "model.mlp=swiglu", "model.pos=rope", "model.bias=false", "model.moe_experts=4",
+             "model.moe_top_k=2", "model.moe_ffn_hidden=32"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balance,layout", [("bias", "fsdp"), ("aux_loss", "ddp")])
+def test_moe_exact_resume_20_vs_10_plus_10(stdlib_data, tmp_path, balance, layout):
+    """An MoE run on 2 ranks, stopped at step 10 and resumed, ends bitwise where the uninterrupted one does:
+    experts, router, optimizer state and (bias balancing) the expert-selection bias, which is checkpointed."""
+    extra = [*TWO_RANKS, *MOE_MODEL, f"model.moe_balance={balance}", f"parallel.data_parallel={layout}"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    run_job(make_cfg(stdlib_data, full, extra), full, stdlib_data, world=2)
+    run_job(make_cfg(stdlib_data, split, extra), split, stdlib_data, world=2, stop_at=10)
+    assert ckpt_layout.committed_steps(split / "checkpoints") == [10]
+    run_job(make_cfg(stdlib_data, split, extra), split, stdlib_data, world=2)
+    a, b = saved_tensors(full / "checkpoints" / "step_20"), saved_tensors(split / "checkpoints" / "step_20")
+    assert a.keys() == b.keys() and "model.layers.0.mlp.w1" in a and "model.layers.1.mlp.gate.weight" in a
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+    bias = [k for k in a if k.endswith("mlp.expert_bias")]
+    experts = [k for k in a if k.startswith("model.") and k.endswith("mlp.w1")]  # one per block (model=tiny: 4)
+    assert len(experts) == 4 and len(bias) == (len(experts) if balance == "bias" else 0)
+    early = saved_tensors(full / "checkpoints" / "step_10")
+    for k in ("model.layers.0.mlp.w1", "model.layers.0.mlp.gate.weight", *bias):
+        assert not torch.equal(a[k], early[k]), f"{k} did not change between steps 10 and 20"
+    assert _losses(full) == _losses(split) and sorted(_losses(full)) == [5, 10, 15, 20]

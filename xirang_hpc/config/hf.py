@@ -1,11 +1,14 @@
 """Hugging Face model directories as ``model.init_from``: their ``config.json`` mapped onto ``model.*``.
 
-Supported families: Llama (``LlamaForCausalLM``: RMSNorm, SwiGLU, RoPE, no biases, optional GQA and
+Supported dense families: Llama (``LlamaForCausalLM``: RMSNorm, SwiGLU, RoPE, no biases, optional GQA and
 tied embeddings, rope scaling ``linear`` or ``llama3``), Mistral (``MistralForCausalLM``: Llama's layout;
 a ``sliding_window`` shorter than the sequence is refused), Qwen2 (``Qwen2ForCausalLM``: Llama plus q/k/v
 biases), Qwen3 (``Qwen3ForCausalLM``: Llama plus per-head q/k RMSNorm and an explicit ``head_dim``) and
 GPT-2 (``GPT2LMHeadModel``: LayerNorm with bias, tanh-GELU MLP, learned positions, biased projections,
-tied head). Anything these configs can say that our model does not implement is refused here, naming
+tied head). Mixture-of-experts families: Qwen3-MoE (``Qwen3MoeForCausalLM``: Qwen3's attention, top-k
+routed SwiGLU experts, optionally some dense layers through ``decoder_sparse_step`` / ``mlp_only_layers``)
+and Mixtral (``MixtralForCausalLM``: Mistral's attention, every layer routed, top-k weights renormalised).
+Anything these configs can say that our model does not implement is refused here, naming
 the Hugging Face field and its value.
 
 How the mapping meets Hydra (``model.init_from=<dir>``):
@@ -36,11 +39,28 @@ from xirang_hpc.config.errors import ConfigError
 
 #: ``architectures`` value -> our family name.
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                           "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": "gpt2"}
+                           "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": "gpt2",
+                           "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+#: Architectures refused with a reason of their own (their closest supported relative says what differs).
+REFUSED_ARCHITECTURES = {
+    "Qwen2MoeForCausalLM": "its shared expert is scaled by a learned sigmoid gate per token "
+                           "(shared_expert_gate), which our shared expert does not have",
+    "DeepseekV3ForCausalLM": "its grouped top-k routing (n_group, topk_group) and sigmoid scores with a routed "
+                             "scaling factor are not implemented",
+}
+#: The mixture-of-experts families (routed experts in some or all layers).
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 #: Model fields a Hugging Face directory decides (``seq_len`` and ``name`` are handled separately).
 SHAPE_FIELDS = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "vocab_size", "norm", "mlp", "pos", "bias",
                 "norm_eps", "rope_theta", "tie_embeddings", "attn_qkv_bias", "d_head", "qk_norm", "rope_scaling",
-                "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_pos")
+                "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_pos",
+                "moe_experts", "moe_top_k", "moe_ffn_hidden", "moe_shared_ffn_hidden", "moe_score", "moe_norm_topk",
+                "moe_every", "moe_first_dense")
+#: Training choices a Hugging Face directory suggests but the command line may change freely.
+TRAINING_FIELDS = ("moe_aux_coef",)
+#: ``model.moe_*`` of a dense model (the schema's defaults).
+DENSE_MOE = {"moe_experts": 0, "moe_top_k": 2, "moe_ffn_hidden": 0, "moe_shared_ffn_hidden": 0, "moe_score": "softmax",
+             "moe_norm_topk": True, "moe_every": 1, "moe_first_dense": 0}
 
 
 class HFConfigError(ConfigError):
@@ -94,10 +114,15 @@ def check_hf_weights(path: str | Path) -> None:
 
 
 def hf_family(hf: dict[str, Any], source: str) -> str:
-    """``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``gpt2`` from the config's ``architectures``; anything
-    else is refused, naming what is supported."""
+    """``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gpt2``, ``qwen3_moe`` or ``mixtral`` from the config's
+    ``architectures``; anything else is refused, naming what is supported."""
     archs = hf.get("architectures") or []
     known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    refused = [a for a in archs if a in REFUSED_ARCHITECTURES]
+    if not known and refused:
+        raise HFConfigError(f"{source}: architectures", archs,
+                            f"{refused[0]} is not supported: {REFUSED_ARCHITECTURES[refused[0]]}; supported: "
+                            f"{sorted(SUPPORTED_ARCHITECTURES)}")
     if not known:
         raise HFConfigError(f"{source}: architectures", archs,
                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}; "
@@ -150,7 +175,7 @@ def _sliding_window(hf: dict[str, Any], family: str) -> int | None:
     window = hf.get("sliding_window")
     if window is None:
         return None
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         # Qwen configs carry a window that only applies with use_sliding_window (or a sliding layer type).
         types = hf.get("layer_types") or []
         if not hf.get("use_sliding_window") and "sliding_attention" not in types:
@@ -183,11 +208,57 @@ def _llama_fields(hf: dict[str, Any], source: str, family: str = "llama") -> dic
             "d_ff": int(hf["intermediate_size"]), "vocab_size": int(hf["vocab_size"]), "norm": "rmsnorm",
             "mlp": "swiglu", "pos": "rope", "bias": False, "norm_eps": float(1e-6 if eps is None else eps),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "attn_qkv_bias": family == "qwen2", "qk_norm": family == "qwen3",
+            "attn_qkv_bias": family == "qwen2", "qk_norm": family in ("qwen3", "qwen3_moe"),
             # 0 (d_model/n_head) unless the config decouples the head width, as Qwen3's small models do.
             "d_head": 0 if hd * nh == d else hd, **_rope_fields(hf, source),
             "seq_len": int(hf.get("max_position_embeddings", 2048)),
-            "sliding_window": _sliding_window(hf, family)}
+            "sliding_window": _sliding_window(hf, family), **_moe_fields(hf, source, family)}
+
+
+def sparse_layers(n_layer: int, every: int, first_dense: int) -> tuple[int, ...]:
+    """The MoE blocks of our ``model.moe_every`` / ``model.moe_first_dense`` rule (as ``ModelConfig.moe_layers``)."""
+    return tuple(i for i in range(first_dense, n_layer) if (i - first_dense) % every == every - 1)
+
+
+def _moe_fields(hf: dict[str, Any], source: str, family: str) -> dict[str, Any]:
+    """``model.moe_*`` for a Qwen3-MoE or Mixtral config (a dense family's defaults otherwise)."""
+    out: dict[str, Any] = {**DENSE_MOE, "moe_aux_coef": 0.01}
+    if family not in MOE_FAMILIES:
+        return out
+    n = int(hf["num_hidden_layers"])
+    # transformers 5 writes num_local_experts for both; Qwen3-MoE's own name (and 4.x's) is num_experts.
+    experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+    top_k = int(hf.get("num_experts_per_tok", 2))
+    out["moe_aux_coef"] = float(hf.get("router_aux_loss_coef", 0.001))
+    if family == "mixtral":
+        if experts < 1:
+            _refuse(source, "num_local_experts", experts, "a Mixtral model needs at least one expert")
+        jitter = float(hf.get("router_jitter_noise") or 0.0)
+        if jitter:
+            _refuse(source, "router_jitter_noise", jitter, "router jitter noise is not implemented; use 0.0")
+        width = int(hf["intermediate_size"])  # Mixtral's experts are its only MLPs
+        out.update(moe_experts=experts, moe_top_k=top_k, moe_ffn_hidden=width, moe_norm_topk=True)
+        return out
+    if experts < 1:  # no expert anywhere: every layer is Qwen3's dense MLP
+        return out
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense_only = sorted(int(i) for i in hf.get("mlp_only_layers") or [])
+    # transformers' rule: layer i is sparse when it is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+    sparse = tuple(i for i in range(n) if i not in dense_only and (i + 1) % step == 0)
+    if not sparse:
+        return out
+    rule = next(((every, first) for every in range(1, n + 1) for first in range(n)
+                 if sparse_layers(n, every, first) == sparse), None)
+    if rule is None:
+        _refuse(source, "mlp_only_layers" if dense_only else "decoder_sparse_step", dense_only or step,
+                f"sparse layers {list(sparse)} of {n}: our model places experts in every model.moe_every-th block "
+                "after the first model.moe_first_dense, which cannot express this pattern")
+    for name in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if hf.get(name):
+            _refuse(source, name, hf[name], "a shared expert is not implemented for the Qwen3-MoE family")
+    out.update(moe_experts=experts, moe_top_k=top_k, moe_ffn_hidden=int(hf["moe_intermediate_size"]),
+               moe_norm_topk=bool(hf.get("norm_topk_prob", False)), moe_every=rule[0], moe_first_dense=rule[1])
+    return out
 
 
 def _gpt2_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -207,7 +278,7 @@ def _gpt2_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
             "tie_embeddings": bool(hf.get("tie_word_embeddings", True)), "attn_qkv_bias": False, "d_head": 0,
             "qk_norm": False, "rope_scaling": "none", "rope_factor": 1.0, "rope_low_freq_factor": 1.0,
             "rope_high_freq_factor": 4.0, "rope_original_max_pos": 8192,
-            "seq_len": int(hf.get("n_positions", 1024)), "sliding_window": None}
+            "seq_len": int(hf.get("n_positions", 1024)), "sliding_window": None, **DENSE_MOE, "moe_aux_coef": 0.01}
 
 
 def model_fields_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
@@ -252,6 +323,7 @@ def apply_hf_model(model: dict[str, Any], overrides: list[str] | None) -> dict[s
     hf = model_fields_from_hf(read_hf_config(path), source)
     context = hf.pop("seq_len")
     window = hf.pop("sliding_window")
+    training = {k: hf.pop(k) for k in TRAINING_FIELDS}
     explicit, preset = _override_keys(overrides or [])
     check_all = overrides is None or preset
     out = dict(model)
@@ -274,6 +346,9 @@ def apply_hf_model(model: dict[str, Any], overrides: list[str] | None) -> dict[s
             out["seq_len"] = context
         if "name" not in explicit:
             out["name"] = f"{hf_family_name(path)}"
+    if overrides is not None and out["moe_experts"]:
+        # The directory's router_aux_loss_coef, unless the command line says otherwise.
+        out.update({k: v for k, v in training.items() if k not in explicit})
     if window is not None and int(out.get("seq_len") or context) > window:
         # Within the window, sliding-window attention is plain causal attention: exact, so allowed.
         raise HFConfigError(f"{source}: sliding_window", window,

@@ -1,5 +1,5 @@
-"""Hugging Face layouts: the one name map between our GPT and Llama / Mistral / Qwen2 / Qwen3 / GPT-2 tensors,
-and export.
+"""Hugging Face layouts: the one name map between our GPT and Llama / Mistral / Qwen2 / Qwen3 / GPT-2 /
+Qwen3-MoE / Mixtral tensors, and export.
 
 :func:`tensor_map` says, for each of our parameter names, which Hugging Face tensor holds it and how:
 
@@ -12,6 +12,10 @@ and export.
   ``convert_llama_weights_to_hf`` ``permute`` does: HF row ``j*hd/2 + i`` of a head is our row
   ``2*i + j``. The permutation stays inside a head, so a tensor-parallel slice of whole heads is still
   a contiguous block of heads on both sides.
+- ``experts``: our stacked expert tensors (``mlp.w1`` (E, ffn, d), ``mlp.w3`` (E, ffn, d), ``mlp.w2``
+  (E, d, ffn)) are E separate Hugging Face tensors, one per expert (``hf`` holds ``{e}``): Qwen3-MoE's
+  ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1`` /
+  ``w3`` / ``w2``. Our dim 0 is the expert index; dims 1 and 2 are that expert's (out, in) as stored.
 
 Import reads *regions* through this map (:func:`hf_rows_for`, used by
 :mod:`xirang_hpc.weights.hf_import`); export (:func:`export_hf`) assembles whole Hugging Face tensors from a
@@ -29,7 +33,7 @@ from typing import Any
 import torch
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
-from xirang_hpc.config.hf import hf_family, model_fields_from_hf
+from xirang_hpc.config.hf import hf_family, model_fields_from_hf, sparse_layers
 from xirang_hpc.config.schema import ModelConfig
 
 #: Hugging Face tensors that carry no learned state of ours (old checkpoints' buffers); skipped on import.
@@ -44,20 +48,62 @@ class Src:
     transpose: bool = False
     offset: int = 0  # along our dim 0 (= HF's output dim) inside a fused tensor
     rope_heads: int = 0  # >0: rows permuted inside each of this many heads (half <-> interleaved rotary)
+    experts: int = 0  # >0: our dim 0 stacks this many HF tensors, named hf.format(e=expert)
+
+    def expert_names(self) -> list[str]:
+        """The Hugging Face tensor of each expert (``[hf]`` for a tensor that is not stacked)."""
+        return [self.hf.format(e=e) for e in range(self.experts)] if self.experts else [self.hf]
 
 
 #: Our family name -> (architecture, model_type) written on export.
 EXPORT_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gpt2": ("GPT2LMHeadModel", "gpt2")}
+               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gpt2": ("GPT2LMHeadModel", "gpt2"),
+               "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "mixtral": ("MixtralForCausalLM", "mixtral")}
+#: Per-expert tensor names of each MoE family: (router, our w1, w3, w2) under ``model.layers.{i}.``.
+MOE_NAMES = {"qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                           "mlp.experts.{e}.down_proj.weight"),
+             "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                         "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")}
+
+
+def _moe_family(cfg: ModelConfig) -> str:
+    """``qwen3_moe`` (with q/k norms) or ``mixtral`` (without) for a mixture-of-experts ``cfg``, else why neither.
+
+    A run imported from either comes back as the same architecture (q/k norms are what tells them apart); a
+    native MoE run without q/k norms exports as Mixtral, with them as Qwen3-MoE.
+    """
+    if cfg.attn_qkv_bias:
+        raise ValueError("model.attn_qkv_bias with model.moe_experts: Qwen2-MoE (q/k/v biases) is not supported; "
+                         "export with --format safetensors instead")
+    if cfg.moe_shared_ffn_hidden:
+        raise ValueError(f"model.moe_shared_ffn_hidden={cfg.moe_shared_ffn_hidden}: neither Qwen3-MoE nor Mixtral "
+                         "has an ungated shared expert; export with --format safetensors instead")
+    if cfg.moe_score != "softmax":
+        raise ValueError(f"model.moe_score={cfg.moe_score}: Qwen3-MoE and Mixtral route by softmax scores; export "
+                         "with --format safetensors instead")
+    if cfg.moe_balance == "bias":
+        raise ValueError("model.moe_balance=bias: the learned expert-selection bias changes which experts are chosen "
+                         "and neither Qwen3-MoE nor Mixtral has one; export with --format safetensors instead")
+    if cfg.qk_norm:
+        return "qwen3_moe"
+    if len(cfg.moe_layers) != cfg.n_layer or not cfg.moe_norm_topk:
+        what = ("dense blocks " + str(sorted(set(range(cfg.n_layer)) - set(cfg.moe_layers)))
+                if len(cfg.moe_layers) != cfg.n_layer else "model.moe_norm_topk=false")
+        raise ValueError(f"{what}: without q/k norms an MoE model exports as Mixtral, which routes every layer and "
+                         "renormalises the top-k weights; export with --format safetensors instead")
+    return "mixtral"
 
 
 def family_of(cfg: ModelConfig) -> str:
     """The Hugging Face family that expresses ``cfg``, else why none does.
 
     rmsnorm/swiglu/rope without biases: ``llama`` (Mistral imports land here too: same layout), ``qwen2``
-    with q/k/v biases, ``qwen3`` with q/k norms; layernorm/gelu/learned positions with biases: ``gpt2``.
+    with q/k/v biases, ``qwen3`` with q/k norms; layernorm/gelu/learned positions with biases: ``gpt2``;
+    with experts, ``qwen3_moe`` or ``mixtral`` (:func:`_moe_family`).
     """
     if cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and cfg.pos == "rope" and not cfg.bias:
+        if cfg.moe_experts:
+            return _moe_family(cfg)
         if cfg.qk_norm and cfg.attn_qkv_bias:
             raise ValueError("model.qk_norm with model.attn_qkv_bias: no Hugging Face family has both (Qwen2 has "
                              "q/k/v biases, Qwen3 q/k norms); export with --format safetensors instead")
@@ -102,6 +148,15 @@ def tensor_map(cfg: ModelConfig, family: str | None = None) -> dict[str, Src]:
                 m[a + "attn.k_norm.weight"] = Src(b + "self_attn.k_norm.weight", rope_heads=1)
             m[a + "attn.o.weight"] = Src(b + "self_attn.o_proj.weight")
             m[a + "mlp_norm.weight"] = Src(b + "post_attention_layernorm.weight")
+            if i in cfg.moe_layers:
+                if fam not in MOE_NAMES:
+                    raise ValueError(f"the {fam} family has no experts; model.moe_experts={cfg.moe_experts} "
+                                     "does not fit it")
+                router, w1, w3, w2 = MOE_NAMES[fam]
+                m[a + "mlp.gate.weight"] = Src(b + router)  # (E, d)
+                for ours, theirs in (("w1", w1), ("w3", w3), ("w2", w2)):
+                    m[a + f"mlp.{ours}"] = Src(b + theirs, experts=cfg.moe_experts)
+                continue
             m[a + "mlp.gate.weight"] = Src(b + "mlp.gate_proj.weight")
             m[a + "mlp.up.weight"] = Src(b + "mlp.up_proj.weight")
             m[a + "mlp.down.weight"] = Src(b + "mlp.down_proj.weight")
@@ -143,6 +198,9 @@ def expected_hf_shapes(cfg: ModelConfig, tmap: dict[str, Src] | None = None) -> 
     out: dict[str, list[int]] = {}
     for name, src in tmap.items():
         s = list(shapes[name])
+        if src.experts:  # one (out, in) tensor per expert
+            out.update({hf: s[1:] for hf in src.expert_names()})
+            continue
         rows = src.offset + s[0]
         hf = ([s[1], rows] if src.transpose else [rows, *s[1:]])
         cur = out.get(src.hf)
@@ -175,6 +233,9 @@ def to_hf_state(full: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     out: dict[str, torch.Tensor] = {}
     for name, src in tmap.items():
         t = full[name]
+        if src.experts:
+            out.update({hf: t[e] for e, hf in enumerate(src.expert_names())})  # (E, out, in) -> E x (out, in)
+            continue
         if src.hf not in out:
             out[src.hf] = torch.empty(shapes[src.hf], dtype=t.dtype)
         idx = torch.tensor(hf_rows_for(src, range(t.shape[0]), t.shape[0]))
@@ -187,7 +248,8 @@ def to_hf_state(full: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
 
 
 def hf_config_for(cfg: ModelConfig, dtype: torch.dtype, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A transformers ``config.json`` for ``cfg`` (Llama, Qwen2, Qwen3 or GPT-2 family); checked by mapping it back."""
+    """A transformers ``config.json`` for ``cfg`` (Llama, Qwen2, Qwen3, GPT-2, Qwen3-MoE or Mixtral family); checked
+    by mapping it back."""
     fam = family_of(cfg)
     dt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     special = {k: v for k, v in (vocab or {}).items() if v is not None}
@@ -206,8 +268,18 @@ def hf_config_for(cfg: ModelConfig, dtype: torch.dtype, vocab: dict[str, Any] | 
             hf["attention_bias"] = False
         if fam == "llama":
             hf["mlp_bias"] = False
-        if fam in ("qwen2", "qwen3"):
+        if fam in ("qwen2", "qwen3", "qwen3_moe"):
             hf.update(use_sliding_window=False, sliding_window=None)
+        if fam in ("qwen3_moe", "mixtral"):
+            hf.update(num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
+                      router_aux_loss_coef=cfg.moe_aux_coef, output_router_logits=False)
+        if fam == "qwen3_moe":
+            # Every block not in moe_layers is dense (decoder_sparse_step 1): exact for any moe_every/first_dense.
+            hf.update(num_experts=cfg.moe_experts, moe_intermediate_size=cfg.moe_ffn_dim,
+                      norm_topk_prob=cfg.moe_norm_topk, decoder_sparse_step=1,
+                      mlp_only_layers=[i for i in range(cfg.n_layer) if i not in cfg.moe_layers])
+        if fam == "mixtral":
+            hf.update(intermediate_size=cfg.moe_ffn_dim, router_jitter_noise=0.0, sliding_window=None)
     else:
         hf = {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.d_model,
@@ -221,11 +293,14 @@ def hf_config_for(cfg: ModelConfig, dtype: torch.dtype, vocab: dict[str, Any] | 
         }
     back = model_fields_from_hf(hf)
     for k in ("n_layer", "n_head", "n_kv_head", "d_model", "vocab_size", "norm", "mlp", "pos", "bias", "head_dim",
-              "attn_qkv_bias", "qk_norm", "rope_scaling", "rope_factor"):
+              "attn_qkv_bias", "qk_norm", "rope_scaling", "rope_factor", "moe_experts", "moe_top_k", "moe_norm_topk"):
         if k == "head_dim":
             assert (back["d_head"] or back["d_model"] // back["n_head"]) == cfg.head_dim
             continue
         assert back[k] == getattr(cfg, k), (k, back[k], getattr(cfg, k))
+    if cfg.moe_experts:
+        assert sparse_layers(cfg.n_layer, back["moe_every"], back["moe_first_dense"]) == cfg.moe_layers
+        assert (back["moe_ffn_hidden"] or back["d_ff"]) == cfg.moe_ffn_dim
     assert hf_family(hf, "export") == fam
     return hf
 

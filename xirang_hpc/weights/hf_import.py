@@ -6,7 +6,9 @@ is worked out: the whole tensor for a plain parameter; for a DTensor (tensor par
 the local shard's global offset and shape. That region is mapped through
 :func:`xirang_hpc.weights.hf.tensor_map` (transposed GPT-2 ``Conv1D``, fused ``c_attn``, rotary row
 permutation inside heads) to the Hugging Face rows and columns that hold it, and only those are read
-with safetensors' lazy slices (``safe_open(...).get_slice(name)[rows, cols]``). No rank ever holds a
+with safetensors' lazy slices (``safe_open(...).get_slice(name)[rows, cols]``). Stacked experts
+(``mlp.w1`` / ``w3`` / ``w2``, (E, out, in)) come from one Hugging Face tensor per expert: a rank whose
+shard holds experts [e0, e1) (FSDP2 shards dim 0) opens only those experts' tensors. No rank ever holds a
 whole tensor that is sharded, nor the whole model.
 """
 
@@ -107,6 +109,10 @@ def _runs(sorted_idx: list[int]) -> list[tuple[int, int]]:
 def read_region(ckpt: HFCheckpoint, src: Src, full_shape: tuple[int, ...], offset: tuple[int, ...],
                 shape: tuple[int, ...]) -> torch.Tensor:
     """Our tensor's region [offset, offset+shape) of a tensor whose full shape is ``full_shape``."""
+    if src.experts:  # stacked experts: our dim 0 picks the HF tensors, dims 1 and 2 are a region of each
+        inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
+        return torch.stack([ckpt.read(src.hf.format(e=e), inner)
+                            for e in range(offset[0], offset[0] + shape[0])])  # (experts here, out, in)
     rows = range(offset[0], offset[0] + shape[0])
     need = hf_rows_for(src, rows, full_shape[0])  # HF output-dim indices, in our row order
     order = sorted(need)
@@ -147,14 +153,33 @@ def _clean(name: str) -> str:
 def check_hf_shapes(ckpt: HFCheckpoint, cfg: ModelConfig, tmap: dict[str, Src], names: list[str]) -> None:
     """Every HF tensor the given parameters need exists with the shape ``cfg`` implies (headers only)."""
     want = expected_hf_shapes(cfg, tmap)
-    for hf in sorted({tmap[n].hf for n in names}):
+    for hf in sorted({h for n in names for h in tmap[n].expert_names()}):
         got = ckpt.shape(hf)
         exp = want[hf]
         ok = got == exp or (hf == "transformer.wpe.weight" and got[1:] == exp[1:] and got[0] >= exp[0])
         if not ok:
-            ours = [n for n in names if tmap[n].hf == hf]
+            ours = [n for n in names if hf in tmap[n].expert_names()]
             raise HFImportError(f"{ckpt.path}: tensor {hf} has shape {got}, the model config needs {exp} "
                                 f"(for {', '.join(ours)}); use the model config the weights were saved with")
+
+
+def check_expert_counts(ckpt: HFCheckpoint, tmap: dict[str, Src], names: list[str],
+                        shapes: dict[str, tuple[int, ...]]) -> None:
+    """Each stacked expert tensor finds exactly as many experts in the directory as the config has (names only)."""
+    for n in names:
+        src = tmap[n]
+        if not src.experts:
+            continue
+        prefix, _, suffix = src.hf.partition("{e}")
+        found = {k.removeprefix(prefix).removesuffix(suffix) for k in ckpt.files
+                 if k.startswith(prefix) and k.endswith(suffix)}
+        count = len({e for e in found if e.isdigit()})
+        if count != src.experts:
+            ours = shapes[n]
+            one = ckpt.shape(src.hf.format(e=0)) if src.hf.format(e=0) in ckpt.files else ours[1:]
+            raise HFImportError(f"{ckpt.path}: {src.hf.format(e='*')} holds {count} expert(s), stacked "
+                                f"{(count, *one)}, but {n} needs {ours} (model.moe_experts={src.experts}); use the "
+                                "model config the weights were saved with")
 
 
 def init_model_from_hf(model: nn.Module, path: str | Path, cfg: ModelConfig) -> int:
@@ -164,21 +189,26 @@ def init_model_from_hf(model: nn.Module, path: str | Path, cfg: ModelConfig) -> 
     """
     ckpt = HFCheckpoint(path)
     try:
-        hf_family(read_hf_config(path), str(Path(path) / "config.json"))
-        tmap = tensor_map(cfg)
-        unknown = sorted(k for k in ckpt.files if k not in {s.hf for s in tmap.values()}
+        family = hf_family(read_hf_config(path), str(Path(path) / "config.json"))
+        try:
+            tmap = tensor_map(cfg, family)
+        except ValueError as exc:
+            raise HFImportError(f"{ckpt.path}: {exc}") from None
+        full = _full_shapes(cfg)
+        params = [(_clean(n), p) for n, p in model.named_parameters() if not is_lora_param(_clean(n))]
+        check_expert_counts(ckpt, tmap, [n for n, _ in params if n in tmap], full)
+        known = {h for s in tmap.values() for h in s.expert_names()}
+        unknown = sorted(k for k in ckpt.files if k not in known
                          and not k.endswith(IGNORED_HF_SUFFIXES)
                          and not (cfg.tie_embeddings and k == "lm_head.weight"))  # a tied copy some save
         if unknown:
             raise HFImportError(f"{ckpt.path}: {len(unknown)} tensor(s) our model has no place for, e.g. "
                                 f"{unknown[:3]}; the model config does not match the weights")
-        # Tied head: listed once. LoRA adapters are not base weights: they keep their own start (B zero).
-        params = [(_clean(n), p) for n, p in model.named_parameters() if not is_lora_param(_clean(n))]
+        # Tied head: listed once (named_parameters). LoRA adapters are not base weights: they keep their own start.
         missing = [n for n, _ in params if n not in tmap]
         if missing:
             raise HFImportError(f"parameters {missing[:3]} have no Hugging Face source")
         check_hf_shapes(ckpt, cfg, tmap, [n for n, _ in params])
-        full = _full_shapes(cfg)
         with torch.no_grad():
             for name, p in params:
                 local, offset, shape = local_region(p)

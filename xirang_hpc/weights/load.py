@@ -177,7 +177,8 @@ def load_exported(path: str | Path) -> LoadedModel:
 
 
 def load_hf(path: str | Path) -> LoadedModel:
-    """A single-process GPT from a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3 or GPT-2 family)."""
+    """A single-process GPT from a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, GPT-2, Qwen3-MoE
+    or Mixtral family)."""
     from xirang_hpc.config.errors import ConfigError
     from xirang_hpc.config.hf import apply_hf_model
     from xirang_hpc.weights.hf_import import init_model_from_hf

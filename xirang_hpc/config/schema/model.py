@@ -53,7 +53,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_pos: int = 8192
     # Weights to initialise from, for fine-tuning: an exported .safetensors file, or a Hugging Face model
-    # directory (Llama, Mistral, Qwen2, Qwen3 or GPT-2 family; its config.json fills model.*, see
+    # directory (Llama, Mistral, Qwen2, Qwen3, GPT-2, Qwen3-MoE or Mixtral; its config.json fills model.*, see
     # xirang_hpc/config/hf.py).
     init_from: str | None = None
     # Mixture of experts (xirang_hpc/models/moe.py): 0 experts = a dense MLP in every block.
