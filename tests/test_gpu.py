@@ -76,3 +76,56 @@ def _stdlib_email() -> str:
     import sysconfig
 
     return str(Path(sysconfig.get_paths()["stdlib"]) / "email")
+
+
+def test_the_device_decision_on_a_gpu() -> None:
+    """auto takes CUDA; the backend is nccl with gloo beside it; bf16 resolves on it."""
+    from xirang_hpc.runtime.device import Device, decide
+    from xirang_hpc.runtime.precision import resolve
+
+    dev = decide("auto", 0)
+    assert dev.type == "cuda" and dev.index == 0 and dev.backend() == "cpu:gloo,cuda:nccl"
+    assert resolve("auto", dev.torch) == "bf16" and decide("auto", 0, backend="gloo") == Device("cpu")
+
+
+def test_serving_and_eval_run_on_the_gpu_and_agree_with_the_cpu(tmp_path: Path) -> None:
+    """The engine on the GPU (serve.device=auto) generates the CPU's greedy tokens; the KV cache sits on the GPU."""
+    from xirang_hpc.config.schema import ModelConfig
+    from xirang_hpc.models.gpt import GPT
+    from xirang_hpc.serve.engine import Engine
+    from xirang_hpc.weights.load import LoadedModel
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(name="t", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128, seq_len=64,
+                      norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)
+    cpu = LoadedModel(model=GPT(cfg), cfg=cfg, source="test")
+    gpu = LoadedModel(model=GPT(cfg), cfg=cfg, source="test")
+    gpu.model.load_state_dict(cpu.model.state_dict())
+    assert gpu.place("auto").type == "cuda"
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    outs = []
+    for loaded in (cpu, gpu):
+        engine = Engine(loaded.model, cfg.seq_len, max_batch=2).start()
+        try:
+            outs.append(engine.generate(prompts, 12, temperature=0.0))
+        finally:
+            engine.stop()
+    assert outs[0] == outs[1]
+    assert Engine(gpu.model, cfg.seq_len, max_batch=2).cache.k[0].device.type == "cuda"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (this machine has fewer)")
+def test_two_rank_fsdp_job_on_two_gpus(tmp_path: Path) -> None:
+    """A real 2-rank job, one GPU each: nccl, the mesh and FSDP2 on CUDA, loss falls."""
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "xirang_hpc.launch.train_cli", "model=tiny-gqa", "cluster.nodes=1",
+           "cluster.tasks_per_node=2", "cluster.gpus_per_node=2", "cluster.backend=auto", "cluster.device=cuda",
+           "parallel=fsdp", "parallel.dp=2", "train.max_steps=20", "train.global_batch=16", "train.log_every=5",
+           "checkpoint.every_steps=10", f"train.runs_root={runs}", f"data.out_dir={tmp_path / 'data'}",
+           f"data.corpus={_stdlib_email()}"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run = next(p for p in runs.iterdir() if (p / "metrics.jsonl").is_file())
+    losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert losses and losses[-1] < losses[0]
+    assert "cuda:nccl" in res.stdout + res.stderr
