@@ -298,3 +298,32 @@ def test_summary_counts_this_session() -> None:
 def test_ro_probe_leaves_nothing(tmp_path: Path) -> None:
     check_paths(_cfg(f"train.run_dir={tmp_path}/run", f"data.out_dir={tmp_path}/d"), tmp_path / "run")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_layout_that_cannot_fit_the_gpus_is_refused_before_the_queue(tmp_path: Path) -> None:
+    """Llama 3 8B under FSDP at a 131,072-token window on one H100 node, no recompute: ~700 GiB of activations
+    per GPU, refused naming the window and the ways to fit; the preset's own 2,048-token window fits."""
+    base = [f"train.run_dir={tmp_path / 'run'}", "model=llama3-8b", "cluster=h100-ib", "cluster.nodes=1",
+            "parallel=fsdp", "parallel.pp=1", "parallel.tp=1", "parallel.microbatches=1", "train.global_batch=8",
+            "checkpoint.enabled=false"]  # (and no 90 GiB checkpoint to find room for here)
+    with pytest.raises(PreflightError, match=r"needs ~\d+\.\d GiB per GPU and a h100 has 80 GiB "
+                                             r"\(activations .*parallel.recompute=full") as refused:
+        preflight(load_config(compose_cfg([*base, "model.seq_len=131072"])))
+    assert refused.value.field == "model.seq_len"
+    assert not (tmp_path / "run").exists()  # nothing written
+    preflight(load_config(compose_cfg([*base, "model.seq_len=2048"])))  # the preset's own window fits
+
+
+def test_a_memory_dir_on_disk_is_refused(tmp_path: Path) -> None:
+    from xirang_hpc.launch.preflight import check_memory_dir, filesystem_type
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"tmpfs /dev/shm tmpfs rw 0 0\n/dev/sda1 / ext4 rw 0 0\n/dev/sdb {tmp_path} xfs rw 0 0\n")
+    assert filesystem_type(Path("/dev/shm"), mounts) == "tmpfs" and filesystem_type(tmp_path / "x", mounts) == "xfs"
+    disk = tmp_path / "copies"
+    disk.mkdir()
+    cfg = load_config(compose_cfg(["checkpoint.in_memory=true", f"checkpoint.memory_dir={disk}"]))
+    with pytest.raises(PreflightError, match=r"checkpoint.memory_dir=.* is on a xfs filesystem, not in memory"):
+        check_memory_dir(cfg, mounts)
+    check_memory_dir(load_config(compose_cfg(["checkpoint.in_memory=true", "checkpoint.memory_dir=/dev/shm"])),
+                     mounts)

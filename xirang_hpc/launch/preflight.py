@@ -112,6 +112,70 @@ def checkpoint_bytes(cfg: XirangConfig) -> int:
     return CKPT_BYTES_PER_PARAM * model_params(cfg.model)
 
 
+MEMORY_FS = ("tmpfs", "ramfs")
+
+
+def filesystem_type(path: Path, mounts: Path = Path("/proc/mounts")) -> str | None:
+    """The type of the filesystem holding ``path`` (its longest mount point in ``/proc/mounts``), or None."""
+    try:
+        rows = [line.split() for line in mounts.read_text().splitlines()]
+    except OSError:
+        return None
+    target = str(path.resolve())
+    best, kind = "", None
+    for row in rows:
+        if len(row) < 3:
+            continue
+        point = row[1].replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, row[2]
+    return kind
+
+
+def check_memory_dir(cfg: XirangConfig, mounts: Path = Path("/proc/mounts")) -> None:
+    """``checkpoint.memory_dir`` must be memory (tmpfs): on a disk the "in-memory" copy is a second disk write
+    that survives nothing a node loss does not take with it. Checked where the path exists on this node."""
+    c = cfg.checkpoint
+    if not (c.in_memory and c.memory_dir) or not Path(c.memory_dir).exists():
+        return
+    kind = filesystem_type(Path(c.memory_dir), mounts)
+    if kind is not None and kind not in MEMORY_FS:
+        raise PreflightError("checkpoint.memory_dir", c.memory_dir,
+                             f"checkpoint.memory_dir={c.memory_dir} is on a {kind} filesystem, not in memory; use "
+                             "a node-local tmpfs (e.g. /dev/shm, the default with checkpoint.memory_dir='')")
+
+
+def check_device_memory(cfg: XirangConfig) -> None:
+    """A layout the planner's memory model says cannot fit the GPUs is refused before the queue wait.
+
+    Per-rank parameters, gradients, optimizer state and activations of the configured layout (the estimate
+    ``xirang-plan --layout config`` prints) against the GPU preset's memory. Only with GPUs: a CPU rank's
+    memory is the node's RAM, which ``cluster.mem_gb`` and the cgroup govern. ``parallel=auto`` chooses a
+    layout that fits by itself.
+    """
+    if cfg.cluster.gpus_per_node <= 0 or cfg.parallel.auto:
+        return
+    from xirang_hpc.planner.auto import problem_of
+    from xirang_hpc.planner.cost import estimate
+    from xirang_hpc.planner.evaluate import plan_from_config
+
+    pb = problem_of(cfg)
+    est = estimate(pb, plan_from_config(cfg))
+    if est.fits:
+        return
+    gib = 2**30
+    mem = {k: v for k, v in est.memory.items() if k != "total"}
+    top = max(mem, key=lambda k: mem[k])
+    parts = ", ".join(f"{k} {v / gib:.1f}" for k, v in sorted(mem.items(), key=lambda kv: -kv[1]) if v > 0)
+    ways = ("parallel.recompute=full, a smaller micro-batch (train.grad_accum), parallel.tp or parallel.pp, or a "
+            "shorter model.seq_len" if top == "activations" else
+            "parallel.zero=1..3 or FSDP (parallel=fsdp), parallel.tp or parallel.pp, or more nodes")
+    raise PreflightError("model.seq_len" if top == "activations" else "parallel", cfg.model.seq_len,
+                         f"this layout needs ~{est.peak_memory / gib:.1f} GiB per GPU and a {pb.hw.name} has "
+                         f"{pb.hw.mem_gb:.0f} GiB ({parts} GiB; model.seq_len={cfg.model.seq_len}, "
+                         f"{est.plan.label()}); fit it with {ways}; xirang-plan ranks the layouts that fit")
+
+
 def check_paths(cfg: XirangConfig, run_dir: Path) -> None:
     """Every directory the launch and the job will write: runs root, run dir, checkpoints, data."""
     if not cfg.train.run_dir:
@@ -253,7 +317,9 @@ def preflight(cfg: XirangConfig) -> RunStatus:
     run_dir = run_dir_for(cfg)
     status = check_identity(cfg, run_dir)
     if not status.complete:
+        check_device_memory(cfg)
         check_paths(cfg, run_dir)
+        check_memory_dir(cfg)
         check_tracking(cfg)
     return status
 
