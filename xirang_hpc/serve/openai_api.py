@@ -202,7 +202,7 @@ def _prompt_batch(body: dict[str, Any], tok: Tokenizer) -> list[list[int]]:
     single = _one_prompt(p, tok)
     if single is not None:
         return [single]  # a string ("" is refused as empty later) or one list of token ids
-    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) > MAX_PROMPTS:
             raise bad(f"'prompt' is a batch of {len(p)} prompts, more than {MAX_PROMPTS}; split it", "prompt")
         batch = []
