@@ -63,8 +63,9 @@ def test_harness_fields_without_tasks_or_named_twice_are_refused() -> None:
 
 
 def test_the_pipeline_refuses_a_download_task_before_any_stage(tmp_path: Path) -> None:
-    r = subprocess.run([str(BIN / "xirang-pipeline"), "eval.harness_tasks=[arc_easy]", f"train.runs_root={tmp_path}/runs",
-                        f"data.out_dir={tmp_path}/data"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(BIN / "xirang-pipeline"), "eval.harness_tasks=[arc_easy]",
+                        f"train.runs_root={tmp_path}/runs", f"data.out_dir={tmp_path}/data"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "task 'arc_easy' is not a local task" in r.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()  # nothing ran, nothing prepared
@@ -111,8 +112,8 @@ def _train(tmp: Path, *extra: str) -> Path:
 
 @pytest.mark.slow
 def test_served_harness_equals_lm_evals_hf_model_on_the_exported_weights(tmp_path: Path) -> None:
-    from xirang_hpc.eval.harness import metrics_of, run_harness, run_lm_eval
     from xirang_hpc.config.schema import ServeConfig
+    from xirang_hpc.eval.harness import metrics_of, run_harness, run_lm_eval
     from xirang_hpc.weights.load import load_checkpoint
 
     run = _train(tmp_path, "data.tokenizer=bpe", "model.vocab_size=512")
@@ -147,8 +148,9 @@ def test_pipeline_harness_stage_writes_results_tracking_and_status(tmp_path: Pat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     r = subprocess.run([str(BIN / "xirang-pipeline"), "cluster.nodes=1", "cluster.tasks_per_node=1", "parallel.pp=1",
-                        "train.max_steps=6", "train.warmup_steps=2", "train.log_every=3", f"train.runs_root={tmp_path}/runs",
-                        f"data.out_dir={tmp_path}/data", f"data.corpus={ROOT / 'xirang_hpc' / 'eval'}",
+                        "train.max_steps=6", "train.warmup_steps=2", "train.log_every=3",
+                        f"train.runs_root={tmp_path}/runs", f"data.out_dir={tmp_path}/data",
+                        f"data.corpus={ROOT / 'xirang_hpc' / 'eval'}",
                         "serve.port=0", "serve.duration_s=1", "eval.batches=2", "train.loggers=[jsonl,tensorboard]",
                         f"eval.harness_tasks=[{','.join(LOCAL)}]", "eval.harness_limit=12"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=900)
@@ -169,3 +171,26 @@ def test_pipeline_harness_stage_writes_results_tracking_and_status(tmp_path: Pat
     assert f"harness   xirang_heldout_mc acc {acc:.4f}" in view and "@ step 6" in view
     chain = subprocess.run([str(BIN / "xirang-pipeline"), "--status", str(run)], capture_output=True, text=True)
     assert f"harness xirang_heldout_mc acc {acc:.4f}" in chain.stdout
+
+
+@pytest.mark.slow
+def test_docs_lm_evaluation_harness_commands(tmp_path: Path, stdlib_data: Path) -> None:
+    """The bash block of the docs' lm-evaluation-harness section, as written (the default corpus, prepared once)."""
+    import os
+    import re
+
+    text = (ROOT / "docs" / "serving-and-evaluation.md").read_text()
+    script = re.search(r"```bash\n(.*?)```", text.split("## lm-evaluation-harness", 1)[1], flags=re.S).group(1)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "stdlib-bytes").symlink_to(stdlib_data)
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=1500)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    h = json.loads((run / "harness.json").read_text())
+    assert h["tasks"] == ["xirang_heldout_mc"] and h["num_fewshot"] == 2 and h["step"] == 40
+    acc = h["metrics"]["xirang_heldout_mc"]["acc"]
+    assert f"harness   xirang_heldout_mc acc {acc:.4f}" in r.stdout
+    # lm_eval's own table, from the CLI run against xirang-serve (0-shot, the same 50 documents)
+    assert re.search(r"\|xirang_heldout_mc\|.*\|acc\s*\|", r.stdout), r.stdout[-3000:]
