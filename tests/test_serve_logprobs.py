@@ -131,3 +131,29 @@ def test_the_served_tokenizer_round_trips_and_needs_the_key() -> None:
         with urllib.request.urlopen(req, timeout=60) as r:
             info = json.loads(r.read())
         assert "eos_token" in info and info["eos_token"] is None and info["max_model_len"] == 32
+
+
+def test_lm_evals_local_completions_model_scores_and_generates_through_the_server(srv: Served) -> None:
+    """lm_eval's own ``local-completions`` client (remote tokenizer, batches of 3): log-likelihoods equal the
+    model's forward, is_greedy agrees with the argmax, and generate_until equals the greedy decoding."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(base_url=f"{srv.url}/v1/completions", model=MODEL, tokenizer_backend="remote",
+                             max_length=32, batch_size=3, max_retries=1)
+    pairs = [("def f(x):", " return"), ("import o", "s"), ("hello", " world"), ("ab", "c")]
+    reqs = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    got = lm.loglikelihood(reqs, disable_tqdm=True)
+    for (ctx, cont), (ll, greedy) in zip(pairs, got, strict=True):
+        c, k = [int(t) for t in TOK.encode(ctx)], [int(t) for t in TOK.encode(cont)]
+        ref = reference(c + k)
+        rows = ref[len(c) - 1: len(c) + len(k) - 1]
+        assert ll == pytest.approx(sum(float(rows[i, t]) for i, t in enumerate(k)), abs=1e-4)
+        assert greedy == all(int(rows[i].argmax()) == t for i, t in enumerate(k))
+    gen = lm.generate_until([Instance("generate_until", {}, ("def f(x):", {"until": ["\n"], "max_gen_toks": 6}), 0)],
+                            disable_tqdm=True)
+    ids = [int(t) for t in TOK.encode("def f(x):")]
+    out: list[int] = []
+    for _ in range(6):
+        out.append(int(reference(ids + out)[-1].argmax()))
+    assert gen == [TOK.decode(out).split("\n")[0]]
