@@ -194,3 +194,30 @@ def test_docs_lm_evaluation_harness_commands(tmp_path: Path, stdlib_data: Path) 
     assert f"harness   xirang_heldout_mc acc {acc:.4f}" in r.stdout
     # lm_eval's own table, from the CLI run against xirang-serve (0-shot, the same 50 documents)
     assert re.search(r"\|xirang_heldout_mc\|.*\|acc\s*\|", r.stdout), r.stdout[-3000:]
+
+
+def test_metrics_after_training_go_to_the_runs_tensorboard_and_mlflow_run(tmp_path: Path) -> None:
+    import os
+
+    from conftest import compose_cfg
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from xirang_hpc.config.validate import load_config
+    from xirang_hpc.monitor.tracking import log_run_metrics
+
+    cfg = load_config(compose_cfg(["train.loggers=[jsonl,tensorboard,mlflow]"]))
+    values = {"harness/xirang_heldout_mc/acc": 0.375, "harness/xirang_heldout_gen/exact_match": 0.0}
+    assert log_run_metrics(cfg, tmp_path, 12, values) == ["tensorboard", "mlflow"]
+    state = json.loads((tmp_path / "tracking.json").read_text())
+    assert log_run_metrics(cfg, tmp_path, 13, {"harness/xirang_heldout_mc/acc": 0.5}) == ["tensorboard", "mlflow"]
+    assert json.loads((tmp_path / "tracking.json").read_text())["mlflow"]["run_id"] == state["mlflow"]["run_id"]
+    ev = EventAccumulator(str(tmp_path / "tb"))
+    ev.Reload()
+    assert [(p.step, p.value) for p in ev.Scalars("harness/xirang_heldout_mc/acc")] == [(12, 0.375), (13, 0.5)]
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    (only,) = client.search_runs([client.get_experiment_by_name(cfg.train.name).experiment_id])
+    hist = client.get_metric_history(only.info.run_id, "harness/xirang_heldout_mc/acc")
+    assert [(m.step, m.value) for m in hist] == [(12, 0.375), (13, 0.5)]  # one MLflow run, continued
+    assert only.info.status == "FINISHED"
