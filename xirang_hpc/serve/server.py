@@ -488,7 +488,7 @@ class Server:
             outs, finishes = [[] for _ in p.prompts], ["length"] * len(p.prompts)
             if want_scores:
                 scored = await asyncio.to_thread(self.scorer.score, p.prompts, top)
-        elif p.max_tokens == 1 and p.temperature == 0 and not p.stop:
+        elif p.max_tokens == 1 and p.temperature == 0 and not p.stop and all(len(x) <= seq_len for x in p.prompts):
             scored = await asyncio.to_thread(self.scorer.score, p.prompts, top)
             outs, finishes = [], []
             for s in scored:
