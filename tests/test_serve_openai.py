@@ -308,7 +308,7 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": [1, 999]}, "prompt", "vocabulary"),
     ({"prompt": {"text": "hi"}}, "prompt", "must be a string"),
-    ({"n": 2}, "n", "one choice per request"),
+    ({"n": 2}, "n", "one choice per prompt"),
     ({"temperature": 2.5}, "temperature", "out of range"),
     ({"temperature": "hot"}, "temperature", "must be a number"),
     ({"top_p": 0}, "top_p", "0.0 < top_p"),

@@ -294,7 +294,7 @@ def parse_openai(body: dict[str, Any], kind: str, limits: Limits, vocab: int, to
         echo = bool(echo)
         lp = _opt(body, "logprobs")
         logprobs = None if lp is None or lp is False else _int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    n = _int(body, "n", 1, 1, 1, " (this server returns one choice per request)")
+    n = _int(body, "n", 1, 1, 1, " (this server returns one choice per prompt)")
     assert n == 1
     limit_why = " (serve.max_new_tokens)"
     if kind == "chat" and _opt(body, "max_completion_tokens") is not None:

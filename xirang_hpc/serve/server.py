@@ -18,9 +18,11 @@ unknown key, 403 for a key whose runs do not cover the served model. Every answe
 
 The OpenAI-compatible API (:mod:`xirang_hpc.serve.openai_api`): ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (server-sent events with ``stream: true``), ``GET /v1/models`` and
-``GET /v1/models/{id}``; its errors have OpenAI's shape ``{"error": {"message", "type", "param",
-"code"}}`` (400 bad parameters, 401 bearer token, 404 unknown model). ``GET /metrics`` is the
-Prometheus exposition (:mod:`xirang_hpc.serve.metrics`).
+``GET /v1/models/{id}``; completions also score (batches of prompts, ``echo``, legacy ``logprobs``,
+``max_tokens`` 0: :mod:`xirang_hpc.serve.scoring`), and ``POST /tokenize``, ``POST /detokenize``,
+``GET /tokenizer_info`` expose the served tokenizer as vLLM does; errors have OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}`` (400 bad parameters, 401 bearer token, 404 unknown model).
+``GET /metrics`` is the Prometheus exposition (:mod:`xirang_hpc.serve.metrics`).
 
 A request body that has not fully arrived ``read_timeout_s`` after the headers gets 408 and its
 connection is closed; a client that goes away mid-stream cancels its generation (one log line).
