@@ -71,6 +71,17 @@ def test_the_pipeline_refuses_a_download_task_before_any_stage(tmp_path: Path) -
     assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()  # nothing ran, nothing prepared
 
 
+def test_xirang_eval_refuses_a_download_task_and_a_run_without_checkpoints(tmp_path: Path) -> None:
+    base = [f"train.runs_root={tmp_path}/runs", f"data.out_dir={tmp_path}/data"]
+    r = subprocess.run([str(BIN / "xirang-eval"), "eval.harness_tasks=[hellaswag]", *base], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "xirang-eval: error: invalid config eval.harness_tasks='hellaswag'" in r.stderr
+    r = subprocess.run([str(BIN / "xirang-eval"), "eval.harness_tasks=[xirang_heldout_mc]", *base], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "no checkpoints in" in r.stderr and "train it first" in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_heldout_documents_come_from_the_val_split_with_the_true_continuation(tmp_path: Path,
                                                                               small_corpus: Path) -> None:
     from xirang_hpc.data.prepare import prepare
