@@ -25,7 +25,7 @@ def _run(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str
 
 ENTRY = {"xirang-train": "train_cli", "xirang-prepare": "prepare_cli", "xirang-plan": "plan_cli",
          "xirang-sbatch": "sbatch", "xirang-pipeline": "pipeline_cli", "xirang-status": "status_cli",
-         "xirang-serve": "serve_cli", "xirang-ckpt": "ckpt_cli"}
+         "xirang-serve": "serve_cli", "xirang-ckpt": "ckpt_cli", "xirang-eval": "eval_cli"}
 
 
 def _help_in_process(cmd: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:

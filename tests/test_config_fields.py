@@ -277,6 +277,10 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
         "batches": 4, "batch_size": 2, "seed": 5, "sample_prompt": "class", "sample_tokens": 8,
         "max_val_loss": 3.0, "device": "cpu"}.items()},
     "eval.step": (100, reads("xirang_hpc.job.stages"), []),
+    # eval.harness_*: lm-evaluation-harness inside the eval stage
+    "eval.harness_tasks": (["xirang_heldout_mc"], reads("xirang_hpc.eval.evaluate"), []),
+    **{f"eval.harness_{k}": (v, reads("xirang_hpc.eval.harness"), ["eval.harness_tasks=[xirang_heldout_mc]"])
+       for k, v in {"limit": 10, "num_fewshot": 2, "include": "/tmp"}.items()},
     # serve: the request limits; the rest configure the server
     "serve.max_prompt_tokens": (16, serve_limits, []),
     "serve.max_new_tokens": (32, serve_limits, []),

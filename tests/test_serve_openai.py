@@ -308,7 +308,7 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": [1, 999]}, "prompt", "vocabulary"),
     ({"prompt": {"text": "hi"}}, "prompt", "must be a string"),
-    ({"n": 2}, "n", "one choice per request"),
+    ({"n": 2}, "n", "one choice per prompt"),
     ({"temperature": 2.5}, "temperature", "out of range"),
     ({"temperature": "hot"}, "temperature", "must be a number"),
     ({"top_p": 0}, "top_p", "0.0 < top_p"),
@@ -316,7 +316,11 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"stop": 7}, "stop", "'stop' must be"),
     ({"seed": -1}, "seed", "out of range"),
     ({"stream": "yes"}, "stream", "true or false"),
-    ({"logprobs": 3}, "logprobs", "not supported"),
+    ({"logprobs": 6}, "logprobs", "out of range"),
+    ({"max_tokens": 0, "echo": False}, "max_tokens", "0 only with echo=true"),
+    ({"echo": "yes"}, "echo", "true or false"),
+    ({"prompt": ["hi", 3]}, "prompt", "'prompt[1]' must be"),
+    ({"prompt": ["hi", "yo"], "stream": True}, "stream", "one prompt without echo or logprobs"),
     ({"bogus": 1}, "bogus", "unknown or unsupported field(s) ['bogus']"),
 ]
 

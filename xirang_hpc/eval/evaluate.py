@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from xirang_hpc.config.schema import EvalConfig
+from xirang_hpc.config.schema import EvalConfig, ServeConfig, XirangConfig
 from xirang_hpc.data.dataset import TokenWindows
 from xirang_hpc.files import record_mode
 from xirang_hpc.models.gpt import lm_loss
@@ -75,18 +75,38 @@ def evaluate(loaded: LoadedModel, data_dir: str | Path, ecfg: EvalConfig) -> dic
             "seconds": time.perf_counter() - t0, "time": time.time()}
 
 
-def run_eval(run_dir: str | Path, data_dir: str | Path, ecfg: EvalConfig) -> dict[str, Any]:
+def run_eval(run_dir: str | Path, data_dir: str | Path, ecfg: EvalConfig, scfg: ServeConfig | None = None,
+             cfg: XirangConfig | None = None) -> dict[str, Any]:
     """Evaluate the run's checkpoint (``eval.step`` or the newest good one), write ``<run>/eval.json``.
 
-    Raises :class:`EvalGateError` (after writing the file) when the loss fails ``eval.max_val_loss``.
+    With ``eval.harness_tasks``, lm-evaluation-harness then runs them against the checkpoint served on
+    127.0.0.1 (:mod:`xirang_hpc.eval.harness`; ``scfg``: the serving limits, ``cfg``: the run's trackers);
+    its metrics also go to ``eval.json`` (``harness``). Raises :class:`EvalGateError` (after writing the file)
+    when the loss fails ``eval.max_val_loss``, before any harness task runs.
     """
     loaded = load_checkpoint(run_dir, ecfg.step if ecfg.step >= 0 else None)
     loaded.place(ecfg.device, field="eval.device")
     result = evaluate(loaded, data_dir, ecfg)
     path = Path(run_dir) / EVAL_FILE
-    path.write_text(json.dumps(result, indent=1))
-    path.chmod(record_mode())
+
+    def write() -> None:
+        path.write_text(json.dumps(result, indent=1))
+        path.chmod(record_mode())
+
+    write()
     if not result["passed"]:
         raise EvalGateError(f"eval: val loss {result['val_loss']:.4f} at step {result['step']} is above "
                             f"eval.max_val_loss={ecfg.max_val_loss}; train longer or relax the gate")
+    if ecfg.harness_tasks:
+        from xirang_hpc.eval.harness import run_harness
+
+        def track(step: int, values: dict[str, float]) -> None:
+            if cfg is not None:
+                from xirang_hpc.monitor.tracking import log_run_metrics
+
+                log_run_metrics(cfg, run_dir, step, values)
+
+        h = run_harness(run_dir, data_dir, ecfg, scfg or ServeConfig(), loaded, tracking=track)
+        result["harness"] = {"metrics": h["metrics"], "seconds": h["seconds"], "file": "harness.json"}
+        write()
     return result

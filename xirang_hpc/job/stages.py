@@ -62,7 +62,7 @@ def eval_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[st
 
     cfg = _cfg(cfg_dict)
     with stage_record(Path(run_dir), "eval"):
-        return run_eval(run_dir, data_dir, cfg.eval)
+        return run_eval(run_dir, data_dir, cfg.eval, cfg.serve, cfg)
 
 
 def serve_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str,

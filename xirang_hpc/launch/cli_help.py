@@ -185,6 +185,26 @@ COMMANDS: dict[str, CommandHelp] = {
         ],
         notes="Exit status: 0 every stage passed (or was submitted), 1 a stage failed, 2 refused before starting.",
     ),
+    "xirang-eval": CommandHelp(
+        usage="xirang-eval [GROUP=OPTION ...] [KEY=VALUE ...]",
+        about=(
+            "Evaluate the checkpoint of the run the overrides name, as the pipeline's eval stage does: held-out "
+            "loss, perplexity and a greedy sample to <run>/eval.json. With eval.harness_tasks, lm-evaluation-"
+            "harness runs those tasks against the checkpoint served on 127.0.0.1 (an ephemeral port) through its "
+            "local-completions model; results go to <run>/harness.json, the run's trackers and xirang-status. "
+            "Shipped tasks, built from the run's held-out text: xirang_heldout_mc (multiple choice) and "
+            "xirang_heldout_gen (generation). Nothing is downloaded: a task that would need a dataset download "
+            "is refused before anything runs."
+        ),
+        flags=list(_HYDRA_FLAGS),
+        examples=[
+            ("xirang-eval", "the default run's checkpoint: loss, perplexity, sample"),
+            ("xirang-eval eval.harness_tasks=[xirang_heldout_mc,xirang_heldout_gen] eval.harness_limit=50", ""),
+            ("xirang-eval train.run_dir=RUN_DIR eval.harness_tasks=[my_task] eval.harness_include=tasks/",
+             "your own task YAMLs, local data_files"),
+        ],
+        notes="Exit status: 0 evaluated, 1 the quality gate (eval.max_val_loss) failed, 2 refused before starting.",
+    ),
     "xirang-status": CommandHelp(
         usage="",
         about=(

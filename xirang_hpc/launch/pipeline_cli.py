@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
+from xirang_hpc.eval.harness import check_tasks
 from xirang_hpc.files import private_by_default
 from xirang_hpc.job.stages import STAGE_FNS, serve_stage, train_stage
 from xirang_hpc.launch.cli_help import maybe_print_help
@@ -149,6 +150,7 @@ def _app(dcfg: DictConfig) -> None:
         cfg = load_config(dcfg)
         private_by_default(cfg.train.share_group)  # before anything is created
         check_runnable(cfg)
+        check_tasks(cfg.eval)  # a harness task that would need a download: refused before any stage runs
         # Identity and paths before anything is written; a complete run is not trained again, but its
         # other stages (eval, export, serve) still run.
         status = preflight(cfg)

@@ -428,3 +428,38 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
         if isinstance(row, dict):
             rows.append(row)
     return rows
+
+
+def log_run_metrics(cfg: XirangConfig, run_dir: str | Path, step: int, values: dict[str, float]) -> list[str]:
+    """Metrics measured after training (the eval stage's harness scores) into the run's own trackers.
+
+    The back ends of ``train.loggers`` are opened as a resumed session would open them (the same ``tb/``
+    directory, the same MLflow run from ``<run>/tracking.json``), ``values`` logged at ``step``, then closed
+    (an MLflow run that was finished stays FINISHED). A failing back end is reported, never fatal. Returns the
+    back ends written."""
+    run_dir = Path(run_dir)
+    names = [n for n in dict.fromkeys(cfg.train.loggers) if n != "jsonl"]
+    if not names or not values:
+        return []
+    try:
+        state = json.loads((run_dir / TRACKING_FILE).read_text())
+    except (OSError, ValueError):
+        state = {}
+    done = []
+    for name in names:
+        marks = state.setdefault(name, {})
+        try:
+            if name == "tensorboard":
+                b: Any = TensorBoardBackend(run_dir, marks)
+            else:
+                b = MLflowBackend(run_dir, marks, cfg.train.mlflow_uri, cfg.train.name,
+                                  {"xirang.run_dir": str(run_dir), "xirang.model": cfg.model.name})
+                marks.update(b.state())
+            b.log_metrics(step, values, time.time())
+            b.flush()
+            b.close("FINISHED")
+            done.append(name)
+        except Exception as exc:  # noqa: BLE001 - any client error; harness.json has every value
+            print(f"tracking: {name}: {type(exc).__name__}: {exc} (the values are in the run directory)", flush=True)
+    write_json_atomic(run_dir / TRACKING_FILE, state)
+    return done

@@ -117,6 +117,10 @@ def chain_status(run_dir: Path, slurm_state: Callable[[str], str | None] = _slur
             ev = read_json(run_dir / "eval.json") or {}
             if "val_loss" in ev:
                 detail = f"val loss {ev['val_loss']:.4f}, perplexity {ev['perplexity']:.2f} (step {ev['step']})"
+                if (ev.get("harness") or {}).get("metrics"):
+                    detail += "; harness " + "; ".join(
+                        f"{t} " + ", ".join(f"{m} {v:.4f}" for m, v in ms.items() if not m.endswith("_stderr"))
+                        for t, ms in ev["harness"]["metrics"].items())
         if name == "serve" and status in ("running", "completed"):
             sv = read_json(run_dir / SERVE_FILE) or {}
             detail = f"{sv.get('status', '')} {sv.get('url', '')}".strip()

@@ -71,6 +71,9 @@ def render_run(s: dict[str, Any], tty: bool = False) -> str:
         lines.append(f"eval      val loss {ev['val_loss']:.4f}, perplexity {ev['perplexity']:.2f} @ step {ev['step']}"
                      f"{'' if ev.get('passed', True) else '  (FAILED the eval.max_val_loss gate)'}"
                      f"  | sample {ev.get('sample', '')[:40]!r}")
+    h = s.get("harness")
+    if h:  # <run>/harness.json (lm-evaluation-harness, eval.harness_tasks)
+        lines.append(f"harness   {harness_text(h.get('metrics', {}))} @ step {h.get('step')}")
     if s.get("pipeline"):  # xirang-pipeline chain
         pl = s["pipeline"]
         lines.append(f"pipeline  {pl['status']}: " + " -> ".join(
@@ -113,3 +116,9 @@ def render_array(rows: list[dict[str, Any]]) -> str:
         note = _row_note(s)
         out.append(f"{line}  {s['run_dir'].rsplit('/', 1)[-1]}" + (f": {note}" if note else ""))
     return "\n".join(out)
+
+
+def harness_text(metrics: dict[str, dict[str, float]]) -> str:
+    """lm-evaluation-harness metrics on one line: ``task metric value, ... | task ...`` (no stderr)."""
+    return " | ".join(f"{t} " + ", ".join(f"{m} {v:.4f}" for m, v in ms.items() if not m.endswith("_stderr"))
+                      for t, ms in metrics.items())

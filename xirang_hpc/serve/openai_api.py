@@ -26,6 +26,8 @@ from xirang_hpc.data.tokenizer import Tokenizer
 
 _MAX_SEED = 2**63 - 1
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_LOGPROBS = 5  # OpenAI's limit on the legacy completions ``logprobs``
+MAX_PROMPTS = 256  # prompts in one completions request (a batch)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # The simple template's turn marker: a reply that starts the next turn ("\n<|user|>") ends there.
 SIMPLE_CHAT_STOP = "\n<|"
@@ -78,6 +80,15 @@ class OpenAIParams:
     stream: bool
     include_usage: bool
     stop: list[str] = field(default_factory=list)
+    # Completions only: every prompt of a batch (``prompt`` is the first), the echoed prompt and the number of
+    # alternatives per position in ``logprobs`` (None = no logprobs), OpenAI's legacy completions format.
+    prompts: list[list[int]] = field(default_factory=list)
+    echo: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            self.prompts = [self.prompt]
 
 
 # Fields each endpoint implements, and fields accepted only at their neutral value (OpenAI clients
@@ -86,7 +97,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", 
            "stream_options", "user"}
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False,),
-    "echo": (False,), "best_of": (1,), "suffix": ("",), "top_logprobs": (0,), "response_format": ({"type": "text"},),
+    "best_of": (1,), "suffix": ("",), "top_logprobs": (0,), "response_format": ({"type": "text"},),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True), "store": (False,),
     "service_tier": ("auto", "default"),
 }
@@ -153,11 +164,13 @@ def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float, 
     return float(v)
 
 
-def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+def _check_fields(body: dict[str, Any], allowed: set[str], implemented: tuple[str, ...] = ()) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise bad(f"unknown or unsupported field(s) {unknown}; this server accepts {sorted(allowed)}", unknown[0])
     for name, neutral in _NEUTRAL.items():
+        if name in implemented:
+            continue
         v = body.get(name)
         if name in body and v is not None and v not in neutral:
             raise bad(f"'{name}'={v!r} is not supported by this server; omit it (or send {neutral[0]!r})", name)
@@ -175,16 +188,33 @@ def _stop(body: dict[str, Any]) -> list[str]:
     return list(stops)
 
 
-def _prompt_ids(body: dict[str, Any], tok: Tokenizer) -> list[int]:
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one prompt
+def _one_prompt(p: Any, tok: Tokenizer) -> list[int] | None:
     if isinstance(p, str):
         return [int(t) for t in tok.encode(p)]
-    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return [int(t) for t in p]  # token ids
-    raise bad("'prompt' must be a string, a list of token ids, or a list holding one of those (this server "
-              f"serves n=1 prompt per request), got {type(p).__name__}", "prompt")
+    return None
+
+
+def _prompt_batch(body: dict[str, Any], tok: Tokenizer) -> list[list[int]]:
+    """The completions ``prompt``: a string, token ids, or a list (a batch) of strings or of token-id lists."""
+    p = body.get("prompt")
+    single = _one_prompt(p, tok)
+    if single is not None:
+        return [single]  # a string ("" is refused as empty later) or one list of token ids
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) > MAX_PROMPTS:
+            raise bad(f"'prompt' is a batch of {len(p)} prompts, more than {MAX_PROMPTS}; split it", "prompt")
+        batch = []
+        for i, x in enumerate(p):
+            ids = _one_prompt(x, tok)
+            if ids is None:
+                raise bad(f"'prompt[{i}]' must be a string or a non-empty list of token ids, got {x!r:.60}",
+                          "prompt")
+            batch.append(ids)
+        return batch
+    raise bad("'prompt' must be a string, a list of token ids, or a list (a batch) of those, "
+              f"got {type(p).__name__}", "prompt")
 
 
 def simple_chat_prompt(messages: list[dict[str, str]]) -> str:
@@ -237,28 +267,43 @@ def chat_prompt(tok: Any, messages: list[dict[str, str]]) -> tuple[str, list[str
 
 def parse_openai(body: dict[str, Any], kind: str, limits: Limits, vocab: int, tok: Any) -> OpenAIParams:
     """Validate a completions (``kind="completion"``) or chat (``"chat"``) body; a 400 names the field."""
-    _check_fields(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
+    if kind == "completion":
+        _check_fields(body, COMPLETION_FIELDS, implemented=("logprobs",))
+    else:
+        _check_fields(body, CHAT_FIELDS)
     extra_stop: list[str] = []
     if kind == "completion":
-        ids, what = _prompt_ids(body, tok), "prompt"
+        batch, what = _prompt_batch(body, tok), "prompt"
     else:
         text, extra_stop = chat_prompt(tok, _messages(body))
-        ids, what = [int(t) for t in tok.encode(text)], "messages"
-    if not ids:
-        raise bad(f"'{what}' is empty; send at least one character", what)
-    if len(ids) > limits.max_prompt_tokens:
-        raise bad(f"'{what}' is {len(ids)} tokens, more than the limit of {limits.max_prompt_tokens} "
-                  "(serve.max_prompt_tokens); shorten it", what, "context_length_exceeded")
-    if min(ids) < 0 or max(ids) >= vocab:
-        raise bad(f"'{what}' has token ids outside the model's vocabulary [0, {vocab})", what)
-    n = _int(body, "n", 1, 1, 1, " (this server returns one choice per request)")
+        batch, what = [[int(t) for t in tok.encode(text)]], "messages"
+    for ids in batch:
+        if not ids:
+            raise bad(f"'{what}' is empty; send at least one character", what)
+        if len(ids) > limits.max_prompt_tokens:
+            raise bad(f"'{what}' is {len(ids)} tokens, more than the limit of {limits.max_prompt_tokens} "
+                      "(serve.max_prompt_tokens); shorten it", what, "context_length_exceeded")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise bad(f"'{what}' has token ids outside the model's vocabulary [0, {vocab})", what)
+    ids = batch[0]
+    echo, logprobs = False, None
+    if kind == "completion":
+        echo = _opt(body, "echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise bad(f"'echo' must be true or false, got {echo!r}", "echo")
+        echo = bool(echo)
+        lp = _opt(body, "logprobs")
+        logprobs = None if lp is None or lp is False else _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    n = _int(body, "n", 1, 1, 1, " (this server returns one choice per prompt)")
     assert n == 1
     limit_why = " (serve.max_new_tokens)"
     if kind == "chat" and _opt(body, "max_completion_tokens") is not None:
         max_tokens = _int(body, "max_completion_tokens", None, 1, limits.max_new_tokens, limit_why)
     else:  # OpenAI's completions default is 16; chat replies may use the whole budget
         default = min(16, limits.max_new_tokens) if kind == "completion" else limits.max_new_tokens
-        max_tokens = _int(body, "max_tokens", default, 1, limits.max_new_tokens, limit_why)
+        # max_tokens=0 with echo scores the prompt alone (OpenAI's legacy completions allow it).
+        max_tokens = _int(body, "max_tokens", default, 0 if echo else 1, limits.max_new_tokens,
+                          limit_why if echo else f"{limit_why}; 0 only with echo=true")
     temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", 0, 0, vocab)
@@ -273,8 +318,11 @@ def parse_openai(body: dict[str, Any], kind: str, limits: Limits, vocab: int, to
     user = _opt(body, "user")
     if user is not None and not isinstance(user, str):
         raise bad(f"'user' must be a string, got {type(user).__name__}", "user")
+    if stream and (len(batch) > 1 or echo or logprobs is not None):
+        raise bad("'stream' is supported for one prompt without echo or logprobs; send stream=false", "stream")
     return OpenAIParams(kind, ids, int(max_tokens or 0), temperature, top_p, int(top_k or 0), seed, bool(stream),
-                        bool((opts or {}).get("include_usage", False)), _stop(body) + extra_stop)
+                        bool((opts or {}).get("include_usage", False)), _stop(body) + extra_stop, batch, echo,
+                        logprobs)
 
 
 # ---- text of a generation ---------------------------------------------------------------------
@@ -339,6 +387,37 @@ def response_body(p: OpenAIParams, rid: str, created: int, model: str, text: str
         obj = "chat.completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
             "usage": usage(len(p.prompt), completion_tokens)}
+
+
+def legacy_logprobs(tok: Any, ids: list[int], start: int, token_lp: list[float | None],
+                    top: list[list[tuple[int, float]]]) -> dict[str, Any]:
+    """OpenAI's legacy completions ``logprobs`` for positions ``start..len(ids)-1`` of ``ids``.
+
+    ``token_lp[i]`` / ``top[i]``: the log-probability of ``ids[i]`` and the most likely (token, logprob)
+    pairs at position ``i`` (None / empty at position 0, which nothing predicts). ``text_offset`` are character
+    offsets into the decoded ``ids``; ``top_logprobs`` keys are token texts (the likelier one kept when two
+    tokens decode alike).
+    """
+    tokens, offsets, lps, tops = [], [], [], []
+    for i in range(start, len(ids)):
+        tokens.append(tok.decode([ids[i]]))
+        offsets.append(len(tok.decode(ids[:i])) if i else 0)
+        lps.append(token_lp[i])
+        if i == 0:
+            tops.append(None)
+            continue
+        d: dict[str, float] = {}
+        for t, lp in top[i]:
+            d.setdefault(tok.decode([t]), lp)
+        tops.append(d)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def completions_body(rid: str, created: int, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
+                     completion_tokens: int) -> dict[str, Any]:
+    """A non-streaming completions response with one choice per prompt (``index`` = the prompt's place)."""
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk_body(p: OpenAIParams, rid: str, created: int, model: str, text: str | None,

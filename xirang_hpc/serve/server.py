@@ -18,9 +18,11 @@ unknown key, 403 for a key whose runs do not cover the served model. Every answe
 
 The OpenAI-compatible API (:mod:`xirang_hpc.serve.openai_api`): ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (server-sent events with ``stream: true``), ``GET /v1/models`` and
-``GET /v1/models/{id}``; its errors have OpenAI's shape ``{"error": {"message", "type", "param",
-"code"}}`` (400 bad parameters, 401 bearer token, 404 unknown model). ``GET /metrics`` is the
-Prometheus exposition (:mod:`xirang_hpc.serve.metrics`).
+``GET /v1/models/{id}``; completions also score (batches of prompts, ``echo``, legacy ``logprobs``,
+``max_tokens`` 0: :mod:`xirang_hpc.serve.scoring`), and ``POST /tokenize``, ``POST /detokenize``,
+``GET /tokenizer_info`` expose the served tokenizer as vLLM does; errors have OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}`` (400 bad parameters, 401 bearer token, 404 unknown model).
+``GET /metrics`` is the Prometheus exposition (:mod:`xirang_hpc.serve.metrics`).
 
 A request body that has not fully arrived ``read_timeout_s`` after the headers gets 408 and its
 connection is closed; a client that goes away mid-stream cancels its generation (one log line).
@@ -47,6 +49,7 @@ from xirang_hpc.serve.engine import Engine, GenRequest
 from xirang_hpc.serve.keys import Keys
 from xirang_hpc.serve.metrics import STATUS_KEY, ServeMetrics
 from xirang_hpc.serve.openai_api import Limits, OpenAIError
+from xirang_hpc.serve.scoring import Scorer
 from xirang_hpc.weights.load import LoadedModel
 
 __all__ = ["BadRequest", "Limits", "Params", "Server", "parse_generate"]
@@ -120,9 +123,13 @@ def _err(status: int, msg: str) -> web.Response:
     return web.json_response({"error": msg}, status=status)
 
 
+_TOKENIZER_PATHS = ("/tokenizer_info", "/tokenize", "/detokenize")
+
+
 def _is_openai(path: str) -> bool:
     """Routes whose errors take OpenAI's shape."""
-    return path in ("/v1/completions", "/v1/chat/completions", "/v1/models") or path.startswith("/v1/models/")
+    return (path in ("/v1/completions", "/v1/chat/completions", "/v1/models", *_TOKENIZER_PATHS)
+            or path.startswith("/v1/models/"))
 
 
 def _error(path: str, status: int, msg: str, code: str | None = None) -> web.Response:
@@ -176,6 +183,7 @@ class Server:
         self.read_timeout_s = read_timeout_s
         self.metrics = metrics if metrics is not None else ServeMetrics()
         engine.on_step = self.metrics.on_step
+        self.scorer = Scorer(loaded.model, engine.max_batch)
         self.started = time.time()
 
     def app(self) -> web.Application:
@@ -192,6 +200,10 @@ class Server:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_card)
+        # The served tokenizer, as vLLM exposes it (lm-evaluation-harness's remote tokenizer reads these).
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         return app
 
     def runner_kwargs(self) -> dict[str, Any]:
@@ -205,7 +217,8 @@ class Server:
 
     def _guarded(self, path: str) -> bool:
         """Whether ``path`` needs a key: the API always, ``/metrics`` unless ``serve.metrics_public``."""
-        return bool(self.keys) and (path.startswith("/v1/") or (path == "/metrics" and not self.metrics_public))
+        return bool(self.keys) and (path.startswith("/v1/") or path in _TOKENIZER_PATHS
+                                    or (path == "/metrics" and not self.metrics_public))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -439,6 +452,8 @@ class Server:
         except OpenAIError as exc:
             return exc.response()
         rid, created = oa.new_id(kind), oa.now()
+        if kind == "completion" and (len(p.prompts) > 1 or p.echo or p.logprobs is not None or p.max_tokens == 0):
+            return await self._complete_batch(request, p, rid, created)
         gen = GenRequest(p.prompt, p.max_tokens, p.temperature, p.top_k, p.seed, top_p=p.top_p, eos_id=self.eos_id,
                          stop_when=oa.stop_predicate(self.tok, p.stop))
         req, done, tokens_q = self._submit(gen, p.stream)
@@ -452,6 +467,113 @@ class Server:
             return web.Response(status=499)  # nobody is listening
         text, _ = oa.final_text(self.tok, out, p.stop)
         return web.json_response(oa.response_body(p, rid, created, self.model_id, text, _finish(req), len(out)))
+
+    async def _complete_batch(self, request: web.Request, p: oa.OpenAIParams, rid: str, created: int
+                              ) -> web.StreamResponse:
+        """Completions of a batch of prompts, with ``echo`` and legacy ``logprobs`` (one choice per prompt).
+
+        Greedy requests for at most one token (what evaluation harnesses send to score a continuation) are
+        answered from one scoring forward over the prompts; others are generated by the engine (decoded
+        together), then scored when logprobs or echo are asked for.
+        """
+        seq_len = self.loaded.cfg.seq_len
+        want_scores = p.logprobs is not None
+        if want_scores and any(len(ids) + p.max_tokens > seq_len for ids in p.prompts):
+            return oa.bad(f"a prompt plus max_tokens={p.max_tokens} is longer than the model's context of {seq_len} "
+                          "tokens, which logprobs scores in one pass; shorten the prompt or ask for fewer "
+                          "tokens", "prompt", "context_length_exceeded").response()
+        top = p.logprobs or 0
+        scored: list[Any] | None = None
+        outs: list[list[int]]
+        finishes: list[str]
+        if p.max_tokens == 0:
+            outs, finishes = [[] for _ in p.prompts], ["length"] * len(p.prompts)
+            if want_scores:
+                scored = await asyncio.to_thread(self.scorer.score, p.prompts, top)
+        elif p.max_tokens == 1 and p.temperature == 0 and not p.stop and all(len(x) <= seq_len for x in p.prompts):
+            scored = await asyncio.to_thread(self.scorer.score, p.prompts, top)
+            outs, finishes = [], []
+            for s in scored:
+                stop = self.eos_id is not None and s.next_id == self.eos_id
+                outs.append([] if stop else [s.next_id])
+                finishes.append("stop" if stop else "length")
+        else:
+            reqs = []
+            for ids in p.prompts:
+                gen = GenRequest(ids, p.max_tokens, p.temperature, p.top_k, p.seed, top_p=p.top_p,
+                                 eos_id=self.eos_id, stop_when=oa.stop_predicate(self.tok, p.stop))
+                reqs.append(self._submit(gen, False))
+            outs, finishes = [], []
+            try:
+                for req, done, _ in reqs:
+                    out = await self._result(request, req, done)
+                    if out is None:
+                        for other, _, _ in reqs:
+                            self.engine.cancel(other)
+                        return web.Response(status=499)  # nobody is listening
+                    outs.append(out)
+                    finishes.append(_finish(req))
+            except Exception as exc:  # noqa: BLE001 - the engine failed this request
+                return OpenAIError(500, f"generation failed: {exc}", code="generation_failed").response()
+            if want_scores:
+                scored = await asyncio.to_thread(self.scorer.score, [a + b for a, b in zip(p.prompts, outs,
+                                                                                         strict=True)], top)
+        choices = []
+        for i, (ids, out, finish) in enumerate(zip(p.prompts, outs, finishes, strict=True)):
+            text, _ = oa.final_text(self.tok, out, p.stop)
+            logprobs = None
+            if want_scores:
+                assert scored is not None
+                s, full = scored[i], ids + out
+                lp: list[float | None] = [None, *s.token_logprobs]
+                tops = [[], *s.top]
+                if len(full) > len(s.token_logprobs) + 1:  # the greedy token from the prompt's own forward
+                    lp.append(s.next_logprob)
+                lp, tops = lp[: len(full)], tops[: len(full)]
+                logprobs = oa.legacy_logprobs(self.tok, full, 0 if p.echo else len(ids), lp, tops)
+            if p.echo:
+                text = self.tok.decode(ids) + text
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        return web.json_response(oa.completions_body(rid, created, self.model_id, choices,
+                                                     sum(map(len, p.prompts)), sum(map(len, outs))))
+
+    # ---- the served tokenizer (vLLM's /tokenize, /detokenize, /tokenizer_info) -----------------------
+    def _special(self, tid: int | None) -> str | None:
+        return None if tid is None else self.tok.decode([tid])
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """``GET /tokenizer_info``: the special tokens (text) and the model's context."""
+        eos = self._special(self.eos_id)
+        return web.json_response({"tokenizer": self.tok.name, "eos_token": eos, "bos_token": None,
+                                  "pad_token": None, "eos_token_id": self.eos_id,
+                                  "max_model_len": self.loaded.cfg.seq_len,
+                                  "vocab_size": self.loaded.cfg.vocab_size,
+                                  "chat_template": getattr(self.tok, "chat_template", None)})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``POST /tokenize`` with ``{"prompt": str}`` -> ``{"tokens", "count", "max_model_len"}``."""
+        try:
+            body = oa.parse_json_body(await request.read())
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise oa.bad(f"'prompt' must be a string, got {type(text).__name__}", "prompt")
+        except OpenAIError as exc:
+            return exc.response()
+        ids = [int(t) for t in self.tok.encode(text)]
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self.loaded.cfg.seq_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """``POST /detokenize`` with ``{"tokens": [int]}`` -> ``{"prompt": str}``."""
+        try:
+            body = oa.parse_json_body(await request.read())
+            ids = body.get("tokens")
+            vocab = self.loaded.cfg.vocab_size
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                    and 0 <= t < vocab for t in ids):
+                raise oa.bad(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+        except OpenAIError as exc:
+            return exc.response()
+        return web.json_response({"prompt": self.tok.decode(ids)})
 
     async def _sse(self, request: web.Request, p: oa.OpenAIParams, req: GenRequest, done: asyncio.Future[list[int]],
                    tokens_q: asyncio.Queue[int], rid: str, created: int) -> web.StreamResponse:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema._checks import check_finite, check_positive
@@ -25,6 +25,12 @@ class EvalConfig:
     sample_tokens: int = 64
     # Quality gate for xirang-pipeline: > 0 fails the eval stage (and stops the chain) above this loss.
     max_val_loss: float = 0.0
+    # lm-evaluation-harness tasks run against the served checkpoint (xirang_hpc/eval/harness.py): the shipped
+    # local tasks (xirang_heldout_mc, xirang_heldout_gen) or YAMLs under harness_include; [] = none.
+    harness_tasks: list[str] = field(default_factory=list)
+    harness_limit: int = 0  # documents per task (0 = all; the shipped tasks build 100)
+    harness_num_fewshot: int = 0  # few-shot examples per prompt
+    harness_include: str = ""  # a directory of task YAMLs of your own (local data_files only)
 
     def __post_init__(self) -> None:
         check_finite("eval", self)
@@ -33,6 +39,14 @@ class EvalConfig:
         if self.sample_tokens < 0 or self.max_val_loss < 0:
             raise ConfigError("eval.sample_tokens/max_val_loss", (self.sample_tokens, self.max_val_loss),
                               "use 0 or more")
+        if self.harness_limit < 0 or self.harness_num_fewshot < 0:
+            raise ConfigError("eval.harness_limit/harness_num_fewshot", (self.harness_limit, self.harness_num_fewshot),
+                              "use 0 or more")
+        if len(set(self.harness_tasks)) != len(self.harness_tasks) or not all(self.harness_tasks):
+            raise ConfigError("eval.harness_tasks", list(self.harness_tasks), "name each task once, none empty")
+        if (self.harness_limit or self.harness_num_fewshot or self.harness_include) and not self.harness_tasks:
+            raise ConfigError("eval.harness_tasks", [], "eval.harness_limit/num_fewshot/include apply to harness "
+                              "tasks: name them, e.g. eval.harness_tasks=[xirang_heldout_mc]")
 
 
 @dataclass
