@@ -138,8 +138,9 @@ class ChatRenderer:
         except ChatError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template may raise anything (TemplateError, TypeError ...)
+            why = str(exc).splitlines()[0] if str(exc) else ""
             raise ChatError(f"{where}: the chat template fails to render this record ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}); fix the record or the template") from None
+                            f"{why}); fix the record or the template") from None
         ids, starts = self._encode_with_offsets(text)
         if self.train_on == "all":
             mask = np.ones(len(ids), dtype=np.uint8)

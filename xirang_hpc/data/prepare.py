@@ -41,6 +41,7 @@ from typing import IO, Any
 import h5py
 import numpy as np
 
+from xirang_hpc.data.chat import ChatError, ChatRenderer
 from xirang_hpc.data.corpus import (  # noqa: F401 - re-exported: the data API callers use
     JSONL_SUFFIXES,
     PARQUET_SUFFIXES,
@@ -58,7 +59,6 @@ from xirang_hpc.data.corpus import (  # noqa: F401 - re-exported: the data API c
     resolve_corpus,
     scan_corpus,
 )
-from xirang_hpc.data.chat import ChatError, ChatRenderer
 from xirang_hpc.data.tokenizer import (
     EOT,
     TOKENIZER_FILE,
