@@ -56,12 +56,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
                 chunk: int, denom: float | None = None, masked: bool = False) -> torch.Tensor:
-        n = h.shape[0] if denom is None else denom
+        rows = h.shape[0]
+        n = rows if denom is None else denom  # what the summed losses are divided by
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for start in range(0, n, chunk):
+        for start in range(0, rows, chunk):
             hc, tc = h[start:start + chunk], targets[start:start + chunk]  # (n_c, C), (n_c,)
             keep = tc != IGNORE_INDEX if masked else None  # (n_c,) learned targets
             if keep is not None:
