@@ -11,6 +11,7 @@ import dataclasses
 import json
 import random
 from pathlib import Path
+
 import h5py
 import numpy as np
 import pytest

@@ -298,7 +298,7 @@ def ensure_prepared(d: Any, out_dir: str | Path, progress: IO[str] | None | str 
             if not is_prepared(out):
                 print(f"preparing data from {d.corpus!r} into {out} (tokenizer {d.tokenizer}) ...", flush=True)
                 _prepare(d.corpus, out, d.val_fraction, d.shard_tokens, d.split_seed, d.tokenizer, d.vocab_size,
-                         d.text_field, d.on_bad_record, progress, d.format, d.train_on)
+                         d.text_field, d.on_bad_record, progress, *_chat_options(d))
                 return out
     if (why := prepared_mismatch(d, out)) is not None:
         raise CorpusError(why)
@@ -496,7 +496,8 @@ def prepare_data(d: Any, out_dir: str | Path | None = None,
     """:func:`prepare` with the options of a ``DataConfig`` (``data.*``)."""
     return prepare(d.corpus, out_dir if out_dir is not None else d.out_dir, d.val_fraction, d.shard_tokens,
                    d.split_seed, tokenizer=d.tokenizer, vocab_size=d.vocab_size, text_field=d.text_field,
-                   on_bad_record=d.on_bad_record, progress=progress, fmt=d.format, train_on=d.train_on)
+                   on_bad_record=d.on_bad_record, progress=progress, fmt=_chat_options(d)[0],
+                   train_on=_chat_options(d)[1])
 
 
 def prepared_mismatch(d: Any, out_dir: str | Path) -> str | None:
@@ -525,15 +526,21 @@ def prepared_mismatch(d: Any, out_dir: str | Path) -> str | None:
             "set data.out_dir= to another directory or rerun xirang-prepare")
 
 
+def _chat_options(d: Any) -> tuple[str, str]:
+    """(``data.format``, ``data.train_on``) of a data config (text/assistant for objects that predate them)."""
+    return getattr(d, "format", "text"), getattr(d, "train_on", "assistant")
+
+
 def _chat_mismatch(d: Any, index: dict[str, Any], out_dir: str | Path) -> str | None:
     """Why prepared data of the right tokenizer is still not what ``data.format``/``data.train_on`` ask for."""
     have_fmt = index.get("format", "text")
-    if have_fmt != d.format:
-        return (f"{out_dir} was prepared as data.format={have_fmt}, not data.format={d.format}; set data.out_dir= "
+    fmt, train_on = _chat_options(d)
+    if have_fmt != fmt:
+        return (f"{out_dir} was prepared as data.format={have_fmt}, not data.format={fmt}; set data.out_dir= "
                 "to another directory or rerun xirang-prepare")
-    if d.format == "chat":
-        if index.get("train_on") != d.train_on:
-            return (f"{out_dir} was prepared with data.train_on={index.get('train_on')}, not {d.train_on}; set "
+    if fmt == "chat":
+        if index.get("train_on") != train_on:
+            return (f"{out_dir} was prepared with data.train_on={index.get('train_on')}, not {train_on}; set "
                     "data.out_dir= to another directory or rerun xirang-prepare")
         from xirang_hpc.data.chat import DEFAULT_CHAT_TEMPLATE, hf_dir_chat_template, template_sha256
 
