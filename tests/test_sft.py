@@ -353,3 +353,11 @@ def test_trainer_loss_is_a_mean_over_the_global_batch_learned_tokens(tmp_path: P
     for r in runs[1:]:
         np.testing.assert_allclose(r["losses"], runs[0]["losses"], rtol=1e-5)
         np.testing.assert_allclose(r["norms"], runs[0]["norms"], rtol=1e-5)
+
+
+def test_packing_with_sequence_parallel_is_refused_naming_the_field() -> None:
+    import parallel_harness as H
+
+    with pytest.raises(ConfigError, match="data.packing.*sequence_parallel"):
+        H.make_cfg(2, H.LAYOUTS["tp2sp"], data=DataConfig(format="chat", packing=True))
+    H.make_cfg(2, H.LAYOUTS["tp2sp"], data=DataConfig(format="chat"))  # padded rows: plain causal attention
