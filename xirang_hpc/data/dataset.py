@@ -217,3 +217,16 @@ class ChatSamples:
 
     def close(self) -> None:
         """Nothing held open (samples are read into memory)."""
+
+
+def overlong_samples(data_dir: str | Path, seq_len: int) -> dict[str, int]:
+    """Per split, how many chat samples are longer than ``seq_len + 1`` tokens (read from the offsets only)."""
+    index = load_index(data_dir)
+    out = {}
+    for split, shards in index["splits"].items():
+        n = 0
+        for s in shards:
+            with h5py.File(Path(data_dir) / s["file"], "r", locking=False) as f:
+                n += int((np.diff(f["offsets"][:]) > seq_len + 1).sum())
+        out[split] = n
+    return out

@@ -458,6 +458,7 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
         n[rec.split] += 1
         lengths.append(len(sample.ids))
         prog.update(tokens=len(sample.ids))
+    prog.update(files=n_files, nbytes=total_bytes)
     prog.close()
     empty = [s for s in ("train", "val") if not n[s]]
     if empty:
