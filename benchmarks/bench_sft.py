@@ -15,11 +15,13 @@ useful tokens/s (real input positions per second) and learned tokens/s; then the
 tokens/s.
 
     python benchmarks/bench_sft.py --samples 3000 --seq 512 --batch 8 --layers 4 --d-model 256 --threads 2
+    python benchmarks/bench_sft.py --device cuda --bf16 --samples 20000 --seq 2048 --batch 16 --layers 8 --d-model 1024
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -58,18 +60,32 @@ def run(data_dir: Path, packing: bool, a: argparse.Namespace) -> dict[str, float
     cfg = ModelConfig(name="bench", n_layer=a.layers, n_head=a.heads, d_model=a.d_model, d_ff=4 * a.d_model,
                       seq_len=a.seq, vocab_size=a.vocab, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
     torch.manual_seed(0)
-    model = GPT(cfg, seed=0)
+    dev = torch.device(a.device)
+    model = GPT(cfg, seed=0).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def autocast() -> contextlib.AbstractContextManager[None]:
+        return torch.autocast(dev.type, dtype=torch.bfloat16) if a.bf16 else contextlib.nullcontext()
+
     times, useful, learned, positions = [], 0, 0, 0
     for step in range(a.warmup + a.steps):
         x, y, pos, n = data.batch(0, step, a.batch)
         real = sum(int(data._slots[i]) for g in range(step * a.batch, (step + 1) * a.batch)
                    for i in data._row_samples(g))
+        x, y = x.to(dev), y.to(dev)
+        pos = pos.to(dev) if pos is not None else None
+        sync()
         t0 = time.perf_counter()
-        loss = lm_loss(model(x, position_ids=pos), y, float(max(n, 1)))
+        with autocast():
+            loss = lm_loss(model(x, position_ids=pos), y, float(max(n, 1)))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         dt = time.perf_counter() - t0
         if step >= a.warmup:
             times.append(dt)
@@ -97,6 +113,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,7 +125,7 @@ def main() -> None:
         st = index["sample_tokens"]
         print(f"corpus: {a.samples} conversations, tokens per sample min {st['min']} median {st['median']} "
               f"p99 {st['p99']} max {st['max']} | seq {a.seq} x batch {a.batch} | {a.layers} layers d {a.d_model} | "
-              f"{a.threads} threads")
+              f"{a.device}{' bf16' if a.bf16 else ''}, {a.threads} threads")
         res = {}
         for packing in (False, True):
             r = run(Path(tmp) / "out", packing, a)
