@@ -361,3 +361,24 @@ def test_packing_with_sequence_parallel_is_refused_naming_the_field() -> None:
     with pytest.raises(ConfigError, match="data.packing.*sequence_parallel"):
         H.make_cfg(2, H.LAYOUTS["tp2sp"], data=DataConfig(format="chat", packing=True))
     H.make_cfg(2, H.LAYOUTS["tp2sp"], data=DataConfig(format="chat"))  # padded rows: plain causal attention
+
+
+def test_heldout_eval_of_chat_data_is_the_mean_over_learned_tokens(tmp_path: Path) -> None:
+    from xirang_hpc.config.schema import EvalConfig
+    from xirang_hpc.eval.evaluate import heldout_loss
+    from xirang_hpc.weights.load import LoadedModel
+
+    d = _write_chat_dir(tmp_path, _samples(12, 8, 64))
+    cfg = ModelConfig(**MODEL, pos="rope")
+    model = GPT(cfg, seed=2).eval()
+    loss, tokens = heldout_loss(LoadedModel(model, cfg, "test"), d, EvalConfig(batches=2, batch_size=3))
+    data = ChatSamples(d, "val", 32, seed=EvalConfig().seed)
+    want_sum, want_n = 0.0, 0
+    with torch.no_grad():
+        for i in (i for g in range(6) for i in data._row_samples(g)):
+            ids = torch.as_tensor(data._ids[i])[None]
+            tgt = torch.where(torch.as_tensor(data._masks[i][1:])[None], ids[:, 1:], IGNORE_INDEX)
+            want_sum += float(lm_loss(model(ids[:, :-1]), tgt, 1.0))
+            want_n += int((tgt != IGNORE_INDEX).sum())
+    assert tokens == want_n
+    assert loss == pytest.approx(want_sum / want_n, rel=1e-5)
