@@ -382,3 +382,42 @@ def test_heldout_eval_of_chat_data_is_the_mean_over_learned_tokens(tmp_path: Pat
             want_n += int((tgt != IGNORE_INDEX).sum())
     assert tokens == want_n
     assert loss == pytest.approx(want_sum / want_n, rel=1e-5)
+
+
+def _prepare_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+                 ) -> tuple[object, str, str]:
+    """``xirang-prepare ARGV...`` in this process: (exit code, stdout, stderr)."""
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from xirang_hpc.launch import prepare_cli
+
+    monkeypatch.setattr(sys, "argv", ["xirang-prepare", *argv])
+    code: object = 0
+    try:
+        prepare_cli.main()
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        GlobalHydra.instance().clear()
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_prepare_cli_counts_overlong_samples_and_names_bad_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    rng = random.Random(9)
+    convs = [conversation(rng, turns=1, words=2) for _ in range(30)] + [conversation(rng, turns=3, words=60)] * 4
+    path = write_jsonl(tmp_path / "c.jsonl", convs)
+    common = [f"data.corpus={path}", "data.format=chat", "data.val_fraction=0.2", "model.seq_len=256"]
+    code, out, _ = _prepare_cli([*common, f"data.out_dir={tmp_path / 'a'}", "data.overlong=drop"], monkeypatch,
+                                capsys)
+    assert code in (0, None)
+    assert "4 longer than model.seq_len+1=257 tokens, left out (data.overlong=drop)" in out
+    with path.open("a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    code, _, err = _prepare_cli([*common, f"data.out_dir={tmp_path / 'b'}"], monkeypatch, capsys)
+    lines = [ln for ln in err.splitlines() if ln.startswith("xirang-prepare: error:")]
+    assert code == 2 and len(lines) == 1
+    assert f"{path}:35: the conversation has no assistant turn" in lines[0]
