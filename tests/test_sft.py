@@ -421,3 +421,52 @@ def test_prepare_cli_counts_overlong_samples_and_names_bad_records(tmp_path: Pat
     lines = [ln for ln in err.splitlines() if ln.startswith("xirang-prepare: error:")]
     assert code == 2 and len(lines) == 1
     assert f"{path}:35: the conversation has no assistant turn" in lines[0]
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_a_run_serves_chat_with_the_template_it_was_trained_on(chat_corpus: Path, hf_dir: Path, tmp_path: Path,
+                                                               own: bool) -> None:
+    """The data's template goes into the run dir at job start; the served chat prompt is the training render."""
+    from xirang_hpc.data.tokenizer import TokenizerError, install_run_tokenizer, load_run_tokenizer
+    from xirang_hpc.serve.openai_api import chat_prompt
+
+    spec = str(hf_dir) if own else "byte"
+    out = tmp_path / "data"
+    prepare(str(chat_corpus), out, val_fraction=0.2, tokenizer=spec, fmt="chat", progress=None)
+    verify(out)
+    run = tmp_path / "run"
+    run.mkdir()
+    install_run_tokenizer(out, run)
+    tok = load_run_tokenizer(run)
+    msgs = [{"role": "user", "content": "the cat"}]
+    text, stops = chat_prompt(tok, msgs)
+    renderer = ChatRenderer.for_tokenizer(HFTokenizer(hf_dir / "tokenizer.json") if own else ByteTokenizer(), spec,
+                                          "assistant")
+    assert text == renderer.render(msgs, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert stops == ([] if own else ["<|im_end|>"])
+    other = tmp_path / "other"  # the same run dir with data of another template is refused
+    prepare(str(chat_corpus), other, val_fraction=0.2, tokenizer=spec, fmt="chat", progress=None)
+    rec = json.loads((other / "chat_template.json").read_text())
+    rec["template"] += "{{ '' }}"
+    (other / "chat_template.json").write_text(json.dumps(rec))
+    with pytest.raises(CorpusError, match="chat_template.json fails its checksum"):
+        verify(other)
+    with pytest.raises(TokenizerError, match="another chat template"):
+        install_run_tokenizer(other, run)
+
+
+def test_text_runs_keep_the_simple_chat_prompt(tmp_path: Path) -> None:
+    from xirang_hpc.data.tokenizer import install_run_tokenizer, load_run_tokenizer
+    from xirang_hpc.serve.openai_api import SIMPLE_CHAT_STOP, chat_prompt, simple_chat_prompt
+
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text("some text here\n" * 20)
+    prepare(str(corpus), tmp_path / "d", val_fraction=0.3, progress=None)
+    run = tmp_path / "run"
+    run.mkdir()
+    install_run_tokenizer(tmp_path / "d", run)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert chat_prompt(load_run_tokenizer(run), msgs) == (simple_chat_prompt(msgs), [SIMPLE_CHAT_STOP])

@@ -60,6 +60,7 @@ from xirang_hpc.data.corpus import (  # noqa: F401 - re-exported: the data API c
     scan_corpus,
 )
 from xirang_hpc.data.tokenizer import (
+    CHAT_TEMPLATE_FILE,
     EOT,
     TOKENIZER_FILE,
     ByteTokenizer,
@@ -315,6 +316,7 @@ def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, spl
         make_dir(out)
         (out / INDEX).unlink(missing_ok=True)
         (out / TOKENIZER_FILE).unlink(missing_ok=True)
+        (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
         for old in out.glob("*.h5"):
             old.unlink()
         os.close(os.open(out / ".write-probe", os.O_CREAT | os.O_WRONLY, 0o600))
@@ -465,11 +467,18 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
         raise CorpusError(f"corpus {str(root)!r} left the {empty[0]} split empty ({sum(n.values())} conversations, "
                           f"data.val_fraction={val_fraction}); add conversations or adjust data.val_fraction")
     lens = np.asarray(lengths)
+    # The template goes with the data (and from there into each run dir): serving prompts as training rendered.
+    record = {"template": renderer.template, "special_tokens": renderer.special,
+              "stop": [] if own else ["<|im_end|>"], "sha256": renderer.sha256}
+    tmp = out / f".{CHAT_TEMPLATE_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, out / CHAT_TEMPLATE_FILE)
     index: dict[str, Any] = {
         "format": "chat",
         "train_on": train_on,
         "chat_template_sha256": renderer.sha256,
         "chat_template": "tokenizer" if own else "default",
+        "chat_template_file": {"file": CHAT_TEMPLATE_FILE, "sha256": file_sha256(out / CHAT_TEMPLATE_FILE)},
         "tokenizer": tok.name,
         "vocab_size": tok.vocab_size,
         "tokenizer_info": info,
@@ -582,3 +591,6 @@ def verify(out_dir: str | Path) -> None:
     tok = index.get("tokenizer_info") or {}
     if tok.get("file") and file_sha256(Path(out_dir) / tok["file"]) != tok.get("sha256"):
         raise CorpusError(f"{Path(out_dir) / tok['file']} fails its checksum; rerun xirang-prepare")
+    chat = index.get("chat_template_file") or {}
+    if chat.get("file") and file_sha256(Path(out_dir) / chat["file"]) != chat.get("sha256"):
+        raise CorpusError(f"{Path(out_dir) / chat['file']} fails its checksum; rerun xirang-prepare")
