@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from xirang_hpc.config.schema import (
     ClusterConfig,
+    DataConfig,
     FinetuneConfig,
     LoraConfig,
     ModelConfig,
@@ -71,7 +72,8 @@ def world_of(layout: dict[str, Any]) -> int:
 
 
 def make_cfg(world: int, parallel: dict[str, Any], steps: int = 10, model: dict[str, Any] | None = None,
-             train: dict[str, Any] | None = None, finetune: FinetuneConfig | None = None) -> XirangConfig:
+             train: dict[str, Any] | None = None, finetune: FinetuneConfig | None = None,
+             data: DataConfig | None = None) -> XirangConfig:
     """A validated config for ``world`` ranks on 2 virtual nodes (1 node for world 1)."""
     nodes = 2 if world >= 4 else 1
     m = {"name": "test", "n_layer": 4, "n_head": 4, "d_model": 32, "d_ff": 64, "seq_len": 16, **(model or {})}
@@ -83,6 +85,7 @@ def make_cfg(world: int, parallel: dict[str, Any], steps: int = 10, model: dict[
         parallel=ParallelConfig(**parallel),
         train=TrainConfig(**t),
         finetune=finetune or FinetuneConfig(),
+        data=data or DataConfig(),
     )
     cfg = validate(cfg)
     check_runnable(cfg)

@@ -240,6 +240,10 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "data.vocab_size": (300, REFUSED, []),  # only for a trained BPE tokenizer (byte here)
     "data.text_field": ("content", identity, []),
     "data.on_bad_record": ("skip", identity, []),
+    "data.format": ("chat", identity, []),
+    "data.train_on": ("last", identity, ["data.format=chat"]),
+    "data.packing": (True, identity, ["data.format=chat"]),
+    "data.overlong": ("drop", identity, ["data.format=chat"]),
     "data.val_fraction": (0.1, identity, []),
     "data.split_seed": (3, identity, []),
     "data.out_dir": ("data/other", reads("xirang_hpc.launch.train_cli"), []),

@@ -31,7 +31,8 @@ TRAIN_NON_SEMANTIC = frozenset({"name", "grad_accum", "eval_every", "eval_batche
 DATA_NON_SEMANTIC = frozenset({"out_dir", "shard_tokens"})
 # Data fields added with tokenizer/corpus choice: left out of the key at their defaults, so the run
 # directories of byte-level runs keep the names they always had.
-DATA_DEFAULTS = {"vocab_size": 0, "text_field": "text", "on_bad_record": "fail"}
+DATA_DEFAULTS = {"vocab_size": 0, "text_field": "text", "on_bad_record": "fail", "format": "text",
+                 "train_on": "assistant", "packing": False, "overlong": "truncate"}
 # Model fields added with grouped-query attention, tying and the norm/rotary constants: left out of
 # the key where they mean what the model always did (n_kv_head == n_head, LayerNorm's 1e-5, RoPE's
 # 10000, untied), so earlier runs keep their directories. RMSNorm's epsilon was 1e-6 before it

@@ -278,6 +278,10 @@ def check_runnable(cfg: XirangConfig) -> None:
         if cfg.model.moe_experts:
             raise ConfigError("finetune.method", "lora", "mixture-of-experts blocks have no dense MLP linears to "
                               "adapt; use finetune.method=full")
+    if cfg.data.packing and p.sequence_parallel:
+        raise ConfigError("data.packing", True, "packed samples' block-diagonal mask is not carried through the "
+                          "sequence-parallel block boundary; set parallel.sequence_parallel=false or "
+                          "data.packing=false")
     c = cfg.cluster
     scheduling_class(c, cfg.train.priority)
     if p.dp_replicate > 1 and p.data_parallel != "fsdp":

@@ -198,6 +198,7 @@ class RecordStats:
     not_object: int = 0
     missing_field: int = 0
     empty_text: int = 0
+    bad_chat: int = 0  # data.format=chat: unknown role, no assistant turn, a template that fails on it
 
     def as_dict(self) -> dict[str, int]:
         """Counts by reason plus the total."""
@@ -369,3 +370,72 @@ def iter_documents(scan: CorpusScan, root: Path, text_field: str = "text", on_ba
         progress.update(files=1)
 
 
+
+
+# ---- chat records ---------------------------------------------------------------------------------
+CHAT_FIELD = "messages"
+
+
+@dataclass
+class ChatRecord:
+    """One conversation: its messages, split and where it came from (``file:line`` / ``file: row n``)."""
+
+    messages: Any
+    split: str
+    where: str
+
+
+def iter_chat_records(scan: CorpusScan, root: Path, on_bad_record: str = "fail", val_fraction: float = 0.01,
+                      split_seed: int = 0, stats: RecordStats | None = None) -> Iterator[ChatRecord]:
+    """Every conversation (a ``messages`` list) of the corpus's JSONL and Parquet files, with its split.
+
+    The messages themselves are checked where they are rendered (:mod:`xirang_hpc.data.chat`).
+    """
+    stats = stats if stats is not None else RecordStats()
+    if scan.files:
+        raise CorpusError(f"{scan.files[0]}: data.format=chat reads JSONL or Parquet records with a "
+                          f"{CHAT_FIELD!r} list, not text files; move the text files out of data.corpus or use "
+                          "data.format=text")
+
+    def rel_of(p: Path) -> str:
+        return str(p.relative_to(root)) if root.is_dir() else p.name
+
+    def split_of(key: str) -> str:
+        return "val" if _split_score(key, split_seed) < val_fraction else "train"
+
+    for path in scan.records:
+        rel = rel_of(path)
+        if file_kind(path) == "jsonl":
+            with path.open("rb") as f:
+                for lineno, raw in enumerate(f, 1):
+                    if not raw.strip():
+                        continue
+                    where = f"{path}:{lineno}"
+                    try:
+                        rec = json.loads(raw)
+                    except (ValueError, UnicodeDecodeError) as exc:
+                        _bad(on_bad_record, stats, "not_json", where,
+                             f"line is not valid JSON ({str(exc).splitlines()[0]})")
+                        continue
+                    if not isinstance(rec, dict) or CHAT_FIELD not in rec:
+                        _bad(on_bad_record, stats, "missing_field", where,
+                             f"record has no {CHAT_FIELD!r} list of {{role, content}} messages")
+                        continue
+                    yield ChatRecord(rec[CHAT_FIELD], split_of(f"{rel}:{lineno}"), where)
+            continue
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as exc:
+            raise CorpusError(f"{path}: not a readable Parquet file ({exc}); fix or remove it") from None
+        if CHAT_FIELD not in pf.schema_arrow.names:
+            raise CorpusError(f"{path}: Parquet file has no column {CHAT_FIELD!r} (its columns: "
+                              f"{', '.join(pf.schema_arrow.names)}); data.format=chat needs a list of "
+                              "{role, content} structs per row")
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024, columns=[CHAT_FIELD]):
+            for messages in batch.column(0).to_pylist():
+                yield ChatRecord(messages, split_of(f"{rel}:{row}"), f"{path}: row {row}")
+                row += 1

@@ -41,10 +41,12 @@ from typing import IO, Any
 import h5py
 import numpy as np
 
+from xirang_hpc.data.chat import ChatError, ChatRenderer
 from xirang_hpc.data.corpus import (  # noqa: F401 - re-exported: the data API callers use
     JSONL_SUFFIXES,
     PARQUET_SUFFIXES,
     TEXT_SUFFIXES,
+    ChatRecord,
     CorpusError,
     CorpusScan,
     Doc,
@@ -52,11 +54,13 @@ from xirang_hpc.data.corpus import (  # noqa: F401 - re-exported: the data API c
     _Progress,
     assign_splits,
     file_kind,
+    iter_chat_records,
     iter_documents,
     resolve_corpus,
     scan_corpus,
 )
 from xirang_hpc.data.tokenizer import (
+    CHAT_TEMPLATE_FILE,
     EOT,
     TOKENIZER_FILE,
     ByteTokenizer,
@@ -157,6 +161,54 @@ class _ShardWriter:
         self.shards.append({"file": name, "n_tokens": int(len(tokens)), "sha256": digest})
 
 
+class _ChatShardWriter:
+    """Whole samples (tokens + loss mask + sample offsets) into HDF5 shards of one split; a sample never straddles two.
+
+    Datasets per shard: ``tokens``, ``loss_mask`` (uint8, 1 = learned), ``offsets`` (int64, n_samples + 1:
+    sample i is ``tokens[offsets[i]:offsets[i+1]]``); each has its sha256 in the attributes and the index.
+    """
+
+    def __init__(self, out: Path, split: str, shard_tokens: int, attrs: dict[str, object], dtype: Any) -> None:
+        self.out, self.split, self.shard_tokens, self.attrs, self.dtype = out, split, shard_tokens, attrs, dtype
+        self.ids: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.n = 0
+        self.shards: list[dict[str, object]] = []
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        self.ids.append(ids.astype(self.dtype))
+        self.masks.append(mask.astype(np.uint8))
+        self.n += len(ids)
+        if self.n >= self.shard_tokens:
+            self._flush()
+
+    def close(self) -> list[dict[str, object]]:
+        if self.ids:
+            self._flush()
+        return self.shards
+
+    def _flush(self) -> None:
+        tokens, mask = np.concatenate(self.ids), np.concatenate(self.masks)
+        offsets = np.concatenate([[0], np.cumsum([len(a) for a in self.ids])]).astype(np.int64)  # (n_samples+1,)
+        name = f"{self.split}_{len(self.shards):05d}.h5"
+        sums = {k: hashlib.sha256(a.tobytes()).hexdigest()
+                for k, a in (("sha256", tokens), ("mask_sha256", mask), ("offsets_sha256", offsets))}
+        tmp = self.out / f".{name}.tmp"
+        with h5py.File(tmp, "w", locking=False) as f:
+            f.create_dataset("tokens", data=tokens, chunks=(min(len(tokens), 1 << 16),))
+            f.create_dataset("loss_mask", data=mask, chunks=(min(len(mask), 1 << 16),))
+            f.create_dataset("offsets", data=offsets)
+            f.attrs.update(self.attrs)
+            f.attrs["split"] = self.split
+            f.attrs["n_tokens"] = len(tokens)
+            f.attrs["n_samples"] = len(offsets) - 1
+            f.attrs.update(sums)
+        os.replace(tmp, self.out / name)
+        self.shards.append({"file": name, "n_tokens": int(len(tokens)), "n_samples": int(len(offsets) - 1),
+                            "n_learned": int(mask.sum()), **sums})
+        self.ids, self.masks, self.n = [], [], 0
+
+
 def _make_tokenizer(spec: str, vocab_size: int, out: Path, docs: Callable[..., Iterator[Doc]],
                     n_files: int, total_bytes: int, stream: IO[str] | None) -> Tokenizer:
     """The tokenizer for ``spec``, with its tokenizer.json stored in ``out`` (bpe: trained here first)."""
@@ -193,15 +245,18 @@ def prepare(
     text_field: str = "text",
     on_bad_record: str = "fail",
     progress: IO[str] | None | str = "stderr",
+    fmt: str = "text",
+    train_on: str = "assistant",
 ) -> dict[str, object]:
     """Tokenize ``corpus`` into shards under ``out_dir``; returns the index (also in index.json).
 
     ``tokenizer``: ``byte``, ``bpe`` (trained here on the train split, ``vocab_size`` tokens), a
     tokenizer.json path or an HF model dir. ``progress``: where the progress line goes (None: nowhere).
+    ``fmt``: ``text`` (documents) or ``chat`` (conversations, with loss masks chosen by ``train_on``).
     """
     with prepare_lock(out_dir):
         return _prepare(corpus, Path(out_dir), val_fraction, shard_tokens, split_seed, tokenizer, vocab_size,
-                        text_field, on_bad_record, progress)
+                        text_field, on_bad_record, progress, fmt, train_on)
 
 
 def _out_dir_error(out: Path, exc: OSError) -> CorpusError:
@@ -244,7 +299,7 @@ def ensure_prepared(d: Any, out_dir: str | Path, progress: IO[str] | None | str 
             if not is_prepared(out):
                 print(f"preparing data from {d.corpus!r} into {out} (tokenizer {d.tokenizer}) ...", flush=True)
                 _prepare(d.corpus, out, d.val_fraction, d.shard_tokens, d.split_seed, d.tokenizer, d.vocab_size,
-                         d.text_field, d.on_bad_record, progress)
+                         d.text_field, d.on_bad_record, progress, *_chat_options(d))
                 return out
     if (why := prepared_mismatch(d, out)) is not None:
         raise CorpusError(why)
@@ -253,7 +308,7 @@ def ensure_prepared(d: Any, out_dir: str | Path, progress: IO[str] | None | str 
 
 def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, split_seed: int, tokenizer: str,
              vocab_size: int, text_field: str, on_bad_record: str,
-             progress: IO[str] | None | str) -> dict[str, object]:
+             progress: IO[str] | None | str, fmt: str = "text", train_on: str = "assistant") -> dict[str, object]:
     """:func:`prepare`, with the lock held."""
     if isinstance(progress, str):  # resolved per call: pytest and the CLIs swap sys.stderr
         progress = sys.stderr
@@ -261,6 +316,7 @@ def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, spl
         make_dir(out)
         (out / INDEX).unlink(missing_ok=True)
         (out / TOKENIZER_FILE).unlink(missing_ok=True)
+        (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
         for old in out.glob("*.h5"):
             old.unlink()
         os.close(os.open(out / ".write-probe", os.O_CREAT | os.O_WRONLY, 0o600))
@@ -284,6 +340,10 @@ def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, spl
         )
     n_files = len(scan.all_files)
     total_bytes = sum(p.stat().st_size for p in scan.all_files)
+
+    if fmt == "chat":
+        return _prepare_chat(scan, root, out, val_fraction, shard_tokens, split_seed, tokenizer, vocab_size,
+                             on_bad_record, progress, train_on)
 
     def docs(stats: RecordStats | None = None, prog: _Progress | None = None) -> Iterator[Doc]:
         return iter_documents(scan, root, text_field, on_bad_record, val_fraction, split_seed, stats, prog)
@@ -329,11 +389,7 @@ def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, spl
         "on_bad_record": on_bad_record,
         "splits": {s: w.close() for s, w in writers.items()},
     }
-    for s in ("train", "val"):
-        index[f"{s}_tokens"] = sum(int(x["n_tokens"]) for x in index["splits"][s])
-    tmp = out / (INDEX + ".tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out / INDEX)
+    _write_index(out, index)
     log.info(
         "prepared %s: %d train tokens, %d val tokens (%d files; skipped %d binary, %d unreadable, %d records)",
         out, index["train_tokens"], index["val_tokens"], n_files, len(scan.binary),
@@ -342,12 +398,116 @@ def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, spl
     return index
 
 
+def _write_index(out: Path, index: dict[str, Any]) -> None:
+    """Token totals per split, then index.json written last, by rename (its presence means finished)."""
+    for s in ("train", "val"):
+        index[f"{s}_tokens"] = sum(int(x["n_tokens"]) for x in index["splits"][s])
+    tmp = out / (INDEX + ".tmp")
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, out / INDEX)
+
+
+def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, shard_tokens: int, split_seed: int,
+                  tokenizer: str, vocab_size: int, on_bad_record: str, progress: IO[str] | None,
+                  train_on: str) -> dict[str, object]:
+    """``data.format=chat``: conversations rendered with the chat template, tokens + loss masks per sample."""
+    from xirang_hpc.data.chat import DEFAULT_CHAT_TEMPLATE, hf_dir_chat_template
+
+    def records(stats: RecordStats | None = None) -> Iterator[ChatRecord]:
+        return iter_chat_records(scan, root, on_bad_record, val_fraction, split_seed, stats)
+
+    n_files = len(scan.all_files)
+    total_bytes = sum(p.stat().st_size for p in scan.all_files)
+    own = hf_dir_chat_template(tokenizer) if tokenizer not in ("byte", "bpe") else None
+
+    def rendered(stats: RecordStats | None = None, prog: _Progress | None = None) -> Iterator[Doc]:
+        # What a BPE trained here learns from: the train split's conversations as the template renders them.
+        plain = ChatRenderer(ByteTokenizer(), own or DEFAULT_CHAT_TEMPLATE, "all")
+        for r in records(RecordStats()):
+            try:
+                yield Doc(plain.render(r.messages), r.split, Path(r.where))
+            except Exception:  # noqa: BLE001, S112 - bad records are reported by the tokenizing pass below
+                continue
+
+    tok = _make_tokenizer(tokenizer, vocab_size, out, rendered, n_files, total_bytes, progress)
+    renderer = ChatRenderer.for_tokenizer(tok, tokenizer, train_on)
+    info = tokenizer_info(tok)
+    if tok.tokenizer_json is not None:
+        info["file"] = TOKENIZER_FILE
+        info["sha256"] = file_sha256(out / TOKENIZER_FILE)
+        info["spec"] = "bpe" if tokenizer == "bpe" else str(Path(tokenizer).expanduser().absolute())
+        if tokenizer == "bpe":
+            info["requested_vocab_size"] = vocab_size
+    attrs: dict[str, object] = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "source": str(root),
+                                "format": "chat", "train_on": train_on, "chat_template_sha256": renderer.sha256}
+    if info.get("sha256"):
+        attrs["tokenizer_sha256"] = info["sha256"]
+    dtype = token_dtype(tok.vocab_size)
+    writers = {s: _ChatShardWriter(out, s, shard_tokens, attrs, dtype) for s in ("train", "val")}
+    stats = RecordStats()
+    n = {"train": 0, "val": 0}
+    lengths: list[int] = []
+    prog = _Progress("tokenize", n_files, total_bytes, progress)
+    for rec in records(stats):
+        try:
+            sample = renderer.sample(rec.messages, rec.where)
+        except ChatError as exc:
+            if on_bad_record == "fail":
+                raise CorpusError(f"{exc} (or set data.on_bad_record=skip to skip such records)") from None
+            stats.bad_chat += 1
+            continue
+        writers[rec.split].add(sample.ids, sample.mask)
+        n[rec.split] += 1
+        lengths.append(len(sample.ids))
+        prog.update(tokens=len(sample.ids))
+    prog.update(files=n_files, nbytes=total_bytes)
+    prog.close()
+    empty = [s for s in ("train", "val") if not n[s]]
+    if empty:
+        raise CorpusError(f"corpus {str(root)!r} left the {empty[0]} split empty ({sum(n.values())} conversations, "
+                          f"data.val_fraction={val_fraction}); add conversations or adjust data.val_fraction")
+    lens = np.asarray(lengths)
+    # The template goes with the data (and from there into each run dir): serving prompts as training rendered.
+    record = {"template": renderer.template, "special_tokens": renderer.special,
+              "stop": [] if own else ["<|im_end|>"], "sha256": renderer.sha256}
+    tmp = out / f".{CHAT_TEMPLATE_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, out / CHAT_TEMPLATE_FILE)
+    index: dict[str, Any] = {
+        "format": "chat",
+        "train_on": train_on,
+        "chat_template_sha256": renderer.sha256,
+        "chat_template": "tokenizer" if own else "default",
+        "chat_template_file": {"file": CHAT_TEMPLATE_FILE, "sha256": file_sha256(out / CHAT_TEMPLATE_FILE)},
+        "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size,
+        "tokenizer_info": info,
+        "source": str(root),
+        "files": n_files,
+        "documents": n,
+        "samples": n,
+        "sample_tokens": {"min": int(lens.min()), "median": int(np.median(lens)), "max": int(lens.max()),
+                          "p99": int(np.percentile(lens, 99))},
+        "skipped_binary": len(scan.binary),
+        "skipped_unreadable": len(scan.unreadable),
+        "skipped_special": len(scan.special),
+        "skipped_records": stats.as_dict(),
+        "on_bad_record": on_bad_record,
+        "splits": {s: w.close() for s, w in writers.items()},
+    }
+    _write_index(out, index)
+    log.info("prepared chat data %s: %d train / %d val conversations, %d bad records skipped", out, n["train"],
+             n["val"], stats.bad_chat)
+    return index
+
+
 def prepare_data(d: Any, out_dir: str | Path | None = None,
                  progress: IO[str] | None | str = "stderr") -> dict[str, object]:
     """:func:`prepare` with the options of a ``DataConfig`` (``data.*``)."""
     return prepare(d.corpus, out_dir if out_dir is not None else d.out_dir, d.val_fraction, d.shard_tokens,
                    d.split_seed, tokenizer=d.tokenizer, vocab_size=d.vocab_size, text_field=d.text_field,
-                   on_bad_record=d.on_bad_record, progress=progress)
+                   on_bad_record=d.on_bad_record, progress=progress, fmt=_chat_options(d)[0],
+                   train_on=_chat_options(d)[1])
 
 
 def prepared_mismatch(d: Any, out_dir: str | Path) -> str | None:
@@ -370,10 +530,36 @@ def prepared_mismatch(d: Any, out_dir: str | Path) -> str | None:
         except (TokenizerError, OSError):
             ok = False
     if ok:
-        return None
+        return _chat_mismatch(d, index, out_dir)
     want = f"{d.tokenizer} (data.vocab_size={d.vocab_size})" if d.tokenizer == "bpe" else d.tokenizer
     return (f"{out_dir} was prepared with tokenizer {index.get('tokenizer')} ({have}), not data.tokenizer={want}; "
             "set data.out_dir= to another directory or rerun xirang-prepare")
+
+
+def _chat_options(d: Any) -> tuple[str, str]:
+    """(``data.format``, ``data.train_on``) of a data config (text/assistant for objects that predate them)."""
+    return getattr(d, "format", "text"), getattr(d, "train_on", "assistant")
+
+
+def _chat_mismatch(d: Any, index: dict[str, Any], out_dir: str | Path) -> str | None:
+    """Why prepared data of the right tokenizer is still not what ``data.format``/``data.train_on`` ask for."""
+    have_fmt = index.get("format", "text")
+    fmt, train_on = _chat_options(d)
+    if have_fmt != fmt:
+        return (f"{out_dir} was prepared as data.format={have_fmt}, not data.format={fmt}; set data.out_dir= "
+                "to another directory or rerun xirang-prepare")
+    if fmt == "chat":
+        if index.get("train_on") != train_on:
+            return (f"{out_dir} was prepared with data.train_on={index.get('train_on')}, not {train_on}; set "
+                    "data.out_dir= to another directory or rerun xirang-prepare")
+        from xirang_hpc.data.chat import DEFAULT_CHAT_TEMPLATE, hf_dir_chat_template, template_sha256
+
+        own = hf_dir_chat_template(d.tokenizer) if d.tokenizer not in ("byte", "bpe") else None
+        if index.get("chat_template_sha256") != template_sha256(own or DEFAULT_CHAT_TEMPLATE):
+            return (f"{out_dir} was prepared with another chat template (sha256 "
+                    f"{str(index.get('chat_template_sha256'))[:12]}); set data.out_dir= to another directory or "
+                    "rerun xirang-prepare")
+    return None
 
 
 def is_prepared(out_dir: str | Path) -> bool:
@@ -398,6 +584,13 @@ def verify(out_dir: str | Path) -> None:
                 digest = hashlib.sha256(f["tokens"][:].tobytes()).hexdigest()
                 if digest != s["sha256"] or f.attrs["sha256"] != digest:
                     raise CorpusError(f"{split} shard {s['file']} fails its checksum; rerun xirang-prepare")
+                for key, ds in (("mask_sha256", "loss_mask"), ("offsets_sha256", "offsets")):
+                    if key in s and (hashlib.sha256(f[ds][:].tobytes()).hexdigest() != s[key]
+                                     or f.attrs[key] != s[key]):
+                        raise CorpusError(f"{split} shard {s['file']} fails its {ds} checksum; rerun xirang-prepare")
     tok = index.get("tokenizer_info") or {}
     if tok.get("file") and file_sha256(Path(out_dir) / tok["file"]) != tok.get("sha256"):
         raise CorpusError(f"{Path(out_dir) / tok['file']} fails its checksum; rerun xirang-prepare")
+    chat = index.get("chat_template_file") or {}
+    if chat.get("file") and file_sha256(Path(out_dir) / chat["file"]) != chat.get("sha256"):
+        raise CorpusError(f"{Path(out_dir) / chat['file']} fails its checksum; rerun xirang-prepare")

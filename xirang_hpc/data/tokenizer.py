@@ -8,6 +8,9 @@ Where a tokenizer lives:
 - ``<data_dir>/tokenizer.json`` + ``index.json`` (kind, vocab size, sha256): :func:`load_data_tokenizer`;
 - ``<run_dir>/tokenizer.json``, copied there when the job starts (:func:`install_run_tokenizer`):
   :func:`load_run_tokenizer` is what eval, serving and export read. No file means bytes.
+- ``chat_template.json`` beside them (chat data): the template the run was fine-tuned with, its special
+  tokens and stop strings; :func:`load_run_tokenizer` gives the tokenizer an ``apply_chat_template`` with it,
+  so serving prompts a chat model exactly as it was trained.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 from xirang_hpc.files import record_mode
 
 TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.json"
 EOT = "<|endoftext|>"
 # End-of-text tokens of common tokenizer families, tried when a tokenizer does not name its own.
 _EOS_CANDIDATES = (EOT, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
@@ -221,9 +225,36 @@ def load_data_tokenizer(data_dir: str | Path) -> Tokenizer:
 
 
 def load_run_tokenizer(run_dir: str | Path) -> Tokenizer:
-    """The tokenizer a run trained with: ``<run_dir>/tokenizer.json``, else bytes."""
+    """The tokenizer a run trained with: ``<run_dir>/tokenizer.json``, else bytes (with its chat template, if any)."""
     f = Path(run_dir) / TOKENIZER_FILE
-    return HFTokenizer(f) if f.is_file() else ByteTokenizer()
+    tok: Tokenizer = HFTokenizer(f) if f.is_file() else ByteTokenizer()
+    chat = Path(run_dir) / CHAT_TEMPLATE_FILE
+    if chat.is_file():
+        attach_chat_template(tok, json.loads(chat.read_text(encoding="utf-8")))
+    return tok
+
+
+def attach_chat_template(tok: Tokenizer, record: dict[str, Any]) -> Tokenizer:
+    """Give ``tok`` the ``chat_template``/``apply_chat_template`` of a ``chat_template.json`` record (in place).
+
+    ``apply_chat_template(messages, tokenize=False, add_generation_prompt=False)`` as Hugging Face tokenizers
+    have it; ``chat_stop``: the strings that end a reply under this template (the default template's
+    ``<|im_end|>``, which byte and BPE vocabularies hold as plain text, not as one end token).
+    """
+    from xirang_hpc.data.chat import ChatRenderer
+
+    renderer = ChatRenderer(tok, str(record["template"]), "all", dict(record.get("special_tokens") or {}))
+
+    def apply_chat_template(messages: list[dict[str, Any]], tokenize: bool = False,
+                            add_generation_prompt: bool = False) -> str | list[int]:
+        text = renderer.render(messages, add_generation_prompt=add_generation_prompt)
+        return [int(t) for t in tok.encode(text)] if tokenize else text
+
+    t: Any = tok
+    t.chat_template = renderer.template
+    t.chat_stop = list(record.get("stop") or [])
+    t.apply_chat_template = apply_chat_template
+    return tok
 
 
 def copy_tokenizer_file(src: str | Path, dst_dir: str | Path) -> Path:
@@ -256,7 +287,24 @@ def install_run_tokenizer(data_dir: str | Path, run_dir: str | Path) -> Tokenize
                 f"run dir {run_dir} has checkpoints trained with the byte tokenizer but the data in {data_dir} "
                 f"uses {tok.name}; use a new run (train.run_dir=...)")
         copy_tokenizer_file(tok.tokenizer_json, run_dir)  # type: ignore[arg-type]
-    return load_run_tokenizer(run_dir) if want is not None else tok
+    _install_chat_template(Path(data_dir), Path(run_dir))
+    return load_run_tokenizer(run_dir)
+
+
+def _install_chat_template(data_dir: Path, run_dir: Path) -> None:
+    """Copy chat data's ``chat_template.json`` into the run dir; refuse a run dir fine-tuned with another one."""
+    src, dst = data_dir / CHAT_TEMPLATE_FILE, run_dir / CHAT_TEMPLATE_FILE
+    if not src.is_file():
+        return
+    if dst.is_file():
+        if file_sha256(dst) != file_sha256(src):
+            raise TokenizerError(f"run dir {run_dir} was fine-tuned with another chat template ({dst}) than the data "
+                                 f"in {data_dir}; use the data it was trained on, or a new run (train.run_dir=...)")
+        return
+    tmp = dst.with_name(f".{CHAT_TEMPLATE_FILE}.tmp-{os.getpid()}")
+    shutil.copyfile(src, tmp)
+    os.chmod(tmp, record_mode())
+    os.replace(tmp, dst)
 
 
 class StreamDecoder:

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from xirang_hpc.config.schema import EvalConfig, ServeConfig, XirangConfig
-from xirang_hpc.data.dataset import TokenWindows
+from xirang_hpc.data.dataset import ChatSamples, TokenWindows
+from xirang_hpc.data.prepare import load_index
 from xirang_hpc.files import record_mode
 from xirang_hpc.models.gpt import lm_loss
 from xirang_hpc.serve.engine import Engine
@@ -33,9 +34,21 @@ class EvalGateError(RuntimeError):
 
 @torch.inference_mode()
 def heldout_loss(loaded: LoadedModel, data_dir: str | Path, ecfg: EvalConfig) -> tuple[float, int]:
-    """(mean next-token loss over ``eval.batches`` x ``eval.batch_size`` val windows, tokens scored)."""
-    val = TokenWindows(data_dir, "val", loaded.cfg.seq_len)
+    """(mean next-token loss over ``eval.batches`` x ``eval.batch_size`` val windows, tokens scored).
+
+    Chat data: padded rows of whole samples, the mean over their learned (assistant) tokens.
+    """
     dev = next(loaded.model.parameters()).device  # where run_eval placed it (eval.device)
+    if load_index(data_dir).get("format") == "chat":
+        chat = ChatSamples(data_dir, "val", loaded.cfg.seq_len, packing=False, seed=ecfg.seed)
+        total, tokens = 0.0, 0
+        for i in range(ecfg.batches):
+            x, y, _, n = chat.batch(ecfg.seed, i, ecfg.batch_size)
+            x, y = x.to(dev), y.to(dev)
+            total += float(lm_loss(loaded.model(x), y, 1.0))  # the sum over learned targets
+            tokens += n
+        return total / max(tokens, 1), tokens
+    val = TokenWindows(data_dir, "val", loaded.cfg.seq_len)
     try:
         total, tokens = 0.0, 0
         for i in range(ecfg.batches):

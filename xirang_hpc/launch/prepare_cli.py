@@ -43,6 +43,15 @@ def _app(cfg: DictConfig) -> None:
           f"from {index['source']} with tokenizer {index['tokenizer']} (vocab {index['vocab_size']}; "
           f"skipped {index['skipped_binary']} binary, {index['skipped_unreadable']} unreadable files, "
           f"{skipped} bad records)")
+    if index.get("format") == "chat":
+        from xirang_hpc.data.dataset import overlong_samples
+
+        n = index["samples"]  # type: ignore[index]
+        long = overlong_samples(d.out_dir, full.model.seq_len)
+        what = "cut to their start" if d.overlong == "truncate" else "left out"
+        print(f"chat: {n['train']:,} train / {n['val']:,} val samples (train_on={d.train_on}, template sha256 "
+              f"{str(index['chat_template_sha256'])[:12]}); {long['train'] + long['val']:,} longer than "
+              f"model.seq_len+1={full.model.seq_len + 1} tokens, {what} (data.overlong={d.overlong})")
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from torch import nn
 
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.init import init_parameters
-from xirang_hpc.models.loss import chunked_lm_loss
+from xirang_hpc.models.loss import LossNorm, chunked_lm_loss
 from xirang_hpc.models.moe import MoE, load_balancing_loss
 
 
@@ -79,12 +79,27 @@ def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x (B, nh, T, hd) by position-dependent angles."""
+    """Rotate pairs of channels of x (B, nh, T, hd) by position-dependent angles.
+
+    ``cos``/``sin``: the tables (max_T, hd/2), of which the first T rows are used, or per-token angles
+    (B, 1, T, hd/2) already gathered at each token's position (packed samples, see :func:`packed_attention`).
+    """
     x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, nh, T, hd/2) each
     t = x.shape[-2]
-    c, s = cos[:t], sin[:t]
+    c, s = (cos[:t], sin[:t]) if cos.dim() == 2 else (cos, sin)
     out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)  # (B, nh, T, hd/2, 2)
     return out.flatten(-2)  # (B, nh, T, hd)
+
+
+def packed_attention(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask (B, 1, T, T) of packed rows: a token sees the earlier tokens of its own sample.
+
+    ``position_ids`` (B, T) restart at 0 where each sample starts; True = may attend (SDPA's boolean mask).
+    """
+    doc = torch.cumsum((position_ids == 0).to(torch.int32), dim=1)  # (B, T) sample number within the row
+    t = position_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()  # (T, T)
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -126,8 +141,9 @@ class Attention(nn.Module):
             return q, k
         return self.q_norm(q), self.k_norm(k)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x: (B, T, C) -> (B, T, C)."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C); ``mask`` (B, 1, T, T) bool replaces the causal mask (packed samples)."""
         b, t, _ = x.shape
         # Heads are derived from the local width so the same code runs on a TP shard, where q holds
         # n_head/tp heads and k/v hold n_kv_head/tp: (B, T, C_local) -> (B, nh_local, T, hd).
@@ -138,7 +154,10 @@ class Attention(nn.Module):
         if self.use_rope and rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # (B, nh_local, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, C_local)
         return self.o(y)
 
@@ -170,9 +189,10 @@ class Block(nn.Module):
         self.mlp_norm = _norm(cfg)
         self.mlp: nn.Module = MoE(cfg) if moe else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C)."""
-        x = x + self.attn(self.attn_norm(x), rope)
+        x = x + self.attn(self.attn_norm(x), rope, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -201,6 +221,8 @@ class GPT(nn.Module):
         # Tokens per chunk of the fused head + loss (train.loss_chunk_tokens; 0: the plain head), set by the
         # job that builds the model; a forward given targets then returns the loss, not the logits.
         self.loss_chunk = 0
+        # The loss's denominator (learned tokens per loss term) for masked targets; shared with pipeline views.
+        self.loss_norm = LossNorm()
         if cfg.tie_embeddings:
             # One parameter under two names: the state dict keeps both keys (identical tensors).
             self.head.weight = self.tok_emb.weight
@@ -287,29 +309,37 @@ class GPT(nn.Module):
         for m, load in zip(blocks, loads, strict=True):
             m.update_bias(load)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, V); or hidden (B, T, C) on later stages.
 
-        With ``targets`` (B, T) and ``loss_chunk`` > 0, the head's stage returns the mean loss (1,) instead
-        (:func:`xirang_hpc.models.loss.chunked_lm_loss`): computed inside the forward, so the head's
-        weight is the gathered one under FSDP and the pipeline's last stage needs no other access to it.
+        With ``targets`` (B, T) and ``loss_chunk`` > 0, the head's stage returns the loss (1,) instead
+        (:func:`xirang_hpc.models.loss.chunked_lm_loss`, normalised as ``loss_norm`` says): computed inside
+        the forward, so the head's weight is the gathered one under FSDP and the pipeline's last stage needs
+        no other access to it. ``position_ids`` (B, T): packed samples (positions restart at 0 per sample):
+        per-sample positions and a block-diagonal causal mask; every pipeline stage is given them.
         """
+        mask = packed_attention(position_ids) if position_ids is not None else None
         if self.tok_emb is not None:
             t = x.shape[1]
             h = self.tok_emb(x)  # (B, T, C)
             if self.pos_emb is not None:
-                h = h + self.pos_emb(torch.arange(t, device=x.device))  # broadcast (T, C)
+                where = position_ids if position_ids is not None else torch.arange(t, device=x.device)
+                h = h + self.pos_emb(where)  # (B, T, C) or broadcast (T, C)
         else:
             h = x
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos == "rope" else None
+        if rope is not None and position_ids is not None:
+            rope = (rope[0][position_ids][:, None], rope[1][position_ids][:, None])  # (B, 1, T, hd/2) each
         for block in self.layers.values():
-            h = block(h, rope)
+            h = block(h, rope) if mask is None else block(h, rope, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.head is not None:
             if targets is not None and self.loss_chunk > 0:
                 # (1,): a pipeline concatenates its microbatches' outputs
-                return chunked_lm_loss(h, self.head.weight, targets, self.loss_chunk).reshape(1)
+                return chunked_lm_loss(h, self.head.weight, targets, self.loss_chunk,
+                                       self.loss_norm.denom).reshape(1)
             h = self.head(h)  # (B, T, V)
         return h
 
@@ -319,9 +349,16 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, denom: float | None = None) -> torch.Tensor:
+    """Next-token cross-entropy: logits (B, T, V), targets (B, T); targets of -100 are ignored.
+
+    ``denom`` None: the mean over the targets that are not ignored; else their sum divided by ``denom``
+    (the trainer's normalisation over a whole global batch, see :class:`xirang_hpc.models.loss.LossNorm`).
+    """
+    flat = logits.reshape(-1, logits.shape[-1]).float()  # (B*T, V)
+    if denom is None:
+        return F.cross_entropy(flat, targets.reshape(-1))
+    return F.cross_entropy(flat, targets.reshape(-1), reduction="sum") / denom
 
 
 def full_model_params(cfg: ModelConfig) -> int:

@@ -10,6 +10,12 @@ stored gradients by the incoming one.
 
 The result equals the plain loss up to summation order (a few ulps in fp32); under autocast the
 chunk's matmul runs in the autocast dtype and the softmax in fp32, as in the plain path.
+
+Masked targets (chat data: prompt tokens, padding) are :data:`IGNORE_INDEX`; they add nothing to the
+loss or the gradients. The loss is then the sum over learned targets divided by a denominator: by
+default their count (a mean), or :attr:`LossNorm.denom`, which the trainer sets each step so that
+every loss term of every rank divides by the same count of the *global* batch (see
+:class:`LossNorm`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,25 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+#: A target the loss ignores (torch's cross-entropy default ``ignore_index``).
+IGNORE_INDEX = -100
+
+
+class LossNorm:
+    """The denominator of the masked next-token loss, shared by the model, its pipeline views and loss function.
+
+    With masked targets the loss must be the mean over *all learned tokens of the global batch*, not a
+    mean of per-microbatch or per-rank means (which would weight a token of a short reply more than a
+    token of a long one). Every loss term is ``sum(token losses) / denom`` with ``denom = N / (k * dp)``
+    (``N`` learned targets in the global batch, ``k`` loss terms a rank averages: accumulation steps or
+    pipeline microbatches, ``dp`` replicas averaged by the gradient reduction): the averages over
+    ``k`` and ``dp`` that follow then give exactly ``sum over the global batch / N``, for the loss and
+    the gradients. ``denom`` None: the plain mean over the term's own tokens (unmasked pretraining data).
+    """
+
+    def __init__(self) -> None:
+        self.denom: float | None = None
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -30,23 +55,30 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
-                chunk: int) -> torch.Tensor:
-        n = h.shape[0]
+                chunk: int, denom: float | None = None, masked: bool = False) -> torch.Tensor:
+        rows = h.shape[0]
+        n = rows if denom is None else denom  # what the summed losses are divided by
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for start in range(0, n, chunk):
+        for start in range(0, rows, chunk):
             hc, tc = h[start:start + chunk], targets[start:start + chunk]  # (n_c, C), (n_c,)
+            keep = tc != IGNORE_INDEX if masked else None  # (n_c,) learned targets
+            if keep is not None:
+                tc = tc.clamp_min(0)  # an index for gather; its row is zeroed below
             logits = _chunk_logits(hc, weight)  # (n_c, V)
             lse = torch.logsumexp(logits, dim=-1)  # (n_c,)
-            total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            per_token = lse - logits.gather(1, tc[:, None]).squeeze(1)  # (n_c,)
+            total += (per_token * keep).sum() if keep is not None else per_token.sum()
             if grad_h is None and grad_w is None:
                 continue
             # d(sum of the chunk's losses)/d logits = softmax - one_hot, written over the logits (no second
             # (n_c, V) buffer); the 1/n of the mean is applied here once.
             g = logits.sub_(lse[:, None]).exp_()  # (n_c, V)
             g[torch.arange(tc.shape[0], device=g.device), tc] -= 1.0
+            if keep is not None:
+                g.mul_(keep[:, None])  # ignored targets: no gradient
             g.div_(n)
             if grad_h is not None:
                 grad_h[start:start + chunk] = (g.to(weight.dtype) @ weight).to(h.dtype)  # (n_c, C)
@@ -63,22 +95,27 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         grad_h = saved.pop(0) * grad_out.to(saved[0].dtype) if ctx.has[0] else None
         grad_w = (saved.pop(0) * grad_out).to(ctx.weight_dtype) if ctx.has[1] else None
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
-def chunked_lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``h @ weight.T``: h (B, T, C), weight (V, C), targets (B, T).
+def chunked_lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                    denom: float | None = None) -> torch.Tensor:
+    """Next-token cross-entropy of ``h @ weight.T``: h (B, T, C), weight (V, C), targets (B, T).
 
-    Equal to ``lm_loss(F.linear(h, weight), targets)`` (values and gradients) without ever holding
-    more than ``chunk`` tokens' logits.
+    Equal to ``lm_loss(F.linear(h, weight), targets, denom)`` (values and gradients) without ever holding
+    more than ``chunk`` tokens' logits. Targets of :data:`IGNORE_INDEX` are left out; ``denom`` None: the
+    mean over the others.
     """
     if chunk <= 0:
         raise ValueError(f"chunked_lm_loss: chunk must be > 0, got {chunk}")
     flat_h = h.reshape(-1, h.shape[-1])  # (B*T, C)
     flat_t = targets.reshape(-1)  # (B*T,)
+    masked = bool((flat_t == IGNORE_INDEX).any())
+    if denom is None and masked:
+        denom = max(int((flat_t != IGNORE_INDEX).sum()), 1)
     if not torch.is_grad_enabled() or not (h.requires_grad or weight.requires_grad):
         with torch.no_grad():  # evaluation: the loss only, chunk by chunk
             total = sum(F.cross_entropy(_chunk_logits(flat_h[s:s + chunk], weight), flat_t[s:s + chunk],
                                         reduction="sum") for s in range(0, flat_h.shape[0], chunk))
-            return torch.as_tensor(total, dtype=torch.float32) / flat_h.shape[0]
-    return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_t, chunk)
+            return torch.as_tensor(total, dtype=torch.float32) / (flat_h.shape[0] if denom is None else denom)
+    return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_t, chunk, denom, masked)

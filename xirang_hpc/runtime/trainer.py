@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.data.dataset import TokenWindows
+from xirang_hpc.data.dataset import ChatSamples, TokenWindows
 from xirang_hpc.models.gpt import full_model_params, lm_loss
 from xirang_hpc.models.lora import lora_params
 from xirang_hpc.runtime import liveness, testpoint
@@ -83,8 +83,22 @@ class Trainer:
         self.model: nn.Module = self.pm.model
         self.ddp: nn.Module = self.pm.module
         self.opt = make_optimizer(self.pm, cfg, self.layout)
-        self.train_data = TokenWindows(data_dir, "train", cfg.model.seq_len)
-        self.val_data = TokenWindows(data_dir, "val", cfg.model.seq_len)
+        d = cfg.data
+        self.chat = d.format == "chat"
+        self.train_data: TokenWindows | ChatSamples
+        self.val_data: TokenWindows | ChatSamples
+        if self.chat:  # whole samples, masked targets: the loss is normalised over the global batch's learned tokens
+            self.train_data = ChatSamples(data_dir, "train", cfg.model.seq_len, d.packing, d.overlong, t.seed)
+            self.val_data = ChatSamples(data_dir, "val", cfg.model.seq_len, d.packing, d.overlong, t.seed)
+            if topo.rank == 0:
+                s, v = self.train_data.summary, self.val_data.summary
+                log(f"chat data: {s['samples']} train / {v['samples']} val samples | packing {d.packing} | "
+                    f"overlong ({d.overlong}): {s['truncated'] + v['truncated']} truncated, "
+                    f"{s['dropped'] + v['dropped']} dropped, "
+                    f"{s['left_out_nothing_to_learn'] + v['left_out_nothing_to_learn']} left with nothing to learn")
+        else:
+            self.train_data = TokenWindows(data_dir, "train", cfg.model.seq_len)
+            self.val_data = TokenWindows(data_dir, "val", cfg.model.seq_len)
         self.state = RunState()
         # Accumulation steps without a pipeline (under pp, microbatches go to the schedule).
         self.accum = 1 if self.dims.pp > 1 else t.grad_accum * self.layout.parallel.microbatches
@@ -112,32 +126,57 @@ class Trainer:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def _on_device(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The batch's tensors on the layout's device (read from the shards on the host)."""
+    def _batch(self, data: TokenWindows | ChatSamples, step: int, terms: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's (inputs, targets, position ids or None) of ``step``; for chat data also the loss denominator.
+
+        ``terms``: how many loss terms this rank averages for the step (accumulation steps or pipeline
+        microbatches); see :class:`xirang_hpc.models.loss.LossNorm` for why ``N / (terms * dp)``.
+        """
+        t = self.cfg.train
+        if isinstance(data, ChatSamples):
+            x, y, pos, n_learned = data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
+            self.model.loss_norm.denom = max(n_learned, 1) / (terms * self.dp_size)  # type: ignore[union-attr]
+            return self._on_device(x, y, pos)
+        x, y = data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
+        return self._on_device(x, y, None)
+
+    def _on_device(self, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The batch on the layout's device (read from the shards on the host)."""
         dev = self.layout.device
         if not dev.is_accelerator:
-            return batch
-        return tuple(b.to(dev.torch, non_blocking=True) for b in batch)
+            return x, y, pos
+        move = lambda t: t.to(dev.torch, non_blocking=True)  # noqa: E731
+        return move(x), move(y), None if pos is None else move(pos)
 
-    def _loss(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss of ``module`` on (x, y): the chunked head + loss in the forward, or the plain one."""
+    def _loss(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
+              pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token loss of ``module`` on (x, y): the chunked head + loss in the forward, or the plain one.
+
+        The mean over the batch's tokens, or (chat data) the sum over learned targets / ``loss_norm.denom``.
+        """
+        kw = {"position_ids": pos} if pos is not None else {}
         if self.cfg.train.loss_chunk_tokens:
-            return module(x, targets=y).squeeze(0)
-        return lm_loss(module(x), y)
+            return module(x, targets=y, **kw).squeeze(0)
+        return lm_loss(module(x, **kw), y, self.model.loss_norm.denom if self.chat else None)  # type: ignore[union-attr]
 
-    def _forward_loss(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> float:
+    def _forward_loss(self, x: torch.Tensor, y: torch.Tensor, train: bool, pos: torch.Tensor | None = None) -> float:
         """Loss of this rank's batch slice through the pipeline (0.0 on non-last stages)."""
         losses: list[torch.Tensor] = []
         sched = self.pm.schedule
         run = sched.step if train else sched.eval  # type: ignore[union-attr]
         # A chunked loss is computed inside the last stage's forward: it gets the targets too (split per microbatch).
         fused = {"targets": y} if self.cfg.train.loss_chunk_tokens and self.pm.is_last_stage else {}
+        # Packed samples: every stage builds its rotary positions and block-diagonal mask from the position ids.
+        if pos is not None:
+            fused["position_ids"] = pos
         if self.pm.is_first_stage:
             run(x, target=y if self.pm.is_last_stage else None, losses=losses, **fused)
         elif self.pm.is_last_stage:
             run(target=y, losses=losses, **fused)
         else:
-            run()
+            run(**fused)
         return float(torch.stack([v.detach().float() for v in losses]).mean()) if losses else 0.0
 
     @torch.no_grad()
@@ -146,13 +185,13 @@ class Trainer:
         t = self.cfg.train
         self.model.eval()
         total = 0.0
+        terms = self.pm.n_microbatches if self.pm.schedule is not None else 1
         for i in range(t.eval_batches):
-            x, y = self.val_data.batch(t.seed, i, t.global_batch, self.dp_rank, self.dp_size)
-            x, y = self._on_device(x, y)
+            x, y, pos = self._batch(self.val_data, i, terms)
             if self.pm.schedule is not None:
-                total += self._forward_loss(x, y, train=False)
+                total += self._forward_loss(x, y, train=False, pos=pos)
             else:
-                total += self._loss(self.ddp if self.pm.data_parallel == "fsdp" else self.model, x, y).item()
+                total += self._loss(self.ddp if self.pm.data_parallel == "fsdp" else self.model, x, y, pos).item()
             if self.cfg.monitor.debug_slow_eval_s > 0:  # test-only: a long evaluation
                 time.sleep(self.cfg.monitor.debug_slow_eval_s)
             liveness.tick("eval batch")  # a long evaluation that still moves is no hang
@@ -177,19 +216,20 @@ class Trainer:
         """
         t = self.cfg.train
         self.phase("data")
-        x, y = self.train_data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
-        x, y = self._on_device(x, y)
+        x, y, pos = self._batch(self.train_data, step, self.pm.n_microbatches if self.pm.schedule is not None
+                                else self.accum)
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, t)
         loss_sum = 0.0
         if self.pm.schedule is not None:
             # The schedule interleaves forward, backward and the stage-to-stage sends.
             self.phase("forward")
-            loss_sum = self._forward_loss(x, y, train=True)
+            loss_sum = self._forward_loss(x, y, train=True, pos=pos)
         else:
             fsdp = self.pm.data_parallel == "fsdp"
             for k in range(self.accum):
-                xs, ys = x[k * self.micro : (k + 1) * self.micro], y[k * self.micro : (k + 1) * self.micro]
+                mb = slice(k * self.micro, (k + 1) * self.micro)
+                xs, ys, ps = x[mb], y[mb], (pos[mb] if pos is not None else None)  # (micro, T) each
                 last = k == self.accum - 1
                 # Skip the gradient all-reduce on all but the last micro-step of an accumulation.
                 ctx = self.ddp.no_sync() if (not last and isinstance(self.ddp, DDP)) else contextlib.nullcontext()
@@ -200,7 +240,7 @@ class Trainer:
                     self.model.set_requires_gradient_sync(last or self.pm.zero >= 2)  # type: ignore[operator]
                 with ctx:
                     self.phase("forward")
-                    loss = self._loss(self.ddp, xs, ys)
+                    loss = self._loss(self.ddp, xs, ys, ps)
                     aux = self.model.moe_aux_loss() if self.cfg.model.moe_experts else None  # type: ignore[operator]
                     if aux is not None:  # MoE load balancing: part of the loss that is minimised
                         loss = loss + aux

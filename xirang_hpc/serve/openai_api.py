@@ -257,11 +257,13 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
 def chat_prompt(tok: Any, messages: list[dict[str, str]]) -> tuple[str, list[str]]:
     """The prompt text for ``messages`` and the stop strings the template implies.
 
-    The tokenizer's own chat template when it has one (its EOS token ends the reply); otherwise
+    The tokenizer's own chat template when it has one (its EOS token ends the reply, and the strings in its
+    ``chat_stop``: a run fine-tuned on chat data serves with the template it learned); otherwise
     :func:`simple_chat_prompt`, whose replies also end where the model starts a new turn (``\\n<|``).
     """
     if has_chat_template(tok):
-        return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)), []
+        return (str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)),
+                list(getattr(tok, "chat_stop", None) or []))
     return simple_chat_prompt(messages), [SIMPLE_CHAT_STOP]
 
 
