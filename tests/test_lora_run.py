@@ -89,3 +89,10 @@ def test_lora_run_resumes_exactly_and_exports_for_peft_and_transformers(tmp_path
     assert (mine - plain).abs().max().item() > 1e-3
     assert (mine - theirs).abs().max().item() <= 1e-4
     assert (mine - whole).abs().max().item() <= 1e-4
+    # xirang-serve RUN and the eval stage load the run merged into its base (no adapter left to wrap).
+    from xirang_hpc.weights.load import load_checkpoint
+
+    loaded = load_checkpoint(full)
+    assert loaded.step == 20 and not any("lora" in k for k in loaded.model.state_dict())
+    with torch.no_grad():
+        assert (loaded.model(x) - mine).abs().max().item() <= 1e-4

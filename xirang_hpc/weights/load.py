@@ -110,6 +110,16 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> LoadedModel:
     model = GPT.for_loading(cfg)  # allocated, not initialised: every tensor is loaded below
     # No process group: DCP loads in this one process and reassembles every saved shard.
     sd = {k.removeprefix("model."): v for k, v in load_full(d, "model.").items()}
+    if ((state["config"].get("finetune") or {}).get("method")) == "lora":
+        # Adapters only: served and evaluated merged into the run's base (model.init_from), W + scale * B @ A.
+        from xirang_hpc.weights.hf import merged_lora_weights
+
+        try:
+            sd = merged_lora_weights(state, sd)
+        except (ValueError, OSError) as exc:
+            raise WeightsError(f"{d}: a LoRA run's checkpoint holds adapters only and its base cannot be read "
+                               f"({exc}); the base is model.init_from={state['config']['model'].get('init_from')}") \
+                from exc
     check_fits(model.state_dict(), sd, str(d))
     model.load_state_dict(sd)
     model.eval()
