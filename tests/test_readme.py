@@ -1,0 +1,58 @@
+"""The README's commands, run as written."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_hf_roundtrip import make_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def readme_block(heading: str) -> str:
+    """The first ```bash block under ``heading`` in README.md."""
+    text = (ROOT / "README.md").read_text()
+    assert heading in text, f"no heading {heading!r} in README.md"
+    m = re.search(r"```bash\n(.*?)```", text.split(heading, 1)[1], flags=re.S)
+    assert m, f"no bash block under {heading}"
+    return m.group(1)
+
+
+def chats(path: Path, n: int = 400) -> None:
+    """Conversations as users bring them: a system prompt, a question, the reply to learn."""
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(n):
+            a, b = rng.randint(1, 50), rng.randint(1, 50)
+            msgs = [{"role": "system", "content": "You add numbers."},
+                    {"role": "user", "content": f"What is {a} plus {b}?"},
+                    {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+
+
+@pytest.mark.slow
+def test_readme_fine_tuning(tmp_path: Path) -> None:
+    model_dir, corpus = tmp_path / "my-llama", tmp_path / "chats.jsonl"
+    make_model_dir(model_dir)
+    chats(corpus)
+    env = {**os.environ, "MODEL": str(model_dir), "CHATS": str(corpus),
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = subprocess.run(["bash", "-e", "-c", readme_block("## Fine-tuning")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=1500)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "0 longer than model.seq_len+1=257" in out  # every conversation fits the window whole
+    assert "step    30/30" in out and "lora: " in out
+    assert re.search(r"harness: xirang_heldout_mc acc \d\.\d+", out)
+    run = tmp_path / "runs" / "chat"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (run / "adapter").iterdir()}
+    assert json.loads((run / "harness.json").read_text())
+    assert r.stdout.splitlines()[-1].startswith("reply: ")  # the served run answered the official client
