@@ -470,3 +470,23 @@ def test_text_runs_keep_the_simple_chat_prompt(tmp_path: Path) -> None:
     install_run_tokenizer(tmp_path / "d", run)
     msgs = [{"role": "user", "content": "hi"}]
     assert chat_prompt(load_run_tokenizer(run), msgs) == (simple_chat_prompt(msgs), [SIMPLE_CHAT_STOP])
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_a_window_no_sample_can_learn_in_is_refused_at_launch(tmp_path: Path, overlong: str) -> None:
+    """The launch applies the ranks' rule before any queue wait: a window every sample overflows, with nothing
+    to learn in what is left (drop, or a cut before the reply), is refused naming model.seq_len."""
+    from xirang_hpc.data.prepare import check_chat_window
+
+    long_replies = []
+    for ids, _ in _samples(6, 7, 64, lo=40, hi=50):
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        mask[-5:] = 1  # the reply is at the end: a cut at 32 tokens leaves nothing to learn
+        long_replies.append((ids, mask))
+    data = _write_chat_dir(tmp_path / "long", long_replies)
+    with pytest.raises(CorpusError, match=r"no sample to learn from at seq_len=32 .* use a larger model.seq_len"):
+        check_chat_window(data, 32, overlong)
+    with pytest.raises(CorpusError, match="no sample to learn from at seq_len=32"):  # the ranks say the same
+        ChatSamples(data, "train", 32, overlong=overlong)
+    check_chat_window(data, 64, overlong)  # a window they fit passes
+    check_chat_window(_write_chat_dir(tmp_path / "mixed", [*long_replies, *_samples(2, 1, 64)]), 32, overlong)

@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 import torch
 
-from xirang_hpc.data.prepare import CorpusError, load_index
+from xirang_hpc.data.prepare import CorpusError, load_index, no_learnable_sample
 
 _SPLIT_TAG = {"train": 0, "val": 1}
 # Shards up to this many tokens are read into memory once; larger ones are sliced from disk.
@@ -136,9 +136,7 @@ class ChatSamples:
                 ids.append(tokens[a:b].astype(np.int64))
                 masks.append(mask[a:b].astype(bool))
         if not ids:
-            raise CorpusError(f"{split} split in {self.data_dir} has no sample to learn from at seq_len={seq_len} "
-                              f"(data.overlong={overlong}: every sample is longer, or loses its replies when "
-                              "cut); use a larger model.seq_len")
+            raise no_learnable_sample(self.data_dir, split, seq_len, overlong)
         self._ids, self._masks = ids, masks
         self._slots = np.asarray([len(a) - 1 for a in ids])  # positions each sample fills
         self._epochs: list[list[list[int]]] = []

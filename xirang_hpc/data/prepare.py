@@ -594,3 +594,34 @@ def verify(out_dir: str | Path) -> None:
     chat = index.get("chat_template_file") or {}
     if chat.get("file") and file_sha256(Path(out_dir) / chat["file"]) != chat.get("sha256"):
         raise CorpusError(f"{Path(out_dir) / chat['file']} fails its checksum; rerun xirang-prepare")
+
+
+def no_learnable_sample(data_dir: Path, split: str, seq_len: int, overlong: str) -> CorpusError:
+    """The refusal of a window no chat sample can be learned in (at launch and in the ranks alike)."""
+    return CorpusError(f"{split} split in {data_dir} has no sample to learn from at seq_len={seq_len} "
+                       f"(data.overlong={overlong}: every sample is longer, or loses its replies when cut); "
+                       "use a larger model.seq_len")
+
+
+def check_chat_window(data_dir: str | Path, seq_len: int, overlong: str = "truncate", split: str = "train") -> None:
+    """At launch, before any queue wait: refuse a window no sample of ``split`` can be learned in (the same
+    rule the ranks apply). Reads the samples' offsets only, and the loss masks only when every sample is
+    longer than the window; text data passes."""
+    data_dir = Path(data_dir)
+    index = load_index(data_dir)
+    if index.get("format") != "chat":
+        return
+    cut_learnable = False
+    for s in index["splits"][split]:
+        with h5py.File(data_dir / s["file"], "r", locking=False) as f:
+            offsets = f["offsets"][:]
+            lengths = np.diff(offsets)
+            if ((lengths >= 2) & (lengths <= seq_len + 1)).any():
+                return  # a whole sample fits (its reply is learned: records without one are refused)
+            if overlong == "truncate" and not cut_learnable:
+                mask = f["loss_mask"]
+                cut_learnable = any(mask[a + 1 : a + seq_len + 1].any() for a in offsets[:-1][:1000])
+    if cut_learnable:
+        return
+    raise no_learnable_sample(data_dir, split, seq_len, overlong)
+

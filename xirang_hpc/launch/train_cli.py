@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
-from xirang_hpc.data.prepare import CorpusError, ensure_prepared
+from xirang_hpc.data.prepare import CorpusError, check_chat_window, ensure_prepared
 from xirang_hpc.files import private_by_default
 from xirang_hpc.job.entry import train_job
 from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
@@ -204,6 +204,7 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
         print("\n".join(check_quota(cfg, db=db)[0]), flush=True)
     # First: data that cannot be used leaves no run directory behind.
     data_dir = ensure_prepared(cfg.data, cfg.data.out_dir)
+    check_chat_window(data_dir, cfg.model.seq_len, cfg.data.overlong)  # chat data: a window that can learn
     run_dir = open_run_dir(cfg)
     if cfg.cluster.executor == "slurm":  # submit and return; train.wait=true blocks
         from xirang_hpc.launch.slurm import launch_slurm
