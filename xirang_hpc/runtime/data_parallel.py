@@ -25,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import CommConfig, TrainConfig
 from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh
 
@@ -145,14 +146,40 @@ class DpShardedOptimizer:
                 p.grad.zero_()
 
 
+def adamw_impl(impl: str, device_type: str) -> dict[str, bool]:
+    """AdamW's keyword arguments for ``train.optimizer_impl`` on ``device_type``.
+
+    ``auto``: none (torch's own choice: foreach on accelerators, the per-tensor loop on the CPU);
+    ``foreach``: ``foreach=True``; ``fused``: ``fused=True``, refused by name on a device type for which
+    this torch build has no fused kernel.
+    """
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    if impl == "auto":
+        return {}
+    if impl == "foreach":
+        return {"foreach": True}
+    if impl == "fused":
+        supported = _get_fused_kernels_supported_devices()
+        if device_type not in supported:
+            raise ConfigError("train.optimizer_impl", impl,
+                              f"this torch build has no fused AdamW for device {device_type} (it has one for "
+                              f"{', '.join(supported)}); use train.optimizer_impl=foreach or auto")
+        return {"fused": True}
+    raise ConfigError("train.optimizer_impl", impl, "choose one of auto, foreach, fused")
+
+
 def build_optimizer(model: nn.Module, t: TrainConfig, zero_mesh: DeviceMesh | None = None,
-                    replicated_dtensors: bool = False) -> torch.optim.Optimizer:
+                    replicated_dtensors: bool = False, device_type: str | None = None) -> torch.optim.Optimizer:
     """AdamW; with ``zero_mesh`` its state is sharded over that (dp) mesh (ZeRO-1).
 
     ``replicated_dtensors``: the parameters are FSDP2-replicated DTensors (tp > 1 or pp > 1), sharded
-    by :class:`DpShardedOptimizer`; otherwise (DDP) by ``ZeroRedundancyOptimizer``.
+    by :class:`DpShardedOptimizer`; otherwise (DDP) by ``ZeroRedundancyOptimizer``. ``device_type``: where
+    the parameters live (default: the first parameter's), for ``train.optimizer_impl``.
     """
-    kw = {"lr": t.lr, "betas": (t.beta1, t.beta2)}
+    if device_type is None:
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+    kw = {"lr": t.lr, "betas": (t.beta1, t.beta2), **adamw_impl(t.optimizer_impl, device_type)}
     groups = param_groups(model, t)
     if zero_mesh is not None and replicated_dtensors:
         return DpShardedOptimizer(groups, zero_mesh.get_group(), **kw)  # type: ignore[return-value]
