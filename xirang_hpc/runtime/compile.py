@@ -36,18 +36,28 @@ def cache_root(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / CACHE_SUBDIR
 
 
+def _torch_default_cache() -> str:
+    """The directory Inductor picks by itself (``/tmp/torchinductor_<user>``): node-local, lost on a requeue."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(default_cache_dir())
+
+
 def configure_cache(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Point Inductor's and Triton's caches at the user's cache directory (created private, mode 0700).
 
-    ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` already set (by the user or a site) are kept.
-    Inductor reads them when it first compiles, so this runs in the rank process before anything is
-    compiled (:func:`probe` and :func:`apply_compile` call it). Returns the two directories.
+    A ``TORCHINDUCTOR_CACHE_DIR`` or ``TRITON_CACHE_DIR`` set by the user or the site is kept. Importing
+    ``torch._dynamo`` writes Inductor's own node-local default (``/tmp/torchinductor_<user>``) into the
+    environment, so that value counts as unset. Inductor reads the variable whenever it opens its cache,
+    so this runs in the rank process before anything is compiled (:func:`probe` and :func:`apply_compile`
+    call it). Returns the two directories.
     """
     e = os.environ if env is None else env
     root = cache_root(e)
+    torch_default = _torch_default_cache()
     out: dict[str, str] = {}
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
-        if not e.get(var):
+        if not e.get(var) or (var == "TORCHINDUCTOR_CACHE_DIR" and os.path.abspath(e[var]) == torch_default):
             path = root / sub
             for d in (root, path):  # private: compiled code that another user could replace would run here
                 d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -72,6 +82,10 @@ def probe(device: torch.device) -> None:
     fix = ("install a C++ compiler (g++, or point $CXX at one)" if device.type == "cpu"
            else f"install Triton (or the Inductor backend of {device.type})")
     try:
+        if device.type == "cpu":  # explicitly: kernels cached by an earlier start would hide a missing compiler
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
         torch._dynamo.reset()  # a refusal seen earlier in this process is not reused from dynamo's cache
         fn = torch.compile(_probe_fn, backend="inductor", fullgraph=True)
         x = torch.arange(8, dtype=torch.float32, device=device)

@@ -76,6 +76,25 @@ def param_groups(model: nn.Module, t: TrainConfig) -> list[dict[str, object]]:
     return [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def split_dtensor_groups(groups: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Each group as two (same hyperparameters): its DTensor parameters, then its plain ones; empty ones dropped.
+
+    Tensor parallelism leaves some parameters plain (norms, embeddings); a foreach or fused AdamW call over one
+    group hands all of its tensors to one operator, which DTensor refuses when they are mixed. Groups without
+    a mix are kept as they are. Adam is elementwise, so the update is the same.
+    """
+    out: list[dict[str, object]] = []
+    for g in groups:
+        params = list(g["params"])  # type: ignore[call-overload]
+        dt = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        if not dt or not plain:
+            out.append(g)
+            continue
+        out += [{**g, "params": dt}, {**g, "params": plain}]
+    return out
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores for ``p`` (its DTensor shard), aliasing the parameter's storage."""
     with torch.no_grad():
@@ -179,8 +198,11 @@ def build_optimizer(model: nn.Module, t: TrainConfig, zero_mesh: DeviceMesh | No
     """
     if device_type is None:
         device_type = next((p.device.type for p in model.parameters()), "cpu")
-    kw = {"lr": t.lr, "betas": (t.beta1, t.beta2), **adamw_impl(t.optimizer_impl, device_type)}
+    impl = adamw_impl(t.optimizer_impl, device_type)
+    kw = {"lr": t.lr, "betas": (t.beta1, t.beta2), **impl}
     groups = param_groups(model, t)
+    if impl:  # one multi-tensor kernel takes all of a group's tensors: DTensors and plain ones may not mix there
+        groups = split_dtensor_groups(groups)
     if zero_mesh is not None and replicated_dtensors:
         return DpShardedOptimizer(groups, zero_mesh.get_group(), **kw)  # type: ignore[return-value]
     if zero_mesh is not None:
