@@ -109,7 +109,8 @@ class TrainConfig:
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError("train.precision", self.precision, "choose auto, fp32 or bf16")
         if self.optimizer_impl not in OPTIMIZER_IMPLS:
-            raise ConfigError("train.optimizer_impl", self.optimizer_impl, f"choose one of {', '.join(OPTIMIZER_IMPLS)}")
+            raise ConfigError("train.optimizer_impl", self.optimizer_impl,
+                              f"choose one of {', '.join(OPTIMIZER_IMPLS)}")
         if self.share_group:
             check_share_group(self.share_group)
         if self.extend_to and self.extend_to <= self.max_steps:
