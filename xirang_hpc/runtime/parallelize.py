@@ -1,8 +1,9 @@
-"""Compose the layout for one rank: pipeline split -> tensor parallel -> recompute -> data parallel.
+"""Compose the layout for one rank: pipeline split -> tensor parallel -> recompute -> compile -> data parallel.
 
 The order matters: a stage first drops the blocks it does not own; tensor parallelism shards the
-remaining blocks; recomputation wraps each block's forward; data parallelism (DDP or FSDP2) goes
-last and sees the final (possibly DTensor) parameters. ``model`` always keeps the full-model
+remaining blocks; recomputation wraps each block's forward; ``train.compile`` compiles each block's
+forward over both (torchtitan's order); data parallelism (DDP or FSDP2) goes last and sees the final
+(possibly DTensor) parameters, its hooks outside the compiled graphs. ``model`` always keeps the full-model
 parameter names (``layers.3.attn.q.weight``), whatever the layout.
 
 Also here: the global operations that must be right across dp, tp and pp together (gradient
