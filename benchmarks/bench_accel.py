@@ -6,14 +6,17 @@ interpreter, so compile state never carries over except through the on-disk cach
 
 1. tokens/s of our trainer step, eager vs ``train.compile=true`` (median step time after the first steps);
 2. compile time, cold (an empty per-user cache directory) and warm (the same directory again, as an
-   in-job restart or a requeue finds it): the first step's time minus a steady step's;
+   in-job restart or a requeue finds it): the start-up (build and the first steps, beyond what steady
+   steps take) of the compiled trainer minus that of the eager one;
 3. our trainer step vs a plain PyTorch loop of the same model (AdamW, ``clip_grad_norm_``, the same
    batches), with the same compile setting (each block's forward through ``torch.compile``);
 4. ``train.optimizer_impl`` auto / foreach / fused: tokens/s (eager).
 
-Prints each figure and the ratios. ``--quick``: fewer steps (about 2-3 minutes on 2 busy cores).
+The warm measurements run in ``--rounds`` interleaved rounds (the order reversed every other round) and
+the ratios are medians of the per-round ratios, so load from elsewhere on the machine hits both sides.
+Prints each figure and the ratios. ``--quick``: 8 steps, one round (about 1-2 minutes on 2 cores).
 
-Run:  python benchmarks/bench_accel.py [--quick] [--steps 20]
+Run:  python benchmarks/bench_accel.py [--quick] [--steps 16] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -102,50 +105,63 @@ def steady(times: list[float], skip: int) -> float:
 def main() -> None:
     """Run the measurements and print the figures and ratios."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, ~2-3 min on 2 cores)")
-    ap.add_argument("--steps", type=int, default=0, help="steps per measurement (default 20, --quick 8)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps, one round (a smoke run, ~2 min on 2 cores)")
+    ap.add_argument("--steps", type=int, default=0, help="steps per measurement (default 16, --quick 8)")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds of the warm measurements (default 3, --quick 1)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(_child(*json.loads(a.child))))
         return
-    steps = a.steps or (8 if a.quick else 20)
-    skip = 3  # steps 0-2: compiling (first forward, then the eval-free backward) and warm-up
+    steps = a.steps or (8 if a.quick else 16)
+    rounds = a.rounds or (1 if a.quick else 3)
+    skip = 3  # steps 0-2: compiling (the first forward and backward) and warm-up
     tokens = TRAIN["global_batch"] * LLAMA["seq_len"]
+    runs = {"trainer-eager": ("trainer", False, "auto"), "trainer-compiled": ("trainer", True, "auto"),
+            "plain-eager": ("plain", False, "auto"), "plain-compiled": ("plain", True, "auto"),
+            "trainer-foreach": ("trainer", False, "foreach"), "trainer-fused": ("trainer", False, "fused")}
+    res: dict[str, list[dict[str, Any]]] = {k: [] for k in runs}
     with tempfile.TemporaryDirectory() as tmp:
         from xirang_hpc.data.prepare import prepare
 
         data = Path(tmp) / "data"
         prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), data, val_fraction=0.2)
-        cache = Path(tmp) / "cache"  # starts empty: the first compiled run is cold, the next ones warm
-        r: dict[str, dict[str, Any]] = {}
-        order = [("trainer-eager", "trainer", False, "auto"), ("trainer-compiled-cold", "trainer", True, "auto"),
-                 ("trainer-compiled-warm", "trainer", True, "auto"), ("plain-eager", "plain", False, "auto"),
-                 ("plain-compiled", "plain", True, "auto"), ("trainer-foreach", "trainer", False, "foreach"),
-                 ("trainer-fused", "trainer", False, "fused")]
-        for name, kind, comp, impl in order:
-            t0 = time.perf_counter()
-            r[name] = run_child(kind, comp, impl, steps, data, cache)
-            print(f"  {name}: {time.perf_counter() - t0:.1f} s in its process", file=sys.stderr, flush=True)
-    step = {k: steady(v["times"], skip) for k, v in r.items()}
-    tps = {k: tokens / v for k, v in step.items()}
-    first = {k: v["times"][0] + v["times"][1] for k, v in r.items()}  # forward compile in step 0, backward too
+        cache = Path(tmp) / "cache"  # starts empty: the first compiled run is cold, every later one warm
+        cold = run_child("trainer", True, "auto", steps, data, cache)
+        for rnd in range(rounds):  # the warm measurements interleaved, the order reversed every other round
+            for name in list(runs) if rnd % 2 == 0 else list(runs)[::-1]:
+                t0 = time.perf_counter()
+                res[name].append(run_child(*runs[name], steps, data, cache))
+                print(f"  round {rnd} {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    def tps(r: dict[str, Any]) -> float:
+        return tokens / steady(r["times"], skip)
+
+    def to_steady(r: dict[str, Any]) -> float:  # build + the first steps beyond steady ones: start-up cost
+        return r["build_s"] + sum(r["times"][:skip]) - skip * steady(r["times"], skip)
+
+    def med(name: str, f: Any = tps) -> float:
+        return statistics.median(f(r) for r in res[name])
+
+    def ratio(a_: str, b: str) -> str:
+        per = [tps(x) / tps(y) for x, y in zip(res[a_], res[b], strict=True)]
+        return f"{statistics.median(per):.3f}" + (f" (rounds {min(per):.3f}-{max(per):.3f})" if len(per) > 1 else "")
+
     print(f"model {LLAMA['name']}: {LLAMA['n_layer']} layers, d_model {LLAMA['d_model']}, GQA "
           f"{LLAMA['n_head']}/{LLAMA['n_kv_head']}, seq {LLAMA['seq_len']}, batch {TRAIN['global_batch']}; "
-          f"{steps} steps each, median of steps {skip}..{steps - 1}; torch threads "
+          f"{steps} steps per process, median step of {skip}..{steps - 1}; {rounds} round(s); torch threads "
           f"{os.environ.get('BENCH_THREADS', '2')}")
-    for k in r:
-        print(f"{k:24s} {tps[k]:>9,.0f} tok/s   step {step[k] * 1e3:7.1f} ms   first two steps {first[k]:6.2f} s")
-    cold = first["trainer-compiled-cold"] - 2 * step["trainer-compiled-cold"]
-    warm = first["trainer-compiled-warm"] - 2 * step["trainer-compiled-warm"]
-    print(f"compile time (first two steps minus two steady steps): cold {cold:.2f} s, warm {warm:.2f} s "
-          f"(warm/cold {warm / cold:.2f})")
-    print(f"compiled / eager tok/s (trainer):            {tps['trainer-compiled-warm'] / tps['trainer-eager']:.3f}")
-    print(f"compiled / eager tok/s (plain loop):         {tps['plain-compiled'] / tps['plain-eager']:.3f}")
-    print(f"trainer / plain loop tok/s, eager:           {tps['trainer-eager'] / tps['plain-eager']:.3f}")
-    print(f"trainer / plain loop tok/s, compiled:        {tps['trainer-compiled-warm'] / tps['plain-compiled']:.3f}")
-    print(f"optimizer foreach / auto tok/s (eager):      {tps['trainer-foreach'] / tps['trainer-eager']:.3f}")
-    print(f"optimizer fused / auto tok/s (eager):        {tps['trainer-fused'] / tps['trainer-eager']:.3f}")
+    for k in runs:
+        print(f"{k:20s} {med(k):>9,.0f} tok/s   start-up beyond steady steps {med(k, to_steady):6.2f} s")
+    eager0 = med("trainer-eager", to_steady)
+    c_cold, c_warm = to_steady(cold) - eager0, med("trainer-compiled", to_steady) - eager0
+    print(f"compile time (start-up minus eager start-up): cold cache {c_cold:.2f} s, warm cache {c_warm:.2f} s")
+    print(f"compiled / eager tok/s (trainer):        {ratio('trainer-compiled', 'trainer-eager')}")
+    print(f"compiled / eager tok/s (plain loop):     {ratio('plain-compiled', 'plain-eager')}")
+    print(f"trainer / plain loop tok/s, eager:       {ratio('trainer-eager', 'plain-eager')}")
+    print(f"trainer / plain loop tok/s, compiled:    {ratio('trainer-compiled', 'plain-compiled')}")
+    print(f"optimizer foreach / auto tok/s (eager):  {ratio('trainer-foreach', 'trainer-eager')}")
+    print(f"optimizer fused / auto tok/s (eager):    {ratio('trainer-fused', 'trainer-eager')}")
 
 
 if __name__ == "__main__":
