@@ -82,6 +82,12 @@ def test_trainer_refuses_compile_before_building_the_model(no_cxx: None, email_d
     assert built == [], "refused before any model is built"
 
 
+def test_compile_is_refused_for_mixture_of_experts_models() -> None:
+    with pytest.raises(ConfigError, match="train.compile"):
+        H.make_cfg(1, {}, model={"mlp": "swiglu", "moe_experts": 4}, train={"compile": True})
+    H.make_cfg(1, {}, model={"mlp": "swiglu", "moe_experts": 4})  # the same model, eager
+
+
 def test_optimizer_impl_keywords_and_the_fused_refusal() -> None:
     assert adamw_impl("auto", "cpu") == {}
     assert adamw_impl("foreach", "cpu") == {"foreach": True}

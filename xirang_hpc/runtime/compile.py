@@ -86,7 +86,7 @@ def probe(device: torch.device) -> None:
             from torch._inductor.cpp_builder import get_cpp_compiler
 
             get_cpp_compiler()
-        torch._dynamo.reset()  # a refusal seen earlier in this process is not reused from dynamo's cache
+        torch._dynamo.reset()  # really compiled now, not reused from dynamo's in-process cache
         fn = torch.compile(_probe_fn, backend="inductor", fullgraph=True)
         x = torch.arange(8, dtype=torch.float32, device=device)
         ok = torch.allclose(fn(x).cpu(), _probe_fn(x).cpu(), rtol=1e-5, atol=1e-6)
