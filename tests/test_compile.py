@@ -82,6 +82,15 @@ def test_trainer_refuses_compile_before_building_the_model(no_cxx: None, email_d
     assert built == [], "refused before any model is built"
 
 
+def test_a_rank_s_config_refusal_is_shown_as_its_one_line() -> None:
+    from xirang_hpc.launch.train_cli import config_refusal
+
+    err = ConfigError("train.compile", True, "torch.compile cannot build kernels for cpu on this node; ...")
+    trace = f"Traceback (most recent call last):\n  File ...\n{type(err).__module__}.ConfigError: {err}\n"
+    assert config_refusal(trace) == str(err)
+    assert config_refusal("Traceback ...\nRuntimeError: boom\n") is None
+
+
 def test_compile_is_refused_for_mixture_of_experts_models() -> None:
     with pytest.raises(ConfigError, match="train.compile"):
         H.make_cfg(1, {}, model={"mlp": "swiglu", "moe_experts": 4}, train={"compile": True})
