@@ -120,6 +120,27 @@ def test_dtensor_and_plain_parameters_go_to_separate_groups() -> None:
     out = split_dtensor_groups(groups)
     assert [[id(p) for p in g["params"]] for g in out] == [[id(d)], [id(a), id(b)], [id(a)]]
     assert [g["weight_decay"] for g in out] == [0.1, 0.1, 0.0]
+    assert [g["origin_group"] for g in out] == [0, 0, 1]
+
+
+def test_a_checkpoint_s_groups_fit_a_split_or_unsplit_optimizer_and_never_set_its_kernel() -> None:
+    """Resuming with another train.optimizer_impl: the groups match through origin_group, the saved
+    hyperparameters apply, the saved foreach/fused flags do not."""
+    from xirang_hpc.checkpoint.state import _merge_groups
+
+    plain = [{"params": [0, 1], "lr": 1.0, "weight_decay": 0.1, "fused": None, "foreach": None},
+             {"params": [2], "lr": 1.0, "weight_decay": 0.0, "fused": None, "foreach": None}]
+    split = [{"params": [0], "lr": 2.0, "weight_decay": 0.1, "fused": True, "foreach": None, "origin_group": 0},
+             {"params": [1], "lr": 2.0, "weight_decay": 0.1, "fused": True, "foreach": None, "origin_group": 0},
+             {"params": [2], "lr": 2.0, "weight_decay": 0.0, "fused": True, "foreach": None, "origin_group": 1}]
+    saved_plain = [{**g, "lr": 0.5, "params": []} for g in plain]
+    got = _merge_groups(saved_plain, split)  # an auto run resumed fused under tensor parallelism
+    assert [g["params"] for g in got] == [[0], [1], [2]] and [g["lr"] for g in got] == [0.5] * 3
+    assert [g["fused"] for g in got] == [True] * 3 and [g["weight_decay"] for g in got] == [0.1, 0.1, 0.0]
+    got = _merge_groups([{**g, "lr": 0.25} for g in split], plain)  # and back
+    assert [g["lr"] for g in got] == [0.25, 0.25] and [g["fused"] for g in got] == [None, None]
+    with pytest.raises(ValueError, match="param groups"):
+        _merge_groups(saved_plain[:1], plain)
 
 
 def _run(email_data: Path, tmp_path: Path, impl: str, steps: int = 4) -> tuple[list[float], dict, Trainer]:

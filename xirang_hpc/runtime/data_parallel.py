@@ -81,17 +81,17 @@ def split_dtensor_groups(groups: list[dict[str, object]]) -> list[dict[str, obje
 
     Tensor parallelism leaves some parameters plain (norms, embeddings); a foreach or fused AdamW call over one
     group hands all of its tensors to one operator, which DTensor refuses when they are mixed. Groups without
-    a mix are kept as they are. Adam is elementwise, so the update is the same.
+    a mix are kept as they are. Adam is elementwise, so the update is the same. Every group carries
+    ``origin_group`` (the index of the group it came from) for a checkpoint restore.
     """
     out: list[dict[str, object]] = []
-    for g in groups:
+    for i, g in enumerate(groups):
         params = list(g["params"])  # type: ignore[call-overload]
         dt = [p for p in params if isinstance(p, DTensor)]
         plain = [p for p in params if not isinstance(p, DTensor)]
-        if not dt or not plain:
-            out.append(g)
-            continue
-        out += [{**g, "params": dt}, {**g, "params": plain}]
+        parts = [dt, plain] if dt and plain else [params]
+        # origin_group: a checkpoint restore matches groups through it (checkpoint/state.py)
+        out += [{**g, "params": part, "origin_group": i} for part in parts]
     return out
 
 
@@ -212,6 +212,7 @@ def build_optimizer(model: nn.Module, t: TrainConfig, zero_mesh: DeviceMesh | No
 
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                       process_group=zero_mesh.get_group(), weight_decay=t.weight_decay, **kw)
-        opt.add_param_group(groups[1])
+        for g in groups[1:]:
+            opt.add_param_group(g)
         return opt
     return torch.optim.AdamW(groups, **kw)
