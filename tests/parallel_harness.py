@@ -113,6 +113,9 @@ def full_params(trainer: Trainer) -> dict[str, Any]:
 def run_layout(cfg: XirangConfig, topo: Topology, data_dir: Path, steps: int, want_params: bool = True,
                ) -> dict[str, Any]:
     """Train ``steps`` steps; returns losses, grad norms, timings and (reporting ranks') params."""
+    from torch._dynamo.utils import counters
+
+    graphs0 = counters["stats"]["unique_graphs"]
     with tempfile.TemporaryDirectory() as run_dir:
         tr = Trainer(cfg, topo, Path(run_dir), data_dir, log=lambda s: None)
         losses, norms, times = [], [], []
@@ -129,6 +132,9 @@ def run_layout(cfg: XirangConfig, topo: Topology, data_dir: Path, steps: int, wa
                         for st in inner.state.values() for k, v in st.items() if k == "exp_avg")
         keep = tr.pm.coords["dp"] == 0 and tr.pm.coords["tp"] == 0
         out = {"losses": losses, "norms": norms, "times": times, "params": params if keep else {}, "val": val,
+               # graphs torch.compile made for this layout beyond its start-up probe's one (train.compile)
+               "graphs": counters["stats"]["unique_graphs"] - graphs0 - int(cfg.train.compile),
+               "optimizer": {k: inner.defaults.get(k) for k in ("foreach", "fused")},
                "n_opt_state": opt_state, "n_local_params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                                      for p in tr.model.parameters())}
         del tr

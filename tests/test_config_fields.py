@@ -42,6 +42,7 @@ from xirang_hpc.launch.slurm import sbatch_parameters
 from xirang_hpc.monitor.watchdog import thresholds_for
 from xirang_hpc.planner.hardware import hardware_for
 from xirang_hpc.runtime.comm.install import parse_bucket
+from xirang_hpc.runtime.data_parallel import adamw_impl
 from xirang_hpc.runtime.dist import pick_backend, threads_per_rank
 from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims
 from xirang_hpc.runtime.policy import REASONS, decide
@@ -115,6 +116,10 @@ def device(cfg: XirangConfig) -> str:
     gpus = SimpleNamespace(is_available=lambda: True, current_accelerator=lambda: torch.device("cuda"),
                            device_count=lambda: 2)  # the decision on a node with two GPUs
     return str(decide(cfg.cluster.device, 1, "auto", accel=gpus))
+
+
+def adamw_kwargs(cfg: XirangConfig) -> dict[str, bool]:
+    return adamw_impl(cfg.train.optimizer_impl, "cpu")
 
 
 def reads(module: str) -> tuple[str, str]:
@@ -209,6 +214,8 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "train.mlflow_uri": ("file:/tmp/mlruns", reads("xirang_hpc.monitor.tracking"), ["train.loggers=[mlflow]"]),
     "train.share_group": ("root", reads("xirang_hpc.launch.train_cli"), []),
     "train.loss_chunk_tokens": (4096, reads("xirang_hpc.runtime.parallelize"), []),
+    "train.compile": (True, reads("xirang_hpc.runtime.parallelize"), []),
+    "train.optimizer_impl": ("fused", adamw_kwargs, []),
     # checkpoint: retention, the manager, the tuner
     "checkpoint.enabled": (False, reads("xirang_hpc.job.training"), []),
     "checkpoint.every_steps": (7, reads("xirang_hpc.checkpoint.trainer_hook"), []),

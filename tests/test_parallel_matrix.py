@@ -58,6 +58,13 @@ CHUNKED = [(2, "dp2"), (2, "tp2"), (2, "pp2"), (2, "pp2v2"), (2, "zero2dp2"), (4
            (4, "fsdp2xtp2")]
 # LoRA (frozen base, adapters on every block linear) against the single-process LoRA run, in process groups
 # of their own: data parallel (DDP), FSDP2 (ZeRO-3), pipeline stages (1F1B), both together.
+# train.compile (each block through torch.compile, Inductor on the CPU) against the eager single-process reference,
+# in the world-2 group: DDP, FSDP2 (ZeRO-3), tensor parallel, 1F1B pipeline stages, and over full recompute.
+# ~10 s of compiling per case here on a cold cache (the per-user cache makes a rerun cheaper; no timing is tested).
+COMPILED = [(2, "dp2", "none"), (2, "zero3dp2", "none"), (2, "tp2", "none"), (2, "pp2", "none"), (2, "dp2", "full")]
+# train.optimizer_impl beside the default AdamW: over FSDP2's DTensor shards, tensor parallelism's mix of DTensor
+# and plain parameters, and ZeRO-1's local AdamW (cheap: no compiling).
+OPTIMIZER_CASES = [(2, "zero3dp2", "fused"), (2, "tp2", "fused"), (2, "tp2", "foreach"), (2, "dp2zero", "fused")]
 LORA_CASES = [(2, "dp2"), (2, "pp2"), (4, "fsdp4"), (4, "dp2xpp2")]
 # Chat fine-tuning data (a BPE of 512 tokens, seq_len 64) against the single-process run of the same data:
 # packed rows in every layout kind, padded rows and the chunked loss under DDP.
@@ -89,6 +96,10 @@ def groups(email_data: Path):
                      for w, n, m in SHAPE_CASES if w == world]
             jobs += [(f"{n}/chunked", H.make_cfg(w, H.LAYOUTS[n], train={"loss_chunk_tokens": 24}))
                      for w, n in CHUNKED if w == world]
+            jobs += [(f"{n}/{r}/compiled", H.with_recompute(H.make_cfg(w, H.LAYOUTS[n], train={"compile": True}), r))
+                     for w, n, r in COMPILED if w == world]
+            jobs += [(f"{n}/{o}", H.make_cfg(w, H.LAYOUTS[n], train={"optimizer_impl": o}))
+                     for w, n, o in OPTIMIZER_CASES if w == world]
             cache[world] = H.run_group(world, jobs, email_data, steps=10, timeout_s=420)
         return cache[world]
 
@@ -179,6 +190,39 @@ def test_bf16_pipeline_stages_run_under_autocast(groups, ref: dict, email_data: 
     params = H.merged_params(per_rank)
     for name, want in refb["params"].items():
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-2, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout,recompute", COMPILED, ids=[f"{n}-{r}" for _, n, r in COMPILED])
+def test_compiled_layout_matches_eager_single_process(world: int, layout: str, recompute: str, groups,
+                                                      ref: dict) -> None:
+    """train.compile: the compiled blocks train like the eager single process (rtol/atol 1e-5), and compiled
+    graphs really ran on every rank (an eager fallback would not make any)."""
+    per_rank = groups(world)[f"{layout}/{recompute}/compiled"]
+    _assert_same_curves(per_rank, world, ref)
+    assert all(r["graphs"] > 0 for r in per_rank), [r["graphs"] for r in per_rank]
+    params = H.merged_params(per_rank)
+    assert sorted(params) == sorted(ref["params"]), "compiling keeps the parameter names"
+    for name, want in ref["params"].items():
+        np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+def test_eager_layouts_make_no_graphs(groups) -> None:
+    """The graph count the compiled cases assert on is 0 without train.compile (so it can fail)."""
+    assert all(r["graphs"] == 0 for r in groups(2)["dp2/none"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout,impl", OPTIMIZER_CASES, ids=[f"{n}-{o}" for _, n, o in OPTIMIZER_CASES])
+def test_optimizer_impl_layout_matches_single_process(world: int, layout: str, impl: str, groups, ref: dict) -> None:
+    """train.optimizer_impl=foreach|fused: the default AdamW's curves and weights, with the kernel asked for."""
+    per_rank = groups(world)[f"{layout}/{impl}"]
+    _assert_same_curves(per_rank, world, ref)
+    assert all(r["optimizer"][impl] is True for r in per_rank)
+    params = H.merged_params(per_rank)
+    for name, want in ref["params"].items():
+        np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
 
 
 @pytest.fixture(scope="module")

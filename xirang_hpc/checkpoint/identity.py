@@ -27,7 +27,9 @@ TRAIN_NON_SEMANTIC = frozenset({"name", "grad_accum", "eval_every", "eval_batche
                                 "run_dir", "wait", "resume_from", "priority", "loggers", "mlflow_uri",
                                 "after_active", "extend_to", "share_group",
                                 # how the loss is computed, not what: equal up to summation order
-                                "loss_chunk_tokens"})
+                                "loss_chunk_tokens",
+                                # compiled blocks, AdamW's kernels: the same arithmetic, fused or reordered
+                                "compile", "optimizer_impl"})
 DATA_NON_SEMANTIC = frozenset({"out_dir", "shard_tokens"})
 # Data fields added with tokenizer/corpus choice: left out of the key at their defaults, so the run
 # directories of byte-level runs keep the names they always had.

@@ -143,15 +143,32 @@ class TensorStateCache:
         return tensors, groups, False
 
 
+# How AdamW computes, set by train.optimizer_impl at every start: never taken from a checkpoint.
+IMPL_KEYS = frozenset({"foreach", "fused"})
+
+
 def _merge_groups(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Saved hyperparameters over the current groups (which keep their own ``params``)."""
-    if len(saved) != len(current):
+    """Saved hyperparameters over the current groups (which keep their own ``params``).
+
+    A foreach/fused AdamW under tensor parallelism splits each group in two (``origin_group``: the index of the
+    group it came from, see ``runtime.data_parallel.split_dtensor_groups``); groups are matched through it, so
+    a run can switch ``train.optimizer_impl`` when it resumes.
+    """
+    def origin(g: dict[str, Any], i: int) -> int:
+        return int(g.get("origin_group", i))
+
+    by_origin: dict[int, dict[str, Any]] = {}
+    for i, s in enumerate(saved):
+        by_origin.setdefault(origin(s, i), s)
+    want = {origin(c, i) for i, c in enumerate(current)}
+    if len(saved) != len(current) and want != set(by_origin):
         raise ValueError(f"checkpoint has {len(saved)} optimizer param groups, this optimizer {len(current)}")
     out = []
-    for s, cur in zip(saved, current):
+    for i, cur in enumerate(current):
+        s = saved[i] if len(saved) == len(current) else by_origin[origin(cur, i)]
         g = dict(cur)
         for k, v in s.items():
-            if k != "params" and k in cur:
+            if k != "params" and k in cur and k not in IMPL_KEYS and k != "origin_group":
                 g[k] = tuple(v) if isinstance(cur[k], tuple) else v
         out.append(g)
     return out

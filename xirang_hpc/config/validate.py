@@ -176,6 +176,9 @@ def validate(cfg: XirangConfig) -> XirangConfig:
         field, value = ("parallel.pp", p.pp) if p.pp > 1 else ("parallel.tp", p.tp)
         raise ConfigError(field, value, "mixture-of-experts models train data-parallel only for now (no pipeline "
                           "stages, tensor or expert parallelism); use parallel.pp=1 parallel.tp=1")
+    if m.moe_experts and t.compile:  # the router's data-dependent token routing breaks a whole-block graph
+        raise ConfigError("train.compile", True, "mixture-of-experts blocks are not compiled (their token routing "
+                          "has data-dependent shapes); use train.compile=false for model.moe_experts > 0")
     if m.tie_embeddings and p.pp > 1:
         raise ConfigError(
             "model.tie_embeddings",

@@ -38,6 +38,13 @@ from xirang_hpc.monitor import audit
 log = logging.getLogger("xirang.train")
 
 
+def config_refusal(trace: str) -> str | None:
+    """The ``ConfigError`` message a failed job's traceback ends with, if that is how a rank stopped, else None."""
+    tag = f"{ConfigError.__module__}.{ConfigError.__name__}: "
+    lines = [ln for ln in trace.splitlines() if ln.startswith(tag)]
+    return lines[-1].removeprefix(tag) if lines else None
+
+
 def _fail(msg: str, code: int = 2) -> None:
     print(f"xirang-train: error: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)
@@ -239,6 +246,9 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     except _LauncherStop as stop:
         _stop_local(job, run_dir, stop.signum, grace_s=max(60.0, float(cfg.cluster.signal_delay_s)))
     except submitit.core.utils.FailedJobError as exc:
+        refusal = config_refusal(str(exc))
+        if refusal is not None:  # a rank refused its config at start-up (train.compile's probe, ...): that line
+            _fail(f"job {job.job_id} refused: {refusal} (logs: {Path(job.paths.stdout).parent})", 1)
         _fail(f"job {job.job_id} failed:\n{exc}\nlogs: {Path(job.paths.stdout).parent}", 1)
     summary = results[0]
     _print_summary(summary)

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import CommConfig, TrainConfig
 from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh
 
@@ -73,6 +74,25 @@ def param_groups(model: nn.Module, t: TrainConfig) -> list[dict[str, object]]:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def split_dtensor_groups(groups: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Each group as two (same hyperparameters): its DTensor parameters, then its plain ones; empty ones dropped.
+
+    Tensor parallelism leaves some parameters plain (norms, embeddings); a foreach or fused AdamW call over one
+    group hands all of its tensors to one operator, which DTensor refuses when they are mixed. Groups without
+    a mix are kept as they are. Adam is elementwise, so the update is the same. Every group carries
+    ``origin_group`` (the index of the group it came from) for a checkpoint restore.
+    """
+    out: list[dict[str, object]] = []
+    for i, g in enumerate(groups):
+        params = list(g["params"])  # type: ignore[call-overload]
+        dt = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        parts = [dt, plain] if dt and plain else [params]
+        # origin_group: a checkpoint restore matches groups through it (checkpoint/state.py)
+        out += [{**g, "params": part, "origin_group": i} for part in parts]
+    return out
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -145,15 +165,44 @@ class DpShardedOptimizer:
                 p.grad.zero_()
 
 
+def adamw_impl(impl: str, device_type: str) -> dict[str, bool]:
+    """AdamW's keyword arguments for ``train.optimizer_impl`` on ``device_type``.
+
+    ``auto``: none (torch's own choice: foreach on accelerators, the per-tensor loop on the CPU);
+    ``foreach``: ``foreach=True``; ``fused``: ``fused=True``, refused by name on a device type for which
+    this torch build has no fused kernel.
+    """
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    if impl == "auto":
+        return {}
+    if impl == "foreach":
+        return {"foreach": True}
+    if impl == "fused":
+        supported = _get_fused_kernels_supported_devices()
+        if device_type not in supported:
+            raise ConfigError("train.optimizer_impl", impl,
+                              f"this torch build has no fused AdamW for device {device_type} (it has one for "
+                              f"{', '.join(supported)}); use train.optimizer_impl=foreach or auto")
+        return {"fused": True}
+    raise ConfigError("train.optimizer_impl", impl, "choose one of auto, foreach, fused")
+
+
 def build_optimizer(model: nn.Module, t: TrainConfig, zero_mesh: DeviceMesh | None = None,
-                    replicated_dtensors: bool = False) -> torch.optim.Optimizer:
+                    replicated_dtensors: bool = False, device_type: str | None = None) -> torch.optim.Optimizer:
     """AdamW; with ``zero_mesh`` its state is sharded over that (dp) mesh (ZeRO-1).
 
     ``replicated_dtensors``: the parameters are FSDP2-replicated DTensors (tp > 1 or pp > 1), sharded
-    by :class:`DpShardedOptimizer`; otherwise (DDP) by ``ZeroRedundancyOptimizer``.
+    by :class:`DpShardedOptimizer`; otherwise (DDP) by ``ZeroRedundancyOptimizer``. ``device_type``: where
+    the parameters live (default: the first parameter's), for ``train.optimizer_impl``.
     """
-    kw = {"lr": t.lr, "betas": (t.beta1, t.beta2)}
+    if device_type is None:
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+    impl = adamw_impl(t.optimizer_impl, device_type)
+    kw = {"lr": t.lr, "betas": (t.beta1, t.beta2), **impl}
     groups = param_groups(model, t)
+    if impl:  # one multi-tensor kernel takes all of a group's tensors: DTensors and plain ones may not mix there
+        groups = split_dtensor_groups(groups)
     if zero_mesh is not None and replicated_dtensors:
         return DpShardedOptimizer(groups, zero_mesh.get_group(), **kw)  # type: ignore[return-value]
     if zero_mesh is not None:
@@ -163,6 +212,7 @@ def build_optimizer(model: nn.Module, t: TrainConfig, zero_mesh: DeviceMesh | No
 
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                       process_group=zero_mesh.get_group(), weight_decay=t.weight_decay, **kw)
-        opt.add_param_group(groups[1])
+        for g in groups[1:]:
+            opt.add_param_group(g)
         return opt
     return torch.optim.AdamW(groups, **kw)

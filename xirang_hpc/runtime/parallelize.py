@@ -1,8 +1,9 @@
-"""Compose the layout for one rank: pipeline split -> tensor parallel -> recompute -> data parallel.
+"""Compose the layout for one rank: pipeline split -> tensor parallel -> recompute -> compile -> data parallel.
 
 The order matters: a stage first drops the blocks it does not own; tensor parallelism shards the
-remaining blocks; recomputation wraps each block's forward; data parallelism (DDP or FSDP2) goes
-last and sees the final (possibly DTensor) parameters. ``model`` always keeps the full-model
+remaining blocks; recomputation wraps each block's forward; ``train.compile`` compiles each block's
+forward over both (torchtitan's order); data parallelism (DDP or FSDP2) goes last and sees the final
+(possibly DTensor) parameters, its hooks outside the compiled graphs. ``model`` always keeps the full-model
 parameter names (``layers.3.attn.q.weight``), whatever the layout.
 
 Also here: the global operations that must be right across dp, tp and pp together (gradient
@@ -26,6 +27,7 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.models.lora import apply_lora
 from xirang_hpc.runtime import pipeline
+from xirang_hpc.runtime.compile import apply_compile, probe
 from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer, ddp_bucket_cap_mb
 from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims, dp_mesh, mesh_coords
 from xirang_hpc.runtime.precision import apply_autocast
@@ -86,6 +88,8 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
     p, t, dims = layout.parallel, cfg.train, layout.dims
     coords = mesh_coords(dims, mesh)
     device = layout.device.torch  # the job's one device decision (runtime/device.py)
+    if t.compile:  # a node that cannot build kernels is refused here, by name, not mid-step
+        probe(device)
     if _full_build:
         model = GPT(cfg.model, seed=t.seed)
     else:
@@ -107,6 +111,8 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
         for c in chunks:  # per chunk: sequence-parallel scatter/gather sits at each stage's boundary
             apply_tensor_parallel(c, mesh["tp"], p.sequence_parallel)
     apply_recompute(model, p.recompute)
+    if t.compile:  # regional: each block, over its TP plan and recompute wrapper, before FSDP2 wraps it
+        apply_compile(model)
     for c in chunks:
         precision = apply_autocast(c, t.precision, device)  # bf16 autocast around the forward, or nothing
     use_fsdp = dims.dp > 1 and (p.data_parallel == "fsdp" or dims.tp > 1 or dims.pp > 1)
@@ -148,7 +154,7 @@ def make_optimizer(pm: ParallelModel, cfg: XirangConfig, layout: Layout) -> torc
     """
     zero1 = pm.zero == 1 and pm.dims.dp > 1 and pm.dims.dp_shard == 1
     return build_optimizer(pm.model, cfg.train, dp_mesh(pm.mesh) if zero1 else None,
-                           replicated_dtensors=pm.data_parallel == "fsdp")
+                           replicated_dtensors=pm.data_parallel == "fsdp", device_type=layout.device.type)
 
 
 def _grad_sq_weighted(params: Iterable[nn.Parameter], replicas: int) -> torch.Tensor:

@@ -10,6 +10,8 @@ from xirang_hpc.config.schema.cluster import PRIORITIES
 
 # Experiment-tracking back ends for train.loggers (jsonl is always written).
 LOGGERS = ("jsonl", "tensorboard", "mlflow")
+# AdamW implementations for train.optimizer_impl (auto: torch's own default for the parameters' device).
+OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
 
 
 def check_share_group(group: str) -> None:
@@ -64,6 +66,13 @@ class TrainConfig:
     # (tokens, vocab) logits and their gradient are then never held: a 128k vocabulary at 16k tokens per
     # rank is 8 GiB per copy. Equal results up to summation order; see xirang_hpc/models/loss.py.
     loss_chunk_tokens: int = 0
+    # Regional compilation: each transformer block's forward through torch.compile (Inductor), after tensor
+    # parallelism and recompute, before FSDP2; kernels cached per user ($XDG_CACHE_HOME/xirang-hpc) across
+    # restarts. A node that cannot compile is refused at start-up. See xirang_hpc/runtime/compile.py.
+    compile: bool = False
+    # AdamW's implementation: auto (torch's default choice for the device) | foreach (one kernel per op over
+    # all tensors) | fused (one kernel for the whole update; refused on a device torch has no fused kernel for).
+    optimizer_impl: str = "auto"
     # Experiment tracking (rank 0): jsonl (<run>/metrics.jsonl, always on) | tensorboard (<run>/tb/) |
     # mlflow (a run in <run>/mlruns, or in train.mlflow_uri). See xirang_hpc/monitor/tracking.py.
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])
@@ -99,6 +108,9 @@ class TrainConfig:
             raise ConfigError("train.priority", self.priority, f"choose one of {', '.join(PRIORITIES)}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError("train.precision", self.precision, "choose auto, fp32 or bf16")
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ConfigError("train.optimizer_impl", self.optimizer_impl,
+                              f"choose one of {', '.join(OPTIMIZER_IMPLS)}")
         if self.share_group:
             check_share_group(self.share_group)
         if self.extend_to and self.extend_to <= self.max_steps:
