@@ -363,3 +363,35 @@ def test_reference_hook_takes_the_imported_start(pair_data: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(tr.ref_model.parameters(), tr.model.parameters()))
     assert tr.train_step(0)[0] == pytest.approx(math.log(2), abs=1e-6)
 
+
+
+@pytest.mark.slow
+def test_dp2_run_from_an_hf_base_learns_and_resumes_bitwise(tmp_path: Path, pair_data: Path) -> None:
+    """The real job on 2 gloo ranks (dp2) from a Llama directory: the first step's loss is log 2 (the reference is
+    the imported start, not the seed's), the loss falls and the reward accuracy rises; 20 steps uninterrupted
+    and 10 + resume + 10 save bitwise equal checkpoints and log the same losses (the resumed reference is the
+    imported start again, not the restored policy)."""
+    from test_checkpoint_resume import _losses, make_cfg, run_job, saved_tensors
+    from test_lora_run import make_llama
+
+    base = tmp_path / "base"
+    make_llama(base)
+    extra = ["finetune.method=dpo", "finetune.dpo.beta=0.5", "data.format=pairs", "train.lr=3e-3",
+             "train.log_every=1", "cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.tp=1", "parallel.pp=1",
+             "parallel.microbatches=1", "model.norm=rmsnorm", "model.mlp=swiglu", "model.pos=rope",
+             "model.bias=false", f"model.init_from={base}"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    run_job(make_cfg(pair_data, full, extra), full, pair_data, world=2)
+    run_job(make_cfg(pair_data, split, extra), split, pair_data, world=2, stop_at=10)
+    run_job(make_cfg(pair_data, split, extra), split, pair_data, world=2)
+    losses = _losses(full)
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-5)
+    assert losses[20] < 0.5 * losses[1]
+    rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    acc = {r["step"]: r["rewards/accuracies"] for r in rows if "rewards/accuracies" in r}
+    assert acc[1] == 0.0 and acc[20] > 0.5  # ties at the start: no chosen reward beats its rejected one
+    assert _losses(split) == losses
+    a, b = saved_tensors(full / "checkpoints" / "step_20"), saved_tensors(split / "checkpoints" / "step_20")
+    assert a.keys() == b.keys() and any(k.startswith("model.") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
