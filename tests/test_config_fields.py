@@ -34,8 +34,8 @@ from conftest import compose_cfg
 from xirang_hpc.checkpoint.retention import RetentionPolicy, steps_to_keep
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import GROUPS, LoraConfig, XirangConfig
-from xirang_hpc.config.schema.finetune import DpoConfig
 from xirang_hpc.config.schema.cluster import ContainerConfig
+from xirang_hpc.config.schema.finetune import DpoConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.launch.executors import local_python
 from xirang_hpc.launch.rundir import run_dir_for
