@@ -395,3 +395,48 @@ def test_dp2_run_from_an_hf_base_learns_and_resumes_bitwise(tmp_path: Path, pair
     assert a.keys() == b.keys() and any(k.startswith("model.") for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+
+
+@pytest.mark.slow
+def test_dp2_lora_run_checkpoints_adapters_and_exports_them_for_peft(tmp_path: Path, pair_data: Path) -> None:
+    """finetune.dpo.lora=true on 2 ranks: the start is the base (loss log 2), the checkpoint holds the adapters
+    only, and ``xirang-ckpt export --format peft`` gives an adapter peft loads with our logits."""
+    import subprocess
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from test_checkpoint_resume import _losses, make_cfg, run_job, saved_tensors
+    from test_lora_run import make_llama
+
+    from xirang_hpc.config.schema import LoraConfig
+    from xirang_hpc.models.lora import apply_lora
+    from xirang_hpc.weights.load import load_hf
+
+    base = tmp_path / "base"
+    make_llama(base)
+    extra = ["finetune.method=dpo", "finetune.dpo.lora=true", "finetune.dpo.beta=0.5", "finetune.lora.rank=4",
+             "data.format=pairs", "train.lr=1e-2", "train.log_every=1", "train.max_steps=10", "cluster.nodes=1",
+             "cluster.tasks_per_node=2", "parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1",
+             "model.norm=rmsnorm", "model.mlp=swiglu", "model.pos=rope", "model.bias=false",
+             f"model.init_from={base}"]
+    run = tmp_path / "run"
+    run_job(make_cfg(pair_data, run, extra), run, pair_data, world=2)
+    losses = _losses(run)
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-5) and losses[10] < losses[1]
+    saved = saved_tensors(run / "checkpoints" / "step_10")
+    models = [k for k in saved if k.startswith("model.")]
+    assert models and all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in models)
+    out = subprocess.run([str(Path(sys.executable).parent / "xirang-ckpt"), "export", str(run), "--format", "peft",
+                          "--out", str(tmp_path / "adapter")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    ours = load_hf(base).model
+    apply_lora(ours, LoraConfig(rank=4))
+    ours.load_state_dict({k.removeprefix("model."): v for k, v in saved.items() if k in models}, strict=False)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    hf_base = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        mine, plain = ours.eval()(x), hf_base(x).logits
+        theirs = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(x).logits
+    assert (mine - plain).abs().max().item() > 1e-4
+    assert (mine - theirs).abs().max().item() <= 1e-4

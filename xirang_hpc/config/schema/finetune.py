@@ -15,7 +15,9 @@ adapters disabled). See xirang_hpc/models/dpo.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from xirang_hpc.config.errors import ConfigError
 
@@ -37,6 +39,13 @@ def lora_target(name: str) -> str:
             return ours
     valid = ", ".join(f"{hf} ({ours})" for ours, hf in LORA_TARGETS.items())
     raise ConfigError("finetune.lora.target_modules", name, f"names no linear layer; valid: {valid}")
+
+
+def trains_adapters(finetune: Mapping[str, Any]) -> bool:
+    """Whether a run's recorded ``finetune`` group (a plain dict, as checkpoints hold it) trained LoRA adapters:
+    ``method=lora``, or ``method=dpo`` with ``dpo.lora``."""
+    method = finetune.get("method", "full")
+    return method == "lora" or (method == "dpo" and bool((finetune.get("dpo") or {}).get("lora")))
 
 
 @dataclass
