@@ -400,7 +400,8 @@ def test_dp2_run_from_an_hf_base_learns_and_resumes_bitwise(tmp_path: Path, pair
 @pytest.mark.slow
 def test_dp2_lora_run_checkpoints_adapters_and_exports_them_for_peft(tmp_path: Path, pair_data: Path) -> None:
     """finetune.dpo.lora=true on 2 ranks: the start is the base (loss log 2), the checkpoint holds the adapters
-    only, and ``xirang-ckpt export --format peft`` gives an adapter peft loads with our logits."""
+    only, and ``xirang-ckpt export --format peft`` gives an adapter peft loads with our logits (``--format hf
+    --merge``: a whole model with the same logits)."""
     import subprocess
     import sys
 
@@ -430,6 +431,9 @@ def test_dp2_lora_run_checkpoints_adapters_and_exports_them_for_peft(tmp_path: P
     out = subprocess.run([str(Path(sys.executable).parent / "xirang-ckpt"), "export", str(run), "--format", "peft",
                           "--out", str(tmp_path / "adapter")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+    merged = subprocess.run([str(Path(sys.executable).parent / "xirang-ckpt"), "export", str(run), "--format", "hf",
+                             "--merge", "--out", str(tmp_path / "merged")], capture_output=True, text=True)
+    assert merged.returncode == 0, merged.stderr
     ours = load_hf(base).model
     apply_lora(ours, LoraConfig(rank=4))
     ours.load_state_dict({k.removeprefix("model."): v for k, v in saved.items() if k in models}, strict=False)
@@ -438,5 +442,7 @@ def test_dp2_lora_run_checkpoints_adapters_and_exports_them_for_peft(tmp_path: P
     with torch.no_grad():
         mine, plain = ours.eval()(x), hf_base(x).logits
         theirs = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(x).logits
+        whole = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(x).logits
     assert (mine - plain).abs().max().item() > 1e-4
     assert (mine - theirs).abs().max().item() <= 1e-4
+    assert (mine - whole).abs().max().item() <= 1e-4
