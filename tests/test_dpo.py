@@ -446,3 +446,17 @@ def test_dp2_lora_run_checkpoints_adapters_and_exports_them_for_peft(tmp_path: P
     assert (mine - plain).abs().max().item() > 1e-4
     assert (mine - theirs).abs().max().item() <= 1e-4
     assert (mine - whole).abs().max().item() <= 1e-4
+
+
+def test_a_bpe_trained_on_pairs_learns_their_words(tmp_path: Path) -> None:
+    """data.tokenizer=bpe on pairs: trained on the pairs' text (string and chat), so a reply word is one token."""
+    recs: list[dict] = random_pairs(60, 6)
+    recs += [{"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": " zebra"}],
+              "rejected": " quokka"}] * 20
+    write_pairs(tmp_path / "c" / "p.jsonl", recs)
+    index = prepare(str(tmp_path / "c"), tmp_path / "d", fmt="pairs", val_fraction=0.2, progress=None,
+                    tokenizer="bpe", vocab_size=400)
+    tok = load_tokenizer(str(tmp_path / "d" / "tokenizer.json"))
+    assert sum(index["pairs"].values()) == 80
+    for word in (" zebra", " quokka", " home"):
+        assert len(tok.encode(word)) == 1, word

@@ -17,7 +17,7 @@ loss is the constant log 2 and its gradient zero) and counted, with a warning.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,16 @@ class PairEncoder:
             return self._plain(rec.prompt, rec.chosen), self._plain(rec.prompt, rec.rejected)
         return (self._chat(rec.prompt, rec.chosen, "chosen", rec.where),
                 self._chat(rec.prompt, rec.rejected, "rejected", rec.where))
+
+
+def pair_text(rec: PairRecord, render: Callable[[list[dict[str, Any]]], str]) -> str:
+    """The text of both sequences of a pair as they are tokenized (what a BPE trained on the corpus reads):
+    plain ``prompt + reply`` for string pairs, else the conversations as ``render`` (the chat template) writes them."""
+    if all(isinstance(v, str) for v in (rec.prompt, rec.chosen, rec.rejected)):
+        return f"{rec.prompt}{rec.chosen}\n{rec.prompt}{rec.rejected}"
+    prompt = _as_messages(rec.prompt, "user", "prompt", rec.where)
+    return "".join(render(prompt + _as_messages(getattr(rec, k), "assistant", k, rec.where))
+                   for k in ("chosen", "rejected"))
 
 
 def identical(rec: PairRecord) -> bool:

@@ -421,7 +421,7 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
     masks cover the completion only (xirang_hpc/data/pairs.py); a pair never straddles two shards.
     """
     from xirang_hpc.data.chat import DEFAULT_CHAT_TEMPLATE, hf_dir_chat_template
-    from xirang_hpc.data.pairs import PairEncoder, PairRecord, identical, iter_pair_records
+    from xirang_hpc.data.pairs import PairEncoder, PairRecord, identical, iter_pair_records, pair_text
 
     pairs = fmt == "pairs"
     if pairs:
@@ -432,15 +432,6 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
             return iter_pair_records(scan, root, on_bad_record, val_fraction, split_seed, stats)
         return iter_chat_records(scan, root, on_bad_record, val_fraction, split_seed, stats)
 
-    def as_messages(r: Any) -> list[Any]:
-        """What a BPE trained here reads of a record: its conversation (a pair: prompt + chosen reply)."""
-        if not isinstance(r, PairRecord):
-            return r.messages
-        from xirang_hpc.data.pairs import _as_messages
-
-        return (_as_messages(r.prompt, "user", "prompt", r.where)
-                + _as_messages(r.chosen, "assistant", "chosen", r.where))
-
     n_files = len(scan.all_files)
     total_bytes = sum(p.stat().st_size for p in scan.all_files)
     own = hf_dir_chat_template(tokenizer) if tokenizer not in ("byte", "bpe") else None
@@ -450,7 +441,8 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
         plain = ChatRenderer(ByteTokenizer(), own or DEFAULT_CHAT_TEMPLATE, "all")
         for r in records(RecordStats()):
             try:
-                yield Doc(plain.render(as_messages(r)), r.split, Path(r.where))
+                text = pair_text(r, plain.render) if isinstance(r, PairRecord) else plain.render(r.messages)
+                yield Doc(text, r.split, Path(r.where))
             except Exception:  # noqa: BLE001, S112 - bad records are reported by the tokenizing pass below
                 continue
 
