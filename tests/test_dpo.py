@@ -460,3 +460,25 @@ def test_a_bpe_trained_on_pairs_learns_their_words(tmp_path: Path) -> None:
     assert sum(index["pairs"].values()) == 80
     for word in (" zebra", " quokka", " home"):
         assert len(tok.encode(word)) == 1, word
+
+
+def test_heldout_eval_of_pairs_is_the_mean_over_the_chosen_replies(pair_data: Path) -> None:
+    from xirang_hpc.config.schema import EvalConfig, ModelConfig
+    from xirang_hpc.eval.evaluate import heldout_loss
+    from xirang_hpc.models.gpt import GPT, lm_loss
+    from xirang_hpc.weights.load import LoadedModel
+
+    cfg = ModelConfig(name="t", n_layer=2, n_head=4, d_model=32, d_ff=64, seq_len=32, vocab_size=256, pos="rope")
+    model = GPT(cfg, seed=2).eval()
+    ecfg = EvalConfig(batches=2, batch_size=3)
+    loss, tokens = heldout_loss(LoadedModel(model, cfg, "test"), pair_data, ecfg)
+    data = PairSamples(pair_data, "val", 32, seed=ecfg.seed)
+    want_sum, want_n = 0.0, 0
+    with torch.no_grad():
+        for g in range(6):  # pairs 0..5 of the val sequence: batch i takes [3i, 3i + 3)
+            ids, mask = (torch.as_tensor(a) for a in data._pairs[data._pair(g)][:2])
+            tgt = torch.where(mask[1:], ids[1:], IGNORE_INDEX)[None]
+            want_sum += float(lm_loss(model(ids[:-1][None]), tgt, 1.0))
+            want_n += int((tgt != IGNORE_INDEX).sum())
+    assert tokens == want_n
+    assert loss == pytest.approx(want_sum / want_n, rel=1e-5)
