@@ -35,6 +35,7 @@ from xirang_hpc.checkpoint.retention import RetentionPolicy, steps_to_keep
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import GROUPS, LoraConfig, XirangConfig
 from xirang_hpc.config.schema.cluster import ContainerConfig
+from xirang_hpc.config.schema.finetune import DpoConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.launch.executors import local_python
 from xirang_hpc.launch.rundir import run_dir_for
@@ -127,6 +128,8 @@ def reads(module: str) -> tuple[str, str]:
 
 
 EXPLORATORY = ["train.priority=exploratory"]
+# finetune.method=dpo runs on one process or ddp: the default layout's pipeline and tensor degrees off
+DPO = ["finetune.method=dpo", "data.format=pairs", "parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1"]
 PURE_DP = ["parallel.pp=1", "parallel.microbatches=1"]
 # "group.field": (non-default value, observer | REFUSED | reads(module), extra overrides for context)
 FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
@@ -303,6 +306,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "finetune.method": ("lora", identity, []),
     "finetune.lora": (LoraConfig(rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj", "k_proj"]), identity,
                       ["finetune.method=lora"]),
+    "finetune.dpo": (DpoConfig(beta=0.5, lora=True), identity, DPO),
     # target: what xirang-plan plans for (no training run reads it)
     **{f"target.{k}": (v, reads("xirang_hpc.launch.plan_target"), []) for k, v in {
         "loss": 2.5, "tokens": 1e9, "compute": 1e20, "deadline": "36h", "budget": "5000gpuh",

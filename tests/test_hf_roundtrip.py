@@ -132,6 +132,36 @@ def test_docs_fine_tune_with_lora(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_docs_preference_tuning_with_dpo(tmp_path: Path) -> None:
+    """The DPO commands of the page as written, on string and chat pairs: the run trains its 20 steps and logs
+    the reward metrics."""
+    model_dir, pairs = tmp_path / "my-llama", tmp_path / "pairs.jsonl"
+    make_model_dir(model_dir)
+    recs: list[dict[str, object]] = []
+    for i in range(60):
+        prompt, good, bad = f"Document {i}:", f" word{i % 17} val={i}", f" word{(i + 5) % 17} val={-i}"
+        if i % 2:
+            recs.append({"prompt": prompt, "chosen": good, "rejected": bad})
+        else:
+            recs.append({"prompt": [{"role": "user", "content": prompt}],
+                         "chosen": [{"role": "assistant", "content": good}],
+                         "rejected": [{"role": "assistant", "content": bad}]})
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    script = doc_block("models-and-fine-tuning.md", "## Preference tuning with DPO")
+    env = {**os.environ, "MODEL": str(model_dir), "PAIRS": str(pairs),
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=1500)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "step    20/20" in r.stdout and "preference pairs: " in r.stdout
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert last["step"] == 20 and 0.0 <= last["rewards/accuracies"] <= 1.0
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    first = next(x for x in rows if "loss" in x)
+    assert "rewards/margins" in first
+
+
+@pytest.mark.slow
 def test_docs_bring_your_own_model_and_data(tmp_path: Path) -> None:
     model_dir, corpus = tmp_path / "my-llama", tmp_path / "corpus.jsonl"
     make_model_dir(model_dir)

@@ -267,6 +267,31 @@ def scheduling_class(c: ClusterConfig, priority: str) -> tuple[str | None, str |
     return partition or c.partition, qos or c.qos
 
 
+def _check_dpo(cfg: XirangConfig) -> None:
+    """``finetune.method=dpo``: preference pairs, on the layouts the DPO step runs (one process or DDP)."""
+    dpo, pairs = cfg.finetune.method == "dpo", cfg.data.format == "pairs"
+    if pairs and not dpo:
+        raise ConfigError("data.format", "pairs", "preference pairs train with finetune.method=dpo; set it, or "
+                          "use data.format=chat for supervised fine-tuning")
+    if not dpo:
+        return
+    if not pairs:
+        raise ConfigError("finetune.method", "dpo", f"needs preference pairs (data.format=pairs), not "
+                          f"data.format={cfg.data.format}")
+    p = cfg.parallel
+    for name, value, ok in (("parallel.pp", p.pp, p.pp == 1), ("parallel.tp", p.tp, p.tp == 1),
+                            ("parallel.data_parallel", p.data_parallel, p.data_parallel == "ddp")):
+        if not ok:
+            raise ConfigError(name, value, "finetune.method=dpo runs on one process or data parallel with ddp "
+                              "only (the reference model and the paired forward are not carved or sharded); use "
+                              "parallel.pp=1, parallel.tp=1, parallel.data_parallel=ddp")
+    if cfg.train.loss_chunk_tokens:
+        raise ConfigError("train.loss_chunk_tokens", cfg.train.loss_chunk_tokens,
+                          "finetune.method=dpo sums log-probs from the full logits; set train.loss_chunk_tokens=0")
+    if cfg.model.moe_experts:
+        raise ConfigError("finetune.method", "dpo", "not with mixture-of-experts blocks (model.moe_experts) yet")
+
+
 def check_runnable(cfg: XirangConfig) -> None:
     """Layout choices that are valid on their own but that the runtime cannot combine (after :func:`validate`)."""
     p = cfg.parallel
@@ -274,7 +299,8 @@ def check_runnable(cfg: XirangConfig) -> None:
         raise ConfigError("parallel.dp", p.dp, "unresolved: check_runnable needs a config from load_config/validate")
     dp = p.dp
     _check_comm_applies(cfg)
-    if cfg.finetune.method == "lora":
+    _check_dpo(cfg)
+    if cfg.finetune.adapters:
         if p.tp > 1:
             raise ConfigError("finetune.method", "lora", f"not yet with parallel.tp={p.tp} (adapters are not "
                               "tensor-parallel); use data parallelism (ddp or fsdp) or pipeline stages")

@@ -228,3 +228,82 @@ def overlong_samples(data_dir: str | Path, seq_len: int) -> dict[str, int]:
                 n += int((np.diff(f["offsets"][:]) > seq_len + 1).sum())
         out[split] = n
     return out
+
+
+class PairSamples:
+    """Preference pairs (``data.format=pairs``) as rows: a pure function of the step like :class:`ChatSamples`.
+
+    The shards hold each pair as two consecutive samples, chosen then rejected, with masks on the completion
+    tokens. A pair either of whose sequences is longer than ``seq_len + 1`` tokens is cut to ``seq_len + 1``
+    (``overlong=truncate``; left out when the cut leaves a reply with no token) or left out (``drop``); both
+    are counted in :attr:`summary`. Each epoch is a permutation of the pairs seeded by ``(seed, split, epoch)``;
+    step ``s`` takes pairs ``[s*B, (s+1)*B)`` of the endless sequence of epochs.
+    """
+
+    def __init__(self, data_dir: str | Path, split: str, seq_len: int, overlong: str = "truncate",
+                 seed: int = 0) -> None:
+        self.data_dir, self.split, self.seq_len, self.seed = Path(data_dir), split, seq_len, seed
+        index = load_index(self.data_dir)
+        if index.get("format") != "pairs":
+            raise CorpusError(f"{self.data_dir} holds {index.get('format', 'text')} data, not preference pairs; "
+                              "prepare it with data.format=pairs")
+        self._pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        truncated = dropped = unlearnable = 0
+        for s in index["splits"][split]:
+            with h5py.File(self.data_dir / s["file"], "r", locking=False) as f:
+                tokens, mask, offsets = f["tokens"][:], f["loss_mask"][:], f["offsets"][:]
+            for k in range(0, len(offsets) - 1, 2):
+                spans = [(int(offsets[k + j]), int(offsets[k + j + 1])) for j in (0, 1)]
+                if any(b - a > seq_len + 1 for a, b in spans):
+                    if overlong == "drop":
+                        dropped += 1
+                        continue
+                    truncated += 1
+                    spans = [(a, min(b, a + seq_len + 1)) for a, b in spans]
+                if any(b - a < 2 or not mask[a + 1 : b].any() for a, b in spans):
+                    unlearnable += 1
+                    continue
+                (ca, cb), (ra, rb) = spans
+                self._pairs.append((tokens[ca:cb].astype(np.int64), mask[ca:cb].astype(bool),
+                                    tokens[ra:rb].astype(np.int64), mask[ra:rb].astype(bool)))
+        if not self._pairs:
+            raise CorpusError(f"{split} split in {self.data_dir} has no pair to learn from at seq_len={seq_len} "
+                              f"(data.overlong={overlong}: every pair is longer, or loses a reply when cut); use "
+                              "a larger model.seq_len")
+        self._orders: list[np.ndarray] = []
+        #: What loading did to the pairs (logged by the trainer).
+        self.summary = {"pairs": len(self._pairs), "overlong": overlong, "truncated": truncated, "dropped": dropped,
+                        "left_out_nothing_to_learn": unlearnable}
+
+    def _pair(self, g: int) -> int:
+        """The pair index at global position ``g`` of the endless sequence of epochs."""
+        n = len(self._pairs)
+        epoch = g // n
+        while len(self._orders) <= epoch:
+            rng = np.random.default_rng([self.seed, _SPLIT_TAG[self.split], len(self._orders)])
+            self._orders.append(rng.permutation(n))
+        return int(self._orders[epoch][g % n])
+
+    def _row(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t = self.seq_len
+        x = np.zeros(t, dtype=np.int64)
+        y = np.full(t, IGNORE_INDEX, dtype=np.int64)
+        n = len(ids) - 1
+        x[:n] = ids[:-1]
+        y[:n] = np.where(mask[1:], ids[1:], IGNORE_INDEX)
+        return x, y
+
+    def batch(self, seed: int, step: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This dp rank's pairs of step ``step`` as (inputs, targets), each (2 * B/dp, T) int64: the chosen rows
+        first, then the rejected ones in the same order. ``seed``: the one given at construction."""
+        if global_batch % dp_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by dp={dp_size}")
+        per = global_batch // dp_size
+        picked = [self._pairs[self._pair(step * global_batch + dp_rank * per + j)] for j in range(per)]
+        rows = [self._row(p[0], p[1]) for p in picked] + [self._row(p[2], p[3]) for p in picked]
+        x, y = (torch.from_numpy(np.stack(a)) for a in zip(*rows))
+        return x, y
+
+    def close(self) -> None:
+        """Nothing held open (pairs are read into memory)."""

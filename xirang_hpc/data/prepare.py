@@ -176,9 +176,14 @@ class _ChatShardWriter:
         self.shards: list[dict[str, object]] = []
 
     def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
-        self.ids.append(ids.astype(self.dtype))
-        self.masks.append(mask.astype(np.uint8))
-        self.n += len(ids)
+        self.add_group([(ids, mask)])
+
+    def add_group(self, samples: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Samples kept together in one shard (a preference pair: chosen, then rejected)."""
+        for ids, mask in samples:
+            self.ids.append(ids.astype(self.dtype))
+            self.masks.append(mask.astype(np.uint8))
+            self.n += len(ids)
         if self.n >= self.shard_tokens:
             self._flush()
 
@@ -341,9 +346,9 @@ def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, spl
     n_files = len(scan.all_files)
     total_bytes = sum(p.stat().st_size for p in scan.all_files)
 
-    if fmt == "chat":
+    if fmt in ("chat", "pairs"):
         return _prepare_chat(scan, root, out, val_fraction, shard_tokens, split_seed, tokenizer, vocab_size,
-                             on_bad_record, progress, train_on)
+                             on_bad_record, progress, train_on, fmt)
 
     def docs(stats: RecordStats | None = None, prog: _Progress | None = None) -> Iterator[Doc]:
         return iter_documents(scan, root, text_field, on_bad_record, val_fraction, split_seed, stats, prog)
@@ -409,11 +414,22 @@ def _write_index(out: Path, index: dict[str, Any]) -> None:
 
 def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, shard_tokens: int, split_seed: int,
                   tokenizer: str, vocab_size: int, on_bad_record: str, progress: IO[str] | None,
-                  train_on: str) -> dict[str, object]:
-    """``data.format=chat``: conversations rendered with the chat template, tokens + loss masks per sample."""
-    from xirang_hpc.data.chat import DEFAULT_CHAT_TEMPLATE, hf_dir_chat_template
+                  train_on: str, fmt: str = "chat") -> dict[str, object]:
+    """``data.format=chat``: conversations rendered with the chat template, tokens + loss masks per sample.
 
-    def records(stats: RecordStats | None = None) -> Iterator[ChatRecord]:
+    ``data.format=pairs``: each preference pair as two consecutive samples (chosen, then rejected) whose
+    masks cover the completion only (xirang_hpc/data/pairs.py); a pair never straddles two shards.
+    """
+    from xirang_hpc.data.chat import DEFAULT_CHAT_TEMPLATE, hf_dir_chat_template
+    from xirang_hpc.data.pairs import PairEncoder, PairRecord, identical, iter_pair_records, pair_text
+
+    pairs = fmt == "pairs"
+    if pairs:
+        train_on = "last"  # the final assistant turn: the reply of the pair
+
+    def records(stats: RecordStats | None = None) -> Iterator[Any]:
+        if pairs:
+            return iter_pair_records(scan, root, on_bad_record, val_fraction, split_seed, stats)
         return iter_chat_records(scan, root, on_bad_record, val_fraction, split_seed, stats)
 
     n_files = len(scan.all_files)
@@ -425,7 +441,8 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
         plain = ChatRenderer(ByteTokenizer(), own or DEFAULT_CHAT_TEMPLATE, "all")
         for r in records(RecordStats()):
             try:
-                yield Doc(plain.render(r.messages), r.split, Path(r.where))
+                text = pair_text(r, plain.render) if isinstance(r, PairRecord) else plain.render(r.messages)
+                yield Doc(text, r.split, Path(r.where))
             except Exception:  # noqa: BLE001, S112 - bad records are reported by the tokenizing pass below
                 continue
 
@@ -439,7 +456,7 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
         if tokenizer == "bpe":
             info["requested_vocab_size"] = vocab_size
     attrs: dict[str, object] = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "source": str(root),
-                                "format": "chat", "train_on": train_on, "chat_template_sha256": renderer.sha256}
+                                "format": fmt, "train_on": train_on, "chat_template_sha256": renderer.sha256}
     if info.get("sha256"):
         attrs["tokenizer_sha256"] = info["sha256"]
     dtype = token_dtype(tok.vocab_size)
@@ -448,23 +465,32 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
     n = {"train": 0, "val": 0}
     lengths: list[int] = []
     prog = _Progress("tokenize", n_files, total_bytes, progress)
+    encoder = PairEncoder(tok, renderer)
+    same: list[str] = []  # pairs whose chosen and rejected replies are identical
     for rec in records(stats):
         try:
-            sample = renderer.sample(rec.messages, rec.where)
+            samples = encoder.encode(rec) if pairs else (renderer.sample(rec.messages, rec.where),)
         except ChatError as exc:
             if on_bad_record == "fail":
                 raise CorpusError(f"{exc} (or set data.on_bad_record=skip to skip such records)") from None
             stats.bad_chat += 1
             continue
-        writers[rec.split].add(sample.ids, sample.mask)
+        if pairs and identical(rec):
+            same.append(rec.where)
+        writers[rec.split].add_group([(x.ids, x.mask) for x in samples])
         n[rec.split] += 1
-        lengths.append(len(sample.ids))
-        prog.update(tokens=len(sample.ids))
+        for x in samples:
+            lengths.append(len(x.ids))
+            prog.update(tokens=len(x.ids))
     prog.update(files=n_files, nbytes=total_bytes)
     prog.close()
+    if same:
+        print(f"xirang-prepare: warning: {len(same)} pair(s) with identical chosen and rejected replies (they "
+              f"teach nothing: loss log 2, no gradient), e.g. {same[0]}", file=sys.stderr, flush=True)
     empty = [s for s in ("train", "val") if not n[s]]
     if empty:
-        raise CorpusError(f"corpus {str(root)!r} left the {empty[0]} split empty ({sum(n.values())} conversations, "
+        what = "pairs" if pairs else "conversations"
+        raise CorpusError(f"corpus {str(root)!r} left the {empty[0]} split empty ({sum(n.values())} {what}, "
                           f"data.val_fraction={val_fraction}); add conversations or adjust data.val_fraction")
     lens = np.asarray(lengths)
     # The template goes with the data (and from there into each run dir): serving prompts as training rendered.
@@ -474,7 +500,7 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, out / CHAT_TEMPLATE_FILE)
     index: dict[str, Any] = {
-        "format": "chat",
+        "format": fmt,
         "train_on": train_on,
         "chat_template_sha256": renderer.sha256,
         "chat_template": "tokenizer" if own else "default",
@@ -485,7 +511,8 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
         "source": str(root),
         "files": n_files,
         "documents": n,
-        "samples": n,
+        "samples": {s: 2 * v for s, v in n.items()} if pairs else n,
+        **({"pairs": n, "identical_pairs": len(same)} if pairs else {}),
         "sample_tokens": {"min": int(lens.min()), "median": int(np.median(lens)), "max": int(lens.max()),
                           "p99": int(np.percentile(lens, 99))},
         "skipped_binary": len(scan.binary),
@@ -496,8 +523,8 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
         "splits": {s: w.close() for s, w in writers.items()},
     }
     _write_index(out, index)
-    log.info("prepared chat data %s: %d train / %d val conversations, %d bad records skipped", out, n["train"],
-             n["val"], stats.bad_chat)
+    log.info("prepared %s data %s: %d train / %d val %s, %d bad records skipped", fmt, out, n["train"],
+             n["val"], "pairs" if pairs else "conversations", stats.bad_chat)
     return index
 
 
@@ -548,7 +575,9 @@ def _chat_mismatch(d: Any, index: dict[str, Any], out_dir: str | Path) -> str | 
     if have_fmt != fmt:
         return (f"{out_dir} was prepared as data.format={have_fmt}, not data.format={fmt}; set data.out_dir= "
                 "to another directory or rerun xirang-prepare")
-    if fmt == "chat":
+    if fmt == "pairs":
+        train_on = "last"
+    if fmt in ("chat", "pairs"):
         if index.get("train_on") != train_on:
             return (f"{out_dir} was prepared with data.train_on={index.get('train_on')}, not {train_on}; set "
                     "data.out_dir= to another directory or rerun xirang-prepare")

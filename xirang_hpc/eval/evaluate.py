@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from xirang_hpc.config.schema import EvalConfig, ServeConfig, XirangConfig
-from xirang_hpc.data.dataset import ChatSamples, TokenWindows
+from xirang_hpc.data.dataset import IGNORE_INDEX, ChatSamples, PairSamples, TokenWindows
 from xirang_hpc.data.prepare import load_index
 from xirang_hpc.files import record_mode
 from xirang_hpc.models.gpt import lm_loss
@@ -36,10 +36,21 @@ class EvalGateError(RuntimeError):
 def heldout_loss(loaded: LoadedModel, data_dir: str | Path, ecfg: EvalConfig) -> tuple[float, int]:
     """(mean next-token loss over ``eval.batches`` x ``eval.batch_size`` val windows, tokens scored).
 
-    Chat data: padded rows of whole samples, the mean over their learned (assistant) tokens.
+    Chat data: padded rows of whole samples, the mean over their learned (assistant) tokens. Preference pairs
+    (a DPO run's data): the mean over the chosen replies' tokens (the rejected ones are not what to generate).
     """
     dev = next(loaded.model.parameters()).device  # where run_eval placed it (eval.device)
-    if load_index(data_dir).get("format") == "chat":
+    fmt = load_index(data_dir).get("format")
+    if fmt == "pairs":
+        pairs = PairSamples(data_dir, "val", loaded.cfg.seq_len, seed=ecfg.seed)
+        total, tokens = 0.0, 0
+        for i in range(ecfg.batches):
+            x, y = pairs.batch(ecfg.seed, i, ecfg.batch_size)
+            x, y = x[: ecfg.batch_size].to(dev), y[: ecfg.batch_size].to(dev)  # the chosen rows
+            total += float(lm_loss(loaded.model(x), y, 1.0))  # the sum over the chosen replies' targets
+            tokens += int((y != IGNORE_INDEX).sum())
+        return total / max(tokens, 1), tokens
+    if fmt == "chat":
         chat = ChatSamples(data_dir, "val", loaded.cfg.seq_len, packing=False, seed=ecfg.seed)
         total, tokens = 0.0, 0
         for i in range(ecfg.batches):

@@ -34,6 +34,7 @@ from xirang_hpc.monitor.tracking import TrackingHook
 from xirang_hpc.monitor.trainer_hook import MonitorHook
 from xirang_hpc.runtime import dist as xdist
 from xirang_hpc.runtime.comm.install import CommTrainerHook
+from xirang_hpc.runtime.dpo import ReferenceHook
 from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.signals import StopSignalHook, capture_early, find_saver
 from xirang_hpc.runtime.topology import Topology
@@ -54,6 +55,8 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
     hooks: list[TrainerHook] = [GoodputHook(topo, run_dir)]
     if cfg.model.init_from:  # exported weights first, so a checkpoint restore (next hooks) wins
         hooks.append(InitFromHook(cfg.model.init_from))
+    if cfg.finetune.method == "dpo":  # the reference = the start: after the weight import, before any restore
+        hooks.append(ReferenceHook())
     # Hierarchical all-reduce / bandwidth budget on plain DDP. Before the checkpoint hook, so a
     # restore can fill ``trainer.extra_state["comm"]`` and a save sees the step's averaging done.
     hooks.append(CommTrainerHook(cfg.comm))

@@ -13,6 +13,9 @@ model starts equal to its base; A normal with the standard deviation of PEFT's d
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,14 +38,31 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(in_features, rank, bias=False)
         self.lora_B = nn.Linear(rank, out_features, bias=False)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.disabled = False  # True inside :func:`adapters_disabled`: the base projection only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out): the base projection plus ``scale * B(A(dropout(x)))``."""
+        if self.disabled:
+            return F.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scale
 
     def delta(self) -> torch.Tensor:
         """The weight update ``scale * B @ A`` (out, in) that :func:`merged_state` adds to ``weight``."""
         return (self.lora_B.weight @ self.lora_A.weight) * self.scale
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base inside the block: every :class:`LoRALinear` skips its update (PEFT's
+    ``disable_adapter``); the DPO reference of an adapter run."""
+    mods = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in mods:
+        m.disabled = True
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.disabled = False
 
 
 def _owner(block: nn.Module, rel: str) -> tuple[nn.Module, str]:

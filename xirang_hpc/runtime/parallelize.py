@@ -99,7 +99,7 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
     ranges = pipeline.stage_ranges(cfg.model, dims.pp * chunks_per_rank)
     stages = pipeline.rank_stages(coords["pp"], dims.pp, chunks_per_rank)
     model.loss_chunk = t.loss_chunk_tokens
-    if cfg.finetune.method == "lora":  # adapters beside the frozen base linears, before any carving or sharding
+    if cfg.finetune.adapters:  # adapters beside the frozen base linears, before any carving or sharding
         apply_lora(model, cfg.finetune.lora)
     if dims.pp > 1:
         pipeline.carve_stage(model, stages, ranges)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import time
@@ -18,9 +19,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.data.dataset import ChatSamples, TokenWindows
+from xirang_hpc.data.dataset import ChatSamples, PairSamples, TokenWindows
+from xirang_hpc.models.dpo import DpoTerms, completion_logps, dpo_terms
 from xirang_hpc.models.gpt import full_model_params, lm_loss
-from xirang_hpc.models.lora import lora_params
+from xirang_hpc.models.lora import adapters_disabled, lora_params
 from xirang_hpc.runtime import liveness, testpoint
 from xirang_hpc.runtime.data_parallel import build_optimizer
 from xirang_hpc.runtime.hooks import TrainerHook
@@ -85,9 +87,25 @@ class Trainer:
         self.opt = make_optimizer(self.pm, cfg, self.layout)
         d = cfg.data
         self.chat = d.format == "chat"
-        self.train_data: TokenWindows | ChatSamples
-        self.val_data: TokenWindows | ChatSamples
-        if self.chat:  # whole samples, masked targets: the loss is normalised over the global batch's learned tokens
+        self.dpo = cfg.finetune.method == "dpo"
+        self.train_data: TokenWindows | ChatSamples | PairSamples
+        self.val_data: TokenWindows | ChatSamples | PairSamples
+        # DPO: the frozen reference (None with adapters: the policy with its adapters disabled) and the last
+        # logged step's reward metrics.
+        self.ref_model: nn.Module | None = None
+        self.dpo_metrics: dict[str, float] = {}
+        if self.dpo:
+            self.train_data = PairSamples(data_dir, "train", cfg.model.seq_len, d.overlong, t.seed)
+            self.val_data = PairSamples(data_dir, "val", cfg.model.seq_len, d.overlong, t.seed)
+            self.refresh_reference()
+            if topo.rank == 0:
+                s, v = self.train_data.summary, self.val_data.summary
+                log(f"preference pairs: {s['pairs']} train / {v['pairs']} val | overlong ({d.overlong}): "
+                    f"{s['truncated'] + v['truncated']} truncated, {s['dropped'] + v['dropped']} dropped, "
+                    f"{s['left_out_nothing_to_learn'] + v['left_out_nothing_to_learn']} left with nothing to learn "
+                    f"| dpo beta {cfg.finetune.dpo.beta} | reference: "
+                    f"{'the base (adapters disabled)' if cfg.finetune.adapters else 'a frozen copy of the start'}")
+        elif self.chat:  # whole samples, masked targets: the loss is normalised over the global batch's learned tokens
             self.train_data = ChatSamples(data_dir, "train", cfg.model.seq_len, d.packing, d.overlong, t.seed)
             self.val_data = ChatSamples(data_dir, "val", cfg.model.seq_len, d.packing, d.overlong, t.seed)
             if topo.rank == 0:
@@ -126,7 +144,39 @@ class Trainer:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def _batch(self, data: TokenWindows | ChatSamples, step: int, terms: int
+    def refresh_reference(self) -> None:
+        """Make the DPO reference the model's current weights (the start: after ``model.init_from``, before a
+        checkpoint restore; :class:`xirang_hpc.runtime.dpo.ReferenceHook`). With adapters there is nothing to copy."""
+        if not self.dpo or self.cfg.finetune.adapters:
+            return
+        if self.ref_model is None:
+            self.ref_model = copy.deepcopy(self.model)
+            self.ref_model.requires_grad_(False)
+            self.ref_model.eval()
+        else:
+            self.ref_model.load_state_dict(self.model.state_dict())
+
+    def _dpo(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> DpoTerms:
+        """DPO loss and rewards of (x, y): 2B rows, chosen then rejected, the completion's targets learned."""
+        pi = completion_logps(module(x), y)
+        with torch.no_grad():
+            if self.ref_model is not None:
+                ref = completion_logps(self.ref_model(x), y)
+            else:
+                with adapters_disabled(self.model):
+                    ref = completion_logps(self.model(x), y)
+        return dpo_terms(pi, ref, self.cfg.finetune.dpo.beta, self.cfg.finetune.dpo.loss)
+
+    def _reduce_dpo(self, sums: torch.Tensor, pairs: int) -> dict[str, float]:
+        """Means over the global batch of the per-pair reward sums (chosen, rejected, margin, accuracy)."""
+        buf = torch.cat([sums.double(), torch.tensor([float(pairs)], dtype=torch.float64)])
+        if dist.is_initialized() and self.topo.world_size > 1:
+            dist.all_reduce(buf)
+        n = max(float(buf[-1]), 1.0)
+        names = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+        return {k: float(v) / n for k, v in zip(names, buf[:-1])}
+
+    def _batch(self, data: TokenWindows | ChatSamples | PairSamples, step: int, terms: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """This rank's (inputs, targets, position ids or None) of ``step``; for chat data also the loss denominator.
 
@@ -134,6 +184,9 @@ class Trainer:
         microbatches); see :class:`xirang_hpc.models.loss.LossNorm` for why ``N / (terms * dp)``.
         """
         t = self.cfg.train
+        if isinstance(data, PairSamples):
+            x, y = data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
+            return self._on_device(x, y, None)
         if isinstance(data, ChatSamples):
             x, y, pos, n_learned = data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
             self.model.loss_norm.denom = max(n_learned, 1) / (terms * self.dp_size)  # type: ignore[union-attr]
@@ -190,6 +243,8 @@ class Trainer:
             x, y, pos = self._batch(self.val_data, i, terms)
             if self.pm.schedule is not None:
                 total += self._forward_loss(x, y, train=False, pos=pos)
+            elif self.dpo:
+                total += float(self._dpo(self.model, x, y).loss)
             else:
                 total += self._loss(self.ddp if self.pm.data_parallel == "fsdp" else self.model, x, y, pos).item()
             if self.cfg.monitor.debug_slow_eval_s > 0:  # test-only: a long evaluation
@@ -221,6 +276,7 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, t)
         loss_sum = 0.0
+        reward_sums = torch.zeros(4, dtype=torch.float64)  # DPO: chosen, rejected, margin, accuracy over pairs
         if self.pm.schedule is not None:
             # The schedule interleaves forward, backward and the stage-to-stage sends.
             self.phase("forward")
@@ -229,7 +285,12 @@ class Trainer:
             fsdp = self.pm.data_parallel == "fsdp"
             for k in range(self.accum):
                 mb = slice(k * self.micro, (k + 1) * self.micro)
-                xs, ys, ps = x[mb], y[mb], (pos[mb] if pos is not None else None)  # (micro, T) each
+                if self.dpo:  # rows are [chosen; rejected]: the micro-step's pairs from both halves
+                    half = x.shape[0] // 2
+                    xs = torch.cat([x[:half][mb], x[half:][mb]])
+                    ys, ps = torch.cat([y[:half][mb], y[half:][mb]]), None
+                else:
+                    xs, ys, ps = x[mb], y[mb], (pos[mb] if pos is not None else None)  # (micro, T) each
                 last = k == self.accum - 1
                 # Skip the gradient all-reduce on all but the last micro-step of an accumulation.
                 ctx = self.ddp.no_sync() if (not last and isinstance(self.ddp, DDP)) else contextlib.nullcontext()
@@ -240,7 +301,13 @@ class Trainer:
                     self.model.set_requires_gradient_sync(last or self.pm.zero >= 2)  # type: ignore[operator]
                 with ctx:
                     self.phase("forward")
-                    loss = self._loss(self.ddp, xs, ys, ps)
+                    if self.dpo:
+                        terms = self._dpo(self.ddp, xs, ys)
+                        loss = terms.loss
+                        reward_sums += torch.stack([terms.chosen_rewards.sum(), terms.rejected_rewards.sum(),
+                                                    terms.margins.sum(), terms.accuracies.sum()]).double().cpu()
+                    else:
+                        loss = self._loss(self.ddp, xs, ys, ps)
                     aux = self.model.moe_aux_loss() if self.cfg.model.moe_experts else None  # type: ignore[operator]
                     if aux is not None:  # MoE load balancing: part of the loss that is minimised
                         loss = loss + aux
@@ -251,6 +318,8 @@ class Trainer:
                 loss_sum += loss.item()
         self.phase("optimizer")
         mean_loss, gnorm = clip_and_reduce(self.pm, t.grad_clip, loss_sum, self._grads_replicated(), reduce_loss)
+        if self.dpo and reduce_loss:  # the logged steps: every rank reduces (the flag is the same on all)
+            self.dpo_metrics = self._reduce_dpo(reward_sums, x.shape[0] // 2)
         self.opt.step()
         if self.cfg.model.moe_experts:
             self.model.moe_after_step()  # type: ignore[operator]  # expert-bias balancing, after the weights move
@@ -265,14 +334,15 @@ class Trainer:
         """
         t, topo = self.cfg.train, self.topo
         end = t.end_step
-        tokens_per_step = t.global_batch * self.cfg.model.seq_len
+        # DPO: every pair is two rows (chosen and rejected)
+        tokens_per_step = t.global_batch * self.cfg.model.seq_len * (2 if self.dpo else 1)
         if topo.rank == 0:
             self.log(
                 f"model {self.cfg.model.name}: {full_model_params(self.cfg.model) / 1e6:.2f}M params | "
                 f"{topo.world_size} ranks on {topo.num_nodes} node(s) | dp={self.dp_size} | {self.pm.precision} | "
                 f"global batch {t.global_batch} x {self.cfg.model.seq_len} tokens | run dir {self.run_dir}"
             )
-            if self.cfg.finetune.method == "lora":
+            if self.cfg.finetune.adapters:
                 n = lora_params(self.cfg.model, self.cfg.finetune.lora)
                 # fp32 adapters + AdamW's two moments: what a checkpoint holds (the base is frozen, not saved)
                 self.log(f"lora: {n / 1e6:.3f}M trainable params ({', '.join(self.cfg.finetune.lora.modules())}, "
@@ -302,9 +372,12 @@ class Trainer:
                 tok_s = window_tokens / max(tnow - window_t, 1e-9)
                 eta = (end - self.state.step) * (tnow - t0) / (self.state.step - start_step)
                 self._record({"step": self.state.step, "loss": loss, "grad_norm": gnorm,
-                              "lr": lr_at(step, t), "tokens_per_s": tok_s, "time": time.time()})
+                              "lr": lr_at(step, t), "tokens_per_s": tok_s, "time": time.time(),
+                              **(self.dpo_metrics if self.dpo else {})})
                 if topo.rank == 0:
-                    self.log(f"step {self.state.step:>5}/{end} | loss {loss:.4f} | "
+                    dpo = (f" | reward margin {self.dpo_metrics['rewards/margins']:.4f} acc "
+                           f"{self.dpo_metrics['rewards/accuracies']:.2f}" if self.dpo_metrics else "")
+                    self.log(f"step {self.state.step:>5}/{end} | loss {loss:.4f}{dpo} | "
                              f"grad norm {gnorm:.3f} | {tok_s:,.0f} tok/s | ETA {_fmt_eta(eta)}")
                 window_t, window_tokens = tnow, 0
             if t.eval_every and self.state.step % t.eval_every == 0 and self.state.step < end:

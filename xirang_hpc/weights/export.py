@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.storage import HDF5StorageReader, read_metadata
+from xirang_hpc.config.schema.finetune import trains_adapters
 from xirang_hpc.data.tokenizer import copy_tokenizer_file, load_run_tokenizer, tokenizer_info
 
 
@@ -35,7 +36,7 @@ def export_safetensors(step_dir: Path, out_dir: Path, mode: int = 0o700) -> tupl
     from safetensors.torch import save_file
 
     ckpt_layout.verify(step_dir)
-    if ((ckpt_layout.read_state(step_dir).get("config") or {}).get("finetune") or {}).get("method") == "lora":
+    if trains_adapters((ckpt_layout.read_state(step_dir).get("config") or {}).get("finetune") or {}):
         raise ValueError(f"{step_dir}: a LoRA run's checkpoint holds adapters only; export them with --format peft, "
                          "or a whole model with --format hf --merge")
     weights = {k.removeprefix("model."): v.contiguous() for k, v in load_full(step_dir, "model.").items()}

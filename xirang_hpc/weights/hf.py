@@ -35,6 +35,7 @@ import torch
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.config.hf import hf_family, model_fields_from_hf, sparse_layers
 from xirang_hpc.config.schema import ModelConfig
+from xirang_hpc.config.schema.finetune import trains_adapters
 
 #: Hugging Face tensors that carry no learned state of ours (old checkpoints' buffers); skipped on import.
 IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -418,7 +419,7 @@ def export_hf(step_dir: Path, out_dir: Path, dtype: str = "float32", max_shard_b
     full = {k.removeprefix("model."): v for k, v in load_full(step_dir, "model.").items()}
     if not full:
         raise ValueError(f"{step_dir}: no model tensors in this checkpoint")
-    lora_run = (state["config"].get("finetune") or {}).get("method") == "lora"
+    lora_run = trains_adapters(state["config"].get("finetune") or {})
     if lora_run and not merge:
         raise ValueError(f"{step_dir}: a LoRA run's checkpoint holds adapters only; export them with --format peft, "
                          "or a whole model with --format hf --merge")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from xirang_hpc.config.schema import ModelConfig
-from xirang_hpc.config.schema.finetune import LORA_TARGETS, LoraConfig
+from xirang_hpc.config.schema.finetune import LORA_TARGETS, LoraConfig, trains_adapters
 from xirang_hpc.weights.hf import Src, hf_rows_for, tensor_map
 
 PEFT_PREFIX = "base_model.model."
@@ -94,8 +94,8 @@ def export_peft(step_dir: Path, out_dir: Path, mode: int = 0o700) -> list[Path]:
     ckpt_layout.verify(step_dir)
     state = ckpt_layout.read_state(step_dir)
     ft = state["config"].get("finetune") or {}
-    if ft.get("method") != "lora":
-        raise ValueError(f"{step_dir}: not a LoRA run (finetune.method={ft.get('method', 'full')}); "
+    if not trains_adapters(ft):
+        raise ValueError(f"{step_dir}: not a LoRA run (finetune.method={ft.get('method', 'full')}, no adapters); "
                          "--format peft exports adapters only")
     lora = FinetuneConfig(method="lora", lora=LoraConfig(**ft.get("lora", {}))).lora
     names = {f.name for f in dataclasses.fields(ModelConfig)} - {"init_from"}

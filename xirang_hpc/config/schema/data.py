@@ -27,14 +27,16 @@ class DataConfig:
     on_bad_record: str = "fail"
     val_fraction: float = 0.01
     # text: documents of text | chat: conversations (a "messages" list of {role, content}) rendered with the
-    # tokenizer's chat template (or the default one), with per-token loss masks.
+    # tokenizer's chat template (or the default one), with per-token loss masks | pairs: preference pairs
+    # ("prompt", "chosen", "rejected"; strings, or chat message lists) for finetune.method=dpo.
     format: str = "text"
     # chat: which tokens are learned: assistant (every assistant turn) | last (the last assistant turn) | all.
     train_on: str = "assistant"
     # chat: whole samples packed into model.seq_len rows (per-sample positions, block-diagonal attention);
     # false: one sample per row, padded (pads are masked from the loss).
     packing: bool = False
-    # chat: a sample longer than model.seq_len + 1 tokens: truncate (keep its start) | drop (counted at load).
+    # chat, pairs: a sample longer than model.seq_len + 1 tokens: truncate (keep its start) | drop (counted at
+    # load); a pair is dropped whole, and left out when a cut leaves either reply no token.
     overlong: str = "truncate"
     shard_tokens: int = 16 * 1024 * 1024
     split_seed: int = 0
@@ -57,13 +59,19 @@ class DataConfig:
         if not 0 < self.val_fraction < 0.5:
             raise ConfigError("data.val_fraction", self.val_fraction, "use a fraction in (0, 0.5)")
         check_positive("data", "shard_tokens", self.shard_tokens)
-        if self.format not in ("text", "chat"):
-            raise ConfigError("data.format", self.format, "choose text or chat")
+        if self.format not in ("text", "chat", "pairs"):
+            raise ConfigError("data.format", self.format, "choose text, chat or pairs")
         if self.train_on not in ("assistant", "all", "last"):
             raise ConfigError("data.train_on", self.train_on, "choose assistant, all or last")
         if self.overlong not in ("truncate", "drop"):
             raise ConfigError("data.overlong", self.overlong, "choose truncate or drop")
-        if self.format != "chat":
+        if self.format == "pairs":
+            for name, default in (("train_on", "assistant"), ("packing", False)):
+                if getattr(self, name) != default:
+                    raise ConfigError(f"data.{name}", getattr(self, name),
+                                      f"preference pairs learn only the completion, one pair per row; leave "
+                                      f"data.{name} at {default}")
+        elif self.format != "chat":
             for name, default in (("train_on", "assistant"), ("packing", False), ("overlong", "truncate")):
                 if getattr(self, name) != default:
                     raise ConfigError(f"data.{name}", getattr(self, name),

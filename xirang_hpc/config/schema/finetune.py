@@ -4,16 +4,26 @@
 weights and trains a low-rank update ``(alpha / rank) * B @ A`` beside each targeted linear layer; the
 checkpoints then hold only the adapters and their optimizer state, and ``xirang-ckpt export --format peft``
 writes them as a PEFT adapter directory (see xirang_hpc/models/lora.py).
+
+``method=dpo`` (Rafailov et al. 2023) tunes on preference pairs (``data.format=pairs``): the loss is
+``-logsigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r)))`` over the summed log-probs of the completion tokens
+of the chosen and rejected replies, under the policy and a frozen reference (the starting weights; with
+``dpo.lora=true`` the policy is LoRA adapters on the frozen base and the reference is the base with the
+adapters disabled). See xirang_hpc/models/dpo.py.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from xirang_hpc.config.errors import ConfigError
 
-METHODS = ("full", "lora")
+METHODS = ("full", "lora", "dpo")
+#: The DPO losses implemented (TRL's ``loss_type`` names); others (hinge, ipo, ...) are refused.
+DPO_LOSSES = ("sigmoid",)
 #: Our linear layers (module name inside a block) and the Hugging Face / PEFT names for them.
 LORA_TARGETS: dict[str, str] = {"attn.q": "q_proj", "attn.k": "k_proj", "attn.v": "v_proj", "attn.o": "o_proj",
                                 "mlp.gate": "gate_proj", "mlp.up": "up_proj", "mlp.down": "down_proj"}
@@ -29,6 +39,13 @@ def lora_target(name: str) -> str:
             return ours
     valid = ", ".join(f"{hf} ({ours})" for ours, hf in LORA_TARGETS.items())
     raise ConfigError("finetune.lora.target_modules", name, f"names no linear layer; valid: {valid}")
+
+
+def trains_adapters(finetune: Mapping[str, Any]) -> bool:
+    """Whether a run's recorded ``finetune`` group (a plain dict, as checkpoints hold it) trained LoRA adapters:
+    ``method=lora``, or ``method=dpo`` with ``dpo.lora``."""
+    method = finetune.get("method", "full")
+    return method == "lora" or (method == "dpo" and bool((finetune.get("dpo") or {}).get("lora")))
 
 
 @dataclass
@@ -66,12 +83,42 @@ class LoraConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Direct preference optimisation (``finetune.method=dpo``) on ``data.format=pairs``."""
+
+    # The inverse temperature of the implicit reward beta * (log pi - log ref).
+    beta: float = 0.1
+    # sigmoid: the DPO paper's loss (TRL's default loss_type); no other is implemented.
+    loss: str = "sigmoid"
+    # true: train LoRA adapters (finetune.lora.*); the reference is the base with the adapters disabled.
+    lora: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(float(self.beta)) or float(self.beta) <= 0:
+            raise ConfigError("finetune.dpo.beta", self.beta, "must be a positive finite number")
+        if self.loss not in DPO_LOSSES:
+            raise ConfigError("finetune.dpo.loss", self.loss,
+                              f"only {', '.join(DPO_LOSSES)} is implemented (hinge, ipo, robust and TRL's other "
+                              "loss types are not)")
+
+
+@dataclass
 class FinetuneConfig:
-    """What is trained of the model: everything (``full``) or low-rank adapters (``lora``)."""
+    """What is trained of the model and how: everything (``full``), low-rank adapters (``lora``), or preference
+    tuning against a frozen reference (``dpo``)."""
 
     method: str = "full"
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError("finetune.method", self.method, f"choose one of {', '.join(METHODS)}")
+        if self.method != "dpo" and (self.dpo.lora or float(self.dpo.beta) != 0.1 or self.dpo.loss != "sigmoid"):
+            raise ConfigError("finetune.dpo", "set", f"only finetune.method=dpo reads finetune.dpo.*, not "
+                              f"finetune.method={self.method}")
+
+    @property
+    def adapters(self) -> bool:
+        """Whether the run trains LoRA adapters on a frozen base (``method=lora``, or ``dpo`` with ``dpo.lora``)."""
+        return self.method == "lora" or (self.method == "dpo" and bool(self.dpo.lora))
