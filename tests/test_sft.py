@@ -490,3 +490,29 @@ def test_a_window_no_sample_can_learn_in_is_refused_at_launch(tmp_path: Path, ov
         ChatSamples(data, "train", 32, overlong=overlong)
     check_chat_window(data, 64, overlong)  # a window they fit passes
     check_chat_window(_write_chat_dir(tmp_path / "mixed", [*long_replies, *_samples(2, 1, 64)]), 32, overlong)
+
+
+def test_an_export_carries_the_chat_template_the_run_learned(hf_dir: Path, tmp_path: Path) -> None:
+    """``xirang-ckpt export --format hf`` of a chat fine-tune: transformers renders prompts as the training data."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from xirang_hpc.data.tokenizer import CHAT_TEMPLATE_FILE
+    from xirang_hpc.weights.hf import _tokenizer_files
+
+    run, out = tmp_path / "run", tmp_path / "hf"
+    run.mkdir()
+    out.mkdir()
+    shutil.copyfile(hf_dir / "tokenizer.json", run / "tokenizer.json")
+    tok = HFTokenizer(run / "tokenizer.json")
+    r = ChatRenderer.for_tokenizer(tok, str(hf_dir), "assistant")
+    (run / CHAT_TEMPLATE_FILE).write_text(json.dumps({"template": r.template, "special_tokens": r.special,
+                                                      "stop": [], "sha256": r.sha256}))
+    _tokenizer_files(run, out)
+    theirs = AutoTokenizer.from_pretrained(out)
+    msgs = conversation(random.Random(4))
+    assert theirs.apply_chat_template(msgs, tokenize=False) == r.render(msgs)
+    (run / CHAT_TEMPLATE_FILE).unlink()  # a plain-text run: no template is made up
+    _tokenizer_files(run, out)
+    assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())

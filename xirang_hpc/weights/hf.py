@@ -379,6 +379,9 @@ def _tokenizer_files(run_dir: Path, out: Path) -> dict[str, Any]:
     tc: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     if eos is not None:
         tc.update(eos_token=eos, bos_token=eos)
+    chat = getattr(tok, "chat_template", None)  # a chat fine-tune: the template it learned (chat_template.json)
+    if chat:
+        tc["chat_template"] = chat  # transformers' apply_chat_template renders it as our data did
     (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
     return {"eos_token_id": eos_id, "bos_token_id": eos_id} if eos is not None else {}
 
