@@ -280,11 +280,14 @@ def _record_text(rec: Any, field_name: str, where: str, policy: str, stats: Reco
     return text
 
 
-def _jsonl_docs(path: Path, rel: str, field_name: str, policy: str, stats: RecordStats,
-                split_of: Callable[[str], str], progress: _Progress) -> Iterator[Doc]:
+def json_lines(path: Path, policy: str, stats: RecordStats,
+               on_bytes: Callable[[int], None] | None = None) -> Iterator[tuple[int, str, Any]]:
+    """``(line, where, record)`` for each non-blank line of a JSONL file (``where`` = ``path:line``); a line that is not
+    JSON is a bad record under ``policy`` (``data.on_bad_record``). ``on_bytes`` sees each line's size."""
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
-            progress.update(nbytes=len(raw))
+            if on_bytes is not None:
+                on_bytes(len(raw))
             if not raw.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -293,9 +296,15 @@ def _jsonl_docs(path: Path, rel: str, field_name: str, policy: str, stats: Recor
             except (ValueError, UnicodeDecodeError) as exc:
                 _bad(policy, stats, "not_json", where, f"line is not valid JSON ({str(exc).splitlines()[0]})")
                 continue
-            text = _record_text(rec, field_name, where, policy, stats)
-            if text is not None:
-                yield Doc(text, split_of(f"{rel}:{lineno}"), path)
+            yield lineno, where, rec
+
+
+def _jsonl_docs(path: Path, rel: str, field_name: str, policy: str, stats: RecordStats,
+                split_of: Callable[[str], str], progress: _Progress) -> Iterator[Doc]:
+    for lineno, where, rec in json_lines(path, policy, stats, lambda n: progress.update(nbytes=n)):
+        text = _record_text(rec, field_name, where, policy, stats)
+        if text is not None:
+            yield Doc(text, split_of(f"{rel}:{lineno}"), path)
 
 
 def _parquet_docs(path: Path, rel: str, field_name: str, policy: str, stats: RecordStats,
@@ -406,22 +415,12 @@ def iter_chat_records(scan: CorpusScan, root: Path, on_bad_record: str = "fail",
     for path in scan.records:
         rel = rel_of(path)
         if file_kind(path) == "jsonl":
-            with path.open("rb") as f:
-                for lineno, raw in enumerate(f, 1):
-                    if not raw.strip():
-                        continue
-                    where = f"{path}:{lineno}"
-                    try:
-                        rec = json.loads(raw)
-                    except (ValueError, UnicodeDecodeError) as exc:
-                        _bad(on_bad_record, stats, "not_json", where,
-                             f"line is not valid JSON ({str(exc).splitlines()[0]})")
-                        continue
-                    if not isinstance(rec, dict) or CHAT_FIELD not in rec:
-                        _bad(on_bad_record, stats, "missing_field", where,
-                             f"record has no {CHAT_FIELD!r} list of {{role, content}} messages")
-                        continue
-                    yield ChatRecord(rec[CHAT_FIELD], split_of(f"{rel}:{lineno}"), where)
+            for lineno, where, rec in json_lines(path, on_bad_record, stats):
+                if not isinstance(rec, dict) or CHAT_FIELD not in rec:
+                    _bad(on_bad_record, stats, "missing_field", where,
+                         f"record has no {CHAT_FIELD!r} list of {{role, content}} messages")
+                    continue
+                yield ChatRecord(rec[CHAT_FIELD], split_of(f"{rel}:{lineno}"), where)
             continue
         import pyarrow as pa
         import pyarrow.parquet as pq

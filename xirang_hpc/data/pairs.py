@@ -16,7 +16,6 @@ loss is the constant log 2 and its gradient zero) and counted, with a warning.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from xirang_hpc.data.chat import ChatError, ChatRenderer, ChatSample
-from xirang_hpc.data.corpus import CorpusError, CorpusScan, RecordStats, _bad, _split_score, file_kind
+from xirang_hpc.data.corpus import CorpusError, CorpusScan, RecordStats, _bad, _split_score, file_kind, json_lines
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
@@ -51,28 +50,18 @@ def iter_pair_records(scan: CorpusScan, root: Path, on_bad_record: str = "fail",
                           "convert it to JSONL or move it out of data.corpus")
     for path in scan.records:
         rel = str(path.relative_to(root)) if root.is_dir() else path.name
-        with path.open("rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    rec = json.loads(raw)
-                except (ValueError, UnicodeDecodeError) as exc:
-                    _bad(on_bad_record, stats, "not_json", where,
-                         f"line is not valid JSON ({str(exc).splitlines()[0]})")
-                    continue
-                if not isinstance(rec, dict):
-                    _bad(on_bad_record, stats, "not_object", where,
-                         f"record is a JSON {type(rec).__name__}, not an object")
-                    continue
-                missing = [k for k in PAIR_FIELDS if rec.get(k) is None]
-                if missing:
-                    _bad(on_bad_record, stats, "missing_field", where,
-                         f"pair has no {', '.join(repr(k) for k in missing)} (a pair needs {', '.join(PAIR_FIELDS)})")
-                    continue
-                split = "val" if _split_score(f"{rel}:{lineno}", split_seed) < val_fraction else "train"
-                yield PairRecord(rec["prompt"], rec["chosen"], rec["rejected"], split, where)
+        for lineno, where, rec in json_lines(path, on_bad_record, stats):
+            if not isinstance(rec, dict):
+                _bad(on_bad_record, stats, "not_object", where,
+                     f"record is a JSON {type(rec).__name__}, not an object")
+                continue
+            missing = [k for k in PAIR_FIELDS if rec.get(k) is None]
+            if missing:
+                _bad(on_bad_record, stats, "missing_field", where,
+                     f"pair has no {', '.join(repr(k) for k in missing)} (a pair needs {', '.join(PAIR_FIELDS)})")
+                continue
+            split = "val" if _split_score(f"{rel}:{lineno}", split_seed) < val_fraction else "train"
+            yield PairRecord(rec["prompt"], rec["chosen"], rec["rejected"], split, where)
 
 
 def _reply_text(reply: Any) -> str:
