@@ -228,6 +228,7 @@ def _success_and_refusal(cmd: str, tmp: Path) -> tuple[list[str], list[str]]:
                            f"train.runs_root={tmp / 'runs'}", "--out", str(tmp / "job.sbatch")],
                           ["cluster=slurm", "model=doesnotexist"]),
         "xirang-pipeline": (["--cfg", "job"], ["train.stepz=3"]),
+        "xirang-eval": (["--cfg", "job"], ["train.stepz=3"]),
         "xirang-status": ([str(tmp / "run")], [str(tmp / "nonexistent")]),
         "xirang-serve": (["--help"], [str(tmp / "nonexistent")]),  # serving runs until stopped: its --help
         "xirang-ckpt": (["list", str(tmp / "run")], ["verify", str(tmp / "nonexistent")]),

@@ -55,4 +55,4 @@ def test_readme_fine_tuning(tmp_path: Path) -> None:
     run = tmp_path / "runs" / "chat"
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (run / "adapter").iterdir()}
     assert json.loads((run / "harness.json").read_text())
-    assert r.stdout.splitlines()[-1].startswith("reply: ")  # the served run answered the official client
+    assert any(line.startswith("reply: ") for line in r.stdout.splitlines())  # the served run answered the client
