@@ -26,11 +26,11 @@ from hydra import compose, initialize_config_dir
 
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.job.training import run_training
-from xirang_hpc.launch.executors import make_executor
-from xirang_hpc.launch.hydra_setup import register_configs
-from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.monitor.heartbeat import read_heartbeats
+from xirang_hpc.submit.executors import make_executor
+from xirang_hpc.submit.hydra_setup import register_configs
+from xirang_hpc.submit.rundir import make_private_dir, run_dir_for
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "xirang_hpc" / "conf")
 MODES = {"adaptive": [], "fixed 300 s": ["monitor.hang_k=0", "monitor.hang_s=300"]}

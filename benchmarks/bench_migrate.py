@@ -26,7 +26,7 @@ from pathlib import Path
 
 from xirang_hpc.monitor.events import read_events
 
-TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()"]
+TRAIN = [sys.executable, "-c", "from xirang_hpc.cli.train import main; main()"]
 
 
 def _ev(run: Path, kind: str) -> list[dict]:

@@ -122,7 +122,7 @@ def _slurmctld_pidfile() -> Path:
 def _driver(run: Path) -> psutil.Process | None:
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "xirang_hpc.launch.injob" in cmd and str(run) in cmd and "--guard" not in cmd:
+        if "xirang_hpc.batch.injob" in cmd and str(run) in cmd and "--guard" not in cmd:
             return p
     return None
 
@@ -131,7 +131,7 @@ def one(policy: str, fault: str, a: argparse.Namespace, extra: tuple[str, ...] =
         runs: Path | None = None) -> dict:
     """Submit, wait past the first checkpoint, inject ``fault``, measure until a step runs again."""
     runs = runs or Path(tempfile.mkdtemp(prefix=f"bench-recovery-{policy}-{fault}-"))
-    cmd = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()", "cluster=testbed",
+    cmd = [sys.executable, "-c", "from xirang_hpc.cli.train import main; main()", "cluster=testbed",
            *POLICIES[policy], f"train.max_steps={a.steps}", "train.warmup_steps=2", "train.log_every=1",
            "train.eval_batches=2", "parallel.pp=1", "parallel.tp=1", "monitor.enabled=true",
            f"monitor.hang_s={a.hang_s}", "cluster.threads_per_rank=1", f"checkpoint.every_steps={a.every}",

@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--no-start-now", action="store_true", help="Slurm's own BeginTime delay after a requeue")
     a = ap.parse_args()
     runs = Path(tempfile.mkdtemp(prefix="bench-slurm-"))
-    cmd = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()", "cluster=testbed",
+    cmd = [sys.executable, "-c", "from xirang_hpc.cli.train import main; main()", "cluster=testbed",
            "requeue=testbed", f"requeue.max_requeues={a.preemptions + 1}", "train.priority=exploratory",
            f"train.max_steps={a.steps}", "train.warmup_steps=2", "train.log_every=1", "train.eval_batches=2",
            "parallel.pp=1",

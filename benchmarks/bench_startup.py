@@ -4,7 +4,7 @@
 
 A Slurm task is a fresh interpreter (``cluster.preload`` forks local ranks only). Each repeat runs the same
 single-rank training job twice, in fresh interpreters, in alternating order, through the job function a Slurm
-rank runs (``xirang_hpc.job.entry.train_job``, as ``python -m xirang_hpc.launch.job_entry`` calls it) under a
+rank runs (``xirang_hpc.job.entry.train_job``, as ``python -m xirang_hpc.batch.rank`` calls it) under a
 torchrun-style environment of one rank:
 
 - ours: the job as shipped: the training stack (torch, ``torch._dynamo``, DTensor, DCP, h5py and the package)
@@ -59,7 +59,7 @@ if sys.argv[3] == "plain":
             importlib.import_module(name)
         return []
     startup.import_paused = plain
-from xirang_hpc.launch.job_entry import main
+from xirang_hpc.batch.rank import main
 main(["--config", sys.argv[1]])
 gc.callbacks.clear()
 t = time.perf_counter()
@@ -80,11 +80,11 @@ def _job_file(work: Path, name: str, steps: int, model: str) -> Path:
     """A validated single-rank config with its own runs root, and the prepared corpus, as xirang-sbatch writes."""
     from hydra import compose, initialize_config_dir
 
+    from xirang_hpc.cli.sbatch import CONFIG_FILE, write_job_files
+    from xirang_hpc.cli.train import _ensure_data
     from xirang_hpc.config.validate import check_runnable, load_config
-    from xirang_hpc.launch.hydra_setup import register_configs
-    from xirang_hpc.launch.preflight import open_run_dir
-    from xirang_hpc.launch.sbatch import CONFIG_FILE, write_job_files
-    from xirang_hpc.launch.train_cli import _ensure_data
+    from xirang_hpc.submit.hydra_setup import register_configs
+    from xirang_hpc.submit.preflight import open_run_dir
 
     register_configs()
     overrides = [f"model={model}", "cluster.nodes=1", "cluster.tasks_per_node=1", "parallel.pp=1",

@@ -44,7 +44,7 @@ elif name == "scontrol" and args[:2] == ["show", "node"]:
         print(f"NodeName={{n}} State=IDLE CPUTot=8 RealMemory=8000")
 """
 
-XIRANG = "from xirang_hpc.launch.train_cli import main; import sys; sys.argv[0] = 'xirang-train'; main()"
+XIRANG = "from xirang_hpc.cli.train import main; import sys; sys.argv[0] = 'xirang-train'; main()"
 XIRANG_TORCH = "import torch; " + XIRANG
 
 BASELINE = """import sys

@@ -18,8 +18,8 @@ from filelock import FileLock
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from xirang_hpc.launch.hydra_setup import register_configs
 from xirang_hpc.runtime.startup import TRAINING_STACK, import_paused
+from xirang_hpc.submit.hydra_setup import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "xirang_hpc" / "conf")
@@ -289,7 +289,7 @@ def calibrated_preset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def trained_run_copy(trained_run: TrainedRun, tmp_path: Path) -> TrainedRun:
     """A private copy of the session's trained run (same directory name) for a test that writes into it."""
     dst = tmp_path / "runs" / trained_run.run.name
-    # Not the socket of the job's fork server (launch/preload.py), which stays in the run's submitit folder until
+    # Not the socket of the job's fork server (local/preload.py), which stays in the run's submitit folder until
     # the server's idle exit, ~30 s after the run: a socket cannot be copied, and it is no part of the run.
     shutil.copytree(trained_run.run, dst, symlinks=True, ignore=shutil.ignore_patterns(".preload-*.sock"))
     dst.chmod(trained_run.run.stat().st_mode)

@@ -26,14 +26,14 @@ from collections.abc import Callable
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
 
-from xirang_hpc.launch.preload import PRELOAD as LOCAL_RANK_PRELOAD
+from xirang_hpc.local.preload import PRELOAD as LOCAL_RANK_PRELOAD
 
 # Imported once by the fork server (an import that fails there is simply done again by the child): torch and
 # what a rank imports on its first step (``torch._dynamo``, ~1 s of CPU: torch imports it lazily on the first
 # optimizer step and meta-device init), and what unpickling a rank's target imports (its test module imports
 # pytest, the conftest and Hydra's compose API, ~0.8 s); first ``ranks_paused`` pauses the garbage collector,
 # last ``ranks_frozen`` freezes it all (gc.freeze) and enables it again.
-PRELOAD = ["ranks_paused", *LOCAL_RANK_PRELOAD, "pytest", "hydra", "omegaconf", "xirang_hpc.launch.hydra_setup",
+PRELOAD = ["ranks_paused", *LOCAL_RANK_PRELOAD, "pytest", "hydra", "omegaconf", "xirang_hpc.submit.hydra_setup",
            "conftest", "ranks_frozen"]
 
 

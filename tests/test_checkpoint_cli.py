@@ -17,8 +17,8 @@ from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.manager import CheckpointManager
 from xirang_hpc.checkpoint.retention import RetentionPolicy
 from xirang_hpc.checkpoint.rollback import fork_for_resume
+from xirang_hpc.cli.ckpt import main
 from xirang_hpc.config.schema import ModelConfig
-from xirang_hpc.launch.ckpt_cli import main
 from xirang_hpc.models.gpt import GPT
 
 MODEL = ModelConfig(name="t", n_layer=1, n_head=2, d_model=16, d_ff=32, seq_len=16)
@@ -122,7 +122,7 @@ def test_a_launch_with_resume_from_hands_the_job_the_fork(run, capsys):
     from xirang_hpc.checkpoint.identity import read_identity
     from xirang_hpc.checkpoint.rollback import forked_at
     from xirang_hpc.config.validate import load_config
-    from xirang_hpc.launch.preflight import open_run_dir
+    from xirang_hpc.submit.preflight import open_run_dir
 
     src = run[0]
     before = sorted(p.name for p in src.iterdir())
@@ -166,7 +166,7 @@ def test_export_safetensors_is_usable_outside(run, tmp_path, capsys):
 
 def test_interval_prints_inputs_and_waste(run, capsys):
     # As a console script, end to end (once); the JSON form through the same main().
-    p = subprocess.run([sys.executable, "-m", "xirang_hpc.launch.ckpt_cli", "interval", str(run[0])],
+    p = subprocess.run([sys.executable, "-m", "xirang_hpc.cli.ckpt", "interval", str(run[0])],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     assert "MTBF 2.00h from config" in p.stdout and "Daly interval" in p.stdout and "expected waste" in p.stdout

@@ -150,7 +150,7 @@ def _job_rank(rank: int, world: int, job: str, cfg: dict, run_dir: str, data_dir
 
 
 def _job(cfg: dict, run_dir: Path, data_dir: Path, kill_at: int = 0) -> list[int | None]:
-    from xirang_hpc.launch.rundir import make_private_dir
+    from xirang_hpc.submit.rundir import make_private_dir
 
     make_private_dir(run_dir)
     ctx = rank_context()

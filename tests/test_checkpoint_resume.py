@@ -24,7 +24,7 @@ from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.checkpoint.rollback import fork_run
 from xirang_hpc.checkpoint.storage import HDF5StorageReader, read_metadata
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.launch.rundir import make_private_dir
+from xirang_hpc.submit.rundir import make_private_dir
 
 # The layout the reference and the interrupted run use (hybrid: dp2 x tp2 on 2 virtual nodes x 2 ranks,
 # ZeRO-1: each dp rank saves the optimizer state of the tensor-parallel shards it owns).

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
-HYDRA_APPS = {"xirang-train": "train_cli", "xirang-prepare": "prepare_cli", "xirang-plan": "plan_cli",
-              "xirang-sbatch": "sbatch", "xirang-pipeline": "pipeline_cli"}
+HYDRA_APPS = {"xirang-train": "cli.train", "xirang-prepare": "cli.prepare", "xirang-plan": "cli.plan",
+              "xirang-sbatch": "cli.sbatch", "xirang-pipeline": "cli.pipeline"}
 
 
 def _env() -> dict[str, str]:
@@ -35,7 +35,7 @@ def _in_process(cmd: str, argv: list[str], monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     monkeypatch.setattr(sys, "argv", [cmd, *argv])
-    mod = importlib.import_module(f"xirang_hpc.launch.{HYDRA_APPS[cmd]}")
+    mod = importlib.import_module(f"xirang_hpc.{HYDRA_APPS[cmd]}")
     try:
         with pytest.raises(SystemExit) as exc:
             mod.main()
@@ -104,7 +104,7 @@ def test_plan_exits_2_when_no_layout_fits(monkeypatch: pytest.MonkeyPatch, capsy
     monkeypatch.setattr(sys, "argv", ["xirang-plan", "model=gpt-175b", "cluster.nodes=1"])
     from hydra.core.global_hydra import GlobalHydra
 
-    from xirang_hpc.launch import plan_cli
+    from xirang_hpc.cli import plan as plan_cli
 
     try:
         with pytest.raises(SystemExit) as exc:
@@ -119,7 +119,7 @@ def test_plan_exits_2_when_no_layout_fits(monkeypatch: pytest.MonkeyPatch, capsy
 
 
 def test_ckpt_refusals_exit_2_as_its_help_says(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from xirang_hpc.launch.ckpt_cli import main
+    from xirang_hpc.cli.ckpt import main
 
     assert main(["verify", str(tmp_path / "nope")]) == 2
     assert "is not a run directory" in _one_error_line(capsys.readouterr().err, "xirang-ckpt")
@@ -249,7 +249,7 @@ def test_documented_exit_codes_are_the_real_ones(cmd: str, tmp_path: Path) -> No
 
 
 def test_every_command_documents_its_exit_codes() -> None:
-    from xirang_hpc.launch.cli_help import COMMANDS
+    from xirang_hpc.cli.help import COMMANDS
 
     assert {f"xirang-{p.stem.removeprefix('help_')}" for p in GOLDEN.glob("help_*.txt")} == set(COMMANDS)
     for cmd in COMMANDS:

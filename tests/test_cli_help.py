@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from xirang_hpc.launch.cli_help import COMMANDS
+from xirang_hpc.cli.help import COMMANDS
 
 GOLDEN = Path(__file__).parent / "golden"
 BIN = Path(sys.executable).parent
@@ -23,9 +23,9 @@ def _run(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str
                           env=ENV, cwd=cwd)
 
 
-ENTRY = {"xirang-train": "train_cli", "xirang-prepare": "prepare_cli", "xirang-plan": "plan_cli",
-         "xirang-sbatch": "sbatch", "xirang-pipeline": "pipeline_cli", "xirang-status": "status_cli",
-         "xirang-serve": "serve_cli", "xirang-ckpt": "ckpt_cli", "xirang-eval": "eval_cli"}
+ENTRY = {"xirang-train": "cli.train", "xirang-prepare": "cli.prepare", "xirang-plan": "cli.plan",
+         "xirang-sbatch": "cli.sbatch", "xirang-pipeline": "cli.pipeline", "xirang-status": "cli.status",
+         "xirang-serve": "cli.serve", "xirang-ckpt": "cli.ckpt", "xirang-eval": "cli.eval"}
 
 
 def _help_in_process(cmd: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
@@ -34,7 +34,7 @@ def _help_in_process(cmd: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
 
     monkeypatch.setenv("COLUMNS", "100")
     monkeypatch.setattr(sys, "argv", [cmd, "--help"])
-    mod = importlib.import_module(f"xirang_hpc.launch.{ENTRY[cmd]}")
+    mod = importlib.import_module(f"xirang_hpc.{ENTRY[cmd]}")
     with pytest.raises(SystemExit) as exc:
         mod.main(["--help"]) if not COMMANDS[cmd].hydra else mod.main()
     assert exc.value.code in (0, None)

@@ -83,7 +83,7 @@ def test_trainer_refuses_compile_before_building_the_model(no_cxx: None, email_d
 
 
 def test_a_rank_s_config_refusal_is_shown_as_its_one_line() -> None:
-    from xirang_hpc.launch.train_cli import config_refusal
+    from xirang_hpc.cli.train import config_refusal
 
     err = ConfigError("train.compile", True, "torch.compile cannot build kernels for cpu on this node; ...")
     trace = f"Traceback (most recent call last):\n  File ...\n{type(err).__module__}.ConfigError: {err}\n"

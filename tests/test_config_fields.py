@@ -37,9 +37,6 @@ from xirang_hpc.config.schema import GROUPS, LoraConfig, XirangConfig
 from xirang_hpc.config.schema.cluster import ContainerConfig
 from xirang_hpc.config.schema.finetune import DpoConfig
 from xirang_hpc.config.validate import check_runnable, load_config
-from xirang_hpc.launch.executors import local_python
-from xirang_hpc.launch.rundir import run_dir_for
-from xirang_hpc.launch.slurm import sbatch_parameters
 from xirang_hpc.monitor.watchdog import thresholds_for
 from xirang_hpc.planner.hardware import hardware_for
 from xirang_hpc.runtime.comm.install import parse_bucket
@@ -49,6 +46,9 @@ from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims
 from xirang_hpc.runtime.policy import REASONS, decide
 from xirang_hpc.runtime.schedule import lr_at
 from xirang_hpc.serve.run import limits_for
+from xirang_hpc.submit.executors import local_python
+from xirang_hpc.submit.rundir import run_dir_for
+from xirang_hpc.submit.slurm import sbatch_parameters
 
 REFUSED = "refused"
 
@@ -154,8 +154,8 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
                     "moe_norm_topk": False, "moe_balance": "bias", "moe_aux_coef": 0.001, "moe_bias_rate": 0.01,
                     "moe_every": 2, "moe_first_dense": 1}.items()},
     # cluster: the batch script, the hardware preset, the job's threads and backend
-    "cluster.name": ("renamed", reads("xirang_hpc.launch.slurm"), []),
-    "cluster.executor": ("slurm", reads("xirang_hpc.launch.train_cli"), []),
+    "cluster.name": ("renamed", reads("xirang_hpc.submit.slurm"), []),
+    "cluster.executor": ("slurm", reads("xirang_hpc.cli.train"), []),
     **{f"cluster.{k}": (v, sbatch, []) for k, v in {
         "nodes": 1, "tasks_per_node": 4, "gpus_per_node": 1, "cpus_per_task": 2, "mem_gb": 8.0, "time_min": 90,
         "partition": "gpu", "qos": "high", "account": "proj", "constraint": "a100", "exclude": "n3",
@@ -175,14 +175,14 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "cluster.gpu": ("h100", hardware, []),
     "cluster.hardware": ({"peak_tflops": 123.0}, hardware, []),
     "cluster.sites": ([{"name": "alpha"}], REFUSED, []),  # sites are Slurm clusters; cluster=local is not one
-    "cluster.site_policy": ("quota", reads("xirang_hpc.launch.sites.placement"), []),
+    "cluster.site_policy": ("quota", reads("xirang_hpc.submit.sites.placement"), []),
     "cluster.container": (ContainerConfig(image="/images/train.sif", runtime="apptainer"),
                           reads("xirang_hpc.slurm.container"), []),
-    "cluster.site_stay_s": (60.0, reads("xirang_hpc.launch.sites.placement"), []),
-    "cluster.site_migrate_wait_s": (30.0, reads("xirang_hpc.launch.sites.moves"), []),
-    "cluster.site_auto_migrate": (False, reads("xirang_hpc.launch.sites.moves"), []),
-    "cluster.site_sweep": ("spread", reads("xirang_hpc.launch.sweep"), []),
-    "cluster.price_per_gpu_hour": (2.5, reads("xirang_hpc.launch.plan_target"), []),  # xirang-plan's cost
+    "cluster.site_stay_s": (60.0, reads("xirang_hpc.submit.sites.placement"), []),
+    "cluster.site_migrate_wait_s": (30.0, reads("xirang_hpc.submit.sites.moves"), []),
+    "cluster.site_auto_migrate": (False, reads("xirang_hpc.submit.sites.moves"), []),
+    "cluster.site_sweep": ("spread", reads("xirang_hpc.submit.sweep"), []),
+    "cluster.price_per_gpu_hour": (2.5, reads("xirang_hpc.submit.plan_target"), []),  # xirang-plan's cost
     # parallel: the degrees, or refused where the layout cannot apply the choice
     "parallel.dp": (3, REFUSED, []),
     "parallel.tp": (2, dims, []),
@@ -196,7 +196,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "parallel.sequence_parallel": (True, REFUSED, []),  # needs tp > 1
     "parallel.optimizer_sharding": (True, zero_stage, []),  # ZeRO-1 (also under dp2 x pp2)
     "parallel.zero": (2, dims, []),  # ZeRO-2 runs on FSDP2: dp becomes the shard dimension
-    "parallel.auto": (True, reads("xirang_hpc.launch.autoplan"), []),
+    "parallel.auto": (True, reads("xirang_hpc.submit.autoplan"), []),
     # train: what is trained -> identity; the schedule; how the loop runs
     **{f"train.{k}": (v, identity, []) for k, v in {
         "seed": 7, "max_steps": 400, "global_batch": 64, "lr": 1e-3, "min_lr_ratio": 0.5, "warmup_steps": 5,
@@ -206,16 +206,16 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "train.run_dir": ("/tmp/xirang-explicit-run", identity, []),
     "train.grad_accum": (3, REFUSED, []),  # global batch 32 is not a multiple of dp2 x 3
     "train.extend_to": (400, lr_schedule, []),  # the schedule now decays towards step 400
-    "train.after_active": (True, reads("xirang_hpc.launch.slurm"), []),
+    "train.after_active": (True, reads("xirang_hpc.submit.slurm"), []),
     "train.eval_every": (10, reads("xirang_hpc.runtime.trainer"), []),
     "train.eval_batches": (2, reads("xirang_hpc.runtime.trainer"), []),
     "train.log_every": (5, reads("xirang_hpc.runtime.trainer"), []),
-    "train.wait": (True, reads("xirang_hpc.launch.slurm"), []),
+    "train.wait": (True, reads("xirang_hpc.submit.slurm"), []),
     "train.priority": ("exploratory", REFUSED, []),  # cluster=local names no scavenger partition
-    "train.resume_from": (10, reads("xirang_hpc.launch.preflight"), []),
+    "train.resume_from": (10, reads("xirang_hpc.submit.preflight"), []),
     "train.loggers": (["tensorboard"], reads("xirang_hpc.monitor.tracking"), []),
     "train.mlflow_uri": ("file:/tmp/mlruns", reads("xirang_hpc.monitor.tracking"), ["train.loggers=[mlflow]"]),
-    "train.share_group": ("root", reads("xirang_hpc.launch.train_cli"), []),
+    "train.share_group": ("root", reads("xirang_hpc.cli.train"), []),
     "train.loss_chunk_tokens": (4096, reads("xirang_hpc.runtime.parallelize"), []),
     "train.compile": (True, reads("xirang_hpc.runtime.parallelize"), []),
     "train.optimizer_impl": ("fused", adamw_kwargs, []),
@@ -232,7 +232,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "checkpoint.on_no_valid": ("fresh", reads("xirang_hpc.checkpoint.trainer_hook"), []),
     "checkpoint.auto_interval": (True, reads("xirang_hpc.checkpoint.trainer_hook"), []),
     "checkpoint.mtbf_hours": (2.0, reads("xirang_hpc.checkpoint.trainer_hook"), ["checkpoint.auto_interval=true"]),
-    "checkpoint.dir_mode": (0o750, reads("xirang_hpc.launch.preflight"), []),
+    "checkpoint.dir_mode": (0o750, reads("xirang_hpc.submit.preflight"), []),
     "checkpoint.in_memory": (True, reads("xirang_hpc.checkpoint.trainer_hook"), []),
     "checkpoint.memory_every_steps": (3, reads("xirang_hpc.checkpoint.trainer_hook"), ["checkpoint.in_memory=true"]),
     "checkpoint.memory_dir": ("/dev/shm/other", reads("xirang_hpc.checkpoint.trainer_hook"),
@@ -241,8 +241,8 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     **{f"requeue.{k}": (v, requeue_decisions, []) for k, v in {
         "enabled": False, "max_requeues": 1, "on_preemption": False, "on_timeout": False, "on_node_failure": False,
         "on_nonzero_exit": True, "backoff_s": 30, "start_now": True}.items()},
-    "requeue.exclude_failed_nodes": (False, reads("xirang_hpc.launch.supervise"), []),
-    "requeue.max_restarts_in_job": (3, reads("xirang_hpc.launch.injob"), []),  # the default preset says 2
+    "requeue.exclude_failed_nodes": (False, reads("xirang_hpc.batch.supervise"), []),
+    "requeue.max_restarts_in_job": (3, reads("xirang_hpc.batch.injob"), []),  # the default preset says 2
     "requeue.min_nodes": (1, reads("xirang_hpc.config.elastic"), []),
     # data: what is trained on -> identity; where and how it is stored
     "data.corpus": ("/some/corpus", identity, []),
@@ -256,7 +256,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "data.overlong": ("drop", identity, ["data.format=chat"]),
     "data.val_fraction": (0.1, identity, []),
     "data.split_seed": (3, identity, []),
-    "data.out_dir": ("data/other", reads("xirang_hpc.launch.train_cli"), []),
+    "data.out_dir": ("data/other", reads("xirang_hpc.cli.train"), []),
     "data.shard_tokens": (1024, reads("xirang_hpc.data.prepare"), []),
     # monitor: the watchdog's thresholds; the rest inside the job
     **{f"monitor.{k}": (v, watchdog, []) for k, v in {
@@ -308,7 +308,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
                       ["finetune.method=lora"]),
     "finetune.dpo": (DpoConfig(beta=0.5, lora=True), identity, DPO),
     # target: what xirang-plan plans for (no training run reads it)
-    **{f"target.{k}": (v, reads("xirang_hpc.launch.plan_target"), []) for k, v in {
+    **{f"target.{k}": (v, reads("xirang_hpc.submit.plan_target"), []) for k, v in {
         "loss": 2.5, "tokens": 1e9, "compute": 1e20, "deadline": "36h", "budget": "5000gpuh",
         "fit": "/tmp/scaling_fit.json"}.items()},
 }

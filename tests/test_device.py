@@ -95,7 +95,7 @@ def test_serving_and_eval_place_the_model_by_the_same_decision() -> None:
 
 # Where an accelerator may be named: the device module; the environment record (CUDA/cuDNN/NCCL versions);
 # the fork server (a process that initialised CUDA cannot fork ranks that use it).
-ALLOWED = {"xirang_hpc/runtime/device.py", "xirang_hpc/monitor/environment.py", "xirang_hpc/launch/preload.py",
+ALLOWED = {"xirang_hpc/runtime/device.py", "xirang_hpc/monitor/environment.py", "xirang_hpc/local/preload.py",
            "xirang_hpc/config/schema/cluster.py"}  # (and the config field's list of valid backends)
 NAMED = re.compile(r"torch\.cuda\b|[\"']cuda[\"']|\.cuda\(|[\"']nccl[\"']")
 

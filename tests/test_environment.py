@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from xirang_hpc.launch.status_cli import main as status_main
+from xirang_hpc.cli.status import main as status_main
 from xirang_hpc.monitor import environment
 from xirang_hpc.monitor.events import EventLog, read_events
+from xirang_hpc.runtime.device import accelerator_stack
 from xirang_hpc.slurm.commands import Result
 
 
@@ -25,7 +26,8 @@ def _runner(commit: str, dirty: bool):
 
 def test_the_record_names_versions_revision_packages_and_slurm() -> None:
     rec = environment.collect({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "APPTAINER_CONTAINER": "img.sif"},
-                              run=_runner("abc123", True), call=lambda argv: Result(0, "slurm 22.05.8\n", ""))
+                              run=_runner("abc123", True), call=lambda argv: Result(0, "slurm 22.05.8\n", ""),
+                              accelerators=accelerator_stack)
     assert rec["xirang_hpc"]["revision"]["commit"] == "abc123" and rec["xirang_hpc"]["revision"]["dirty"] is True
     assert rec["accelerators"]["torch"] == torch.__version__
     assert rec["packages"]["torch"] == torch.__version__.split("+")[0] or rec["packages"]["torch"] == torch.__version__
@@ -40,14 +42,14 @@ def test_the_record_names_versions_revision_packages_and_slurm() -> None:
 def test_a_start_in_another_environment_is_an_event_naming_what_differs(tmp_path, monkeypatch) -> None:
     real = environment.collect
     env = {"SLURM_JOB_ID": "1"}
-    monkeypatch.setattr(environment, "collect", lambda e=None: real(env, run=_runner("aaa", False),
+    monkeypatch.setattr(environment, "collect", lambda e=None, **kw: real(env, run=_runner("aaa", False),
                                                                      call=lambda argv: Result(127, "", "")))
     environment.record(tmp_path, EventLog(tmp_path))
     assert json.loads((tmp_path / environment.ENV_FILE).read_text())["xirang_hpc"]["revision"]["commit"] == "aaa"
     env["SLURM_JOB_ID"] = "2"  # a requeue: another job id, same environment
     environment.record(tmp_path, EventLog(tmp_path))
     assert not [e for e in read_events(tmp_path) if e["kind"] == "environment_changed"]
-    monkeypatch.setattr(environment, "collect", lambda e=None: real(env, run=_runner("bbb", True),
+    monkeypatch.setattr(environment, "collect", lambda e=None, **kw: real(env, run=_runner("bbb", True),
                                                                      call=lambda argv: Result(127, "", "")))
     environment.record(tmp_path, EventLog(tmp_path))
     (ev,) = [e for e in read_events(tmp_path) if e["kind"] == "environment_changed"]
@@ -59,7 +61,8 @@ def test_status_prints_the_record_and_the_difference_of_two_runs(tmp_path, capsy
     a, b = tmp_path / "a", tmp_path / "b"
     for d, commit in ((a, "aaa"), (b, "bbb")):
         d.mkdir()
-        rec = environment.collect({}, run=_runner(commit, False), call=lambda argv: Result(127, "", ""))
+        rec = environment.collect({}, run=_runner(commit, False), call=lambda argv: Result(127, "", ""),
+                                  accelerators=accelerator_stack)
         (d / environment.ENV_FILE).write_text(json.dumps(rec))
     rec = json.loads((b / environment.ENV_FILE).read_text())
     rec["packages"]["torch"] = "9.9.9"
@@ -107,7 +110,7 @@ def test_the_audit_trail_names_who_did_what_in_the_run_the_users_trail_and_syslo
 
 def test_an_export_and_a_fork_are_audited(tmp_path) -> None:
     from xirang_hpc.checkpoint.manager import CheckpointManager
-    from xirang_hpc.launch.ckpt_cli import main as ckpt_main
+    from xirang_hpc.cli.ckpt import main as ckpt_main
     from xirang_hpc.monitor import audit
 
     run = tmp_path / "exp"
@@ -126,7 +129,7 @@ def test_a_tracking_server_that_does_not_answer_is_refused_at_launch() -> None:
 
     from xirang_hpc.config.errors import ConfigError
     from xirang_hpc.config.schema import XirangConfig
-    from xirang_hpc.launch.preflight import check_tracking
+    from xirang_hpc.submit.preflight import check_tracking
 
     cfg = XirangConfig()
     cfg.train.loggers = ["jsonl", "mlflow"]

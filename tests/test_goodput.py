@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from xirang_hpc.launch import status_cli
+from xirang_hpc.cli import status as status_cli
 from xirang_hpc.monitor import goodput
 from xirang_hpc.monitor.goodput import Allocation, load_run, report, run_goodput
 from xirang_hpc.monitor.goodput_hook import GoodputHook
@@ -403,7 +403,7 @@ def test_a_real_run_killed_and_resumed_has_lost_steps_and_recovery(tmp_path, ema
     from conftest import compose_cfg
 
     from xirang_hpc.config.validate import load_config
-    from xirang_hpc.launch.rundir import make_private_dir
+    from xirang_hpc.submit.rundir import make_private_dir
 
     run = tmp_path / "run"
     make_private_dir(run)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import compose_cfg
 
+from xirang_hpc.cli import plan as plan_cli
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.validate import to_typed
-from xirang_hpc.launch import plan_cli
 from xirang_hpc.planner.formulas import model_params
 from xirang_hpc.planner.goodput_sim import (
     BUCKETS,

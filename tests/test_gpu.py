@@ -52,7 +52,7 @@ def test_flash_attention_kernel_accepts_our_attention() -> None:
 def test_nccl_bf16_training_run_with_nvml_status(tmp_path: Path) -> None:
     """A real xirang-train job on one GPU: nccl, precision=auto -> bf16, loss falls, NVML figures in status."""
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "xirang_hpc.launch.train_cli", "model=tiny-gqa", "cluster.nodes=1",
+    cmd = [sys.executable, "-m", "xirang_hpc.cli.train", "model=tiny-gqa", "cluster.nodes=1",
            "cluster.tasks_per_node=1", "cluster.gpus_per_node=1", "cluster.backend=nccl", "parallel.pp=1",
            "train.max_steps=40", "train.global_batch=16", "train.warmup_steps=5", "train.log_every=5",
            "checkpoint.every_steps=20", f"train.runs_root={runs}", f"data.out_dir={tmp_path / 'data'}",
@@ -67,7 +67,7 @@ def test_nccl_bf16_training_run_with_nvml_status(tmp_path: Path) -> None:
     assert "nccl" in text and "bf16" in text, "the run log names the backend and the precision it resolved"
     beats = [json.loads(p.read_text()) for p in (run / "heartbeats").glob("rank-*.json")]
     assert beats and "gpu_name" in beats[0] and beats[0]["gpu_mem_mb"] > 0, beats
-    st = subprocess.run([sys.executable, "-m", "xirang_hpc.launch.status_cli", str(run)], env=_env(),
+    st = subprocess.run([sys.executable, "-m", "xirang_hpc.cli.status", str(run)], env=_env(),
                         capture_output=True, text=True, timeout=600)
     assert st.returncode == 0 and beats[0]["gpu_name"] in st.stdout, st.stdout + st.stderr
 
@@ -118,7 +118,7 @@ def test_serving_and_eval_run_on_the_gpu_and_agree_with_the_cpu(tmp_path: Path) 
 def test_two_rank_fsdp_job_on_two_gpus(tmp_path: Path) -> None:
     """A real 2-rank job, one GPU each: nccl, the mesh and FSDP2 on CUDA, loss falls."""
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "xirang_hpc.launch.train_cli", "model=tiny-gqa", "cluster.nodes=1",
+    cmd = [sys.executable, "-m", "xirang_hpc.cli.train", "model=tiny-gqa", "cluster.nodes=1",
            "cluster.tasks_per_node=2", "cluster.gpus_per_node=2", "cluster.backend=auto", "cluster.device=cuda",
            "parallel=fsdp", "parallel.dp=2", "train.max_steps=20", "train.global_batch=16", "train.log_every=5",
            "checkpoint.every_steps=10", f"train.runs_root={runs}", f"data.out_dir={tmp_path / 'data'}",

@@ -171,7 +171,7 @@ def test_hf_config_fills_the_model_unless_a_preset_or_field_says_otherwise(hf_di
     from conftest import CONF_DIR
     from hydra import compose, initialize_config_dir
 
-    from xirang_hpc.launch.hydra_setup import register_configs
+    from xirang_hpc.submit.hydra_setup import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

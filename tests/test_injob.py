@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 from conftest import compose_cfg
 
+from xirang_hpc.batch import injob
+from xirang_hpc.batch.injob import choose_nodes, drive, run_step, srun_command
 from xirang_hpc.config.elastic import for_environment, shrink, shrink_options
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.launch import injob
-from xirang_hpc.launch.injob import choose_nodes, drive, run_step, srun_command
-from xirang_hpc.launch.slurm import make_slurm_executor, sbatch_parameters, write_job_file
 from xirang_hpc.monitor.events import append_event, read_events
 from xirang_hpc.runtime.markers import mark_exit, mark_start
 from xirang_hpc.slurm.commands import Result
+from xirang_hpc.submit.slurm import make_slurm_executor, sbatch_parameters, write_job_file
 
 
 @pytest.fixture(autouse=True)
@@ -72,11 +72,11 @@ def test_spare_nodes_need_in_job_restart_and_are_allocated():
 def test_the_batch_script_hands_the_job_to_the_driver(tmp_path):
     cfg = _cfg("cluster=testbed", "requeue.max_restarts_in_job=2")
     script = make_slurm_executor(cfg.cluster, tmp_path, requeue=cfg.requeue)._make_submission_file_text("cmd", "7")
-    driver = script.index("-m xirang_hpc.launch.injob --map")
+    driver = script.index("-m xirang_hpc.batch.injob --map")
     assert "#SBATCH --no-kill" in script and script.index("exit $?", driver) < script.index("srun --unbuffered")
     plain = make_slurm_executor(cfg.cluster, tmp_path, requeue=_cfg("cluster=testbed", "requeue=testbed").requeue)
     text = plain._make_submission_file_text("cmd", "7")
-    assert "--no-kill" not in text and "xirang_hpc.launch.injob" not in text
+    assert "--no-kill" not in text and "xirang_hpc.batch.injob" not in text
 
 
 def test_choose_nodes_prefers_the_same_layout_then_the_largest_shrink():
@@ -218,8 +218,8 @@ def test_min_nodes_lets_a_drained_job_start_shrunk_and_a_floor_the_layout_misses
 
 
 def test_the_driver_removes_the_jobs_memory_copies_here_and_on_the_healthy_nodes(tmp_path):
+    from xirang_hpc.batch.injob import release_memory
     from xirang_hpc.checkpoint.naming import memory_root
-    from xirang_hpc.launch.injob import release_memory
 
     run = _run_dir(tmp_path, "requeue.max_restarts_in_job=1", "checkpoint.in_memory=true",
                    f"checkpoint.memory_dir={tmp_path / 'shm'}")
@@ -266,8 +266,8 @@ def test_the_batch_steps_own_processes_do_not_import_torch() -> None:
     CPU, which would also delay a restart inside the allocation."""
     import subprocess
 
-    mods = ["xirang_hpc.launch.injob", "xirang_hpc.launch.supervise", "xirang_hpc.monitor.watchdog",
-            "xirang_hpc.launch.job_entry", "xirang_hpc.launch.preload"]
+    mods = ["xirang_hpc.batch.injob", "xirang_hpc.batch.supervise", "xirang_hpc.monitor.watchdog",
+            "xirang_hpc.batch.rank", "xirang_hpc.local.preload"]
     code = (f"import sys\nfor m in {mods!r}: __import__(m)\n"
             "print(sorted(m for m in ('torch', 'h5py') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -354,7 +354,7 @@ def test_a_failed_step_launch_is_retried_with_backoff_then_left_to_the_policy(tm
 def test_an_oom_kill_is_named_with_the_limit_and_no_node_is_excluded(tmp_path):
     """srun's and slurmstepd's words on an OOM kill: no in-job restart elsewhere (the same layout runs out again on
     any node), the cause for the supervisor is ``oom`` with the limit and the ways to fit."""
-    from xirang_hpc.launch.supervise import oom_nodes, oom_nodes_in
+    from xirang_hpc.batch.supervise import oom_nodes, oom_nodes_in
 
     text = ("srun: error: n2: task 1: Out Of Memory\n"
             "slurmstepd-n2: error: Detected 1 oom-kill event(s) in StepId=7.0. Some of your processes may have been "

@@ -297,7 +297,7 @@ def _driver(run: Path) -> psutil.Process | None:
     """The batch step's in-job driver of ``run`` (not its guard)."""
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "xirang_hpc.launch.injob" in cmd and str(run) in cmd and "--guard" not in cmd:
+        if "xirang_hpc.batch.injob" in cmd and str(run) in cmd and "--guard" not in cmd:
             return p
     return None
 
@@ -442,5 +442,6 @@ def test_every_rank_start_and_restart_goes_through_the_container_runtime(stdlib_
         assert sorted(line.split()[2] for line in mine) == ["task=0", "task=1"], lines
         assert all(f"--bind {run.parent}:{run.parent}," in line and str(image) in line and "--nv" not in line
                    and f"{stdlib_data}:{stdlib_data}" in line and "submitit.core._submit" in line for line in mine)
-    assert not [line for line in lines if "xirang_hpc.launch" in line], "host-side processes went in the container"
+    assert not [line for line in lines if "xirang_hpc.batch" in line or "xirang_hpc.launch" in line], \
+        "host-side processes went in the container"
     assert restart["reason"].startswith("dead: rank 1")

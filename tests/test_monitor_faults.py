@@ -16,15 +16,15 @@ import psutil
 import pytest
 from conftest import compose_cfg
 
+from xirang_hpc.cli.status import main as status_main
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.job.training import run_training
-from xirang_hpc.launch.executors import make_executor
-from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
-from xirang_hpc.launch.status_cli import main as status_main
 from xirang_hpc.monitor.events import failed_nodes, read_events
 from xirang_hpc.monitor.heartbeat import read_heartbeats
 from xirang_hpc.runs.status import run_status
 from xirang_hpc.runtime.process_identity import start_ticks
+from xirang_hpc.submit.executors import make_executor
+from xirang_hpc.submit.rundir import make_private_dir, run_dir_for
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from test_slurm_e2e import TRAIN, _base, _ev, _final, _preempt, _submit, _wait, slurm  # noqa: F401
 
-from xirang_hpc.launch.status_cli import main as status_main
+from xirang_hpc.cli.status import main as status_main
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.runs.plot import plot_run
 from xirang_hpc.runs.status import run_status
@@ -95,7 +95,7 @@ def _export_serve_and_read_the_audit_trail(run: Path, job: str, tmp_path: Path, 
     import time
     import urllib.request
 
-    from xirang_hpc.launch.ckpt_cli import main as ckpt_main
+    from xirang_hpc.cli.ckpt import main as ckpt_main
     from xirang_hpc.monitor import audit
 
     assert ckpt_main(["export", str(run), "--format", "safetensors", "--out", str(tmp_path / "export")]) == 0

@@ -22,8 +22,8 @@ from conftest import compose_cfg
 from ranks import rank_context
 
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.launch.rundir import make_private_dir
 from xirang_hpc.monitor.tracking import TRACKING_FILE, TrackingError, TrackingHook, require_packages
+from xirang_hpc.submit.rundir import make_private_dir
 
 TWO_RANKS = ["cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.tp=1", "parallel.pp=1",
              "parallel.microbatches=1", "cluster.threads_per_rank=1"]
@@ -160,8 +160,8 @@ def test_compare_a_rollback_fork_with_its_parent(tmp_path: Path, stdlib_data: Pa
     exe = Path(sys.executable).parent
     # xirang-ckpt and xirang-status --json through their main() (one interpreter, no torch import per
     # command); the console script itself runs once, below.
-    from xirang_hpc.launch.ckpt_cli import main as ckpt_main
-    from xirang_hpc.launch.status_cli import main as status_main
+    from xirang_hpc.cli.ckpt import main as ckpt_main
+    from xirang_hpc.cli.status import main as status_main
 
     capsys.readouterr()
     assert ckpt_main(["rollback", str(parent), "--step", "15", "--to", str(rolled)]) == 0, capsys.readouterr()

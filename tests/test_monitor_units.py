@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import committed_stub
 
+from xirang_hpc.cli.status import main as status_main
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import MonitorConfig
 from xirang_hpc.files import write_json_atomic
-from xirang_hpc.launch.status_cli import main as status_main
 from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess, bound_phase, hang_bound
 from xirang_hpc.monitor.events import EVENTS_FILE, EventTail, append_event, failed_nodes, read_events
 from xirang_hpc.monitor.flops import flops_per_token, mfu, peak_for_device
@@ -492,9 +492,9 @@ def test_status_missing_path_is_no_such_run_directory(tmp_path: Path, capsys) ->
 
 
 def test_a_sweeps_submitit_folder_is_not_a_run(tmp_path: Path) -> None:
-    from xirang_hpc.launch.slurm import RUN_DIR_MAP, write_run_dir_map
     from xirang_hpc.runs import status as st
     from xirang_hpc.runs.status import find_runs, is_run_dir
+    from xirang_hpc.submit.slurm import RUN_DIR_MAP, write_run_dir_map
 
     assert st.RUN_DIR_MAP == RUN_DIR_MAP  # the monitor reads the launcher's file by name (no upward import)
     root = tmp_path / "runs"

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from conftest import compose_cfg
 
+from xirang_hpc.cli import plan as plan_cli
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.validate import check_runnable, load_config, validate
-from xirang_hpc.launch import plan_cli
-from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
 from xirang_hpc.planner.auto import PLAN_FILE, apply_plan, plan_for, runtime_allows
 from xirang_hpc.planner.cost import Plan
+from xirang_hpc.submit.autoplan import plan_at_launch, record_measured
 
 EXE = Path(sys.executable).parent / "xirang-plan"
 
@@ -142,7 +142,7 @@ def test_plan_reads_the_model_of_model_init_from(tmp_path) -> None:
     from conftest import CONF_DIR
     from hydra import compose, initialize_config_dir
 
-    from xirang_hpc.launch.hydra_setup import register_configs
+    from xirang_hpc.submit.hydra_setup import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):  # as the command line composes it

@@ -1,4 +1,4 @@
-"""The local executor's fork server (launch/preload.py), with real processes, sockets and signals.
+"""The local executor's fork server (local/preload.py), with real processes, sockets and signals.
 
 Each test runs clients as submitit's local controller does (``<command> -u -m <module> ... <folder>`` with
 ``SUBMITIT_LOCAL_*`` in the environment) on a small task module; the server preloads ``json`` only
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from xirang_hpc.launch import preload
+from xirang_hpc.local import preload
 
 TASK = textwrap.dedent('''
     import gc, json, os, random, signal, sys, time
@@ -215,7 +215,7 @@ def test_a_folder_too_long_for_a_socket_gets_a_private_directory(tmp_path: Path)
 
 def test_the_local_executor_uses_the_fork_server_for_jobs_of_more_than_one_rank() -> None:
     from xirang_hpc.config.schema import ClusterConfig
-    from xirang_hpc.launch.executors import local_python
+    from xirang_hpc.submit.executors import local_python
 
     assert local_python(ClusterConfig(name="l", nodes=2, tasks_per_node=2)) == preload.command()
     assert local_python(ClusterConfig(name="l", nodes=2, tasks_per_node=2, preload=False)) is None

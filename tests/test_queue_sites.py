@@ -92,6 +92,6 @@ def test_a_dead_site_is_named_and_the_others_still_shown():
 
 @pytest.mark.parametrize("argv, msg", [(["--sites", "alpha"], "--sites goes with --queue")])
 def test_sites_without_queue_is_refused(argv, msg, capsys):
-    from xirang_hpc.launch.status_cli import main
+    from xirang_hpc.cli.status import main
 
     assert main(argv) == 2 and msg in capsys.readouterr().err

@@ -18,7 +18,7 @@ from xirang_hpc.monitor.requeues import classify, previous_state, record_unlogge
 from xirang_hpc.runtime import testpoint
 from xirang_hpc.slurm import accounting
 
-TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()"]
+TRAIN = [sys.executable, "-c", "from xirang_hpc.cli.train import main; main()"]
 
 # sacct -n -P -X -D -j 1 --format=JobID,State,Start, recorded on the testbed: a job requeued with
 # `scontrol requeue`, then preempted by a `high` job, now pending again.

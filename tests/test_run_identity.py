@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import compose_cfg
 
+from xirang_hpc.cli.train import format_summary
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.launch.preflight import PreflightError, check_paths, checkpoint_bytes, preflight
-from xirang_hpc.launch.train_cli import format_summary
+from xirang_hpc.submit.preflight import PreflightError, check_paths, checkpoint_bytes, preflight
 
 EXE = Path(sys.executable).parent / "xirang-train"
 # One rank, a few steps, a checkpoint every 2 steps: the smallest real run.
@@ -315,7 +315,7 @@ def test_a_layout_that_cannot_fit_the_gpus_is_refused_before_the_queue(tmp_path:
 
 
 def test_a_memory_dir_on_disk_is_refused(tmp_path: Path) -> None:
-    from xirang_hpc.launch.preflight import check_memory_dir, filesystem_type
+    from xirang_hpc.submit.preflight import check_memory_dir, filesystem_type
 
     mounts = tmp_path / "mounts"
     mounts.write_text(f"tmpfs /dev/shm tmpfs rw 0 0\n/dev/sda1 / ext4 rw 0 0\n/dev/sdb {tmp_path} xfs rw 0 0\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import compose_cfg
 
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.launch.rundir import experiment_hash, make_private_dir, run_dir_for
+from xirang_hpc.submit.rundir import experiment_hash, make_private_dir, run_dir_for
 
 
 def _dir(*over: str) -> Path:
@@ -65,7 +65,7 @@ def test_model_fields_at_their_old_meaning_keep_the_run_directory() -> None:
     from conftest import compose_cfg
 
     from xirang_hpc.config.validate import load_config
-    from xirang_hpc.launch.rundir import experiment_hash, experiment_key
+    from xirang_hpc.submit.rundir import experiment_hash, experiment_key
 
     base = load_config(compose_cfg([]))
     key = experiment_key(base)["model"]

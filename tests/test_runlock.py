@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from xirang_hpc.launch.runlock import (
+from xirang_hpc.submit.runlock import (
     RunBusyError,
     claim,
     live_owner,
@@ -25,7 +25,7 @@ from xirang_hpc.launch.runlock import (
     submission_lock,
 )
 
-TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()"]
+TRAIN = [sys.executable, "-c", "from xirang_hpc.cli.train import main; main()"]
 
 
 @pytest.fixture

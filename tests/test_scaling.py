@@ -13,18 +13,10 @@ import pytest
 import torch
 from conftest import compose_cfg
 
+from xirang_hpc.cli.plan import typed_config
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema.target import deadline_seconds, parse_budget
 from xirang_hpc.config.validate import check_runnable, load_config
-from xirang_hpc.launch.plan_cli import typed_config
-from xirang_hpc.launch.plan_target import (
-    TargetError,
-    fit_scaling,
-    law_for,
-    plan_target,
-    sweep_commands,
-    train_command,
-)
 from xirang_hpc.planner.formulas import model_params
 from xirang_hpc.planner.scaling import (
     CHINCHILLA,
@@ -43,6 +35,14 @@ from xirang_hpc.planner.scaling import (
     model_shape,
 )
 from xirang_hpc.runs.scaling import sweep_runs
+from xirang_hpc.submit.plan_target import (
+    TargetError,
+    fit_scaling,
+    law_for,
+    plan_target,
+    sweep_commands,
+    train_command,
+)
 
 TRUTH = ScalingLaw(E=1.8, A=300.0, B=800.0, alpha=0.35, beta=0.30)
 SIZES = (1e6, 2e6, 4e6, 8e6, 16e6)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from conftest import TrainedRun
 from safetensors.torch import load_file
 
-from xirang_hpc.launch.ckpt_cli import main as ckpt_main
+from xirang_hpc.cli.ckpt import main as ckpt_main
 
 BIN = Path(sys.executable).parent
 PROMPT = "def "

@@ -391,7 +391,7 @@ def _prepare_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytes
 
     from hydra.core.global_hydra import GlobalHydra
 
-    from xirang_hpc.launch import prepare_cli
+    from xirang_hpc.cli import prepare as prepare_cli
 
     monkeypatch.setattr(sys, "argv", ["xirang-prepare", *argv])
     code: object = 0

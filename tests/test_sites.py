@@ -1,4 +1,4 @@
-"""Several clusters as one (launch/sites/): placement from `sbatch --test-only` answers, policies, dead and
+"""Several clusters as one (submit/sites/): placement from `sbatch --test-only` answers, policies, dead and
 unknown sites, and the verified copy of a run to another site's run root (real checkpoint files, kill -9).
 
 The Slurm answers below were recorded on the two-cluster testbed (``tools/slurm-testbed start --clusters
@@ -26,9 +26,9 @@ from xirang_hpc.checkpoint.manager import CheckpointManager
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import SiteConfig
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.launch import sites
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.slurm.accounting import Result
+from xirang_hpc.submit import sites
 
 NOW = time.mktime((2026, 11, 30, 18, 10, 9, 0, 0, -1))
 # Recorded: alpha full until its filler's 20-minute limit, beta idle.
@@ -303,7 +303,7 @@ def test_a_copy_that_goes_wrong_is_never_used(tmp_path):
 _SLOW_COPY = """
 import shutil, sys, time
 from pathlib import Path
-from xirang_hpc.launch.sites import copy_run
+from xirang_hpc.submit.sites import copy_run
 
 def slow(a, b):
     shutil.copyfile(a, b)
@@ -391,7 +391,7 @@ def test_a_failed_copy_submits_nothing_on_the_other_site(tmp_path, monkeypatch):
 
 
 def test_status_shows_the_site_and_the_history_across_sites(tmp_path, capsys):
-    from xirang_hpc.launch import status_cli
+    from xirang_hpc.cli import status as status_cli
 
     run, _ = _placed_run(tmp_path)
     fake = FakeSlurm({"alpha": ALPHA_FULL, "beta": BETA_IDLE})
@@ -537,7 +537,7 @@ def test_on_one_site_rank_0_requeues_at_once_with_the_ranks_leaving_margin(tmp_p
 
 def test_supervisor_ignores_the_old_sites_events_after_a_move(tmp_path):
     # A moved run carries alpha's events; beta's job numbers its restarts from 0 again.
-    from xirang_hpc.launch.supervise import already_handled, handed_over
+    from xirang_hpc.batch.supervise import already_handled, handed_over
     from xirang_hpc.monitor.events import append_event
 
     append_event(tmp_path, "handover", "preemption", restart=0)
@@ -551,7 +551,7 @@ def test_supervisor_ignores_the_old_sites_events_after_a_move(tmp_path):
 
 def test_status_asks_the_runs_site_for_its_job(tmp_path, monkeypatch, capsys):
     # Job 7 runs on beta; the default cluster (alpha) does not know it. xirang-status must ask beta (-M).
-    from xirang_hpc.launch import status_cli
+    from xirang_hpc.cli import status as status_cli
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -577,7 +577,7 @@ echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1
 
 def test_the_moving_job_is_made_non_requeueable_only_after_the_copy_and_again_requeueable_if_the_move_fails(
         tmp_path, monkeypatch):
-    from xirang_hpc.launch import supervise
+    from xirang_hpc.batch import supervise
     from xirang_hpc.slurm import control
 
     run, _ = _placed_run(tmp_path)

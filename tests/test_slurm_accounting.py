@@ -24,8 +24,8 @@ from xirang_hpc.slurm.accounting import SlurmDB
 from xirang_hpc.slurm.states import ENDED
 
 pytestmark = pytest.mark.slurm
-TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()"]
-STATUS = [sys.executable, "-c", "from xirang_hpc.launch.status_cli import cli; cli()"]
+TRAIN = [sys.executable, "-c", "from xirang_hpc.cli.train import main; main()"]
+STATUS = [sys.executable, "-c", "from xirang_hpc.cli.status import cli; cli()"]
 ACCOUNT = "projb"
 
 
@@ -174,7 +174,7 @@ def _cfg(*over: str):
     from hydra import compose, initialize_config_module
 
     from xirang_hpc.config.validate import load_config
-    from xirang_hpc.launch.hydra_setup import register_configs
+    from xirang_hpc.submit.hydra_setup import register_configs
 
     register_configs()
     with initialize_config_module(version_base="1.3", config_module="xirang_hpc.conf"):
@@ -183,7 +183,7 @@ def _cfg(*over: str):
 
 
 def test_user_without_association_gets_the_sacctmgr_line(slurm):
-    from xirang_hpc.launch.quota_check import QuotaRefused, check_quota
+    from xirang_hpc.submit.quota_check import QuotaRefused, check_quota
 
     cluster = SlurmDB().config()["ClusterName"]
     with pytest.raises(QuotaRefused) as e:
@@ -193,8 +193,8 @@ def test_user_without_association_gets_the_sacctmgr_line(slurm):
 
 def test_slurmdbd_down_status_says_so_and_train_goes_on(slurm, tmp_path):
     """slurmdbd stopped for real (the testbed's pid file), then started again as the testbed does."""
-    from xirang_hpc.launch.quota_check import check_quota
     from xirang_hpc.slurm.queue import gather, render_queue
+    from xirang_hpc.submit.quota_check import check_quota
 
     pidfile = Path(slurm).parent / "run" / "slurmdbd.pid"
     if not pidfile.exists():

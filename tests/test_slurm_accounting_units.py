@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.launch.quota_check import QuotaRefused, check_quota
 from xirang_hpc.slurm.accounting import AccountingDown, HistJob, Result, SlurmDB, gpus_of, parse_rows, parse_tres
 from xirang_hpc.slurm.jobs import slurm_state
 from xirang_hpc.slurm.queue import gather, node_class, plot_utilization, render_queue, utilization
 from xirang_hpc.slurm.quotas import QuotaError, Request, check_fit, explain_reason, resolve_association
+from xirang_hpc.submit.quota_check import QuotaRefused, check_quota
 
 DATA = Path(__file__).parent / "data" / "slurm"
 
@@ -147,7 +147,7 @@ def test_bad_account_qos_user_are_refused_with_the_valid_ones(busy: SlurmDB) -> 
 def _cfg(*over: str):
     from hydra import compose, initialize_config_module
 
-    from xirang_hpc.launch.hydra_setup import register_configs
+    from xirang_hpc.submit.hydra_setup import register_configs
 
     register_configs()
     with initialize_config_module(version_base="1.3", config_module="xirang_hpc.conf"):
@@ -218,7 +218,7 @@ def test_utilization_counts_only_the_window() -> None:
 
 def test_status_queue_cli_plain_json_watch_and_no_slurm(monkeypatch, capsys, tmp_path: Path) -> None:
     import xirang_hpc.slurm.accounting as accounting
-    from xirang_hpc.launch import status_cli
+    from xirang_hpc.cli import status as status_cli
 
     answers = {"name": "busy"}
 

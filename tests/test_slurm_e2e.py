@@ -29,7 +29,7 @@ from xirang_hpc.runtime.markers import rank_pid
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN = [sys.executable, "-c", "from xirang_hpc.launch.train_cli import main; main()"]
+TRAIN = [sys.executable, "-c", "from xirang_hpc.cli.train import main; main()"]
 # The first start of a job pauses 0.2 s after each step (the ``step`` test point): a run the test kills or stops
 # after its first steps or checkpoint still has steps left then on a fast machine, without training many more
 # steps than the test needs (restarts do not pause).

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 from conftest import committed_stub, compose_cfg
 
+from xirang_hpc.batch.supervise import supervise
 from xirang_hpc.config.validate import check_runnable, load_config
-from xirang_hpc.launch.slurm import RUN_DIR_MAP
-from xirang_hpc.launch.supervise import supervise
-from xirang_hpc.launch.sweep import submit_array, sweep_folder
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.runtime.markers import mark_exit, mark_start
+from xirang_hpc.submit.slurm import RUN_DIR_MAP
+from xirang_hpc.submit.sweep import submit_array, sweep_folder
 
 FAKE = r'''#!{python}
 """Fake Slurm client: log the call, answer like Slurm."""
@@ -97,7 +97,7 @@ def test_a_sweep_is_one_array_job_with_a_run_dir_per_task(fake_slurm: Path, tmp_
     assert f"#SBATCH --signal=USR2@{cfgs[0].cluster.signal_delay_s}" in script
     assert "#SBATCH --requeue" in script
     assert f"#SBATCH --nodes={cfgs[0].cluster.nodes}" in script
-    assert "xirang_hpc.launch.supervise" in script  # the requeue supervisor runs after srun
+    assert "xirang_hpc.batch.supervise" in script  # the requeue supervisor runs after srun
     # One deterministic, private run directory per point, each knowing its policy and its task id.
     assert len(set(run_dirs)) == 3
     mapping = json.loads((sweep_folder(cfgs, overrides) / "submitit" / RUN_DIR_MAP).read_text())
@@ -218,7 +218,7 @@ def test_a_completed_step_is_recorded_without_asking_slurm(fake_slurm: Path, tmp
 def test_a_sweep_leaves_out_complete_runs_and_submits_nothing_when_all_are(
         fake_slurm: Path, tmp_path: Path, small_corpus: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from xirang_hpc.checkpoint.naming import step_dir_name
-    from xirang_hpc.launch.preflight import open_run_dir
+    from xirang_hpc.submit.preflight import open_run_dir
 
     common = ["cluster=testbed", "requeue=testbed", f"train.runs_root={tmp_path}/runs", f"data.corpus={small_corpus}",
               f"data.out_dir={tmp_path}/data", "data.val_fraction=0.2", "cluster.array_parallelism=2"]
@@ -246,9 +246,9 @@ def test_a_sweep_leaves_out_complete_runs_and_submits_nothing_when_all_are(
 def test_a_pipeline_on_a_complete_run_submits_no_training_job(fake_slurm: Path, tmp_path: Path,
                                                               small_corpus: Path) -> None:
     from xirang_hpc.checkpoint.naming import step_dir_name
-    from xirang_hpc.launch.pipeline_cli import launch_slurm_chain
-    from xirang_hpc.launch.preflight import open_run_dir, preflight
+    from xirang_hpc.cli.pipeline import launch_slurm_chain
     from xirang_hpc.runs.chain import chain_status, format_chain
+    from xirang_hpc.submit.preflight import open_run_dir, preflight
 
     cfg = load_config(compose_cfg(["cluster=testbed", f"train.runs_root={tmp_path}/runs",
                                    f"data.corpus={small_corpus}", f"data.out_dir={tmp_path}/data"]))
@@ -274,7 +274,7 @@ def test_submitting_a_job_does_not_import_torch(fake_slurm: Path, tmp_path: Path
     the job's function goes by reference (``job.entry.train_job``) and imports the training stack in the job."""
     probe = ("import atexit, sys\n"
              "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
-             "from xirang_hpc.launch.train_cli import main\n"
+             "from xirang_hpc.cli.train import main\n"
              "sys.argv = ['xirang-train', *sys.argv[1:]]\n"
              "main()\n")
     out = subprocess.run([sys.executable, "-c", probe, "cluster=testbed", "requeue=testbed",

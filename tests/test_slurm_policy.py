@@ -103,7 +103,7 @@ def test_missing_scontrol_is_a_clear_error(monkeypatch):
 
 
 def test_sbatch_parameters_and_scheduling_classes():
-    from xirang_hpc.launch.slurm import sbatch_parameters
+    from xirang_hpc.submit.slurm import sbatch_parameters
 
     cfg = load_config(compose_cfg(["cluster=testbed", "cluster.min_time_min=10", "cluster.account=proj"]))
     p = sbatch_parameters(cfg.cluster)
@@ -137,7 +137,7 @@ def test_sbatch_parameters_and_scheduling_classes():
     ("site-partitions", {"normal": ("gpu", None), "high": ("urgent", None), "exploratory": ("preempt", None)}),
 ])
 def test_priority_maps_to_the_partition_or_qos_the_preset_names(preset, classes):
-    from xirang_hpc.launch.slurm import sbatch_parameters
+    from xirang_hpc.submit.slurm import sbatch_parameters
 
     for priority in ("normal", "high", "exploratory"):
         over = [f"cluster={preset}", f"train.priority={priority}"]
@@ -165,7 +165,7 @@ def test_a_qos_the_preset_does_not_define_is_refused_naming_the_valid_ones(field
 
 
 def test_a_qos_slurm_does_not_know_is_refused_before_submission():
-    from xirang_hpc.launch.slurm import check_site_qos
+    from xirang_hpc.submit.slurm import check_site_qos
 
     c = load_config(compose_cfg(["cluster=testbed-qos"])).cluster
     site = ["normal", "high"]  # what `sacctmgr show qos` lists on a site without a scavenger QOS
@@ -182,7 +182,7 @@ def test_site_qos_names_reads_sacctmgr_or_says_unknown(tmp_path, monkeypatch):
     """A real subprocess: a sacctmgr on PATH that answers, one that fails (no accounting), none at all."""
     import os
 
-    from xirang_hpc.launch.slurm import site_qos_names
+    from xirang_hpc.submit.slurm import site_qos_names
 
     tool = tmp_path / "sacctmgr"
     tool.write_text("#!/bin/sh\nprintf 'normal\\nhigh\\nscavenger\\n'\n")
@@ -196,7 +196,7 @@ def test_site_qos_names_reads_sacctmgr_or_says_unknown(tmp_path, monkeypatch):
 
 
 def test_sweep_points_must_share_one_resource_set():
-    from xirang_hpc.launch.sweep import check_same_resources
+    from xirang_hpc.submit.sweep import check_same_resources
 
     ov = [["cluster.nodes=1"], ["cluster.nodes=2"]]
     cfgs = [load_config(compose_cfg(["cluster=testbed", "parallel.pp=1", *o])) for o in ov]
@@ -306,7 +306,7 @@ def _fake_scontrol(states: dict[str, str], exc: str = "(null)"):
 
 
 def test_exclusion_adds_failed_nodes_to_earlier_ones_but_never_strands_the_job(monkeypatch):
-    from xirang_hpc.launch.supervise import exclusion
+    from xirang_hpc.batch.supervise import exclusion
 
     healthy = {"n1": "IDLE", "n2": "DOWN+NOT_RESPONDING", "n3": "IDLE", "n4": "MIXED"}
     monkeypatch.setattr(control, "run_scontrol", _fake_scontrol(healthy, exc="n3"))

@@ -8,12 +8,12 @@ from pathlib import Path
 
 from conftest import compose_cfg
 
+from xirang_hpc.cli.pipeline import _stage_executor
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.launch import sites
-from xirang_hpc.launch.pipeline_cli import _stage_executor
-from xirang_hpc.launch.quota_check import job_request
-from xirang_hpc.launch.slurm import sbatch_parameters
 from xirang_hpc.slurm.request import SlurmRequest
+from xirang_hpc.submit import sites
+from xirang_hpc.submit.quota_check import job_request
+from xirang_hpc.submit.slurm import sbatch_parameters
 
 SHAPE = ["cluster.nodes=2", "cluster.spare_nodes=1", "cluster.tasks_per_node=2", "cluster.cpus_per_task=3",
          "cluster.mem_gb=1.5", "cluster.constraint=ib", "cluster.exclude=bad1"]

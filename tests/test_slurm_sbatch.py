@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import compose_cfg
 
+from xirang_hpc.cli.sbatch import render
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.launch.sbatch import render
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = {
@@ -40,7 +40,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_rendered_script_matches_golden(name, monkeypatch):
-    from xirang_hpc.launch import slurm
+    from xirang_hpc.submit import slurm
 
     # What a container mounts besides the config's paths: this checkout and its environment, fixed here.
     monkeypatch.setattr(slurm, "environment_paths", lambda: ["/opt/xirang", "/opt/venv"])

@@ -20,7 +20,7 @@ import pytest
 from conftest import registered_clusters, slurm_conf_env
 from test_slurm_e2e import TRAIN, _ev, _final, _wait, _weights
 
-from xirang_hpc.launch.sites import read_site_state
+from xirang_hpc.submit.sites import read_site_state
 
 pytestmark = pytest.mark.slurm
 
@@ -99,7 +99,7 @@ def test_site_a_full_the_job_runs_on_b(two_sites, stdlib_data, tmp_path):
         marker = subprocess.run(["sbatch", "--parsable", "-M", "beta", "-p", "low", "-N1", "-t", "5", "-o", "/dev/null",
                                  "--wrap", "sleep 300"], capture_output=True, text=True, check=True
                                 ).stdout.strip().split(";")[0]
-        q = subprocess.run([*TRAIN[:2], "from xirang_hpc.launch.status_cli import main; raise SystemExit(main())",
+        q = subprocess.run([*TRAIN[:2], "from xirang_hpc.cli.status import main; raise SystemExit(main())",
                             "--queue", "--sites", "all", "--json"], capture_output=True, text=True, timeout=300)
         assert q.returncode == 0, q.stdout + q.stderr
         view = json.loads(q.stdout)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from xirang_hpc.launch import slurm as launch_slurm
-from xirang_hpc.launch.status_cli import _finished
+from xirang_hpc.cli.status import _finished
 from xirang_hpc.monitor.requeues import previous_state
 from xirang_hpc.slurm import states
 from xirang_hpc.slurm.commands import Result
 from xirang_hpc.slurm.jobs import slurm_state
+from xirang_hpc.submit import slurm as launch_slurm
 
 # Slurm 22.05's job states (src/common/slurm_protocol_defs.c job_state_string, and the flags squeue prints
 # as states).

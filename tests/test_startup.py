@@ -67,7 +67,7 @@ def test_import_paused_names_the_modules_that_failed_and_imports_the_rest() -> N
     assert "colorsys" in sys.modules and gc.isenabled()
 
 
-@pytest.mark.parametrize("module", ["xirang_hpc.job.entry", "xirang_hpc.launch.preload"])
+@pytest.mark.parametrize("module", ["xirang_hpc.job.entry", "xirang_hpc.local.preload"])
 def test_startup_helpers_import_no_torch(module: str) -> None:
     """The job entry and the preload client load before anything heavy: importing them imports no torch."""
     out = _collections(f"import {module}")
@@ -78,7 +78,7 @@ def test_the_server_imports_its_stack_frozen_so_a_full_collection_is_short(tmp_p
     """``xirang-serve`` imports torch and the serving stack under the paused collector: a full collection in the
     serving process then skips those objects (here: it fails on a path that holds no weights, after the
     imports, and leaves with exit 2)."""
-    code = ("import gc, json, sys\nfrom xirang_hpc.launch.serve_cli import main\n"
+    code = ("import gc, json, sys\nfrom xirang_hpc.cli.serve import main\n"
             f"try:\n    main([{str(tmp_path / 'none')!r}])\nexcept SystemExit as exc:\n    rc = exc.code\n"
             "print(json.dumps({'rc': rc, 'frozen': gc.get_freeze_count(), 'torch': 'torch' in sys.modules,"
             " 'enabled': gc.isenabled()}))")

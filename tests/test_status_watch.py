@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from xirang_hpc.launch import status_cli
+from xirang_hpc.cli import status as status_cli
 
 
 def _watch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, states: list[str]) -> list[str]:

@@ -14,9 +14,9 @@ import pytest
 from conftest import compose_cfg
 
 from xirang_hpc.config.validate import check_runnable, load_config
-from xirang_hpc.launch.sites import read_site_state
-from xirang_hpc.launch.sweep import split_sweep, submit_array, sweep_folder
 from xirang_hpc.monitor.events import read_events
+from xirang_hpc.submit.sites import read_site_state
+from xirang_hpc.submit.sweep import split_sweep, submit_array, sweep_folder
 
 FAKE = r'''#!{python}
 import json, os, re, sys, time

@@ -56,7 +56,7 @@ def test_the_batch_script_exports_it_before_the_setup_lines() -> None:
 @pytest.mark.slow
 def test_a_local_task_starts_with_the_policy(tmp_path: Path) -> None:
     """A real task of the local executor (its own controller process) sees the variable."""
-    from xirang_hpc.launch.executors import make_executor
+    from xirang_hpc.submit.executors import make_executor
 
     ex = make_executor(ClusterConfig(omp_wait_policy="active", preload=False), tmp_path / "jobs")
     assert ex.submit(os.getenv, "OMP_WAIT_POLICY").result() == "ACTIVE"  # os.getenv: pickled by reference

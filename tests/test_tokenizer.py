@@ -39,7 +39,7 @@ from xirang_hpc.data.tokenizer import (
     load_run_tokenizer,
     load_tokenizer,
 )
-from xirang_hpc.launch.rundir import experiment_key, run_dir_for
+from xirang_hpc.submit.rundir import experiment_key, run_dir_for
 
 BIN = Path(sys.executable).parent
 EMAIL = Path(sysconfig.get_paths()["stdlib"]) / "email"

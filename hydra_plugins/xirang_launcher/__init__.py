@@ -1,7 +1,7 @@
 """Hydra discovers launcher plugins only under the ``hydra_plugins`` namespace; the logic lives in
-:mod:`xirang_hpc.launch.sweep` (``hydra/launcher=xirang``: a Slurm sweep becomes one array job)."""
+:mod:`xirang_hpc.submit.sweep` (``hydra/launcher=xirang``: a Slurm sweep becomes one array job)."""
 
-from xirang_hpc.launch.sweep import XirangLauncher as _XirangLauncher
+from xirang_hpc.submit.sweep import XirangLauncher as _XirangLauncher
 
 
 class XirangLauncher(_XirangLauncher):

@@ -1,6 +1,6 @@
 """What a run trains: the part of the config that identifies an experiment, and its record on disk.
 
-The same key names the run directory (its hash, see ``launch/rundir.py``) and is recorded in
+The same key names the run directory (its hash, see ``submit/rundir.py``) and is recorded in
 ``<run>/identity.json`` at the first launch, so a later launch into that directory can be checked
 against what the directory already holds before anything is written or started.
 """

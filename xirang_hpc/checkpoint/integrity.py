@@ -1,6 +1,6 @@
 """The checkpoint files' integrity, without torch: checksums, verification against a manifest, fsync.
 
-The launcher checks an existing run's checkpoints before it submits (``launch/preflight.py`` through
+The launcher checks an existing run's checkpoints before it submits (``submit/preflight.py`` through
 ``checkpoint/layout.py``), so these live apart from the DCP storage in ``storage.py``, which needs torch.
 """
 

@@ -3,7 +3,7 @@ checkpoints live.
 
 Kept free of torch/h5py imports: ``xirang-status`` lists checkpoints and must start in well under
 a second, so it reads these names without loading the storage layer; the in-job restart driver
-(``launch/injob.py``, one per job in the batch step) finds the in-memory checkpoints to clean up
+(``batch/injob.py``, one per job in the batch step) finds the in-memory checkpoints to clean up
 without importing torch (~2 s of CPU on every start of a job).
 """
 

@@ -8,7 +8,7 @@ the contiguous slice of the step's batch that the larger group's ranks read toge
 are layout-independent (torch.distributed.checkpoint), so the shrunk job resumes the newest one.
 
 The job learns its node count from ``XIRANG_NODES`` (set by the in-job restart driver,
-:mod:`xirang_hpc.launch.injob`); without it the config is used as submitted.
+:mod:`xirang_hpc.batch.injob`); without it the config is used as submitted.
 """
 
 from __future__ import annotations

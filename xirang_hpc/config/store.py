@@ -1,7 +1,7 @@
 """Register the schemas in Hydra's ConfigStore so YAML presets are type-checked at composition.
 
 The Hydra launcher (``hydra/launcher=xirang``) is registered by ``launch/`` on top of this:
-entry points call :func:`xirang_hpc.launch.hydra_setup.register_configs`.
+entry points call :func:`xirang_hpc.submit.hydra_setup.register_configs`.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from xirang_hpc.monitor.tracking import TrackingHook
 from xirang_hpc.monitor.trainer_hook import MonitorHook
 from xirang_hpc.runtime import dist as xdist
 from xirang_hpc.runtime.comm.install import CommTrainerHook
+from xirang_hpc.runtime.device import accelerator_stack
 from xirang_hpc.runtime.dpo import ReferenceHook
 from xirang_hpc.runtime.hooks import TrainerHook
 from xirang_hpc.runtime.signals import StopSignalHook, capture_early, find_saver
@@ -158,7 +159,7 @@ def run_training(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[
     if topo.rank == 0 and topo.source == "slurm":
         log_unlogged_requeue(Path(run_dir))
     if topo.rank == 0:  # what exactly trains this run: versions, code revision, hosts, container
-        environment.record(Path(run_dir), EventLog(run_dir))
+        environment.record(Path(run_dir), EventLog(run_dir), accelerators=accelerator_stack)
     hooks: list[TrainerHook] = []
     try:
         hooks = build_hooks(cfg, topo, Path(run_dir))

@@ -1,26 +1,7 @@
-"""``python -m xirang_hpc.launch.job_entry --config job_config.json``: one rank of a hand-submitted job.
+"""Deprecated: ``python -m xirang_hpc.launch.job_entry`` runs :mod:`xirang_hpc.batch.rank`
+(batch scripts written by earlier versions, for one release)."""
 
-The rendered sbatch script (``xirang-sbatch``) runs this under ``srun``; it calls the same job
-function submitit runs, with the config ``xirang-sbatch`` validated and wrote.
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-from pathlib import Path
-
-from xirang_hpc.job.entry import train_job
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Run this rank's share of the training job."""
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--config", type=Path, required=True)
-    a = ap.parse_args(argv)
-    payload = json.loads(a.config.read_text())
-    train_job(payload["config"], payload["run_dir"], payload["data_dir"])
-
+from xirang_hpc.batch.rank import main
 
 if __name__ == "__main__":
     main()

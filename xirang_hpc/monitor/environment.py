@@ -63,30 +63,19 @@ def packages() -> dict[str, str]:
     return dict(sorted(out.items(), key=lambda kv: kv[0].lower()))
 
 
-def accelerator_stack() -> dict[str, Any]:
-    """torch and, where present, CUDA / cuDNN / NCCL versions and the devices this process sees."""
-    import torch
-
-    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
-                            "hip": getattr(torch.version, "hip", None)}
-    try:
-        info["cudnn"] = torch.backends.cudnn.version()
-    except Exception:  # noqa: BLE001 - a build without cuDNN
-        info["cudnn"] = None
-    if torch.cuda.is_available():
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        info["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return info
-
-
 def slurm_version(call: Caller = commands.call) -> str | None:
     """``sinfo --version`` (e.g. ``slurm 22.05.8``), or None without a Slurm client."""
     r = call(["sinfo", "--version"])
     return r.out.strip() if r.rc == 0 else None
 
 
-def collect(env: dict[str, str] | None = None, run: Runner = _run, call: Caller = commands.call) -> dict[str, Any]:
-    """This process's environment as recorded in ``environment.json``."""
+def collect(env: dict[str, str] | None = None, run: Runner = _run, call: Caller = commands.call,
+            accelerators: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """This process's environment as recorded in ``environment.json``.
+
+    ``accelerators`` reports torch and the devices (the job passes :func:`xirang_hpc.runtime.device.accelerator_stack`;
+    this module stays torch-free, so ``xirang-status --env`` on the login node never imports torch).
+    """
     env = dict(os.environ) if env is None else env
     try:
         version = importlib.metadata.version("xirang-hpc")
@@ -99,7 +88,7 @@ def collect(env: dict[str, str] | None = None, run: Runner = _run, call: Caller 
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
                    "executable": sys.executable},
         "platform": {"system": platform.system(), "release": platform.release(), "machine": platform.machine()},
-        "accelerators": accelerator_stack(),
+        "accelerators": accelerators() if accelerators is not None else None,
         "hosts": {"this": platform.node(), "nodelist": env.get("SLURM_JOB_NODELIST"),
                   "nodes": env.get("SLURM_JOB_NUM_NODES")},
         "slurm": {"version": slurm, "cluster": env.get("SLURM_CLUSTER_NAME"), "job": env.get("SLURM_JOB_ID")},
@@ -140,9 +129,10 @@ def diff(a: dict[str, Any], b: dict[str, Any], volatile: bool = False) -> dict[s
             if fa.get(k) != fb.get(k) and (volatile or not k.startswith(_VOLATILE))}
 
 
-def record(run_dir: Path, events: Any = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+def record(run_dir: Path, events: Any = None, env: dict[str, str] | None = None,
+           accelerators: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Rank 0 at start: write ``environment.json``; an ``environment_changed`` event when it differs."""
-    now = collect(env)
+    now = collect(env, accelerators=accelerators)
     before = read(run_dir)
     write_json_atomic(Path(run_dir) / ENV_FILE, now, indent=1)
     if before is not None and events is not None:

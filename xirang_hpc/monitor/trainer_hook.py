@@ -41,6 +41,7 @@ from xirang_hpc.monitor.heartbeat import (
 from xirang_hpc.monitor.resources import ProcessSampler
 from xirang_hpc.monitor.watchdog import spawn
 from xirang_hpc.runtime import liveness
+from xirang_hpc.runtime.dist import collective_seq
 from xirang_hpc.runtime.hooks import Loop, TrainerHook
 from xirang_hpc.runtime.process_identity import start_ticks
 from xirang_hpc.runtime.topology import Topology
@@ -105,7 +106,7 @@ class MonitorHook(TrainerHook):
             ident["watchdog_pid"] = spawn(self.run_dir, session, t.node_name, t.node_id == 0, _watchdog_cfg(self.m))
         gpu = t.local_rank if self.cfg.cluster.gpus_per_node else None
         self.hb = Heartbeat(hdir / f"rank-{t.rank}.json", ident, self.m.heartbeat_s, self.m.straggler_window,
-                            sampler=ProcessSampler(gpu_index=gpu), seq_fn=liveness.collective_seq)
+                            sampler=ProcessSampler(gpu_index=gpu), seq_fn=collective_seq)
         self.hb.step = trainer.state.step
         self.hb.start()
         liveness.set_sink(self.hb.tick)  # saves and evaluations report that they still move

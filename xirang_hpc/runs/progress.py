@@ -1,6 +1,6 @@
 """Training output for a terminal: one progress line updated in place, other lines scroll above it.
 
-``xirang-train`` echoes rank 0's log (:func:`xirang_hpc.launch.train_cli._follow`). On a terminal
+``xirang-train`` echoes rank 0's log (:func:`xirang_hpc.cli.train._follow`). On a terminal
 the trainer's step lines (``step N/M | loss L | grad norm G | T tok/s | ETA H:MM:SS``) become a
 single bar redrawn with ``\\r``; every other line (model summary, validation loss, errors) is
 printed normally above the bar. Anywhere else (Slurm logs, pipes, tests) lines pass through

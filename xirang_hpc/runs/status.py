@@ -32,7 +32,7 @@ RUN_MARKERS = ("metrics.jsonl", HEARTBEAT_DIR, "events.jsonl", "checkpoints", "s
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure))(: .*)?$")
 
 
-# The launcher's map of array task -> run directory (launch/slurm.py): in a sweep's own submitit folder
+# The launcher's map of array task -> run directory (submit/slurm.py): in a sweep's own submitit folder
 # (<runs_root>/sweeps/<name>-<hash>/submitit) it names other directories; that folder is not a run.
 RUN_DIR_MAP = "xirang_run_dirs.json"
 
@@ -73,7 +73,7 @@ def _submitted(events: list[dict[str, Any]]) -> dict[str, Any]:
     subs = [e for e in events if e.get("kind") == "submit" and e.get("job")]
     if not subs:
         return {}
-    # Only Slurm submissions log a ``submit`` event (launch/slurm.py, launch/sweep.py, launch/pipeline_cli.py).
+    # Only Slurm submissions log a ``submit`` event (submit/slurm.py, submit/sweep.py, cli/pipeline.py).
     return {"job_id": str(subs[-1]["job"]), "source": "slurm", "started": float(subs[-1].get("time", 0))}
 
 

@@ -134,3 +134,17 @@ def decide(requested: str = "auto", local_rank: int = 0, backend: str = "auto", 
                           f"; use {field}=auto")
     count = max(1, int(acc.device_count()))
     return Device(requested, local_rank % count)
+
+
+def accelerator_stack() -> dict[str, Any]:
+    """torch and, where present, CUDA / cuDNN / NCCL versions and the devices this process sees."""
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                            "hip": getattr(torch.version, "hip", None)}
+    try:
+        info["cudnn"] = torch.backends.cudnn.version()
+    except Exception:  # noqa: BLE001 - a build without cuDNN
+        info["cudnn"] = None
+    if torch.cuda.is_available():
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        info["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info

@@ -195,3 +195,19 @@ def start_job(cluster: ClusterConfig, rendezvous_dir: Path | None = None,
     torch.set_num_threads(threads_per_rank(cluster.threads_per_rank, topo.local_world_size))
     init_distributed(topo, cluster.backend, rendezvous_dir=rendezvous_dir)
     return topo
+
+
+def collective_seq() -> int | None:
+    """Collectives issued so far on the world process group; None without one (or without the counter).
+
+    Read from the heartbeat thread while the main thread may sit inside a collective: it only reads
+    the group's counter (c10d increments it when a collective is issued).
+    """
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        return int(c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 - a liveness probe never raises into the heartbeat thread
+        return None

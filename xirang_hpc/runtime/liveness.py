@@ -6,7 +6,7 @@ monitor's heartbeat records the time of the last tick, and the watchdog measures
 the later of that and the last phase change. So a save or an evaluation that keeps moving is
 never a hang, while one that stops moving is named within the same bound as a training step.
 
-:func:`collective_seq` counts the collectives this rank has issued on the world process group
+:func:`xirang_hpc.runtime.dist.collective_seq` counts the collectives this rank has issued on the world process group
 (c10d's per-group sequence number, which gloo and NCCL both keep): the watchdog compares it
 across ranks to name the rank that did not arrive at a collective. Only the world group: every
 rank issues the same collectives on it in the same order (loss and grad-norm reductions, the
@@ -14,7 +14,8 @@ stop-signal consensus, evaluation, broadcasts; DDP's gradient all-reduce unless 
 hook moves it to per-node groups), so equal positions have equal counts. Subgroups (a node's, a
 pipeline stage's, the checkpoint writer's) would compare only within themselves.
 
-Both are process-wide and cheap; with no monitor installed a tick does nothing. Ticks may come
+Torch-free, since checkpoint verification ticks and runs on the login node too. Both are process-wide
+and cheap; with no monitor installed a tick does nothing. Ticks may come
 from any thread (the checkpoint writer runs in the background).
 """
 
@@ -36,20 +37,3 @@ def tick(what: str = "") -> None:
     fn = _sink
     if fn is not None:
         fn(what)
-
-
-def collective_seq() -> int | None:
-    """Collectives issued so far on the world process group; None without one (or without the counter).
-
-    Read from the heartbeat thread while the main thread may sit inside a collective: it only reads
-    the group's counter (c10d increments it when a collective is issued).
-    """
-    try:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
-        if not dist.is_available() or not dist.is_initialized():
-            return None
-        return int(c10d._get_default_group()._get_sequence_number_for_group())
-    except Exception:  # noqa: BLE001 - a liveness probe never raises into the heartbeat thread
-        return None

@@ -209,7 +209,7 @@ class StopSignalHook(TrainerHook):
                 return EXIT_STOPPED
             multi_site = bool(self.cfg.cluster.sites) and self.cfg.cluster.site_auto_migrate
             if in_slurm and cause.reason == "preemption" and multi_site:
-                # Several sites: the batch script's supervisor (launch/supervise.py) decides after the ranks
+                # Several sites: the batch script's supervisor (batch/supervise.py) decides after the ranks
                 # are gone whether the run moves to another site or is requeued here; it alone acts.
                 self._event("handover", cause.reason, why="the supervisor places the run again (cluster.sites)",
                             target=target, step=step)

@@ -5,7 +5,7 @@ about 460,000 objects that live as long as the process. With the collector on, C
 collection over them while they are made (~0.7 s of the ~3 s of CPU the imports take here), and every later
 full collection walks them all again. Pausing the collector for the imports and moving what they made to the
 permanent generation (:func:`gc.freeze`) spares both; what that keeps alive is the import's own cyclic
-garbage, ~6 MB. The preload fork server (``launch/preload.py``) imports the same list the same way before it
+garbage, ~6 MB. The preload fork server (``local/preload.py``) imports the same list the same way before it
 forks local ranks; a Slurm task is a fresh interpreter, and the job function does it (``job/entry.py``).
 
 Standard library only: the job entry calls it before anything heavy is imported.

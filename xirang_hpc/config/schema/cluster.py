@@ -104,7 +104,7 @@ class ClusterConfig:
     # environment's value.
     omp_wait_policy: str = "passive"
     # Local executor, jobs of more than one rank: ranks are forked from one process per job that has imported
-    # torch and the package (launch/preload.py), instead of each starting a fresh interpreter (~4 s of CPU per
+    # torch and the package (local/preload.py), instead of each starting a fresh interpreter (~4 s of CPU per
     # rank). false: plain.
     preload: bool = True
     # Scheduling classes (train.priority): normal uses partition/qos above; exploratory the preemptible
@@ -130,7 +130,7 @@ class ClusterConfig:
     # Extra nodes allocated beside ``nodes`` and left idle: an in-job restart (requeue.max_restarts_in_job)
     # replaces a failed node with one of them and keeps the layout (Slurm only).
     spare_nodes: int = 0
-    # Several Slurm clusters as one (launch/sites/): a job goes to the site whose `sbatch --test-only`
+    # Several Slurm clusters as one (submit/sites/): a job goes to the site whose `sbatch --test-only`
     # promises the earliest start (site_policy=earliest), the most free quota for the account (quota), or
     # stays on its current site unless another starts it more than site_stay_s sooner (stay). A run
     # preempted on its site moves when its requeue there would wait more than site_migrate_wait_s.
@@ -141,7 +141,7 @@ class ClusterConfig:
     # The job moves itself: at a preemption the batch script's supervisor places the run again and, when
     # its requeue here would wait longer than site_migrate_wait_s, resubmits it on the site that starts
     # it soonest (verified copy first) instead of requeuing it here. false: requeued here, moved only by
-    # `python -m xirang_hpc.launch.sites migrate`.
+    # `python -m xirang_hpc.submit.sites migrate`.
     site_auto_migrate: bool = True
     # A Hydra sweep (-m) with sites: `one` submits the whole array to the site placement chooses; `spread`
     # splits its tasks over the sites that answer (one array per site, earliest start first) and records

@@ -2,7 +2,7 @@
 
 Exactly one of ``loss``, ``tokens`` or ``compute`` says how much to train; ``deadline`` and ``budget``
 bound the plan. Nothing here changes a training run: only xirang-plan reads it
-(xirang_hpc/launch/plan_target.py).
+(xirang_hpc/submit/plan_target.py).
 """
 
 from __future__ import annotations

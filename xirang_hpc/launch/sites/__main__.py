@@ -1,5 +1,5 @@
-"""``python -m xirang_hpc.launch.sites migrate RUN_DIR [--to SITE]``: move a run to another site now."""
+"""Deprecated: ``python -m xirang_hpc.launch.sites`` runs ``python -m xirang_hpc.submit.sites`` (one release)."""
 
-from xirang_hpc.launch.sites.moves import main
+from xirang_hpc.submit.sites.moves import main
 
 raise SystemExit(main())

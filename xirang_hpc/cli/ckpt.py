@@ -208,7 +208,7 @@ def cmd_interval(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
-    from xirang_hpc.launch.cli_help import argparse_texts
+    from xirang_hpc.cli.help import argparse_texts
 
     p = argparse.ArgumentParser(prog="xirang-ckpt", **argparse_texts("xirang-ckpt"))  # type: ignore[arg-type]
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -1,9 +1,9 @@
 """``xirang-sbatch``: render a ready ``sbatch`` script from the same config ``xirang-train`` uses.
 
 For users who submit by hand. The ``#SBATCH`` lines come from
-:func:`xirang_hpc.launch.slurm.sbatch_parameters` (the executor's own mapping), the body from
+:func:`xirang_hpc.submit.slurm.sbatch_parameters` (the executor's own mapping), the body from
 ``sbatch_templates/xirang.sbatch``; the validated config is written next to the run as JSON and
-the job runs :mod:`xirang_hpc.launch.job_entry` on every rank, then the requeue supervisor.
+the job runs :mod:`xirang_hpc.batch.rank` on every rank, then the requeue supervisor.
 
     xirang-sbatch cluster=slurm cluster.partition=gpu model=gpt2-small [--out job.sbatch]
 """
@@ -21,13 +21,13 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from xirang_hpc.cli.help import maybe_print_help
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.files import private_by_default
-from xirang_hpc.launch.cli_help import maybe_print_help
-from xirang_hpc.launch.hydra_setup import register_configs, run_app
 from xirang_hpc.slurm.request import setup_lines
+from xirang_hpc.submit.hydra_setup import register_configs, run_app
 
 # Inside the package (so a non-editable install has it); the repo's top-level sbatch_templates/ links here.
 TEMPLATE = Path(__file__).resolve().parents[1] / "sbatch_templates" / "xirang.sbatch"
@@ -43,7 +43,7 @@ def _flag(key: str, value: Any) -> str:
 
 def sbatch_lines(cfg: XirangConfig, run_dir: Path) -> list[str]:
     """The ``#SBATCH`` lines for ``cfg`` (same mapping as the executor; sorted, one per flag)."""
-    from xirang_hpc.launch.slurm import sbatch_parameters
+    from xirang_hpc.submit.slurm import sbatch_parameters
 
     p = sbatch_parameters(cfg.cluster, cfg.train.priority)
     flags: dict[str, Any] = {k: v for k, v in p.items() if k not in (
@@ -59,7 +59,7 @@ def sbatch_lines(cfg: XirangConfig, run_dir: Path) -> list[str]:
 def render(cfg: XirangConfig, run_dir: Path, python: str, script_path: str = "job.sbatch",
            template: Path = TEMPLATE) -> str:
     """The sbatch script text for ``cfg`` running in ``run_dir`` with interpreter ``python``."""
-    from xirang_hpc.launch.slurm import container_paths, rank_start
+    from xirang_hpc.submit.slurm import container_paths, rank_start
 
     c = cfg.cluster
     # The ranks: in the container when there is one; the supervisor below stays on the host.
@@ -81,7 +81,7 @@ def render(cfg: XirangConfig, run_dir: Path, python: str, script_path: str = "jo
 
 def write_job_files(cfg: XirangConfig, run_dir: Path, data_dir: Path) -> None:
     """What the rendered script reads: the config, the run-dir map and the supervisor's job file."""
-    from xirang_hpc.launch.slurm import write_job_file
+    from xirang_hpc.submit.slurm import write_job_file
 
     (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
     payload = {"config": dataclasses.asdict(cfg), "run_dir": str(run_dir), "data_dir": str(data_dir)}
@@ -96,7 +96,7 @@ _OUT: list[str] = []
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _app(dcfg: DictConfig) -> None:
     from xirang_hpc.data.prepare import ensure_prepared
-    from xirang_hpc.launch.preflight import open_run_dir, preflight
+    from xirang_hpc.submit.preflight import open_run_dir, preflight
 
     try:
         cfg = load_config(dcfg)

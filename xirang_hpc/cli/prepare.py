@@ -13,14 +13,14 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from xirang_hpc.cli.help import maybe_print_help, setup_logging
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.data.prepare import CorpusError, prepare_data
 from xirang_hpc.data.tokenizer import TokenizerError
 from xirang_hpc.files import private_by_default
-from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
-from xirang_hpc.launch.hydra_setup import register_configs, run_app
-from xirang_hpc.launch.preflight import check_writable
+from xirang_hpc.submit.hydra_setup import register_configs, run_app
+from xirang_hpc.submit.preflight import check_writable
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

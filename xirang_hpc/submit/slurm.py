@@ -2,7 +2,7 @@
 
 - :func:`sbatch_parameters` is the single mapping from :class:`ClusterConfig` (+ scheduling class)
   to sbatch flags; the executor and ``xirang-sbatch`` both use it, so they cannot drift.
-- Every job's batch script ends with a supervisor step (:mod:`xirang_hpc.launch.supervise`) that
+- Every job's batch script ends with a supervisor step (:mod:`xirang_hpc.batch.supervise`) that
   applies the requeue policy when the training step itself fails (a crashed rank, a dead node),
   which no in-job signal handler can do.
 - :func:`submit` returns at once (fire-and-forget) unless ``train.wait``; :func:`wait_for` polls
@@ -68,7 +68,7 @@ def sbatch_parameters(c: ClusterConfig, priority: str = "normal") -> dict[str, A
 
 def supervisor_lines(folder: Path) -> list[str]:
     """Batch-script lines after ``srun``: hand its exit code to the requeue supervisor."""
-    cmd = [sys.executable, "-m", "xirang_hpc.launch.supervise", "--rc", "$XIRANG_SRUN_RC",
+    cmd = [sys.executable, "-m", "xirang_hpc.batch.supervise", "--rc", "$XIRANG_SRUN_RC",
            "--map", str(folder / RUN_DIR_MAP)]
     # `trap '' TERM`: the supervisor requeues the job, which SIGTERMs all of it; the script and the
     # supervisor (which inherits the ignore) must outlive that for the post-requeue updates.
@@ -81,7 +81,7 @@ def injob_lines(folder: Path) -> list[str]:
 
     They run after ``cluster.setup`` and end the script, so submitit's single ``srun`` never runs.
     """
-    cmd = [sys.executable, "-m", "xirang_hpc.launch.injob", "--map", str(folder / RUN_DIR_MAP),
+    cmd = [sys.executable, "-m", "xirang_hpc.batch.injob", "--map", str(folder / RUN_DIR_MAP),
            "--folder", str(folder)]
     # `trap '' TERM`: the driver ends with the supervisor, which may requeue the job; the requeue SIGTERMs all
     # of it, and the script must outlive that (when the script ends, Slurm kills what is left of the job,
@@ -225,14 +225,14 @@ def submit(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, *args: Any
            handover: tuple[str, str | None] | None = None) -> submitit.Job:
     """Submit ``fn(*args)`` as one Slurm job for ``cfg``; log the submission in the run's event log.
 
-    ``site``: the Slurm cluster to submit to (``sbatch -M``, chosen by launch/sites/); None: this one.
+    ``site``: the Slurm cluster to submit to (``sbatch -M``, chosen by submit/sites/); None: this one.
     ``handover``: ``(job id, cluster)`` of the job that submits its own successor (a run moving to another
     site from inside its job): that owner does not count as busy.
 
-    The run directory must be free (one job per run directory, launch/runlock.py): a live job of it
+    The run directory must be free (one job per run directory, submit/runlock.py): a live job of it
     refuses the submission, or with ``train.after_active`` the new job waits for it (afterany).
     """
-    from xirang_hpc.launch.runlock import claim, record_owner, submission_lock
+    from xirang_hpc.submit.runlock import claim, record_owner, submission_lock
 
     folder = run_dir / "submitit"
     with submission_lock(run_dir):
@@ -277,7 +277,7 @@ def launch_slurm(cfg: XirangConfig, run_dir: Path, data_dir: Path, fn: Any, site
                  on_submit: Any = None) -> dict[str, Any] | None:
     """``xirang-train`` on Slurm: submit, print job id / run dir / how to follow; block if ``train.wait``.
 
-    ``site``: the Slurm cluster (``-M``) chosen by launch/sites/; ``on_submit(job)`` runs right after.
+    ``site``: the Slurm cluster (``-M``) chosen by submit/sites/; ``on_submit(job)`` runs right after.
     """
     job = submit(cfg, run_dir, data_dir, fn, dataclasses.asdict(cfg), str(run_dir), str(data_dir), site=site)
     if on_submit is not None:

@@ -19,15 +19,13 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from xirang_hpc.cli.help import maybe_print_help
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.eval.harness import check_tasks
 from xirang_hpc.files import private_by_default
 from xirang_hpc.job.stages import STAGE_FNS, serve_stage, train_stage
-from xirang_hpc.launch.cli_help import maybe_print_help
-from xirang_hpc.launch.hydra_setup import register_configs, run_app
-from xirang_hpc.launch.preflight import corrupt_message, open_run_dir, preflight
 from xirang_hpc.monitor import audit
 from xirang_hpc.runs.chain import (
     STAGE_DIR,
@@ -38,6 +36,8 @@ from xirang_hpc.runs.chain import (
     write_pipeline,
     write_stage,
 )
+from xirang_hpc.submit.hydra_setup import register_configs, run_app
+from xirang_hpc.submit.preflight import corrupt_message, open_run_dir, preflight
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -69,8 +69,8 @@ def _dep_params(dep: str | None) -> dict[str, Any]:
 
 def _submit_train(cfg: XirangConfig, run_dir: Path, data_dir: Path, dep: str) -> Any:
     """The training job exactly as xirang-train submits it (requeue supervisor included), plus the dependency."""
-    from xirang_hpc.launch import slurm
     from xirang_hpc.monitor.events import append_event
+    from xirang_hpc.submit import slurm
 
     folder = run_dir / "submitit"
     slurm.write_job_file(cfg, run_dir)
@@ -116,7 +116,7 @@ def launch_slurm_chain(cfg: XirangConfig, run_dir: Path, train_done_at: int | No
 
 def run_local_chain(cfg: XirangConfig, run_dir: Path) -> bool:
     """Run the stages in sequence on this machine; False (after recording why) when one fails."""
-    from xirang_hpc.launch.train_cli import launch
+    from xirang_hpc.cli.train import launch
 
     data_dir, cfg_dict = _data_dir(cfg), dataclasses.asdict(cfg)
     write_pipeline(run_dir, "local", [{"stage": s, "job_id": None, "depends_on": None} for s in STAGES])

@@ -7,8 +7,9 @@ from pathlib import Path
 import submitit
 
 from xirang_hpc.config.schema import ClusterConfig
-from xirang_hpc.launch import local_controller, preload
-from xirang_hpc.launch.slurm import make_slurm_executor
+from xirang_hpc.local import controller as local_controller
+from xirang_hpc.local import preload
+from xirang_hpc.submit.slurm import make_slurm_executor
 
 
 def local_python(c: ClusterConfig) -> str | None:
@@ -23,7 +24,7 @@ def make_executor(c: ClusterConfig, folder: Path, watch_pid: int | None = None) 
     """A submitit executor for ``c`` that keeps its files under ``folder``.
 
     Locally, ``watch_pid`` is the launcher that follows the job: when it dies, the job stops after a final
-    checkpoint (launch/local_controller.py).
+    checkpoint (local/controller.py).
     """
     if c.executor == "local":
         ex = local_controller.LocalExecutor(folder=folder, python=local_python(c), watch_pid=watch_pid,

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
 from xirang_hpc.planner.auto import PLAN_FILE, announce, choose, write_plan
+from xirang_hpc.submit.rundir import make_private_dir, run_dir_for
 
 
 def record_measured(cfg: XirangConfig, summary: dict[str, Any] | None, say: Callable[[str], None] = print) -> None:

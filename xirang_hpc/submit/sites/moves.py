@@ -1,5 +1,5 @@
 """Moving a run between sites: its site state (``site.json``), the preemptor's hold on its nodes, the
-decision, the copy and the submission on the other site; ``python -m xirang_hpc.launch.sites``."""
+decision, the copy and the submission on the other site; ``python -m xirang_hpc.submit.sites``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from typing import Any
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.files import write_json_atomic
-from xirang_hpc.launch.sites.placement import Placement, apply_site, choose, gather, place, record_placement, site_of
-from xirang_hpc.launch.sites.transfer import CopyError, copy_run, site_run_dir
 from xirang_hpc.monitor.events import append_event
 from xirang_hpc.slurm import control
 from xirang_hpc.slurm.accounting import Caller, Result, call
+from xirang_hpc.submit.sites.placement import Placement, apply_site, choose, gather, place, record_placement, site_of
+from xirang_hpc.submit.sites.transfer import CopyError, copy_run, site_run_dir
 
 
 def _slurm_time(text: str) -> float | None:
@@ -112,7 +112,7 @@ def cancel_on(site: str, job_id: str, run: Caller = call) -> Result:
 def _default_submit(c: XirangConfig, d: Path, data: Path, site: str,
                     handover: tuple[str, str | None] | None = None) -> Any:
     from xirang_hpc.job.entry import train_job
-    from xirang_hpc.launch.slurm import submit as slurm_submit
+    from xirang_hpc.submit.slurm import submit as slurm_submit
 
     return slurm_submit(c, d, data, train_job, dataclasses.asdict(c), str(d), str(data), site=site,
                         handover=handover)
@@ -208,7 +208,7 @@ def migrate_at_preemption(run_dir: Path, job_id: str, current: str, nodes: Seque
                           run: Caller | None = None, submit: Callable[..., Any] | None = None,
                           now: Callable[[], float] = time.time,
                           before_submit: Callable[[], Any] | None = None) -> dict[str, Any] | None:
-    """The job's own move at a preemption (called by the batch script's supervisor, launch/supervise.py).
+    """The job's own move at a preemption (called by the batch script's supervisor, batch/supervise.py).
 
     Places the run again with ``current`` as its site. ``current``'s expected start is the later of
     ``sbatch --test-only`` and the end of the jobs that take the preempted job's ``nodes``
@@ -247,11 +247,11 @@ def migrate_at_preemption(run_dir: Path, job_id: str, current: str, nodes: Seque
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m xirang_hpc.launch.sites migrate RUN_DIR [--to SITE]``: move a preempted run now."""
+    """``python -m xirang_hpc.submit.sites migrate RUN_DIR [--to SITE]``: move a preempted run now."""
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m xirang_hpc.launch.sites", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m xirang_hpc.submit.sites", description=main.__doc__)
     ap.add_argument("action", choices=["migrate"])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--to", default=None, help="move to this site whatever the placement says")

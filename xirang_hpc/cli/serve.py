@@ -22,7 +22,7 @@ from xirang_hpc.runtime.startup import collector_paused
 
 def _parser() -> argparse.ArgumentParser:
     d = ServeConfig()
-    from xirang_hpc.launch.cli_help import argparse_texts
+    from xirang_hpc.cli.help import argparse_texts
 
     p = argparse.ArgumentParser(prog="xirang-serve", **argparse_texts("xirang-serve"))  # type: ignore[arg-type]
     p.add_argument("path", help="run dir, checkpoints dir, step_N dir, or FILE.safetensors")

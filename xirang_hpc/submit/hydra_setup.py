@@ -16,7 +16,7 @@ from typing import Any
 
 from xirang_hpc.config.fields import bad_value, unknown_field
 from xirang_hpc.config.store import register_schema
-from xirang_hpc.launch.sweep import register_launcher
+from xirang_hpc.submit.sweep import register_launcher
 
 
 def register_configs() -> None:

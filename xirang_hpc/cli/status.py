@@ -63,11 +63,11 @@ def resolve(target: str, runs_root: Path) -> tuple[list[Path], bool]:
 
 
 def _site_status(run: Path) -> dict[str, Any]:
-    """A run placed on several sites (launch/sites/): its site, its history across sites, where it moved;
+    """A run placed on several sites (submit/sites/): its site, its history across sites, where it moved;
     Slurm is asked on that site (``-M <site>`` on squeue, sacct and scontrol: job ids are per cluster)."""
-    from xirang_hpc.launch.sites import read_site_state
     from xirang_hpc.slurm.accounting import Result, on_cluster
     from xirang_hpc.slurm.jobs import run_cmd
+    from xirang_hpc.submit.sites import read_site_state
 
     st = read_site_state(run)
     if st is None:
@@ -112,7 +112,7 @@ def _finished(snap: dict[str, Any]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit code (2: nothing found)."""
     private_by_default()  # plots and exports it writes are the user's own
-    from xirang_hpc.launch.cli_help import argparse_texts
+    from xirang_hpc.cli.help import argparse_texts
 
     ap = argparse.ArgumentParser(prog="xirang-status", **argparse_texts("xirang-status"))  # type: ignore[arg-type]
     ap.add_argument("target", nargs="*", default=["runs"],
@@ -312,9 +312,9 @@ def _show_and_wait(a: argparse.Namespace, tty: bool, view: dict, render: Callabl
 
 def _queue(a: argparse.Namespace) -> int:
     """``xirang-status --queue``: the cluster-wide view (plain, --json, --watch, --plot)."""
-    from xirang_hpc.launch.quota_check import current_user
     from xirang_hpc.slurm.accounting import SlurmDB, SlurmQueryError
     from xirang_hpc.slurm.queue import gather, plot_utilization, render_queue
+    from xirang_hpc.submit.quota_check import current_user
 
     tty = sys.stdout.isatty()
     if a.sites is not None:
@@ -340,9 +340,9 @@ def _queue(a: argparse.Namespace) -> int:
 
 def _queue_sites(a: argparse.Namespace, tty: bool) -> int:
     """``xirang-status --queue --sites A,B|all``: every site side by side, then each one's view."""
-    from xirang_hpc.launch.quota_check import current_user
-    from xirang_hpc.launch.sites import registered_clusters
     from xirang_hpc.slurm.queue import gather_sites, render_sites
+    from xirang_hpc.submit.quota_check import current_user
+    from xirang_hpc.submit.sites import registered_clusters
 
     known = registered_clusters()
     names = known if a.sites == "all" else [n.strip() for n in a.sites.split(",") if n.strip()]

@@ -4,7 +4,7 @@
 validates every point of the sweep first (nothing is submitted if one is invalid), then submits
 a single ``sbatch --array=0-N%array_parallelism`` through submitit's ``map_array``, prints the
 array id and each task's run directory, and returns. Each task's run directory is the
-experiment's deterministic one (:func:`~xirang_hpc.launch.rundir.run_dir_for`), so a requeued
+experiment's deterministic one (:func:`~xirang_hpc.submit.rundir.run_dir_for`), so a requeued
 task (requeued alone, as ``ARRAYJOBID_TASKID``) finds its own checkpoints.
 Local sweeps (``cluster=local``) run one after another through Hydra's basic launcher.
 """
@@ -78,7 +78,7 @@ def _site_plan(cfgs: list[XirangConfig]) -> tuple[list[XirangConfig], list[str |
     c0 = cfgs[0].cluster
     if not c0.sites:
         return cfgs, [None] * len(cfgs), None
-    from xirang_hpc.launch.sites import apply_site, place, site_of
+    from xirang_hpc.submit.sites import apply_site, place, site_of
 
     p = place(cfgs[0])
     for w in p.warnings:
@@ -104,8 +104,8 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]
     with ``cluster.site_sweep=spread`` one array per site (array ids then read ``<site>:<id>``, joined
     by commas, and task ids ``<site>:<array>_<task>``).
     """
-    from xirang_hpc.launch.preflight import complete_message, corrupt_message, open_run_dir, preflight
-    from xirang_hpc.launch.rundir import run_dir_for
+    from xirang_hpc.submit.preflight import complete_message, corrupt_message, open_run_dir, preflight
+    from xirang_hpc.submit.rundir import run_dir_for
 
     check_same_resources(cfgs, overrides)
     record_at = sweep_folder(cfgs, overrides)  # the split's record: under train.runs_root, whatever the sites
@@ -137,7 +137,7 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]
         for i, t in zip(idx, ids):
             tasks[i] = f"{site}:{t}" if plan and len(groups) > 1 else t
     if plan is not None:
-        from xirang_hpc.launch.rundir import make_private_dir
+        from xirang_hpc.submit.rundir import make_private_dir
 
         folder = make_private_dir(record_at)
         split = [{"task": i, "site": sites[i], "run_dir": str(run_dirs[i]), "job": tasks[i]} for i in range(len(cfgs))]
@@ -147,7 +147,7 @@ def submit_array(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]]
 
 def _state_quota(cfg: XirangConfig, site: str | None, tasks: int) -> None:
     """The account's quota for ``tasks`` tasks, on ``site`` (``-M``) when the sweep goes to several sites."""
-    from xirang_hpc.launch.quota_check import check_quota
+    from xirang_hpc.submit.quota_check import check_quota
 
     db = None
     if site is not None:
@@ -167,8 +167,8 @@ def _submit_group(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]], 
     """One array job (on ``site`` with ``-M`` when named) for these points; (array id, task ids)."""
     from xirang_hpc.data.prepare import ensure_prepared
     from xirang_hpc.job.entry import train_job
-    from xirang_hpc.launch import slurm
-    from xirang_hpc.launch.rundir import make_private_dir
+    from xirang_hpc.submit import slurm
+    from xirang_hpc.submit.rundir import make_private_dir
 
     data_dirs = [ensure_prepared(c.data, c.data.out_dir) for c in cfgs]
     folder = make_private_dir(sweep_folder(cfgs, overrides))
@@ -191,7 +191,7 @@ def _submit_group(cfgs: list[XirangConfig], overrides: Sequence[Sequence[str]], 
         append_event(d, "submit", "submitted", job=str(j.job_id), array=array_id, task=i, cluster=c0.cluster.name,
                      **({"site": site} if site else {}))
         if site is not None and plan is not None:  # the task's site and its evidence, as for a single run
-            from xirang_hpc.launch.sites import write_site_state
+            from xirang_hpc.submit.sites import write_site_state
 
             append_event(d, "placement", plan["reason"], site=site, policy=plan["policy"],
                          estimates=plan["estimates"], warnings=plan["warnings"], sweep_task=i)

@@ -28,11 +28,11 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from xirang_hpc.cli.help import maybe_print_help
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import ClusterConfig, XirangConfig
 from xirang_hpc.config.validate import to_typed
-from xirang_hpc.launch.cli_help import maybe_print_help
-from xirang_hpc.launch.hydra_setup import register_configs, run_app
+from xirang_hpc.submit.hydra_setup import register_configs, run_app
 
 _OPTS: argparse.Namespace = argparse.Namespace(json=False, top=5, runnable=False, calibrate=False, out="", layout="",
                                                rounds=None, goodput=False, sim={},
@@ -89,8 +89,8 @@ def evaluate_layout(cfg: XirangConfig, spec: str, as_json: bool) -> str:
 def calibrate(cfg: XirangConfig, out: str, rounds: int | None = None) -> Path:
     """Measure the cluster and save a preset; returns its path. ``rounds``: rounds of probe runs (CPU
     clusters; default ``planner.defaults.PROBE_ROUNDS``)."""
-    from xirang_hpc.launch.rundir import make_private_dir
     from xirang_hpc.planner.calibrate import write_preset
+    from xirang_hpc.submit.rundir import make_private_dir
 
     name = f"{cfg.cluster.name}-calibrated"
     path = Path(out) if out else Path("conf") / "cluster" / f"{name}.yaml"
@@ -107,8 +107,8 @@ def calibrate(cfg: XirangConfig, out: str, rounds: int | None = None) -> Path:
 
 def run_calibration(cluster: ClusterConfig, folder: Path, rounds: int | None = None) -> dict[str, float]:
     """Submit :func:`~xirang_hpc.planner.calibrate.calibration_job` to the cluster; rank 0's figures."""
-    from xirang_hpc.launch.executors import make_executor
     from xirang_hpc.planner.calibrate import calibration_job
+    from xirang_hpc.submit.executors import make_executor
 
     ex = make_executor(cluster, folder, watch_pid=os.getpid())  # locally: ends with xirang-plan
     ex.update_parameters(name="xirang-calibrate")
@@ -178,8 +178,8 @@ def goodput_inputs(cfg: XirangConfig, sim: dict[str, str]) -> tuple[Any, float]:
     """The simulator's scenario for ``cfg`` and the ``goodput.*`` inputs, and the step time: size from
     ``cluster``, checkpoint size from ``model`` (as the launcher sizes it), step time from the planner's
     recommended layout, interval and spares from ``checkpoint`` and ``cluster``, hold from ``requeue``."""
-    from xirang_hpc.launch.preflight import checkpoint_bytes
     from xirang_hpc.planner.goodput_sim import CheckpointCosts, FailureModel, RecoveryCosts, Scenario
+    from xirang_hpc.submit.preflight import checkpoint_bytes
 
     v = {k: _sim_value(k, t) for k, t in sim.items()}
     for k in ("seeds", "seed", "spares", "shrink_nodes"):
@@ -252,7 +252,7 @@ def _app(dcfg: DictConfig) -> None:
     try:
         cfg = typed_config(dcfg)
         if _OPTS.fit_scaling or cfg.target.active:  # plan from a target, or fit its scaling law
-            from xirang_hpc.launch import plan_target
+            from xirang_hpc.submit import plan_target
 
             sys.exit(plan_target.main(cfg, _OPTS.fit_scaling, _OPTS.json))
         if _OPTS.calibrate:

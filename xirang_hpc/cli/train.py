@@ -20,20 +20,20 @@ import hydra
 import submitit
 from omegaconf import DictConfig
 
+from xirang_hpc.cli.help import maybe_print_help, setup_logging
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.prepare import CorpusError, check_chat_window, ensure_prepared
 from xirang_hpc.files import private_by_default
 from xirang_hpc.job.entry import train_job
-from xirang_hpc.launch.autoplan import plan_at_launch, record_measured
-from xirang_hpc.launch.cli_help import maybe_print_help, setup_logging
-from xirang_hpc.launch.executors import make_executor
-from xirang_hpc.launch.hydra_setup import register_configs, run_app
-from xirang_hpc.launch.preflight import complete_message, corrupt_message, open_run_dir, preflight
-from xirang_hpc.launch.runlock import RunBusyError, claim, record_owner, submission_lock
-from xirang_hpc.launch.slurm import SubmissionError
 from xirang_hpc.monitor import audit
+from xirang_hpc.submit.autoplan import plan_at_launch, record_measured
+from xirang_hpc.submit.executors import make_executor
+from xirang_hpc.submit.hydra_setup import register_configs, run_app
+from xirang_hpc.submit.preflight import complete_message, corrupt_message, open_run_dir, preflight
+from xirang_hpc.submit.runlock import RunBusyError, claim, record_owner, submission_lock
+from xirang_hpc.submit.slurm import SubmissionError
 
 log = logging.getLogger("xirang.train")
 
@@ -118,7 +118,7 @@ def _stop_local(job: submitit.Job, run_dir: Path, signum: int, grace_s: float) -
     Ctrl-C/SIGTERM, or ranks still running after ``grace_s``, cancel the job at once (the newest checkpoint
     stands). After SIGHUP the terminal is gone, so nothing more is echoed.
     """
-    from xirang_hpc.launch.local_controller import stop_gracefully
+    from xirang_hpc.local.controller import stop_gracefully
     from xirang_hpc.monitor.events import append_event, read_events
 
     name, t0 = signal.Signals(signum).name, time.time()
@@ -196,12 +196,12 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     if (damaged := corrupt_message(status)) is not None:
         print(damaged, file=sys.stderr, flush=True)
     placement = None
-    if cfg.cluster.sites:  # several clusters: the one that starts the job soonest (launch/sites/)
-        from xirang_hpc.launch.sites import place_for_launch
+    if cfg.cluster.sites:  # several clusters: the one that starts the job soonest (submit/sites/)
+        from xirang_hpc.submit.sites import place_for_launch
 
         cfg, placement = place_for_launch(cfg, warn=lambda w: print(w, file=sys.stderr, flush=True))
     if cfg.cluster.executor == "slurm":  # the account's quota and use, before anything is written
-        from xirang_hpc.launch.quota_check import check_quota
+        from xirang_hpc.submit.quota_check import check_quota
 
         db = None
         if placement is not None:  # the chosen site's associations, jobs and nodes (-M), not the default cluster's
@@ -214,11 +214,11 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     check_chat_window(data_dir, cfg.model.seq_len, cfg.data.overlong)  # chat data: a window that can learn
     run_dir = open_run_dir(cfg)
     if cfg.cluster.executor == "slurm":  # submit and return; train.wait=true blocks
-        from xirang_hpc.launch.slurm import launch_slurm
+        from xirang_hpc.submit.slurm import launch_slurm
 
         if placement is None:
             return launch_slurm(cfg, run_dir, data_dir, train_job)
-        from xirang_hpc.launch.sites import record_placement, write_site_state
+        from xirang_hpc.submit.sites import record_placement, write_site_state
 
         record_placement(run_dir, placement)
         site = placement.site.name
@@ -229,7 +229,7 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     executor = make_executor(cfg.cluster, run_dir / "submitit",
                              watch_pid=None if cfg.train.wait is False else os.getpid())
     executor.update_parameters(name=f"xirang-{cfg.train.name}")
-    with submission_lock(run_dir):  # one job per run directory (launch/runlock.py)
+    with submission_lock(run_dir):  # one job per run directory (submit/runlock.py)
         claim(run_dir, "local", cfg.train.after_active)
         job = executor.submit(train_job, dataclasses.asdict(cfg), str(run_dir), str(data_dir))
         record_owner(run_dir, "local", str(job.job_id), pid=int(job.job_id))

@@ -26,8 +26,8 @@ from xirang_hpc.checkpoint.rollback import fork_for_resume, forked_at
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.data.prepare import is_prepared
-from xirang_hpc.launch.rundir import make_private_dir, run_dir_for
 from xirang_hpc.planner.formulas import model_params
+from xirang_hpc.submit.rundir import make_private_dir, run_dir_for
 
 # Bytes per parameter in one checkpoint: fp32 weights + AdamW's two fp32 moments.
 CKPT_BYTES_PER_PARAM = 12

@@ -15,13 +15,13 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from xirang_hpc.cli.help import maybe_print_help
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.validate import load_config
 from xirang_hpc.files import private_by_default
-from xirang_hpc.launch.cli_help import maybe_print_help
-from xirang_hpc.launch.hydra_setup import register_configs, run_app
-from xirang_hpc.launch.rundir import run_dir_for
 from xirang_hpc.runs.render import harness_text
+from xirang_hpc.submit.hydra_setup import register_configs, run_app
+from xirang_hpc.submit.rundir import run_dir_for
 
 
 def _fail(msg: str, code: int = 2) -> None:
