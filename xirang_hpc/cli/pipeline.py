@@ -22,9 +22,7 @@ from omegaconf import DictConfig
 from xirang_hpc.cli.help import maybe_print_help
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.eval.harness import check_tasks
-from xirang_hpc.files import private_by_default
 from xirang_hpc.job.stages import STAGE_FNS, serve_stage, train_stage
 from xirang_hpc.monitor import audit
 from xirang_hpc.runs.chain import (
@@ -37,7 +35,8 @@ from xirang_hpc.runs.chain import (
     write_stage,
 )
 from xirang_hpc.submit.hydra_setup import register_configs, run_app
-from xirang_hpc.submit.preflight import corrupt_message, open_run_dir, preflight
+from xirang_hpc.submit.launch import prepare_launch
+from xirang_hpc.submit.preflight import corrupt_message, open_run_dir
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -147,13 +146,10 @@ def run_local_chain(cfg: XirangConfig, run_dir: Path) -> bool:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _app(dcfg: DictConfig) -> None:
     try:
-        cfg = load_config(dcfg)
-        private_by_default(cfg.train.share_group)  # before anything is created
-        check_runnable(cfg)
+        # A complete run is not trained again, but its other stages (eval, export, serve) still run.
+        ln = prepare_launch(dcfg)
+        cfg, status = ln.cfg, ln.status
         check_tasks(cfg.eval)  # a harness task that would need a download: refused before any stage runs
-        # Identity and paths before anything is written; a complete run is not trained again, but its
-        # other stages (eval, export, serve) still run.
-        status = preflight(cfg)
     except ConfigError as exc:
         _fail(str(exc))
     if (damaged := corrupt_message(status)) is not None:

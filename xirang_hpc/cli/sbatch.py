@@ -24,8 +24,6 @@ from omegaconf import DictConfig
 from xirang_hpc.cli.help import maybe_print_help
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.config.validate import check_runnable, load_config
-from xirang_hpc.files import private_by_default
 from xirang_hpc.slurm.request import setup_lines
 from xirang_hpc.submit.hydra_setup import register_configs, run_app
 
@@ -96,13 +94,11 @@ _OUT: list[str] = []
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _app(dcfg: DictConfig) -> None:
     from xirang_hpc.data.prepare import ensure_prepared
-    from xirang_hpc.submit.preflight import open_run_dir, preflight
+    from xirang_hpc.submit.launch import prepare_launch
+    from xirang_hpc.submit.preflight import open_run_dir
 
     try:
-        cfg = load_config(dcfg)
-        private_by_default(cfg.train.share_group)  # before anything is created
-        check_runnable(cfg)
-        preflight(cfg)
+        cfg = prepare_launch(dcfg).cfg
         run_dir = open_run_dir(cfg)
         out = Path(_OUT[0]) if _OUT else run_dir / "job.sbatch"
         text = render(cfg, run_dir, sys.executable, str(out))

@@ -23,14 +23,13 @@ from omegaconf import DictConfig
 from xirang_hpc.cli.help import maybe_print_help, setup_logging
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.data.prepare import CorpusError, check_chat_window, ensure_prepared
-from xirang_hpc.files import private_by_default
 from xirang_hpc.job.entry import train_job
 from xirang_hpc.monitor import audit
-from xirang_hpc.submit.autoplan import plan_at_launch, record_measured
+from xirang_hpc.submit.autoplan import record_measured
 from xirang_hpc.submit.executors import make_executor
 from xirang_hpc.submit.hydra_setup import register_configs, run_app
+from xirang_hpc.submit.launch import prepare_launch
 from xirang_hpc.submit.preflight import complete_message, corrupt_message, open_run_dir, preflight
 from xirang_hpc.submit.runlock import RunBusyError, claim, record_owner, submission_lock
 from xirang_hpc.submit.slurm import SubmissionError
@@ -258,15 +257,11 @@ def launch(cfg: XirangConfig) -> dict[str, Any] | None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _app(dcfg: DictConfig) -> None:
     try:
-        cfg = load_config(dcfg)
-        private_by_default(cfg.train.share_group)  # before anything is created
-        # Identity, completion and paths, before anything (plan.json included) is written.
-        status = preflight(cfg)
-        if status.complete:
-            print(complete_message(cfg, status), flush=True)
+        ln = prepare_launch(dcfg, auto_plan=True, report_complete=True)
+        if ln.status.complete:
+            print(complete_message(ln.cfg, ln.status), flush=True)
             return
-        cfg = plan_at_launch(cfg)  # parallel=auto: the planner fills in the layout, writes plan.json
-        check_runnable(cfg)
+        cfg = ln.cfg
     except ConfigError as exc:
         _fail(str(exc))
     try:
