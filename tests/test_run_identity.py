@@ -327,3 +327,15 @@ def test_a_memory_dir_on_disk_is_refused(tmp_path: Path) -> None:
         check_memory_dir(cfg, mounts)
     check_memory_dir(load_config(compose_cfg(["checkpoint.in_memory=true", "checkpoint.memory_dir=/dev/shm"])),
                      mounts)
+
+
+@pytest.mark.unit
+def test_a_checkpoint_mode_that_lets_the_group_or_others_write_is_refused() -> None:
+    """``checkpoint.dir_mode`` that would let another user replace a checkpoint is refused naming the field;
+    an owner-only or group-readable mode is taken."""
+    from xirang_hpc.config.errors import ConfigError
+
+    for mode in (0o777, 0o770, 0o702):
+        with pytest.raises(ConfigError, match=r"checkpoint.dir_mode.*(group or others write|0o700)"):
+            load_config(compose_cfg([f"checkpoint.dir_mode={mode}"]))
+    assert load_config(compose_cfg(["checkpoint.dir_mode=488"])).checkpoint.dir_mode == 0o750
