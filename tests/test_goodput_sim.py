@@ -13,6 +13,7 @@ from xirang_hpc.cli import plan as plan_cli
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.validate import to_typed
 from xirang_hpc.planner.formulas import model_params
+from xirang_hpc.planner.goodput_report import render
 from xirang_hpc.planner.goodput_sim import (
     BUCKETS,
     DAY_S,
@@ -26,7 +27,6 @@ from xirang_hpc.planner.goodput_sim import (
     fixed_trace,
     llama3_405b,
     recommend,
-    render,
     scan_intervals,
     simulate,
     summarize,
