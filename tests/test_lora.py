@@ -135,3 +135,109 @@ def test_an_adapter_for_another_base_names_the_tensor_and_shapes(llama_dir: Path
     peft_sd[key] = torch.zeros(48, 4)
     with pytest.raises(ValueError, match=r"v_proj.lora_B.weight has shape \(48, 4\), this model needs \(32, 4\)"):
         from_peft_state(peft_sd, ours.cfg, {k: tuple(v.shape) for k, v in state.items()})
+
+
+# ---- a PEFT adapter as model.init_from: the base from its base_model_name_or_path, the adapter continued --------
+
+TINY_LLAMA = ["model.norm=rmsnorm", "model.mlp=swiglu", "model.pos=rope", "model.bias=false"]
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(base dir, adapter dir): a tiny-preset Llama and a LoRA adapter peft made on it (random, non-zero B)."""
+    from test_lora_run import make_llama
+
+    root = tmp_path_factory.mktemp("peft")
+    make_llama(root / "base")
+    base = transformers.LlamaForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
+    torch.manual_seed(7)
+    cfg = peft.LoraConfig(r=4, lora_alpha=12, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"],
+                          lora_dropout=0.0, init_lora_weights=False)
+    peft.get_peft_model(base, cfg).save_pretrained(root / "adapter")
+    return root / "base", root / "adapter"
+
+
+def _adapter_run(adapter: Path, *extra: str) -> object:
+    from conftest import compose_cfg
+
+    from xirang_hpc.config.validate import load_config
+
+    return load_config(compose_cfg(["model=tiny", f"model.init_from={adapter}", "finetune.method=lora",
+                                    *TINY_LLAMA, *extra]))
+
+
+def test_a_peft_adapter_as_init_from_continues_it_with_peft_s_logits(peft_adapter: tuple[Path, Path]) -> None:
+    """The adapter's shape becomes finetune.lora.*, its base model.*; the model the job builds and initialises
+    from it computes what peft's PeftModel computes."""
+    from types import SimpleNamespace
+
+    from xirang_hpc.weights.load import InitFromHook
+
+    base_dir, adapter = peft_adapter
+    cfg = _adapter_run(adapter)
+    lora = cfg.finetune.lora
+    assert (lora.rank, lora.alpha, sorted(lora.modules())) == (4, 12.0, ["attn.k", "attn.q", "attn.v", "mlp.down"])
+    assert cfg.model.init_from == str(adapter) and cfg.model.n_layer == 4
+    model = GPT(cfg.model, seed=0)
+    apply_lora(model, lora)
+    logs: list[str] = []
+    InitFromHook(str(adapter)).on_fit_start(SimpleNamespace(model=model, cfg=cfg, topo=SimpleNamespace(rank=0),
+                                                            log=logs.append))
+    assert logs and "tensors from" in logs[0]
+    base = transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        plain = base(x).logits
+        theirs = peft.PeftModel.from_pretrained(base, adapter).eval()(x).logits
+        mine = model.eval()(x)
+    assert (theirs - plain).abs().max().item() > 1e-2  # the adapter changes the output
+    assert (mine - theirs).abs().max().item() <= TOL
+
+
+def test_a_peft_adapter_that_cannot_be_continued_is_refused_by_name(peft_adapter: tuple[Path, Path],
+                                                                    tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from xirang_hpc.weights.errors import WeightsError
+    from xirang_hpc.weights.peft import init_adapters_from_peft
+
+    base_dir, adapter = peft_adapter
+    with pytest.raises(ConfigError, match=r"finetune.method.*PEFT LoRA adapter.*merge it first"):
+        _adapter_run(adapter, "finetune.method=full")
+
+    def variant(name: str, **change: object) -> Path:
+        d = tmp_path / name
+        shutil.copytree(adapter, d)
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+        return d
+
+    with pytest.raises(ConfigError, match=r"use_dora.*not implemented"):
+        _adapter_run(variant("dora", use_dora=True))
+    with pytest.raises(ConfigError, match=r"model.init_from.*base_model_name_or_path 'meta-llama/x'.*nothing is "
+                                          r"downloaded"):
+        _adapter_run(variant("hub", base_model_name_or_path="meta-llama/x"))
+    # The adapter decides its shape: a different rank on the command line is refused naming both.
+    from xirang_hpc.config.hf import apply_peft_finetune
+
+    with pytest.raises(ConfigError, match=r"finetune.lora.rank.*adapter.*has 4"):
+        apply_peft_finetune({"method": "lora", "lora": {"rank": 8}}, adapter, ["finetune.lora.rank=8"])
+    # An adapter for another base: the mismatching tensor is named, no adapter is touched.
+    cfg = _adapter_run(adapter)
+    model = GPT(cfg.model, seed=0)
+    apply_lora(model, replace_targets(cfg.finetune.lora, ["q_proj", "k_proj", "v_proj", "down_proj"], rank=2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(WeightsError, match=r"q_proj.lora_A.weight has shape \(4, 64\), this model needs \(2, 64\)"):
+        init_adapters_from_peft(model, adapter, cfg.model)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    fewer = GPT(cfg.model, seed=0)  # targets the adapter trains beyond ours: refused naming them
+    apply_lora(fewer, replace_targets(cfg.finetune.lora, ["q_proj", "k_proj", "v_proj"], rank=4))
+    with pytest.raises(WeightsError, match=r"no place for, e.g. \['base_model.model.model.layers.0.mlp.down_proj"):
+        init_adapters_from_peft(fewer, adapter, cfg.model)
+
+
+def replace_targets(lora: LoraConfig, targets: list[str], rank: int) -> LoraConfig:
+    import dataclasses
+
+    return dataclasses.replace(lora, target_modules=targets, rank=rank)

@@ -96,3 +96,35 @@ def test_lora_run_resumes_exactly_and_exports_for_peft_and_transformers(tmp_path
     assert loaded.step == 20 and not any("lora" in k for k in loaded.model.state_dict())
     with torch.no_grad():
         assert (loaded.model(x) - mine).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_a_run_from_a_peft_adapter_starts_where_the_merged_model_starts(tmp_path: Path, stdlib_data: Path) -> None:
+    """``model.init_from=<PEFT adapter dir>`` on 2 ranks: the first step's loss (the starting weights on the
+    first batch) equals a full fine-tune's from the same adapter merged by peft, and differs from the bare
+    base's; the run continues the adapter (adapters only in its checkpoint)."""
+    base_dir, adapter, merged = tmp_path / "base", tmp_path / "adapter", tmp_path / "merged"
+    make_llama(base_dir)
+    torch.manual_seed(11)
+    base = transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    tuned = peft.get_peft_model(base, cfg)
+    tuned.save_pretrained(adapter)
+    tuned.merge_and_unload().save_pretrained(merged)
+    shape = ["model.norm=rmsnorm", "model.mlp=swiglu", "model.pos=rope", "model.bias=false", "cluster.nodes=1",
+             "cluster.tasks_per_node=2", "train.max_steps=2", "train.log_every=1", "checkpoint.every_steps=2"]
+    first = {}
+    for name, extra in (("adapter", [f"model.init_from={adapter}", "finetune.method=lora"]),
+                        ("merged", [f"model.init_from={merged}"]),
+                        ("base", [f"model.init_from={base_dir}", "finetune.method=lora"])):
+        run = tmp_path / f"run-{name}"
+        job = make_cfg(stdlib_data, run, [*shape, *extra])
+        if name == "adapter":
+            assert job["finetune"]["lora"]["rank"] == 4 and job["finetune"]["lora"]["alpha"] == 8.0
+        run_job(job, run, stdlib_data, world=2)
+        first[name] = _losses(run)[1]
+    assert abs(first["adapter"] - first["merged"]) <= 1e-5, first
+    assert abs(first["adapter"] - first["base"]) > 1e-3, first
+    saved = saved_tensors(tmp_path / "run-adapter" / "checkpoints" / "step_2")
+    models = [k for k in saved if k.startswith("model.")]
+    assert len(models) == 4 * 3 * 2 and all(".lora_" in k for k in models)

@@ -25,6 +25,11 @@ How the mapping meets Hydra (``model.init_from=<dir>``):
 - Where no command line is known (inside the job, which receives the already-filled config), every
   shape field must already agree with the directory.
 
+A PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) is an
+``init_from`` too: its ``base_model_name_or_path`` must be a local Hugging Face directory, which gives
+``model.*`` as above; the adapter gives ``finetune.lora.*`` (rank, alpha, dropout, targets) and training
+continues it (``finetune.method=lora``).
+
 Pure JSON and dict work: no torch, so the launcher can run it before anything starts.
 """
 
@@ -315,8 +320,8 @@ def apply_hf_model(model: dict[str, Any], overrides: list[str] | None) -> dict[s
     ``overrides`` are the command line's Hydra overrides, or ``None`` when unknown (inside the job): then
     every shape field must already agree. Returns ``model`` unchanged when ``init_from`` is not an HF dir.
     """
-    path = model.get("init_from")
-    if not is_hf_dir(path):
+    path = base_model_dir(model.get("init_from"))  # a PEFT adapter's base, or the HF directory itself
+    if path is None:
         return model
     source = str(Path(str(path)).expanduser() / "config.json")
     check_hf_weights(path)
@@ -366,3 +371,103 @@ def hf_family_name(path: str | Path) -> str:
     """The run-facing model name for an HF directory: ``hf-<dir name>`` (safe characters only)."""
     base = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(path)).expanduser().resolve().name).strip("-") or "model"
     return f"hf-{base}"
+
+
+# ---- PEFT LoRA adapters as init_from ------------------------------------------------------------------------
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+#: PEFT LoRA options our adapters do not implement, with the value that means "off".
+_PEFT_OFF = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
+             "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+             "layer_replication": None, "target_parameters": None}
+
+
+def is_peft_dir(path: str | Path | None) -> bool:
+    """True when ``path`` is a directory holding a PEFT adapter's ``adapter_config.json``."""
+    if not path:
+        return False
+    p = Path(str(path)).expanduser()
+    return p.is_dir() and (p / PEFT_CONFIG).is_file()
+
+
+def read_peft_config(path: str | Path) -> dict[str, Any]:
+    """A PEFT adapter's ``adapter_config.json``, refused naming the field when it is not a LoRA adapter we can
+    continue (another PEFT method, DoRA, rsLoRA, per-layer ranks, trained biases or extra modules)."""
+    d = Path(str(path)).expanduser()
+    source = str(d / PEFT_CONFIG)
+    try:
+        cfg = json.loads((d / PEFT_CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise HFConfigError("model.init_from", str(path), f"{source} is not a readable JSON config ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise HFConfigError("model.init_from", str(path), f"{source} must hold a JSON object")
+    if cfg.get("peft_type") != "LORA":
+        raise HFConfigError(f"{source}: peft_type", cfg.get("peft_type"),
+                            "only LoRA adapters (peft_type LORA) can be an init_from")
+    for key, off in _PEFT_OFF.items():
+        value = cfg.get(key)
+        if value is not None and value != off and value not in ([], {}):
+            raise HFConfigError(f"{source}: {key}", value, f"is not implemented by our LoRA adapters (only {off!r})")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str) or not targets:
+        raise HFConfigError(f"{source}: target_modules", targets,
+                            "must list the module names (a regular expression is not supported)")
+    if not (d / PEFT_WEIGHTS).is_file():
+        raise HFConfigError("model.init_from", str(path), f"{d / PEFT_WEIGHTS} is missing: copy the whole adapter "
+                            "directory (adapter_config.json + adapter_model.safetensors)")
+    return cfg
+
+
+def peft_base(path: str | Path) -> str:
+    """The local Hugging Face directory a PEFT adapter was trained on (its ``base_model_name_or_path``)."""
+    base = read_peft_config(path).get("base_model_name_or_path")
+    if not base or not is_hf_dir(base):
+        raise HFConfigError("model.init_from", str(path),
+                            f"the adapter's base_model_name_or_path {base!r} ({Path(str(path)) / PEFT_CONFIG}) is "
+                            "not a local Hugging Face model directory; nothing is downloaded: set it to the path of "
+                            "a local copy of the base model")
+    return str(base)
+
+
+def base_model_dir(init_from: str | Path | None) -> str | None:
+    """The Hugging Face directory behind ``model.init_from``: itself, a PEFT adapter's base, or None (not HF)."""
+    if is_peft_dir(init_from):
+        return peft_base(str(init_from))
+    return str(init_from) if is_hf_dir(init_from) else None
+
+
+def apply_peft_finetune(finetune: dict[str, Any], init_from: str | Path, overrides: list[str] | None
+                        ) -> dict[str, Any]:
+    """``finetune`` (a plain dict) with a PEFT adapter's LoRA shape: ``method=lora`` is required, rank, alpha,
+    dropout and targets come from ``adapter_config.json`` (an explicit, different override is refused)."""
+    pc = read_peft_config(init_from)
+    source = str(Path(str(init_from)) / PEFT_CONFIG)
+    out = dict(finetune or {})
+    method = out.get("method", "full")
+    if method != "lora":
+        raise HFConfigError("finetune.method", method,
+                            f"model.init_from={init_from} is a PEFT LoRA adapter: training continues it with "
+                            "finetune.method=lora; to train every weight (or DPO) from it, merge it first (peft's "
+                            "merge_and_unload, then save_pretrained) and point model.init_from at that directory")
+    explicit = {re.split(r"=", o.lstrip("+~"), maxsplit=1)[0].strip() for o in overrides or []}
+    lora = dict(out.get("lora") or {})
+    from_adapter = {"rank": int(pc.get("r", 8)), "alpha": float(pc.get("lora_alpha", 8)),
+                    "dropout": float(pc.get("lora_dropout", 0.0)), "target_modules": sorted(pc["target_modules"])}
+    for name, value in from_adapter.items():
+        key = f"finetune.lora.{name}"
+        given = lora.get(name)
+        same = (_targets(given) == _targets(value)) if name == "target_modules" and given is not None else \
+            given == value
+        if key in explicit and name != "dropout" and not same:
+            raise HFConfigError(key, given, f"conflicts with the adapter {source}, which has {value!r}; drop the "
+                                "override (the adapter decides its shape)")
+        if key not in explicit or name != "dropout":
+            lora[name] = value
+    out["lora"] = lora
+    return out
+
+
+def _targets(names: Any) -> set[str]:
+    """Target module names as one spelling: PEFT's ``q_proj``, ours ``attn.q`` and ``q`` are all ``q``."""
+    return {str(n).removesuffix("_proj").rsplit(".", 1)[-1] for n in names}

@@ -15,7 +15,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from xirang_hpc.config.errors import ConfigError, UnknownFieldError
 from xirang_hpc.config.fields import unknown_field
-from xirang_hpc.config.hf import apply_hf_model
+from xirang_hpc.config.hf import apply_hf_model, apply_peft_finetune, is_peft_dir
 from xirang_hpc.config.schema import ClusterConfig, DataConfig, ParallelConfig, XirangConfig
 
 
@@ -52,6 +52,9 @@ def to_typed(cfg: DictConfig) -> XirangConfig:
         overrides = _cli_overrides(container.pop("hydra", None))
         if isinstance(container.get("model"), dict):  # model.init_from=<Hugging Face dir> fills/checks model.*
             container["model"] = apply_hf_model(container["model"], overrides)
+            if is_peft_dir(container["model"].get("init_from")):  # a PEFT adapter: its LoRA shape, continued
+                container["finetune"] = apply_peft_finetune(container.get("finetune") or {},
+                                                            container["model"]["init_from"], overrides)
         typed = OmegaConf.merge(OmegaConf.structured(XirangConfig), container)
         obj = OmegaConf.to_object(typed)
     except (ConfigAttributeError, ConfigKeyError) as exc:  # +train.stepz=3: Hydra added it, the schema has none

@@ -388,13 +388,15 @@ def _tokenizer_files(run_dir: Path, out: Path) -> dict[str, Any]:
 
 def merged_lora_weights(state: dict[str, Any], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A LoRA run's full weights: its base (the run's ``model.init_from``) with ``scale * B @ A`` added."""
+    from xirang_hpc.config.hf import base_model_dir
     from xirang_hpc.config.schema import LoraConfig
     from xirang_hpc.models.lora import merged_state
     from xirang_hpc.weights.load import load_any
 
-    base_path = state["config"]["model"].get("init_from")
-    if not base_path:
+    init_from = state["config"]["model"].get("init_from")
+    if not init_from:
         raise ValueError("this LoRA run records no model.init_from: no base to merge the adapters into")
+    base_path = base_model_dir(init_from) or init_from  # a PEFT adapter's base, or the weights themselves
     base = {k: v.detach() for k, v in load_any(base_path).model.state_dict().items()}
     lora = LoraConfig(**state["config"]["finetune"].get("lora", {}))
     return merged_state(base, adapters, lora.scale)

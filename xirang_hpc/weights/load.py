@@ -26,6 +26,7 @@ from torch import nn
 
 from xirang_hpc.checkpoint import layout as ckpt_layout
 from xirang_hpc.config.schema import ModelConfig
+from xirang_hpc.config.schema.finetune import trains_adapters
 from xirang_hpc.data.tokenizer import ByteTokenizer, Tokenizer, load_run_tokenizer, load_tokenizer
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.models.lora import is_lora_param
@@ -110,7 +111,7 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> LoadedModel:
     model = GPT.for_loading(cfg)  # allocated, not initialised: every tensor is loaded below
     # No process group: DCP loads in this one process and reassembles every saved shard.
     sd = {k.removeprefix("model."): v for k, v in load_full(d, "model.").items()}
-    if ((state["config"].get("finetune") or {}).get("method")) == "lora":
+    if trains_adapters(state["config"].get("finetune") or {}):
         # Adapters only: served and evaluated merged into the run's base (model.init_from), W + scale * B @ A.
         from xirang_hpc.weights.hf import merged_lora_weights
 
@@ -256,9 +257,15 @@ class InitFromHook(TrainerHook):
 
     def on_fit_start(self, trainer: Loop) -> None:
         """Initialise the model from the weights; a later checkpoint restore overrides it."""
-        from xirang_hpc.config.hf import is_hf_dir
+        from xirang_hpc.config.hf import is_hf_dir, is_peft_dir, peft_base
 
-        if is_hf_dir(self.path):
+        if is_peft_dir(self.path):  # the adapter's base, then the adapter itself, continued
+            from xirang_hpc.weights.hf_import import init_model_from_hf
+            from xirang_hpc.weights.peft import init_adapters_from_peft
+
+            n = init_model_from_hf(trainer.model, peft_base(self.path), trainer.cfg.model)
+            n += init_adapters_from_peft(trainer.model, self.path, trainer.cfg.model)
+        elif is_hf_dir(self.path):
             from xirang_hpc.weights.hf_import import init_model_from_hf
 
             n = init_model_from_hf(trainer.model, self.path, trainer.cfg.model)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from xirang_hpc.config.hf import PEFT_WEIGHTS, base_model_dir
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.config.schema.finetune import LORA_TARGETS, LoraConfig, trains_adapters
 from xirang_hpc.weights.hf import Src, hf_rows_for, tensor_map
@@ -105,5 +106,48 @@ def export_peft(step_dir: Path, out_dir: Path, mode: int = 0o700) -> list[Path]:
     if not adapters:
         raise ValueError(f"{step_dir}: no adapter tensors in this checkpoint")
     ckpt_layout.make_dir(out_dir, mode)
-    base = str(state["config"]["model"].get("init_from") or "")
+    init_from = state["config"]["model"].get("init_from")
+    base = str((base_model_dir(init_from) if init_from else None) or init_from or "")  # an adapter's own base
     return write_peft(out_dir, to_peft_state(adapters, mcfg), adapter_config(lora, base))
+
+
+def init_adapters_from_peft(model: torch.nn.Module, path: str | Path, cfg: ModelConfig) -> int:
+    """Fill this rank's LoRA adapters of ``model`` from a PEFT adapter directory; returns the tensors set.
+
+    ``model`` may be a plain GPT, one pipeline stage of it, or hold DTensor parameters (TP/FSDP2): every rank
+    reads the (small) adapter file and copies its own region. A tensor the adapter lacks, one of another shape
+    (an adapter of another base or rank) or one our targets have no place for is refused by name, before any
+    adapter is touched.
+    """
+    from safetensors.torch import load_file
+
+    from xirang_hpc.models.lora import is_lora_param
+    from xirang_hpc.weights.errors import WeightsError
+    from xirang_hpc.weights.hf_import import _clean, local_region
+
+    source = Path(str(path)) / PEFT_WEIGHTS
+    tensors = load_file(str(source))  # safetensors: tensors only, nothing executed
+    params = [(_clean(n), p) for n, p in model.named_parameters() if is_lora_param(_clean(n))]
+    if not params:
+        raise WeightsError(f"{path}: this model has no LoRA adapters to load a PEFT adapter into "
+                           "(finetune.method=lora)")
+    try:
+        ours = from_peft_state(tensors, cfg, {n: tuple(p.shape) for n, p in params})
+    except ValueError as exc:
+        raise WeightsError(f"{source}: {exc}") from None
+    # Every layer's adapters of the targeted modules (a pipeline stage holds only some layers).
+    tmap = tensor_map(cfg)
+    targets = {n.split(".", 2)[2].rsplit(".lora_", 1)[0] for n, _ in params}  # layers.3.attn.q.lora_A -> attn.q
+    known = {_peft_key(f"layers.{i}.{m}.lora_{k}.weight", tmap)[0] for i in range(cfg.n_layer) for m in targets
+             for k in "AB"}
+    extra = sorted(k for k in tensors if k not in known)
+    if extra:
+        raise WeightsError(f"{source}: {len(extra)} adapter tensor(s) this model has no place for, e.g. {extra[:3]}; "
+                           "the adapter targets modules finetune.lora.target_modules does not")
+    with torch.no_grad():
+        for name, p in params:
+            local, offset, shape = local_region(p)
+            if local.numel():
+                region = ours[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+                local.copy_(region.to(local.dtype))
+    return len(params)

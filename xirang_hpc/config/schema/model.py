@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from omegaconf import MISSING
 
 from xirang_hpc.config.errors import ConfigError
-from xirang_hpc.config.hf import is_hf_dir
+from xirang_hpc.config.hf import is_hf_dir, is_peft_dir
 from xirang_hpc.config.schema._checks import check_finite, check_positive
 
 
@@ -109,10 +109,12 @@ class ModelConfig:
         if self.qk_norm and self.norm != "rmsnorm":
             raise ConfigError("model.qk_norm", self.qk_norm, "q/k norms are RMSNorms: use model.norm=rmsnorm")
         self._check_moe()
-        if self.init_from and not str(self.init_from).endswith(".safetensors") and not is_hf_dir(self.init_from):
+        if self.init_from and not str(self.init_from).endswith(".safetensors") and not is_hf_dir(self.init_from) \
+                and not is_peft_dir(self.init_from):
             raise ConfigError("model.init_from", self.init_from,
-                              "point it at a .safetensors file (xirang-ckpt export RUN --format safetensors) or at a "
-                              "Hugging Face model directory (config.json + model.safetensors or its index)")
+                              "point it at a .safetensors file (xirang-ckpt export RUN --format safetensors), at a "
+                              "Hugging Face model directory (config.json + model.safetensors or its index) or at a "
+                              "PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors)")
 
     def _check_moe(self) -> None:
         defaults = {"moe_top_k": 2, "moe_ffn_hidden": 0, "moe_shared_ffn_hidden": 0, "moe_score": "softmax",
