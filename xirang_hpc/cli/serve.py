@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="close a request whose headers/body have not arrived within this many seconds")
     p.add_argument("--model-name", default=d.model_name,
                    help="model id of the OpenAI-compatible API (default: the run directory's name)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                   help="also serve this PEFT LoRA adapter over the model, as model NAME (repeatable)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     return p
 
@@ -50,6 +52,17 @@ def _parser() -> argparse.ArgumentParser:
 def _quiet(line: str) -> None:
     """Requests stay out of the system log (the server's start and stop go there): one line per request would
     flood it; the run's audit trail keeps them."""
+
+
+def _adapters(specs: list[str]) -> dict[str, str]:
+    """``--adapter NAME=DIR`` flags as ``serve.adapters`` (a ConfigError names a malformed or repeated one)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or name in out:
+            raise ConfigError("--adapter", spec, "give each adapter once as NAME=DIR (a PEFT adapter directory)")
+        out[name] = path
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
                            max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                            token_env=args.token_env, keys_file=args.keys_file,
                            metrics_public=args.metrics_public, duration_s=args.duration_s,
-                           read_timeout_s=args.read_timeout_s, model_name=args.model_name)
+                           read_timeout_s=args.read_timeout_s, model_name=args.model_name,
+                           adapters=_adapters(args.adapter))
         check_exposure(scfg, os.environ.get(scfg.token_env) or None if scfg.token_env else None)
         loaded = load_any(args.path, args.step)
     except (ConfigError, WeightsError, FileNotFoundError) as exc:
@@ -104,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         serve(loaded, scfg, info, log=lambda m: print(m, flush=True), on_access=on_access)
+    except WeightsError as exc:  # a served adapter that does not fit the model, before anything listens
+        print(f"xirang-serve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     finally:
         if audited is not None:
             audit.record(audited, "serve_stop")

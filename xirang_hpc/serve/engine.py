@@ -23,6 +23,7 @@ output), or when it is cancelled (a client that went away; "cancelled").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import random
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from xirang_hpc.models.gpt import GPT
+from xirang_hpc.serve.adapters import AdapterSet
 from xirang_hpc.serve.kvcache import KVCache
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class GenRequest:
     t_submit: float = 0.0
     slot: int = -1  # KV-cache slot while active
     cached: int = 0  # tokens of this request in its slot
+    adapter: int = 0  # the served LoRA adapter this request uses (serve/adapters.py; 0: the base model)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator | None,
@@ -116,8 +119,10 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
 class Engine:
     """Owns the model and the generation loop (a background thread); thread-safe :meth:`submit`."""
 
-    def __init__(self, model: nn.Module, seq_len: int, max_batch: int = 16, kv_cache: bool = True) -> None:
+    def __init__(self, model: nn.Module, seq_len: int, max_batch: int = 16, kv_cache: bool = True,
+                 adapters: AdapterSet | None = None) -> None:
         self.model, self.seq_len, self.max_batch = model.eval(), seq_len, max_batch
+        self.adapters = adapters  # several LoRA adapters on this model: each row of a pass uses its request's
         # Where the model's weights are (serve/run.py placed them by the one device decision): inputs go there,
         # each step's last-position logits come back to the host for sampling.
         self.device = next(model.parameters()).device
@@ -136,6 +141,7 @@ class Engine:
     def start(self) -> Engine:
         """Start the loop thread (idempotent)."""
         if self._thread is None:
+            self._stop.clear()  # a stopped engine starts again with what was queued since
             self._thread = threading.Thread(target=self._loop, name="xirang-engine", daemon=True)
             self._thread.start()
         return self
@@ -238,6 +244,12 @@ class Engine:
         if r.stop_when is not None and r.stop_when(r.out):
             r.finish_reason = "stop"
 
+    def _rows(self, reqs: list[GenRequest]) -> contextlib.AbstractContextManager[None]:
+        """The adapters of a pass's rows, in row order (nothing to set without served adapters)."""
+        if self.adapters is None:
+            return contextlib.nullcontext()
+        return self.adapters.rows([r.adapter for r in reqs])
+
     @torch.inference_mode()
     def step(self, active: list[GenRequest]) -> None:
         """One new token for every active sequence."""
@@ -256,7 +268,8 @@ class Engine:
             # Right padding: a row's pad positions land in its own slot past its length, where no query
             # looks (keys j <= the query's position) until the row's next real token overwrites them.
             slots = torch.tensor([r.slot for r in fill])
-            logits = self.cache.forward(x, slots, torch.zeros(len(fill), dtype=torch.long))
+            with self._rows(fill):
+                logits = self.cache.forward(x, slots, torch.zeros(len(fill), dtype=torch.long))
             last = logits[torch.arange(len(fill), device=logits.device),
                           torch.tensor(lens, device=logits.device) - 1]  # (B, V) at each row's last token
             self.stats["forward_passes"] += 1
@@ -266,8 +279,9 @@ class Engine:
             self._emit_all(fill, last)
         if decode:
             last = torch.tensor([[(r.prompt + r.out)[-1]] for r in decode], dtype=torch.long)
-            logits = self.cache.forward(last, torch.tensor([r.slot for r in decode]),
-                                        torch.tensor([r.cached for r in decode]))
+            with self._rows(decode):
+                logits = self.cache.forward(last, torch.tensor([r.slot for r in decode]),
+                                            torch.tensor([r.cached for r in decode]))
             self.stats["forward_passes"] += 1
             self.stats["batched_rows"] += len(decode)
             self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(decode))
@@ -284,7 +298,8 @@ class Engine:
         x = torch.zeros(len(seqs), width, dtype=torch.long)  # right padding, invisible to causal attention
         for i, s in enumerate(seqs):
             x[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        logits = self.model(x.to(self.device))  # (B, T, V)
+        with self._rows(active):
+            logits = self.model(x.to(self.device))  # (B, T, V)
         last = logits[torch.arange(len(seqs), device=logits.device), torch.tensor(lens, device=logits.device) - 1]
         self.stats["forward_passes"] += 1
         self.stats["batched_rows"] += len(seqs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from xirang_hpc.models.gpt import GPT, repeat_kv
 
@@ -72,6 +73,7 @@ class KVCache:
             a = block.attn
             x = block.attn_norm(h)
             qkv = F.linear(x, *self.qkv[i])  # (B, T, (nh + 2 nkv) hd)
+            qkv = _with_adapters(qkv, x, (a.q, a.k, a.v))
             q, k, v = qkv.split((self.q_width, self.kv_width, self.kv_width), dim=-1)
             q = q.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
             k = k.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
@@ -88,3 +90,13 @@ class KVCache:
             h = h + a.o(y.transpose(1, 2).reshape(b, t, -1))
             h = h + block.mlp(block.mlp_norm(h))
         return m.head(m.norm(h))  # type: ignore[misc]
+
+
+def _with_adapters(qkv: torch.Tensor, x: torch.Tensor, projections: tuple[nn.Module, ...]) -> torch.Tensor:
+    """The fused q/k/v product plus the per-row LoRA updates of served adapters (serve/adapters.py), if any."""
+    parts = [getattr(m, "row_delta", lambda _x: None)(x) for m in projections]
+    if all(d is None for d in parts):
+        return qkv
+    widths = [m.weight.shape[0] for m in projections]
+    full = [d if d is not None else qkv.new_zeros(*qkv.shape[:-1], w) for d, w in zip(parts, widths, strict=True)]
+    return qkv + torch.cat(full, dim=-1)

@@ -85,6 +85,9 @@ class OpenAIParams:
     prompts: list[list[int]] = field(default_factory=list)
     echo: bool = False
     logprobs: int | None = None
+    # The requested model: the base's id or a served adapter's name (serve/adapters.py), and that adapter's index.
+    model: str = ""
+    adapter: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompts:

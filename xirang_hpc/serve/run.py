@@ -98,7 +98,12 @@ async def start_server(loaded: LoadedModel, scfg: ServeConfig, token: str | None
     check_exposure(scfg, token)
     keys = server_keys(scfg, token)
     loaded.place(scfg.device, field="serve.device")  # the one device decision (runtime/device.py)
-    engine = Engine(loaded.model, loaded.cfg.seq_len, scfg.max_batch).start()
+    adapters = None
+    if scfg.adapters:  # several LoRA adapters over the base, one per request (serve/adapters.py)
+        from xirang_hpc.serve.adapters import attach_adapters
+
+        adapters = attach_adapters(loaded.model, loaded.cfg, dict(scfg.adapters))
+    engine = Engine(loaded.model, loaded.cfg.seq_len, scfg.max_batch, adapters=adapters).start()
     server = Server(loaded, engine, limits_for(scfg, loaded.cfg.seq_len), tokenizer=tokenizer,
                     model_id=model_id_for(loaded, scfg), read_timeout_s=scfg.read_timeout_s, keys=keys,
                     metrics_public=scfg.metrics_public, on_access=on_access)
@@ -122,9 +127,13 @@ async def _serve(loaded: LoadedModel, scfg: ServeConfig, info_path: Path | None,
     auth = bool(running.server.keys)
     info = {"url": running.url, "host": host, "port": port, "pid": os.getpid(), "source": loaded.source,
             "step": loaded.step, "model": running.server.model_id, "auth": auth, "status": "serving"}
+    if scfg.adapters:
+        info["adapters"] = sorted(scfg.adapters)
     if info_path is not None:
         write_info(info_path, info)
-    log(f"serving {loaded.source} as model {running.server.model_id!r} on {info['url']} (POST /v1/generate, "
+    log(f"serving {loaded.source} as model {running.server.model_id!r}"
+        + (f" with adapters {', '.join(repr(a) for a in scfg.adapters)}" if scfg.adapters else "")
+        + f" on {info['url']} (POST /v1/generate, "
         "/v1/completions, /v1/chat/completions; GET /v1/models, /v1/model, /metrics, /health"
         f"{'; a key is required' if auth else ''})")
     stop = asyncio.Event()

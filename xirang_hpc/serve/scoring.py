@@ -10,12 +10,15 @@ continuation (lm-evaluation-harness's ``local-completions`` sends ``echo=true, l
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from xirang_hpc.serve.adapters import AdapterSet
 
 
 @dataclass
@@ -33,13 +36,14 @@ class Scorer:
 
     Calls are serialised (one forward at a time beside the generation engine's thread)."""
 
-    def __init__(self, model: nn.Module, max_batch: int) -> None:
-        self.model, self.max_batch = model, max(1, max_batch)
+    def __init__(self, model: nn.Module, max_batch: int, adapters: AdapterSet | None = None) -> None:
+        self.model, self.max_batch, self.adapters = model, max(1, max_batch), adapters
         self._lock = threading.Lock()
 
     @torch.inference_mode()
-    def score(self, seqs: list[list[int]], top: int) -> list[Scored]:
-        """Scores of every sequence (each non-empty, at most the model's context)."""
+    def score(self, seqs: list[list[int]], top: int, adapter: int = 0) -> list[Scored]:
+        """Scores of every sequence (each non-empty, at most the model's context), under the served LoRA adapter
+        ``adapter`` (0: the base model)."""
         with self._lock:
             out: list[Scored | None] = [None] * len(seqs)
             order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))  # similar lengths share a forward
@@ -50,7 +54,9 @@ class Scorer:
                 for r, i in enumerate(rows):
                     x[r, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
                 device = next(self.model.parameters()).device
-                logp = F.log_softmax(self.model(x.to(device)).float(), dim=-1).cpu()
+                rows_of = self.adapters.rows([adapter] * len(rows)) if self.adapters else contextlib.nullcontext()
+                with rows_of:
+                    logp = F.log_softmax(self.model(x.to(device)).float(), dim=-1).cpu()
                 for r, i in enumerate(rows):
                     out[i] = _one(logp[r], seqs[i], top)
             return [s for s in out if s is not None]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -53,6 +54,9 @@ from xirang_hpc.serve.scoring import Scorer
 from xirang_hpc.weights.load import LoadedModel
 
 __all__ = ["BadRequest", "Limits", "Params", "Server", "parse_generate"]
+
+# request[KEY_KEY] = the matched key (serve.keys_file), for checks that need the body (a served adapter's name).
+KEY_KEY: Any = web.RequestKey("xirang_key", object) if hasattr(web, "RequestKey") else "xirang_key"
 
 log = logging.getLogger("xirang_hpc.serve")
 
@@ -180,10 +184,13 @@ class Server:
         self.tok: Tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.eos_id: int | None = getattr(self.tok, "eos_id", None)
         self.model_id = model_id or loaded.cfg.name
+        # Several LoRA adapters over this model (serve.adapters): each a model id of its own beside the base's.
+        self.adapters = engine.adapters
+        self.model_ids = [self.model_id, *(self.adapters.names if self.adapters is not None else [])]
         self.read_timeout_s = read_timeout_s
         self.metrics = metrics if metrics is not None else ServeMetrics()
         engine.on_step = self.metrics.on_step
-        self.scorer = Scorer(loaded.model, engine.max_batch)
+        self.scorer = Scorer(loaded.model, engine.max_batch, self.adapters)
         self.started = time.time()
 
     def app(self) -> web.Application:
@@ -233,6 +240,7 @@ class Server:
                                   "missing or unknown bearer token; send 'Authorization: Bearer <key>'",
                                   "invalid_api_key")
                 key_name = key.name
+                request[KEY_KEY] = key  # a served adapter is checked against it once the body names the model
                 if not key.may_serve(self.model_id):
                     status = 403
                     return _error(request.path, 403, f"the key {key.name!r} may not use the model {self.model_id!r} "
@@ -421,18 +429,30 @@ class Server:
     # ---- the OpenAI-compatible API -----------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: the one served model."""
-        return web.json_response({"object": "list", "data": [oa.model_card(self.model_id, self.started)]})
+        return web.json_response({"object": "list", "data": [oa.model_card(m, self.started) for m in self.model_ids]})
 
     async def model_card(self, request: web.Request) -> web.Response:
         """``GET /v1/models/{model}``."""
         name = request.match_info["model"]
-        if name != self.model_id:
+        if name not in self.model_ids:
             return self._unknown_model(name).response()
-        return web.json_response(oa.model_card(self.model_id, self.started))
+        return web.json_response(oa.model_card(name, self.started))
 
     def _unknown_model(self, name: str) -> OpenAIError:
-        return OpenAIError(404, f"the model {name!r} does not exist here; this server serves {self.model_id!r} "
-                           "(GET /v1/models lists it)", "model", "model_not_found")
+        served = ", ".join(repr(m) for m in self.model_ids)
+        return OpenAIError(404, f"the model {name!r} does not exist here; this server serves {served} "
+                           "(GET /v1/models lists them)", "model", "model_not_found")
+
+    def _model_of(self, request: web.Request, model: str) -> int:
+        """The adapter index of the requested model (0: the base); refused when unknown or not the key's."""
+        if model not in self.model_ids:
+            raise self._unknown_model(model)
+        index = self.model_ids.index(model)
+        key = request.get(KEY_KEY)
+        if index and key is not None and not key.may_serve(model):
+            raise OpenAIError(403, f"the key {key.name!r} may not use the model {model!r} (its 'runs' in "
+                              "serve.keys_file do not cover it)", "model", "permission_denied")
+        return index
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/completions``."""
@@ -446,16 +466,16 @@ class Server:
         try:
             body = oa.parse_json_body(await request.read())
             model = oa.requested_model(body)
-            if model != self.model_id:
-                raise self._unknown_model(model)
-            p = oa.parse_openai(body, kind, self.limits, self.loaded.cfg.vocab_size, self.tok)
+            adapter = self._model_of(request, model)
+            p = dataclasses.replace(oa.parse_openai(body, kind, self.limits, self.loaded.cfg.vocab_size, self.tok),
+                                    model=model, adapter=adapter)
         except OpenAIError as exc:
             return exc.response()
         rid, created = oa.new_id(kind), oa.now()
         if kind == "completion" and (len(p.prompts) > 1 or p.echo or p.logprobs is not None or p.max_tokens == 0):
             return await self._complete_batch(request, p, rid, created)
         gen = GenRequest(p.prompt, p.max_tokens, p.temperature, p.top_k, p.seed, top_p=p.top_p, eos_id=self.eos_id,
-                         stop_when=oa.stop_predicate(self.tok, p.stop))
+                         stop_when=oa.stop_predicate(self.tok, p.stop), adapter=p.adapter)
         req, done, tokens_q = self._submit(gen, p.stream)
         if tokens_q is not None:
             return await self._sse(request, p, req, done, tokens_q, rid, created)
@@ -466,7 +486,7 @@ class Server:
         if out is None:
             return web.Response(status=499)  # nobody is listening
         text, _ = oa.final_text(self.tok, out, p.stop)
-        return web.json_response(oa.response_body(p, rid, created, self.model_id, text, _finish(req), len(out)))
+        return web.json_response(oa.response_body(p, rid, created, p.model, text, _finish(req), len(out)))
 
     async def _complete_batch(self, request: web.Request, p: oa.OpenAIParams, rid: str, created: int
                               ) -> web.StreamResponse:
@@ -489,9 +509,9 @@ class Server:
         if p.max_tokens == 0:
             outs, finishes = [[] for _ in p.prompts], ["length"] * len(p.prompts)
             if want_scores:
-                scored = await asyncio.to_thread(self.scorer.score, p.prompts, top)
+                scored = await asyncio.to_thread(self.scorer.score, p.prompts, top, p.adapter)
         elif p.max_tokens == 1 and p.temperature == 0 and not p.stop and all(len(x) <= seq_len for x in p.prompts):
-            scored = await asyncio.to_thread(self.scorer.score, p.prompts, top)
+            scored = await asyncio.to_thread(self.scorer.score, p.prompts, top, p.adapter)
             outs, finishes = [], []
             for s in scored:
                 stop = self.eos_id is not None and s.next_id == self.eos_id
@@ -501,7 +521,7 @@ class Server:
             reqs = []
             for ids in p.prompts:
                 gen = GenRequest(ids, p.max_tokens, p.temperature, p.top_k, p.seed, top_p=p.top_p,
-                                 eos_id=self.eos_id, stop_when=oa.stop_predicate(self.tok, p.stop))
+                                 eos_id=self.eos_id, stop_when=oa.stop_predicate(self.tok, p.stop), adapter=p.adapter)
                 reqs.append(self._submit(gen, False))
             outs, finishes = [], []
             try:
@@ -517,7 +537,7 @@ class Server:
                 return OpenAIError(500, f"generation failed: {exc}", code="generation_failed").response()
             if want_scores:
                 scored = await asyncio.to_thread(self.scorer.score, [a + b for a, b in zip(p.prompts, outs,
-                                                                                         strict=True)], top)
+                                                                                         strict=True)], top, p.adapter)
         choices = []
         for i, (ids, out, finish) in enumerate(zip(p.prompts, outs, finishes, strict=True)):
             text, _ = oa.final_text(self.tok, out, p.stop)
@@ -534,7 +554,7 @@ class Server:
             if p.echo:
                 text = self.tok.decode(ids) + text
             choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
-        return web.json_response(oa.completions_body(rid, created, self.model_id, choices,
+        return web.json_response(oa.completions_body(rid, created, p.model, choices,
                                                      sum(map(len, p.prompts)), sum(map(len, outs))))
 
     # ---- the served tokenizer (vLLM's /tokenize, /detokenize, /tokenizer_info) -----------------------
@@ -580,7 +600,7 @@ class Server:
         """Stream as server-sent events: text pieces that add up to the non-streamed text, then ``[DONE]``."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        model, out, sent = self.model_id, [], ""
+        model, out, sent = p.model, [], ""
         with self._cancel_if_gone(request, req):
             if p.kind == "chat":  # OpenAI's first chat chunk carries the role
                 await resp.write(oa.sse(oa.chunk_body(p, rid, created, model, "", None, first=True)))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.hf import is_peft_dir
 from xirang_hpc.config.schema._checks import check_finite, check_positive
 
 # A serving run directory's info file (url, port, pid, model id): written by the server, read by the pipeline's
@@ -71,6 +73,9 @@ class ServeConfig:
     # connections. Also the idle keep-alive time of a connection.
     read_timeout_s: float = 30.0
     model_name: str = ""  # the model id of the OpenAI-compatible API; "" = the run directory's name
+    # LoRA adapters served over the model, name -> PEFT adapter directory (xirang_hpc/serve/adapters.py): a request
+    # whose OpenAI "model" field names one is answered with it; the base model keeps its own id.
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_finite("serve", self)
@@ -81,6 +86,14 @@ class ServeConfig:
             raise ConfigError("serve.port", self.port, "use a TCP port in [0, 65535] (0 = any free port)")
         for name in ("max_batch", "max_new_tokens"):
             check_positive("serve", name, getattr(self, name))
+        for name, path in self.adapters.items():
+            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", str(name)):
+                raise ConfigError(f"serve.adapters.{name}", path, "name an adapter with letters, digits, '.', '_' or "
+                                  "'-' (it is what a request's model field says)")
+            if not is_peft_dir(path):
+                raise ConfigError(f"serve.adapters.{name}", path, "point it at a PEFT adapter directory "
+                                  "(adapter_config.json + adapter_model.safetensors; xirang-ckpt export RUN "
+                                  "--format peft writes one)")
         if self.max_prompt_tokens < 0 or self.duration_s < 0:
             raise ConfigError("serve.max_prompt_tokens/duration_s", (self.max_prompt_tokens, self.duration_s),
                               "use 0 or more")
