@@ -37,7 +37,7 @@ def _worker(place: RankPlace, queue: Any, hf_dir: str) -> None:
 
     import xirang_hpc.weights.hf_import as hi
     from xirang_hpc.config.hf import apply_hf_model
-    from xirang_hpc.runtime.parallel_dims import ParallelDims, gather_nodes
+    from xirang_hpc.runtime.parallel_dims import Layout
     from xirang_hpc.runtime.parallelize import parallelize
     from xirang_hpc.weights.hf import param_shapes, tensor_map
 
@@ -81,10 +81,10 @@ def _worker(place: RankPlace, queue: Any, hf_dir: str) -> None:
         cfg = make_cfg(world, LAYOUTS["fsdp2xtp2"], steps=2, model={k: v for k, v in fields.items()
                                                                      if k != "init_from"})
         topo = place.topology("test")
-        dims = ParallelDims.from_config(cfg.parallel, world)
-        mesh = dims.build_mesh(topo, nodes=gather_nodes(topo))
+        layout = Layout.for_job(cfg.parallel, topo)
+        mesh = layout.build_mesh(topo)
         torch.manual_seed(0)
-        pm = parallelize(cfg, dims, mesh)
+        pm = parallelize(cfg, layout, mesh)
         dist.barrier()
         t0 = time.perf_counter()
         hi.init_model_from_hf(pm.model, hf_dir, cfg.model)

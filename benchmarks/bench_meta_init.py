@@ -39,7 +39,7 @@ from xirang_hpc.config.schema import ClusterConfig, ModelConfig, ParallelConfig,
 from xirang_hpc.config.validate import validate
 from xirang_hpc.models.gpt import full_model_params, lm_loss
 from xirang_hpc.runtime.local_ranks import LocalRanks, RankPlace
-from xirang_hpc.runtime.parallel_dims import ParallelDims, gather_nodes
+from xirang_hpc.runtime.parallel_dims import Layout
 from xirang_hpc.runtime.parallelize import make_optimizer, parallelize
 
 GIB = 1024.0**3
@@ -72,7 +72,7 @@ def make_cfg(args: argparse.Namespace) -> XirangConfig:
 
 def _rank(place: RankPlace, queue: Any, phase: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    rank, world = place.rank, place.world_size
+    rank = place.rank
     try:
         place.init_process_group("gloo")
         dist.barrier()
@@ -80,14 +80,14 @@ def _rank(place: RankPlace, queue: Any, phase: str, args: argparse.Namespace) ->
         if phase != "footprint":
             cfg = make_cfg(args)
             topo = place.topology("bench")
-            dims = ParallelDims.from_config(cfg.parallel, world)
-            mesh = dims.build_mesh(topo, nodes=gather_nodes(topo))
+            layout = Layout.for_job(cfg.parallel, topo)
+            mesh = layout.build_mesh(topo)
             t0 = time.perf_counter()
-            pm = parallelize(cfg, dims, mesh, _full_build=phase == "full")
+            pm = parallelize(cfg, layout, mesh, _full_build=phase == "full")
             gc.collect()
             out["build_s"] = time.perf_counter() - t0
             out["build_peak"] = _kb("VmHWM")
-            opt = make_optimizer(pm, cfg)
+            opt = make_optimizer(pm, cfg, layout)
             g = torch.Generator().manual_seed(rank)
             x = torch.randint(0, cfg.model.vocab_size, (args.micro, cfg.model.seq_len + 1), generator=g)
             loss = lm_loss(pm.module(x[:, :-1]), x[:, 1:])
