@@ -27,21 +27,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from xirang_hpc.runtime.local_ranks import LocalRanks, RankPlace  # noqa: E402
 
-def _worker(rank: int, world: int, port: int, hf_dir: str, queue: Any) -> None:
+
+def _worker(place: RankPlace, queue: Any, hf_dir: str) -> None:
     import torch.distributed as dist
-    from parallel_harness import LAYOUTS, make_cfg, topology
+    from parallel_harness import LAYOUTS, make_cfg
     from safetensors.torch import load_file
 
     import xirang_hpc.weights.hf_import as hi
     from xirang_hpc.config.hf import apply_hf_model
-    from xirang_hpc.runtime.parallel_dims import ParallelDims, gather_nodes
+    from xirang_hpc.runtime.parallel_dims import Layout
     from xirang_hpc.runtime.parallelize import parallelize
     from xirang_hpc.weights.hf import param_shapes, tensor_map
 
     torch.set_num_threads(1)
+    rank, world = place.rank, place.world_size
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        place.init_process_group("gloo")
         read = [0]
         from safetensors import safe_open as real_open
 
@@ -77,11 +80,11 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, queue: Any) -> None:
         fields = apply_hf_model({"init_from": hf_dir}, [])
         cfg = make_cfg(world, LAYOUTS["fsdp2xtp2"], steps=2, model={k: v for k, v in fields.items()
                                                                      if k != "init_from"})
-        topo = topology(rank, world, port)
-        dims = ParallelDims.from_config(cfg.parallel, world)
-        mesh = dims.build_mesh(topo, nodes=gather_nodes(topo))
+        topo = place.topology("test")
+        layout = Layout.for_job(cfg.parallel, topo)
+        mesh = layout.build_mesh(topo)
         torch.manual_seed(0)
-        pm = parallelize(cfg, dims, mesh)
+        pm = parallelize(cfg, layout, mesh)
         dist.barrier()
         t0 = time.perf_counter()
         hi.init_model_from_hf(pm.model, hf_dir, cfg.model)
@@ -125,9 +128,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
     a = ap.parse_args()
-    import torch.multiprocessing as mp
     import transformers
-    from parallel_harness import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
@@ -139,20 +140,13 @@ def main() -> None:
         model.save_pretrained(tmp, max_shard_size="64MB")
         del model
         world = 4
-        ctx = mp.get_context("spawn")
-        q = ctx.SimpleQueue()
-        port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, tmp, q)) for r in range(world)]
-        for p in procs:
-            p.start()
         res: dict[int, dict[str, Any]] = {}
-        while len(res) < world:
-            rank, r = q.get()
-            if "error" in r:
-                raise SystemExit(f"rank {rank}:\n{r['error']}")
-            res[rank] = r
-        for p in procs:
-            p.join()
+        with LocalRanks(_worker, world, (tmp,), nodes=2) as ranks:  # 2 virtual nodes x 2, as the tests' harness
+            while len(res) < world:
+                rank, r = ranks.get()
+                if "error" in r:
+                    raise SystemExit(f"rank {rank}:\n{r['error']}")
+                res[rank] = r
     print(f"Llama {n_params / 1e6:.1f}M params fp32, 4 ranks fsdp2xtp2 (dp2 FSDP2 x tp2), torch {torch.__version__}")
     print("rank | ours MB read | ours s | baseline MB read | baseline s | same shards")
     for r in range(world):

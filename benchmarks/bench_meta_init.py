@@ -25,7 +25,6 @@ import argparse
 import gc
 import os
 import re
-import socket
 import sys
 import time
 import traceback
@@ -34,15 +33,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from xirang_hpc.config.schema import ClusterConfig, ModelConfig, ParallelConfig, TrainConfig, XirangConfig
 from xirang_hpc.config.validate import validate
 from xirang_hpc.models.gpt import full_model_params, lm_loss
-from xirang_hpc.runtime.parallel_dims import ParallelDims, gather_nodes
+from xirang_hpc.runtime.local_ranks import LocalRanks, RankPlace
+from xirang_hpc.runtime.parallel_dims import Layout
 from xirang_hpc.runtime.parallelize import make_optimizer, parallelize
-from xirang_hpc.runtime.topology import Topology
 
 GIB = 1024.0**3
 
@@ -72,26 +70,24 @@ def make_cfg(args: argparse.Namespace) -> XirangConfig:
     ))
 
 
-def _rank(rank: int, world: int, port: int, phase: str, args: argparse.Namespace, queue: Any) -> None:
+def _rank(place: RankPlace, queue: Any, phase: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
+    rank = place.rank
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        place.init_process_group("gloo")
         dist.barrier()
         out: dict[str, float] = {"footprint": _kb("VmHWM")}
         if phase != "footprint":
             cfg = make_cfg(args)
-            per = world // (2 if world >= 4 else 1)
-            topo = Topology(rank=rank, world_size=world, local_rank=rank % per, local_world_size=per,
-                            node_id=rank // per, num_nodes=world // per, node_name=f"vnode{rank // per}",
-                            master_addr="127.0.0.1", master_port=port, job_id="bench", source="local")
-            dims = ParallelDims.from_config(cfg.parallel, world)
-            mesh = dims.build_mesh(topo, nodes=gather_nodes(topo))
+            topo = place.topology("bench")
+            layout = Layout.for_job(cfg.parallel, topo)
+            mesh = layout.build_mesh(topo)
             t0 = time.perf_counter()
-            pm = parallelize(cfg, dims, mesh, _full_build=phase == "full")
+            pm = parallelize(cfg, layout, mesh, _full_build=phase == "full")
             gc.collect()
             out["build_s"] = time.perf_counter() - t0
             out["build_peak"] = _kb("VmHWM")
-            opt = make_optimizer(pm, cfg)
+            opt = make_optimizer(pm, cfg, layout)
             g = torch.Generator().manual_seed(rank)
             x = torch.randint(0, cfg.model.vocab_size, (args.micro, cfg.model.seq_len + 1), generator=g)
             loss = lm_loss(pm.module(x[:, :-1]), x[:, 1:])
@@ -114,30 +110,15 @@ def _rank(rank: int, world: int, port: int, phase: str, args: argparse.Namespace
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_phase(phase: str, args: argparse.Namespace) -> list[dict[str, float]]:
-    """Spawn ``args.ranks`` fresh ranks for ``phase``; their measurements by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, phase, args, queue)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    res: list[dict[str, float]] = [{} for _ in procs]
-    for _ in procs:
-        r, out = queue.get()
-        if "error" in out:
-            for p in procs:
-                p.kill()
-            sys.exit(f"{phase} rank {r} failed:\n{out['error']}")
-        res[r] = out
-    for p in procs:
-        p.join()
+    """Spawn ``args.ranks`` fresh ranks for ``phase`` (2 virtual nodes from 4 ranks); their measurements by rank."""
+    res: list[dict[str, float]] = [{} for _ in range(args.ranks)]
+    with LocalRanks(_rank, args.ranks, (phase, args), nodes=2 if args.ranks >= 4 else 1) as ranks:
+        for _ in range(args.ranks):
+            r, out = ranks.get()
+            if "error" in out:  # leaving the block kills the other ranks
+                sys.exit(f"{phase} rank {r} failed:\n{out['error']}")
+            res[r] = out
     return res
 
 

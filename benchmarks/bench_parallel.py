@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -43,6 +42,7 @@ import parallel_harness as H  # noqa: E402
 
 from xirang_hpc.data.dataset import TokenWindows  # noqa: E402
 from xirang_hpc.models.gpt import GPT, lm_loss  # noqa: E402
+from xirang_hpc.runtime.local_ranks import LocalRanks, RankPlace  # noqa: E402
 from xirang_hpc.runtime.schedule import lr_at  # noqa: E402
 from xirang_hpc.runtime.trainer import Trainer, build_optimizer  # noqa: E402
 
@@ -136,12 +136,13 @@ def _paired(topo, d: Path, world: int, steps: int, rounds: int, queue: Any) -> N
                 queue.put((topo.rank, f"paired/{side}/{rnd}", run[side]()))
 
 
-def _worker(rank: int, world: int, port: int, data_dir: str, steps: int, rounds: int, queue: Any,
-            memory: str = "", paired: bool = False) -> None:
+def _worker(place: RankPlace, queue: Any, data_dir: str, steps: int, rounds: int, memory: str = "",
+            paired: bool = False) -> None:
     torch.set_num_threads(1)
+    rank, world = place.rank, place.world_size
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        topo = H.topology(rank, world, port)
+        place.init_process_group("gloo")
+        topo = place.topology("test")
         d = Path(data_dir)
         if paired:
             _paired(topo, d, world, steps, rounds, queue)
@@ -169,26 +170,20 @@ def _worker(rank: int, world: int, port: int, data_dir: str, steps: int, rounds:
 
 def _collect(world: int, data_dir: Path, steps: int, rounds: int, memory: str = "", paired: bool = False,
              ) -> dict[str, list[dict[str, Any]]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = H.free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, str(data_dir), steps, rounds, queue, memory, paired))
-             for r in range(world)]
-    for p in procs:
-        p.start()
     out: dict[str, list[dict[str, Any]]] = {}
     done = 0
-    while done < world:
-        rank, name, res = queue.get()
-        if name == "__error__":
-            raise RuntimeError(f"rank {rank}:\n{res}")
-        if name == "__done__":
-            done += 1
-            continue
-        out.setdefault(name, [{}] * world)
-        out[name] = [*out[name][:rank], res, *out[name][rank + 1 :]]
-    for p in procs:
-        p.join()
+    # 2 virtual nodes from 4 ranks, as the tests' harness lays them out
+    with LocalRanks(_worker, world, (str(data_dir), steps, rounds, memory, paired),
+                    nodes=2 if world >= 4 else 1) as ranks:
+        while done < world:
+            rank, name, res = ranks.get()
+            if name == "__error__":
+                raise RuntimeError(f"rank {rank}:\n{res}")
+            if name == "__done__":
+                done += 1
+                continue
+            out.setdefault(name, [{}] * world)
+            out[name] = [*out[name][:rank], res, *out[name][rank + 1 :]]
     return out
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -33,6 +32,7 @@ from xirang_hpc.config.schema import (
     XirangConfig,
 )
 from xirang_hpc.config.validate import check_runnable, validate
+from xirang_hpc.runtime.local_ranks import LocalRanks, RankPlace, free_port  # noqa: F401 - free_port: the tests take it from here
 from xirang_hpc.runtime.topology import Topology
 from xirang_hpc.runtime.trainer import Trainer
 
@@ -143,12 +143,13 @@ def run_layout(cfg: XirangConfig, topo: Topology, data_dir: Path, steps: int, wa
     return out
 
 
-def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, XirangConfig]], data_dir: str, steps: int,
-            queue: Any, threads: int) -> None:
+def _worker(place: RankPlace, queue: Any, jobs: list[tuple[str, XirangConfig]], data_dir: str, steps: int,
+            threads: int) -> None:
     torch.set_num_threads(threads)
+    rank = place.rank
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        topo = topology(rank, world, port)
+        place.init_process_group("gloo")
+        topo = topology(rank, place.world_size, place.master_port)
         for name, cfg in jobs:
             res = run_layout(cfg, topo, Path(data_dir), steps)
             queue.put((rank, name, res))
@@ -160,47 +161,24 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, XirangConfig
             dist.destroy_process_group()
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_group(world: int, jobs: list[tuple[str, XirangConfig]], data_dir: Path, steps: int = 10,
               threads: int = 1, timeout_s: float = 600) -> dict[str, list[dict[str, Any]]]:
     """Spawn ``world`` ranks once and run every job in it; returns name -> per-rank results."""
-    ctx = rank_context()
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, jobs, str(data_dir), steps, queue, threads))
-             for r in range(world)]
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    for p in procs:
-        p.start()
     results: dict[str, list[dict[str, Any]]] = {name: [{}] * world for name, _ in jobs}
-    done, deadline = 0, time.monotonic() + timeout_s
-    try:
+    done = 0
+    # The product's local-rank helper on the fork-server context: a rank that dies, or the group past
+    # timeout_s, raises (RankFailed / TimeoutError) with every rank killed.
+    with LocalRanks(_worker, world, (jobs, str(data_dir), steps, threads), ctx=rank_context(), timeout_s=timeout_s,
+                    join_s=30) as ranks:
         while done < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"world {world}: layouts did not finish in {timeout_s}s")
-            if queue.empty():
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"world {world}: a rank died: {[p.exitcode for p in procs]}")
-                time.sleep(0.05)
-                continue
-            rank, name, res = queue.get()
+            rank, name, res = ranks.get()
             if name == "__error__":
                 raise RuntimeError(f"world {world} rank {rank} failed:\n{res}")
             if name == "__done__":
                 done += 1
             else:
                 results[name] = [*results[name][:rank], res, *results[name][rank + 1 :]]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
     return results
 
 

@@ -27,6 +27,7 @@ from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
 
 from xirang_hpc.local.preload import PRELOAD as LOCAL_RANK_PRELOAD
+from xirang_hpc.runtime.local_ranks import join_ranks
 
 # Imported once by the fork server (an import that fails there is simply done again by the child): torch and
 # what a rank imports on its first step (``torch._dynamo``, ~1 s of CPU: torch imports it lazily on the first
@@ -69,14 +70,9 @@ def rank_context() -> RankContext:
 
 
 def run_ranks(procs: list[mp.process.BaseProcess], timeout_s: float = 300) -> list[int | None]:
-    """Start ``procs``, wait for each (``timeout_s`` a safety net against a hang), kill any still alive;
-    returns their exit codes (None for one that was still running)."""
+    """Start ``procs``, wait for them (``timeout_s`` in all, a safety net against a hang), kill any still
+    alive; returns their exit codes (None for one that was still running). A group that reports back
+    through a queue takes :class:`~xirang_hpc.runtime.local_ranks.LocalRanks` with ``ctx=rank_context()``."""
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout_s)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    return codes
+    return join_ranks(procs, timeout_s)

@@ -81,6 +81,9 @@ def test_bad_group_option_lists_the_options(cmd: str, monkeypatch: pytest.Monkey
     (["nonsense"], ["cannot parse the override 'nonsense'"]),
     (["-m", "train.stepz=1,2"], ["train.stepz", "did you mean train.max_steps"]),
     (["--cfg", "job", "model.nlayer=2"], ["model.nlayer", "did you mean model.n_layer"]),
+    # the test-only slow-downs left the config for an environment variable: the refusal says which
+    (["monitor.debug_slow_rank=3"], ["monitor.debug_slow_rank", "XIRANG_TESTPOINT_SLOW=rank=3"]),
+    (["monitor.debug_slow_phases=[data,forward]"], ["XIRANG_TESTPOINT_SLOW=phases=data+forward"]),
 ])
 def test_composition_errors_are_one_line_exit_2(argv: list[str], expect: list[str], monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,9 +30,11 @@ from typing import Any
 
 import pytest
 from conftest import compose_cfg
+from omegaconf import OmegaConf
 
 from xirang_hpc.checkpoint.retention import RetentionPolicy, steps_to_keep
-from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.errors import ConfigError, UnknownFieldError
+from xirang_hpc.config.fields import REMOVED
 from xirang_hpc.config.schema import GROUPS, LoraConfig, XirangConfig
 from xirang_hpc.config.schema.cluster import ContainerConfig
 from xirang_hpc.config.schema.finetune import DpoConfig
@@ -268,12 +270,6 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "monitor.abort_on_dead": (False, reads("xirang_hpc.monitor.watchdog"), []),
     "monitor.stack_signal": ("SIGUSR1", reads("xirang_hpc.monitor.trainer_hook"), []),
     "monitor.peak_tflops": (100.0, reads("xirang_hpc.monitor.tracking"), []),
-    "monitor.debug_slow_rank": (1, reads("xirang_hpc.monitor.trainer_hook"), []),
-    "monitor.debug_slow_s": (0.5, reads("xirang_hpc.monitor.trainer_hook"), ["monitor.debug_slow_rank=1"]),
-    "monitor.debug_slow_steps": ([0], reads("xirang_hpc.monitor.trainer_hook"), ["monitor.debug_slow_rank=1"]),
-    "monitor.debug_slow_phases": (["forward"], reads("xirang_hpc.monitor.trainer_hook"), ["monitor.debug_slow_rank=1"]),
-    "monitor.debug_slow_save_s": (0.5, reads("xirang_hpc.checkpoint.trainer_hook"), []),
-    "monitor.debug_slow_eval_s": (0.5, reads("xirang_hpc.runtime.trainer"), []),
     # comm: the bucket, refusals where the layout cannot apply a budget, the averager
     "comm.hierarchical": (False, reads("xirang_hpc.runtime.comm.install"), []),
     "comm.bucket": ("auto", bucket, []),
@@ -370,6 +366,22 @@ def test_a_non_default_value_changes_something_or_is_refused(key: str) -> None:
         return
     observe: Callable[[XirangConfig], Any] = effect
     assert observe(cfg) != observe(base), f"{key}={value!r} changes nothing that {observe.__name__} sees"
+
+
+def test_removed_fields_load_at_their_old_default_and_are_refused_with_the_replacement_otherwise() -> None:
+    # A config written while the test-only monitor.debug_slow_* fields existed (a queued job's job_config.json,
+    # a run's saved state) carries them at their defaults: it still loads, to the same config.
+    base = OmegaConf.to_container(compose_cfg([]), resolve=True)
+    old = {**base, "monitor": {**base["monitor"], **{k.split(".")[1]: d for k, (d, _) in REMOVED.items()}}}
+    assert load_config(OmegaConf.create(old)) == load_config(OmegaConf.create(base))
+    assert not {f.name for f in dataclasses.fields(GROUPS["monitor"])} & {k.split(".")[1] for k in REMOVED}
+    # One that asked for a slow-down is refused, naming the field and the environment variable to set instead.
+    for key, value, env in [("debug_slow_rank", 3, "XIRANG_TESTPOINT_SLOW=rank=3"),
+                            ("debug_slow_steps", [8, 9], "XIRANG_TESTPOINT_SLOW=steps=8+9"),
+                            ("debug_slow_save_s", 0.6, "XIRANG_TESTPOINT_SLOW=save_s=0.6")]:
+        with pytest.raises(UnknownFieldError) as err:
+            load_config(OmegaConf.create({**old, "monitor": {**old["monitor"], key: value}}))
+        assert f"monitor.{key}" in str(err.value) and env in str(err.value), err.value
 
 
 @pytest.mark.parametrize("key", ["train.lr", "train.grad_clip", "comm.outer_lr", "monitor.hang_s",

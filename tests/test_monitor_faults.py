@@ -1,7 +1,8 @@
 """Fault localization on real 4-rank gloo training runs (2 virtual nodes x 2 ranks) started exactly
 as ``xirang-train`` starts them: ``run_training`` through submitit's LocalExecutor. The faults are
 real signals: ``kill -STOP`` (hang), ``kill -9`` (dead rank); the straggler sleeps in its step
-through the test-only ``monitor.debug_slow_*`` knob. Every test kills whatever it started."""
+through the test point ``XIRANG_TESTPOINT_SLOW`` (``env=`` of the ``launch`` fixture: the job inherits
+the submitting environment). Every test kills whatever it started."""
 
 from __future__ import annotations
 
@@ -91,21 +92,28 @@ class Run:
 def launch(tmp_path: Path, stdlib_data: Path) -> Iterator:
     runs: list[Run] = []
 
-    def _launch(*overrides: str, steps: int = 400) -> Run:
+    def _launch(*overrides: str, steps: int = 400, env: dict[str, str] | None = None) -> Run:
+        """Submit the job; ``env`` adds to the environment it starts with (e.g. ``XIRANG_TESTPOINT_SLOW``)."""
         cfg = load_config(compose_cfg([
             f"train.max_steps={steps}", f"train.run_dir={tmp_path / f'run{len(runs)}'}", f"data.out_dir={stdlib_data}",
             "train.log_every=5", "train.eval_batches=2", "monitor.stale_s=4", "cluster.time_min=5", *overrides]))
         run_dir = make_private_dir(run_dir_for(cfg))
         ex = make_executor(cfg.cluster, run_dir / "submitit")
-        job = ex.submit(run_training, dataclasses.asdict(cfg), str(run_dir), str(stdlib_data))
+        # submitit's local executor starts the job with a copy of this environment at submission, and its
+        # ranks inherit it: set only for the submission, so the test process itself stays unchanged.
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in (env or {}).items():
+                mp.setenv(k, v)
+            job = ex.submit(run_training, dataclasses.asdict(cfg), str(run_dir), str(stdlib_data))
         runs.append(Run(run_dir, job))
         return runs[-1]
 
-    def _launch_running(*overrides: str, steps: int = 400, n: int = 3) -> tuple[Run, dict[int, dict]]:
+    def _launch_running(*overrides: str, steps: int = 400, n: int = 3,
+                        env: dict[str, str] | None = None) -> tuple[Run, dict[int, dict]]:
         # The foundation derives the rendezvous port from the job id; on a busy machine it can be
         # taken. That is not what these tests are about: start again with a new job id.
         for attempt in range(3):
-            run = _launch(*overrides, steps=steps)
+            run = _launch(*overrides, steps=steps, env=env)
             try:
                 return run, run.wait_steps(n)
             except PortClash:
@@ -201,8 +209,8 @@ def test_kill9_rank_is_named(launch) -> None:
 def test_slow_rank_is_reported_as_straggler_and_run_finishes(launch, tmp_path) -> None:
     # 0.5 s of extra local work per step: well above what a loaded machine adds to the other ranks'.
     slow_s = 0.5
-    run = launch("monitor.debug_slow_rank=3", f"monitor.debug_slow_s={slow_s}", "monitor.straggler_window=3",
-                 "train.warmup_steps=2", steps=40)
+    run = launch("monitor.straggler_window=3", "train.warmup_steps=2", steps=40,
+                 env={"XIRANG_TESTPOINT_SLOW": f"rank=3,s={slow_s}"})
     ev = run.wait_event("straggler", 600)
     assert (ev["rank"], ev["node"]) == (3, "vnode1")
     assert ev["local_s"] >= slow_s and ev["local_s"] > 2 * ev["median_local_s"]

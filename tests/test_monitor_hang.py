@@ -3,7 +3,7 @@ as ``xirang-train`` starts them (the ``launch`` fixture of test_monitor_faults).
 
 No false alarm where a naive bound would raise one: a first step (warm-up / first batch's data
 preparation) far longer than the step bound, checkpoint saves and evaluations far longer than
-``hang_s`` (a throttled writer and evaluation through the test-only ``monitor.debug_slow_*`` knobs),
+``hang_s`` (a throttled writer and evaluation through the test point ``XIRANG_TESTPOINT_SLOW``),
 and a rank that sleeps 6 s on entering every phase of two steps, so its peers wait in their
 collectives far beyond their bound while it still moves. Then a rank SIGSTOPped for good is named
 with what it did not reach, in events.jsonl, the watchdog's log and xirang-status, within the
@@ -84,12 +84,12 @@ def test_no_false_alarm_in_first_step_long_saves_and_long_evaluations(launch) ->
     # hang_min_s=5 for a step, hang_s=12 for what is unmeasured.
     hang_min_s, hang_s, first_s = 5.0, 12.0, 9.0
     run = launch(f"monitor.hang_s={hang_s}", f"monitor.hang_min_s={hang_min_s}", "monitor.hang_k=20",
-                 "monitor.heartbeat_s=0.25",
-                 # rank 3's first step (its first batch's data preparation) takes 9 s: > hang_min_s, < hang_s
-                 "monitor.debug_slow_rank=3", "monitor.debug_slow_steps=[0]", f"monitor.debug_slow_s={first_s}",
-                 # every save writes ~0.6 s per tensor: 20+ s a save; every evaluation 20 x 1 s
-                 "monitor.debug_slow_save_s=0.6", "checkpoint.every_steps=10",
-                 "monitor.debug_slow_eval_s=1.0", "train.eval_batches=20", steps=30)
+                 "monitor.heartbeat_s=0.25", "checkpoint.every_steps=10", "train.eval_batches=20", steps=30,
+                 env={"XIRANG_TESTPOINT_SLOW": ",".join([
+                     # rank 3's first step (its first batch's data preparation) takes 9 s: > hang_min_s, < hang_s
+                     f"rank=3,steps=0,s={first_s}",
+                     # every save writes ~0.6 s per tensor: 20+ s a save; every evaluation 20 x 1 s
+                     "save_s=0.6", "eval_s=1.0"])})
     with Observer(run.run_dir) as obs:
         run.wait_steps(1, 900)  # also records every pid for the cleanup check
         run.wait_end(1200)
@@ -120,11 +120,10 @@ def test_crawling_rank_is_no_hang_and_a_stopped_rank_is_named_in_seconds(launch,
     # hang_k=20 a loaded machine (steps of ~1 s) lifts it to ~20 s, and with 5 it once rose beyond the peers'
     # wait in a CI run on 2 busy cores (load average ~16), so the case this test is about did not arise.
     # With 2 the bound stays at hang_min_s up to 5 s a step.
-    slow = ("monitor.debug_slow_rank=3", "monitor.debug_slow_s=6", "monitor.debug_slow_steps=[8,9]",
-            "monitor.debug_slow_phases=[data,forward,backward,optimizer]")
+    slow = {"XIRANG_TESTPOINT_SLOW": "rank=3,s=6,steps=8+9,phases=data+forward+backward+optimizer"}
     obs = Observer(Path())
     obs.th = Thresholds(stale_s=4.0, hang_k=2.0, hang_min_s=10.0)
-    run, hb = launch.running("monitor.heartbeat_s=0.25", "monitor.hang_k=2", *slow, n=4)
+    run, hb = launch.running("monitor.heartbeat_s=0.25", "monitor.hang_k=2", n=4, env=slow)
     pid3 = hb[3]["pid"]
     obs.run_dir = run.run_dir
     with obs:

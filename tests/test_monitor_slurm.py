@@ -9,13 +9,15 @@
   COMPLETED.
 
 The testbed fixture and the submit/wait helpers are the Slurm end-to-end tests' own. Each job is
-one rank of the tiny model; its steps are paced with ``monitor.debug_slow_*`` so the preemption
+one rank of the tiny model; its steps are paced with ``XIRANG_TESTPOINT_SLOW`` (in the submitting
+environment, which sbatch exports to the job) so the preemption
 lands mid-run, and the running task is still running when it is looked at, on a fast or a slow machine.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -41,8 +43,8 @@ def _status(capsys, *args: str) -> str:
 def test_status_of_a_preempted_requeued_then_finished_job(slurm, stdlib_data, tmp_path, capsys):  # noqa: F811
     steps = 40
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), *ONE_RANK, "train.priority=exploratory",
-                        f"train.max_steps={steps}", "checkpoint.every_steps=20", "monitor.debug_slow_rank=0",
-                        "monitor.debug_slow_s=0.4"])
+                        f"train.max_steps={steps}", "checkpoint.every_steps=20"],
+                       env={"XIRANG_TESTPOINT_SLOW": "rank=0,s=0.4"})
     _wait(lambda: _ev(run, "first_step", 0), 600, "training to start")
     live = json.loads(_status(capsys, str(run), "--json"))
     assert (live["job_id"], live["executor"], live["state"], live["state_source"]) == (job, "slurm", "RUNNING",
@@ -140,8 +142,9 @@ def _lines(text: str) -> dict[str, list[str]]:
 def test_status_of_a_real_array_sweep_one_line_per_task(slurm, stdlib_data, tmp_path, capsys):  # noqa: F811
     runs_root = tmp_path / "runs"
     args = ["-m", "train.seed=1,2", *_base(stdlib_data, runs_root), *ONE_RANK, "cluster.array_parallelism=1",
-            "train.max_steps=20", "monitor.debug_slow_rank=0", "monitor.debug_slow_s=0.3"]
-    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
+            "train.max_steps=20"]
+    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "XIRANG_TESTPOINT_SLOW": "rank=0,s=0.3"})
     assert out.returncode == 0, out.stdout + out.stderr
     array = re.search(r"submitted Slurm array job (\d+): 2 task\(s\)", out.stdout).group(1)
     runs = [Path(p) for p in re.findall(r"-> (\S+)", out.stdout)]

@@ -108,6 +108,26 @@ def test_array_task_requeue_is_matched_by_its_task_id(tmp_path):
     assert targets == ["10_2"]
 
 
+def test_slow_testpoint_parses_once_and_sleeps_only_where_it_says():
+    assert testpoint.parse_slow("rank=3, s=6,steps=8+9,phases=data+forward") == testpoint.Slow(
+        rank=3, s=6.0, steps=(8, 9), phases=("data", "forward"))
+    assert testpoint.parse_slow("save_s=0.25,eval_s=0.5") == testpoint.Slow(save_s=0.25, eval_s=0.5)
+    assert testpoint.parse_slow("rank=1") is testpoint.parse_slow("rank=1")  # parsed once
+    with pytest.raises(ValueError, match="debug_slow_s.*rank, s, steps, phases, save_s, eval_s"):
+        testpoint.parse_slow("debug_slow_s=1")
+    assert testpoint.slow_phase(0, "data", 0, {}) == 0.0 and testpoint.slow_item("save", {}) == 0.0  # unset
+    env = {testpoint.SLOW_ENV: "rank=1,s=0.1,steps=2,save_s=0.05"}
+    assert testpoint.slow_phase(0, "data", 2, env) == 0.0  # another rank
+    assert testpoint.slow_phase(1, "forward", 2, env) == 0.0  # another phase (default: data only)
+    assert testpoint.slow_phase(1, "data", 3, env) == 0.0  # another step
+    t0 = time.monotonic()
+    assert testpoint.slow_phase(1, "data", 2, env) == 0.1 and testpoint.slow_item("save", env) == 0.05
+    assert time.monotonic() - t0 >= 0.15
+    assert testpoint.slow_item("eval", env) == 0.0
+    every = {testpoint.SLOW_ENV: "rank=0,s=0.01"}  # no steps: every step
+    assert all(testpoint.slow_phase(0, "data", step, every) == 0.01 for step in (0, 7))
+
+
 def test_testpoint_pauses_only_at_its_stage_restart_and_arrival(tmp_path, monkeypatch):
     assert testpoint.parse("load@1=60, save@0#2=0.5,rendezvous=3") == {
         ("load", 1): (0, 60.0), ("save", 0): (2, 0.5), ("rendezvous", 0): (0, 3.0)}

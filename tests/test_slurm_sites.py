@@ -70,8 +70,11 @@ def _args(data: Path, root: Path, steps: int) -> list[str]:
             f"train.max_steps={steps}", "checkpoint.every_steps=25"]
 
 
-def _submit(args: list[str]) -> tuple[str, str, Path]:
-    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300)
+def _submit(args: list[str], env: dict[str, str] | None = None) -> tuple[str, str, Path]:
+    """Submit with ``xirang-train``; ``env`` adds to the submitting environment (sbatch exports it to the job, and
+    the job to the one it submits on another site)."""
+    out = subprocess.run(TRAIN + args, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env} if env else None)
     assert out.returncode == 0, out.stdout + out.stderr
     m = re.search(r"submitted Slurm job (\d+) \(testbed-sites, site (\w+):.*\| run dir (\S+)", out.stdout)
     assert m and "placement: site" in out.stdout, out.stdout
@@ -83,11 +86,10 @@ def _submit(args: list[str]) -> tuple[str, str, Path]:
 def test_site_a_full_the_job_runs_on_b(two_sites, stdlib_data, tmp_path):
     # The run must still be live when the second launch asks for it: rank 0 sleeps 60 s in its step 1 (a
     # tiny run is otherwise over in seconds on a quiet box).
-    args = [*_args(stdlib_data, tmp_path, 20), "monitor.debug_slow_rank=0", "monitor.debug_slow_steps=[1]",
-            "monitor.debug_slow_s=60"]
+    args = _args(stdlib_data, tmp_path, 20)
     filler = _fill("alpha")
     try:
-        job, site, run = _submit(args)
+        job, site, run = _submit(args, env={"XIRANG_TESTPOINT_SLOW": "rank=0,steps=1,s=60"})
         assert site == "beta" and run.is_relative_to(tmp_path / "beta")
         # The same run again, from alpha's default SLURM_CONF: the run lock asks beta (-M) and sees job
         # `job` live there (alpha knows no such job, or another one with the same id).
@@ -123,14 +125,15 @@ def test_run_preempted_on_a_migrates_to_b_and_finishes_bitwise_identical(two_sit
     steps = 60
     # Rank 0 sleeps 0.5 s in every step, so that the preemption lands while the run trains, however fast the
     # box (60 tiny steps are otherwise over in seconds); the weights do not depend on it.
-    args = [*_args(stdlib_data, tmp_path, steps), "monitor.debug_slow_rank=0", "monitor.debug_slow_s=0.5"]
+    args = _args(stdlib_data, tmp_path, steps)
+    slow = {**os.environ, "XIRANG_TESTPOINT_SLOW": "rank=0,s=0.5"}
     # The uninterrupted reference: the same 1 x 2 layout and threads on the local executor, meanwhile.
     ref_cmd = [*TRAIN, *[a for a in args if not a.startswith(("cluster", "train.runs_root="))], "cluster=local",
                "cluster.nodes=1", "cluster.tasks_per_node=2", "cluster.threads_per_rank=1",
                f"train.runs_root={tmp_path / 'ref'}",
                "train.wait=true"]
-    ref_proc = subprocess.Popen(ref_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    job, site, run = _submit(args)
+    ref_proc = subprocess.Popen(ref_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=slow)
+    job, site, run = _submit(args, env=slow)
     assert site == "alpha"  # both idle: the first site
     _wait(lambda: _ev(run, "first_step", 0), 600, "the run to train on alpha")
     # The move must fit the preemption's grace time plus KillWait; the testbed's 20 s grace is short for a

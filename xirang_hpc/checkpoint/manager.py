@@ -110,12 +110,10 @@ class CheckpointManager(GroupCollectives):
                  verify_checksums: bool = True, on_commit: Callable[[SaveRecord, Path], None] | None = None,
                  memory: MemoryStore | None = None,
                  on_memory: Callable[[MemoryRecord], None] | None = None,
-                 on_failure: Callable[[CheckpointWriteError], None] | None = None,
-                 write_delay_s: float = 0.0) -> None:
+                 on_failure: Callable[[CheckpointWriteError], None] | None = None) -> None:
         self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
         # The in-memory copy (None = off); ``on_memory`` is called on every rank after each memory save.
         self.memory, self.on_memory = memory, on_memory
-        self.write_delay_s = write_delay_s  # test-only: seconds per tensor written (a slow filesystem)
         # Called on rank 0 once a step is committed on every rank (the run's events.jsonl records it).
         self.on_commit = on_commit
         # Called on every rank as soon as a save failed on the storage, from the thread that wrote it (the
@@ -280,8 +278,7 @@ class CheckpointManager(GroupCollectives):
         tmp_box.append(tmp)
         rank_json = f"rank_{self.rank}.json"
         ckpt_layout.write_json_durable(tmp / rank_json, rank_state)
-        writer = HDF5StorageWriter(tmp, self.compression, self._index() if self.dedup else None,
-                                   item_delay_s=self.write_delay_s)
+        writer = HDF5StorageWriter(tmp, self.compression, self._index() if self.dedup else None)
         dcp.save(snap, storage_writer=writer, process_group=self.group)
         testpoint.pause("save")  # tests only: files written, the step not committed yet
         # The writer checksummed its file while fsyncing it (no second pass here).

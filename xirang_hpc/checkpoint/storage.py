@@ -37,7 +37,6 @@ import dataclasses
 import errno
 import json
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -77,7 +76,7 @@ from xirang_hpc.checkpoint.integrity import (
     verify_file,
 )
 from xirang_hpc.config.schema import COMPRESSIONS
-from xirang_hpc.runtime import liveness
+from xirang_hpc.runtime import liveness, testpoint
 
 FORMAT_VERSION = 1
 # HDF5 caps a chunk at 4 GiB; larger shards are split along dim 0.
@@ -210,11 +209,8 @@ class HDF5StorageWriter(StorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike, compression: str = "none",
-                 dedup_index: Mapping[str, tuple[str, str]] | None = None, fsync: bool = True,
-                 item_delay_s: float = 0.0) -> None:
+                 dedup_index: Mapping[str, tuple[str, str]] | None = None, fsync: bool = True) -> None:
         super().__init__()
-        # Test-only throttle (monitor.debug_slow_save_s): a slow filesystem, for the hang watchdog's tests.
-        self.item_delay_s = item_delay_s
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression={compression!r}: choose one of {', '.join(COMPRESSIONS)}")
         self.path = Path(path)
@@ -274,8 +270,7 @@ class HDF5StorageWriter(StorageWriter):
         try:
             with h5py.File(raw, "w", locking=False) as f:
                 for item in plan.items:
-                    if self.item_delay_s > 0:
-                        time.sleep(self.item_delay_s)
+                    testpoint.slow_item("save")  # tests only: a slow filesystem, for the hang watchdog's tests
                     info = self._write_item(f, fname, item, planner)
                     results.append(WriteResult(index=item.index, size_in_bytes=info["nbytes"], storage_data=info))
                     liveness.tick("checkpoint write")  # a long save that still writes is no hang

@@ -74,8 +74,7 @@ class CheckpointHook(TrainerHook):
             compression=c.compression, dedup=c.dedup, dir_mode=c.dir_mode, async_save=c.async_save,
             retention=RetentionPolicy(c.keep_last, c.keep_every, tuple(c.pinned)), verify_checksums=c.verify_checksums,
             on_commit=self._committed if self.topo.rank == 0 else None, memory=self.memory,
-            on_memory=self._kept_in_memory if self.topo.rank == 0 else None, on_failure=self._save_failed,
-            write_delay_s=self.cfg.monitor.debug_slow_save_s)
+            on_memory=self._kept_in_memory if self.topo.rank == 0 else None, on_failure=self._save_failed)
         self.mgr.cleanup_leftovers()
         restored = self.restore(trainer)
         if self.topo.rank == 0:

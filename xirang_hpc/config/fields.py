@@ -14,6 +14,8 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from xirang_hpc.config.errors import UnknownFieldError
+
 
 def override_of(argv: Sequence[str], key: str) -> str:
     """The override as written that sets ``key`` or a field below it (``trian`` -> ``trian.max_steps=1``)."""
@@ -55,8 +57,52 @@ def _type_name(tp: Any) -> str:
     return names.get(origin, getattr(origin, "__name__", str(origin)))
 
 
+# Fields the schema no longer has, by full key: (the default they had, the key that replaces them in the
+# environment variable XIRANG_TESTPOINT_SLOW). They were test-only slow-downs; the variable is read by
+# xirang_hpc/runtime/testpoint.py.
+REMOVED: dict[str, tuple[Any, str]] = {
+    "monitor.debug_slow_rank": (-1, "rank"),
+    "monitor.debug_slow_s": (0.0, "s"),
+    "monitor.debug_slow_steps": ([], "steps"),
+    "monitor.debug_slow_phases": (["data"], "phases"),
+    "monitor.debug_slow_save_s": (0.0, "save_s"),
+    "monitor.debug_slow_eval_s": (0.0, "eval_s"),
+}
+
+
+def drop_removed(container: dict[str, Any]) -> None:
+    """Drop the :data:`REMOVED` fields from a config dict in place; refuse one that asks for something.
+
+    Every config written before they went carries them (a queued or requeued job's ``job_config.json``, a
+    run's saved state): at their old default they asked for nothing, so such a config still loads. A
+    non-default value raises :class:`~xirang_hpc.config.errors.UnknownFieldError` naming the field and the
+    environment variable to use instead: ignoring it would run without the slow-down it asked for.
+    """
+    for key, (default, _) in REMOVED.items():
+        group, _, name = key.rpartition(".")
+        node = container.get(group)
+        if isinstance(node, dict) and name in node:
+            value = node.pop(name)
+            if value != default:
+                raise UnknownFieldError(key, value, _removed(key, value))
+
+
+def _removed(full_key: str, value: Any) -> str:
+    """The refusal of a :data:`REMOVED` field: what replaces it, with ``value`` (as set) written the new way."""
+    if isinstance(value, (list, tuple)):
+        shown = "+".join(map(str, value))
+    else:  # a command line's text: [8,9] -> 8+9
+        shown = str(value or "").strip().strip("[]").replace(",", "+").replace(" ", "")
+    return (f"config field {full_key} no longer exists: the test-only slow-downs are set with the "
+            f"environment variable XIRANG_TESTPOINT_SLOW (here XIRANG_TESTPOINT_SLOW={REMOVED[full_key][1]}="
+            f"{shown or '...'}; its keys are rank, s, steps, phases, save_s, eval_s; see "
+            f"xirang_hpc/runtime/testpoint.py)")
+
+
 def unknown_field(full_key: str, value: str | None, argv: Sequence[str] = ()) -> str:
     """``PATH has no field NAME; did you mean ...?`` (the nearest fields at that level, else all of them)."""
+    if full_key in REMOVED:
+        return _removed(full_key, value if value is not None else override_of(argv, full_key).partition("=")[2])
     *parent, name = full_key.split(".")
     cls = _schema_at(parent)
     where = ".".join(parent) or "the config"

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from xirang_hpc.config.errors import ConfigError, UnknownFieldError
-from xirang_hpc.config.fields import unknown_field
+from xirang_hpc.config.fields import drop_removed, unknown_field
 from xirang_hpc.config.hf import apply_hf_model, apply_peft_finetune, is_peft_dir
 from xirang_hpc.config.schema import ClusterConfig, DataConfig, ParallelConfig, XirangConfig
 
@@ -50,6 +50,7 @@ def to_typed(cfg: DictConfig) -> XirangConfig:
         # Hydra passes a struct-mode DictConfig; drop its own node if present.
         container = OmegaConf.to_container(cfg, resolve=True)
         overrides = _cli_overrides(container.pop("hydra", None))
+        drop_removed(container)  # a config written before a field went still loads where it held the default
         if isinstance(container.get("model"), dict):  # model.init_from=<Hugging Face dir> fills/checks model.*
             container["model"] = apply_hf_model(container["model"], overrides)
             if is_peft_dir(container["model"].get("init_from")):  # a PEFT adapter: its LoRA shape, continued

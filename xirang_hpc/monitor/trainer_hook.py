@@ -40,7 +40,7 @@ from xirang_hpc.monitor.heartbeat import (
 )
 from xirang_hpc.monitor.resources import ProcessSampler
 from xirang_hpc.monitor.watchdog import spawn
-from xirang_hpc.runtime import liveness
+from xirang_hpc.runtime import liveness, testpoint
 from xirang_hpc.runtime.dist import collective_seq
 from xirang_hpc.runtime.hooks import Loop, TrainerHook
 from xirang_hpc.runtime.process_identity import start_ticks
@@ -113,14 +113,11 @@ class MonitorHook(TrainerHook):
         atexit.register(self._on_exit)
 
     def on_phase(self, trainer: Loop, phase: str) -> None:
-        """Record the phase; the test-only slow rank sleeps on entering its slow phases."""
+        """Record the phase; a test's straggler (``XIRANG_TESTPOINT_SLOW``) sleeps on entering its slow phases."""
         if self.hb is None:
             return
         self.hb.mark_phase(phase)
-        m = self.m
-        if self.topo.rank == m.debug_slow_rank and m.debug_slow_s > 0 and phase in m.debug_slow_phases and \
-                (not m.debug_slow_steps or trainer.state.step in m.debug_slow_steps):
-            time.sleep(m.debug_slow_s)
+        testpoint.slow_phase(self.topo.rank, phase, trainer.state.step)  # tests only: a straggler
 
     def on_step_end(self, trainer: Loop, metrics: dict[str, float]) -> None:
         """Count the step."""

@@ -3,13 +3,13 @@
 Used by ``benchmarks/bench_planner.py --local`` and the planner's slow test. Candidates are the
 fastest predicted plan of every runnable (dp, tp, pp, ZeRO) layout; each is written into a config
 (``auto.apply_plan``) and trained for a few steps by the real :class:`Trainer` in one gloo process
-group of ``nodes x per_node`` spawned ranks (virtual nodes, as the local executor makes them).
+group of ``nodes x per_node`` spawned ranks (virtual nodes, as the local executor makes them;
+:class:`~xirang_hpc.runtime.local_ranks.LocalRanks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from xirang_hpc.config.schema import ClusterConfig, XirangConfig
 from xirang_hpc.config.validate import validate
 from xirang_hpc.planner.auto import apply_plan, plan_for
 from xirang_hpc.planner.cost import Estimate
+from xirang_hpc.runtime.local_ranks import LocalRanks, RankPlace
 
 
 def load_cluster(path: Path) -> ClusterConfig:
@@ -50,37 +50,23 @@ def candidates(cfg: XirangConfig) -> list[tuple[str, Estimate, XirangConfig]]:
     return out
 
 
-def _topology(rank: int, world: int, per_node: int, port: int) -> Any:
-    from xirang_hpc.runtime.topology import Topology
-
-    return Topology(rank=rank, world_size=world, local_rank=rank % per_node, local_world_size=per_node,
-                    node_id=rank // per_node, num_nodes=world // per_node, node_name=f"vnode{rank // per_node}",
-                    master_addr="127.0.0.1", master_port=port, job_id="plan-check", source="local")
-
-
-def _worker(rank: int, world: int, per_node: int, port: int, jobs: list[tuple[str, XirangConfig]], data: str,
-            steps: int, rounds: int, queue: Any) -> None:
+def _worker(place: RankPlace, queue: Any, jobs: list[tuple[str, XirangConfig]], data: str, steps: int,
+            rounds: int) -> None:
     from xirang_hpc.planner.probe import time_layout
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        topo = _topology(rank, world, per_node, port)
+        place.init_process_group("gloo")
+        topo = place.topology("plan-check")
         for rnd in range(rounds):  # rounds interleave the layouts, so load changes hit all of them
             for name, cfg in jobs:
-                queue.put((rank, name, rnd, time_layout(cfg, topo, Path(data), steps)))
-        queue.put((rank, "__done__", 0, None))
+                queue.put((place.rank, name, rnd, time_layout(cfg, topo, Path(data), steps)))
+        queue.put((place.rank, "__done__", 0, None))
     except Exception:  # report to the parent instead of hanging it
-        queue.put((rank, "__error__", 0, traceback.format_exc()))
+        queue.put((place.rank, "__error__", 0, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepared_data(folder: Path | None = None) -> Path:
@@ -105,27 +91,17 @@ def measure(jobs: list[tuple[str, XirangConfig]], nodes: int, per_node: int, ste
 
     world = nodes * per_node
     data = data or prepared_data()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, per_node, port, jobs, str(data), steps, rounds, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
     got: dict[str, list[tuple[float, float]]] = {}
     done = 0
-    try:
+    with LocalRanks(_worker, world, (jobs, str(data), steps, rounds), nodes=nodes) as ranks:
         while done < world:
-            rank, name, _rnd, res = queue.get()
+            rank, name, _rnd, res = ranks.get()
             if name == "__error__":
                 raise RuntimeError(f"rank {rank}:\n{res}")
             if name == "__done__":
                 done += 1
             elif rank == 0:  # every rank holds the same (all-reduced) figures
                 got.setdefault(name, []).append(res)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
     if spread is not None:
         spread.update({k: [r[0] for r in v] for k, v in got.items()})
     return {k: (statistics.median(r[0] for r in v), max(r[1] for r in v)) for k, v in got.items()}

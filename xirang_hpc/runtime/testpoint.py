@@ -8,17 +8,34 @@ the job is there. Stages: ``rendezvous`` (ranks > 0 before checking in: rank 0 w
 rendezvous), ``load`` (before a checkpoint's tensors are read), ``save`` (in the background save,
 files written but the step not yet committed), ``step`` (after each training step and its hooks:
 a run that lasts long without more work, e.g. one that must meet its time limit).
+
+Slow-downs (``XIRANG_TESTPOINT_SLOW``, also set only by tests and benchmarks): a straggler rank, a slow
+checkpoint writer, a slow evaluation, for the watchdog's tests. Format: comma-separated ``KEY=VALUE``,
+a list's items joined by ``+``:
+
+- ``rank=R``, ``s=SECONDS``: global rank ``R`` sleeps ``SECONDS`` on entering each of ``phases``
+  (default ``data``) of the training steps ``steps`` (default every step; ``steps=0``: a slow first step);
+- ``save_s=SECONDS``: every rank's checkpoint writer sleeps this long per tensor written (a slow filesystem);
+- ``eval_s=SECONDS``: every rank sleeps this long per evaluation batch (a long evaluation).
+
+E.g. ``rank=3,s=6,steps=8+9,phases=data+forward+backward+optimizer`` or ``save_s=0.6,eval_s=1.0``.
+The sleeps happen where the job reports that it still moves (a phase begins, a tensor is written, an
+evaluation batch is done), so they look to the watchdog exactly like slow work. A spec is parsed once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 ENV = "XIRANG_TESTPOINT"
 DIR_ENV = "XIRANG_TESTPOINT_DIR"
+SLOW_ENV = "XIRANG_TESTPOINT_SLOW"
 _arrivals: dict[str, int] = {}
 
 
@@ -49,4 +66,62 @@ def pause(stage: str, env: Mapping[str, str] | None = None) -> float:
     if env.get(DIR_ENV):
         Path(env[DIR_ENV], f"{stage}@{restart}.{os.getpid()}").touch()
     time.sleep(seconds)
+    return seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Slow:
+    """A parsed ``XIRANG_TESTPOINT_SLOW``: the straggler (``rank`` < 0: none) and the per-item delays."""
+
+    rank: int = -1
+    s: float = 0.0
+    steps: tuple[int, ...] = ()  # empty: every step
+    phases: tuple[str, ...] = ("data",)
+    save_s: float = 0.0
+    eval_s: float = 0.0
+
+
+@functools.lru_cache(maxsize=8)  # keyed by the spec itself: a test that changes the variable gets the new one
+def parse_slow(spec: str) -> Slow:
+    """``"rank=3,s=6,steps=8+9,phases=data+forward"`` -> :class:`Slow`; an unknown key is a ValueError."""
+    keys = [f.name for f in dataclasses.fields(Slow)]
+    values: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or key not in keys:
+            raise ValueError(f"{SLOW_ENV}: cannot read {item!r}; write KEY=VALUE with KEY one of "
+                             f"{', '.join(keys)} (a list's items joined by +)")
+        parts = [v.strip() for v in value.split("+") if v.strip()]
+        if key == "rank":
+            values[key] = int(value)
+        elif key == "steps":
+            values[key] = tuple(int(v) for v in parts)
+        elif key == "phases":
+            values[key] = tuple(parts)
+        else:
+            values[key] = float(value)
+    return Slow(**values)
+
+
+def _slow(env: Mapping[str, str] | None) -> Slow | None:
+    spec = (os.environ if env is None else env).get(SLOW_ENV)
+    return parse_slow(spec) if spec else None
+
+
+def slow_phase(rank: int, phase: str, step: int, env: Mapping[str, str] | None = None) -> float:
+    """The straggler sleeps on entering one of its slow phases in one of its slow steps; returns the seconds."""
+    slow = _slow(env)
+    if slow is None or rank != slow.rank or slow.s <= 0 or phase not in slow.phases or \
+            (slow.steps and step not in slow.steps):
+        return 0.0
+    time.sleep(slow.s)
+    return slow.s
+
+
+def slow_item(kind: str, env: Mapping[str, str] | None = None) -> float:
+    """Sleep ``save_s`` per tensor written (``kind="save"``) or ``eval_s`` per evaluation batch (``"eval"``)."""
+    slow = _slow(env)
+    seconds = 0.0 if slow is None else {"save": slow.save_s, "eval": slow.eval_s}[kind]
+    if seconds > 0:
+        time.sleep(seconds)
     return seconds

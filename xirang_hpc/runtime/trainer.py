@@ -247,8 +247,7 @@ class Trainer:
                 total += float(self._dpo(self.model, x, y).loss)
             else:
                 total += self._loss(self.ddp if self.pm.data_parallel == "fsdp" else self.model, x, y, pos).item()
-            if self.cfg.monitor.debug_slow_eval_s > 0:  # test-only: a long evaluation
-                time.sleep(self.cfg.monitor.debug_slow_eval_s)
+            testpoint.slow_item("eval")  # tests only: a long evaluation
             liveness.tick("eval batch")  # a long evaluation that still moves is no hang
         self.model.train()
         if self.pm.zero == 2:  # no backward follows to reshard the weights gathered for evaluation: free them now

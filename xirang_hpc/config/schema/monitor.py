@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema._checks import check_finite, check_positive
@@ -38,16 +38,6 @@ class MonitorConfig:
     stack_signal: str = "SIGQUIT"
     # Peak FLOP/s per device for MFU, in TFLOP/s; 0 = look up the GPU name via NVML, else MFU is n/a.
     peak_tflops: float = 0.0
-    # Test-only: sleep this long in every step of this rank (simulates a straggler), on entering each of
-    # debug_slow_phases, in the steps debug_slow_steps (empty: every step; [0]: a slow first step).
-    debug_slow_rank: int = -1
-    debug_slow_s: float = 0.0
-    debug_slow_steps: list[int] = field(default_factory=list)
-    debug_slow_phases: list[str] = field(default_factory=lambda: ["data"])
-    # Test-only: every rank's checkpoint writer sleeps this long per tensor written (a slow filesystem).
-    debug_slow_save_s: float = 0.0
-    # Test-only: every rank sleeps this long per evaluation batch (a long evaluation).
-    debug_slow_eval_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_finite("monitor", self)
