@@ -241,3 +241,15 @@ def replace_targets(lora: LoraConfig, targets: list[str], rank: int) -> LoraConf
     import dataclasses
 
     return dataclasses.replace(lora, target_modules=targets, rank=rank)
+
+
+def test_lora_runs_tensor_parallel_but_refuses_sequence_parallel_by_name() -> None:
+    from conftest import compose_cfg
+
+    from xirang_hpc.config.validate import check_runnable, load_config
+
+    lora = ["finetune.method=lora", "cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.tp=2", "parallel.pp=1",
+            "parallel.microbatches=1"]
+    check_runnable(load_config(compose_cfg(lora)))  # adapters sharded with their base layer (layout matrix)
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel.*not yet with LoRA"):
+        check_runnable(load_config(compose_cfg([*lora, "parallel.sequence_parallel=true"])))

@@ -65,7 +65,7 @@ COMPILED = [(2, "dp2", "none"), (2, "zero3dp2", "none"), (2, "tp2", "none"), (2,
 # train.optimizer_impl beside the default AdamW: over FSDP2's DTensor shards, tensor parallelism's mix of DTensor
 # and plain parameters, and ZeRO-1's local AdamW (cheap: no compiling).
 OPTIMIZER_CASES = [(2, "zero3dp2", "fused"), (2, "tp2", "fused"), (2, "tp2", "foreach"), (2, "dp2zero", "fused")]
-LORA_CASES = [(2, "dp2"), (2, "pp2"), (4, "fsdp4"), (4, "dp2xpp2")]
+LORA_CASES = [(2, "dp2"), (2, "pp2"), (2, "tp2"), (4, "fsdp4"), (4, "dp2xpp2"), (4, "dp2xtp2")]
 # Chat fine-tuning data (a BPE of 512 tokens, seq_len 64) against the single-process run of the same data:
 # packed rows in every layout kind, padded rows and the chunked loss under DDP.
 CHAT_MODEL = {"name": "chat", "vocab_size": 512, "seq_len": 64, "pos": "rope"}

@@ -305,9 +305,10 @@ def check_runnable(cfg: XirangConfig) -> None:
     _check_comm_applies(cfg)
     _check_dpo(cfg)
     if cfg.finetune.adapters:
-        if p.tp > 1:
-            raise ConfigError("finetune.method", "lora", f"not yet with parallel.tp={p.tp} (adapters are not "
-                              "tensor-parallel); use data parallelism (ddp or fsdp) or pipeline stages")
+        if p.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", True, "not yet with LoRA adapters (finetune.method=lora): "
+                              "their tensor-parallel layout is tested without it; set "
+                              "parallel.sequence_parallel=false (tensor parallelism itself works)")
         if cfg.model.moe_experts:
             raise ConfigError("finetune.method", "lora", "mixture-of-experts blocks have no dense MLP linears to "
                               "adapt; use finetune.method=full")
