@@ -24,8 +24,10 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import tempfile
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -125,6 +127,11 @@ def adamw_kwargs(cfg: XirangConfig) -> dict[str, bool]:
     return adamw_impl(cfg.train.optimizer_impl, "cpu")
 
 
+# A directory that passes as a PEFT adapter at validation (serve.adapters checks adapter_config.json only).
+_ADAPTER_DIR = Path(tempfile.mkdtemp(prefix="xirang-fields-adapter-"))
+(_ADAPTER_DIR / "adapter_config.json").write_text("{}")
+
+
 def reads(module: str) -> tuple[str, str]:
     return ("reads", module)
 
@@ -217,7 +224,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "train.resume_from": (10, reads("xirang_hpc.submit.preflight"), []),
     "train.loggers": (["tensorboard"], reads("xirang_hpc.monitor.tracking"), []),
     "train.mlflow_uri": ("file:/tmp/mlruns", reads("xirang_hpc.monitor.tracking"), ["train.loggers=[mlflow]"]),
-    "train.share_group": ("root", reads("xirang_hpc.cli.train"), []),
+    "train.share_group": ("root", reads("xirang_hpc.submit.launch"), []),
     "train.loss_chunk_tokens": (4096, reads("xirang_hpc.runtime.parallelize"), []),
     "train.compile": (True, reads("xirang_hpc.runtime.parallelize"), []),
     "train.optimizer_impl": ("fused", adamw_kwargs, []),
@@ -298,6 +305,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
         "host": "0.0.0.0", "port": 9000, "max_batch": 4, "token_env": "MY_TOKEN", "duration_s": 5.0,
         "read_timeout_s": 5.0, "model_name": "m", "keys_file": "keys.json", "metrics_public": True,
         "device": "cpu"}.items()},
+    "serve.adapters": ({"a": str(_ADAPTER_DIR)}, reads("xirang_hpc.serve.run"), []),
     # finetune: what is trained -> the run's identity (and the adapters built from it)
     "finetune.method": ("lora", identity, []),
     "finetune.lora": (LoraConfig(rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj", "k_proj"]), identity,
@@ -347,6 +355,8 @@ def test_a_non_default_value_changes_something_or_is_refused(key: str) -> None:
     changed = [*base_over, f"{key}={_value(value)}"]
     if key == "cluster.hardware":  # a dict: add one entry
         changed = [*base_over, "+cluster.hardware.peak_tflops=123.0"]
+    if key == "serve.adapters":  # a dict of name -> directory: add one entry, as a config adds them
+        changed = [*base_over, f"+serve.adapters.a={_ADAPTER_DIR}"]
     if dataclasses.is_dataclass(value):  # a nested group: its non-default fields, one override each
         default = type(value)()
         changed = [*base_over, *(f"{key}.{f.name}={_value(getattr(value, f.name))}" for f in dataclasses.fields(value)

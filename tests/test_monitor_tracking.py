@@ -263,3 +263,24 @@ def test_a_backend_added_later_is_backfilled_and_a_failing_store_does_not_stop_t
     ea.Reload()
     assert [e.step for e in ea.Scalars("train/loss")] == list(range(1, 9))
     assert [e.step for e in ea.Scalars("val/loss")] == [0]
+
+
+@pytest.mark.unit
+def test_an_event_forwarded_again_after_a_crash_is_logged_once(tmp_path: Path) -> None:
+    """A session that died after forwarding a checkpoint to MLflow but before saving its marks: the next one
+    reads the event again from events.jsonl; the run's checkpoint list and marker metric still hold it once."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from xirang_hpc.monitor.tracking import MLflowBackend
+
+    first = MLflowBackend(tmp_path, {}, "", "default", {})
+    first.log_event(5, {"kind": "checkpoint", "step": 5, "time": 1.0})
+    stale = first.state()  # what tracking.json held when the session died
+    first.log_event(10, {"kind": "checkpoint", "step": 10, "time": 2.0})
+    again = MLflowBackend(tmp_path, stale, "", "default", {})
+    again.log_event(10, {"kind": "checkpoint", "step": 10, "time": 2.0})  # read again from events.jsonl
+    again.log_event(15, {"kind": "checkpoint", "step": 15, "time": 3.0})
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    assert client.get_run(again.run_id).data.tags["xirang.checkpoints"] == "5,10,15"
+    assert [m.step for m in client.get_metric_history(again.run_id, "events/checkpoint")] == [5, 10, 15]

@@ -46,6 +46,10 @@ from xirang_hpc.monitor.events import EVENTS_FILE
 STEPS_FILE = "steps.jsonl"
 # At least this often the hook writes the open block: what a kill -9 can take from the record.
 FLUSH_S = 60.0
+# Events carry wall-clock times, a session's records monotonic ones mapped to the wall clock: a fault seen within
+# this long before the session's last record (a rank killed right after it wrote a step, and the watchdog's
+# next look) still ends that session.
+CLOCK_SLACK_S = 0.5
 BUCKETS = ("productive", "startup", "restore", "data_loading", "checkpoint_save", "eval", "lost_progress",
            "hang_detection", "recovery", "other")
 # Event kinds that say how a start ended (the first one after its last step names the disruption).
@@ -317,23 +321,24 @@ def timeline(sessions: Sequence[Session], events: Sequence[dict[str, Any]]) -> T
             negative.append({"where": "between starts", "session_pid": s.pid, "next_pid": nxt.pid,
                              "seconds": round(t_next - t_last, 6)})
             t_next = t_last
-        lo, hi = bisect.bisect_right(ftimes, t_last), bisect.bisect_left(ftimes, t_next)
+        since = max(s.proc_start, t_last - CLOCK_SLACK_S)
+        lo, hi = bisect.bisect_right(ftimes, since), bisect.bisect_left(ftimes, t_next)
         found = fevents[lo:hi]
         if nxt is None and not found:
             continue  # the newest start, still running (or ended without a word yet)
         cause, detail = _cause(found)
         parts: dict[str, float] = {}
-        t_fault = float(found[0]["time"]) if found else t_last
+        t_fault = max(t_last, float(found[0]["time"])) if found else t_last
         if nxt is not None and t_fault > t_next:
             t_fault = t_next
         stop = next((e for e in found if e.get("kind") == "stop"), None)
         hang = next((e for e in found if e.get("kind") == "hang"), None)
         if hang is not None:
-            parts["hang_detection"] = float(hang["time"]) - t_last
-            t_fault = float(hang["time"])
+            t_fault = max(t_last, float(hang["time"]))
+            parts["hang_detection"] = t_fault - t_last
         elif stop is not None and stop.get("saved_step") is not None:
-            parts["checkpoint_save"] = float(stop["time"]) - t_last  # the save before the stop, then the exit
-            t_fault = float(stop["time"])
+            t_fault = max(t_last, float(stop["time"]))
+            parts["checkpoint_save"] = t_fault - t_last  # the save before the stop, then the exit
         elif found and limit <= s.last_step:
             # Work after the last record (at most FLUSH_S of it) until the fault was seen: past the checkpoint the
             # next start resumed from, so it was lost.

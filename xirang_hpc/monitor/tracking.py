@@ -184,6 +184,13 @@ class MLflowBackend:
             raise TrackingError(f"MLflow tracking store {uri} (train.mlflow_uri): {exc}") from exc
         self.checkpoints: list[int] = [int(x) for x in state.get("checkpoints", [])]
         self.requeues = int(state.get("requeues", 0))
+        if not self.new:
+            # The run's own record wins over tracking.json: a session that died between forwarding an event and
+            # saving its marks forwarded it already, and the next one reads it again from events.jsonl.
+            tags = self.client.get_run(self.run_id).data.tags
+            logged = [int(x) for x in str(tags.get("xirang.checkpoints", "")).split(",") if x.strip().isdigit()]
+            self.checkpoints = sorted(set(self.checkpoints) | set(logged))
+            self.requeues = max(self.requeues, int(tags.get("xirang.requeues", 0) or 0))
 
     def state(self) -> dict[str, Any]:
         """What a later session needs to continue this run."""
@@ -220,6 +227,8 @@ class MLflowBackend:
         tags = [RunTag(f"xirang.event.{kind}", f"step {step}: {event_text(ev)}"[:5000])]
         metrics = []
         if kind == "checkpoint":
+            if step in self.checkpoints:  # forwarded before a crash that lost the marks: once is enough
+                return
             self.checkpoints.append(step)
             tags.append(RunTag("xirang.checkpoints", ",".join(map(str, self.checkpoints))[-5000:]))
             metrics.append(Metric("events/checkpoint", float(step), ts, step))
