@@ -387,12 +387,7 @@ def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, spl
         "text_field": text_field,
         "files": {s: len(files[s]) for s in ("train", "val")},
         "documents": n_docs,
-        "skipped_binary": len(scan.binary),
-        "skipped_unreadable": len(scan.unreadable),
-        "skipped_special": len(scan.special),
-        "skipped_records": stats.as_dict(),
-        "on_bad_record": on_bad_record,
-        "splits": {s: w.close() for s, w in writers.items()},
+        **_index_tail(scan, stats, on_bad_record, writers),
     }
     _write_index(out, index)
     log.info(
@@ -401,6 +396,14 @@ def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, spl
         len(scan.unreadable), stats.as_dict()["total"],
     )
     return index
+
+
+def _index_tail(scan: CorpusScan, stats: RecordStats, on_bad_record: str, writers: dict[str, Any]) -> dict[str, Any]:
+    """What every index ends with, whatever the format: what was skipped and why, and each split's shards
+    (closing the writers: the last shard of each split is written here)."""
+    return {"skipped_binary": len(scan.binary), "skipped_unreadable": len(scan.unreadable),
+            "skipped_special": len(scan.special), "skipped_records": stats.as_dict(), "on_bad_record": on_bad_record,
+            "splits": {s: w.close() for s, w in writers.items()}}
 
 
 def _write_index(out: Path, index: dict[str, Any]) -> None:
@@ -515,12 +518,7 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
         **({"pairs": n, "identical_pairs": len(same)} if pairs else {}),
         "sample_tokens": {"min": int(lens.min()), "median": int(np.median(lens)), "max": int(lens.max()),
                           "p99": int(np.percentile(lens, 99))},
-        "skipped_binary": len(scan.binary),
-        "skipped_unreadable": len(scan.unreadable),
-        "skipped_special": len(scan.special),
-        "skipped_records": stats.as_dict(),
-        "on_bad_record": on_bad_record,
-        "splits": {s: w.close() for s, w in writers.items()},
+        **_index_tail(scan, stats, on_bad_record, writers),
     }
     _write_index(out, index)
     log.info("prepared %s data %s: %d train / %d val %s, %d bad records skipped", fmt, out, n["train"],
