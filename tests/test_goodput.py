@@ -96,7 +96,7 @@ def _disrupted_run(tmp_path: Path, fault: list[dict[str, Any]], restored: int = 
     """Start 1 runs steps 1..15 (1 s each; blocks end at the step-10 save) and is disrupted; start 2 begins 20 s after
     start 1's last step, restores ``restored`` (4 s) and runs to step 20."""
     run = tmp_path / "disrupted"
-    run.mkdir()
+    run.mkdir(parents=True)
     s1 = session(1, T0, startup=10.0, setup=1.0, restored=0)
     b1 = blocks(s1, [(1, 1, 1.0, 0, 0, 0), (2, 10, 9.0, 0, 0, 0), (11, 15, 5.0, 0, 0, 0)])
     last = b1[-1]["time"]
@@ -136,6 +136,18 @@ def test_a_kill_without_hang_counts_the_unrecorded_tail_as_lost(tmp_path):
     assert r["badput_s"]["hang_detection"] == 0 and r["badput_s"]["recovery"] == pytest.approx(18.0)
     (d,) = r["disruption_list"]
     assert (d["cause"], d["detail"], d["step_reached"], d["lost_steps"]) == ("dead", "killed", 17, 7)
+
+
+def test_a_fault_named_by_its_process_belongs_to_its_start_whenever_it_was_written(tmp_path):
+    """A loaded machine's watchdog may write a dead rank's event after the next start began, or stamp it a
+    moment before the start's last record (two clocks): the ``pid`` it names decides whose end it was."""
+    for when in (25.0, -0.2):  # after start 2 began (it began 20 s after start 1's last step); just before it
+        run, _ = _disrupted_run(tmp_path / str(when), [{"time": when, "kind": "dead", "reason": "rank 0 dead",
+                                                        "cause": "killed", "pid": 1}])
+        r = run_goodput(run, allocations=None)
+        (d,) = r["disruption_list"]
+        assert d["cause"] == "dead" and d["restored_step"] == 10, (when, d)
+        assert r["productive_s"] + sum(r["badput_s"].values()) == pytest.approx(r["total_s"])
 
 
 def test_a_preemption_that_saved_loses_nothing_and_its_save_is_checkpoint_time(tmp_path):

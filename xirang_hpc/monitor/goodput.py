@@ -38,6 +38,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +225,13 @@ def _cause(found: list[dict[str, Any]]) -> tuple[str, str]:
     return "unknown", "no event names it (a kill that left no record)"
 
 
+def _seen(t_last: float, t_next: float, t: float) -> float:
+    """When a start's fault was seen, within its end: an event stamped before its last record (two clocks) is at
+    that record; one written after the next start began (a late watchdog) says the fault came before that start,
+    not when: the time since the last record is then counted as recovery, not guessed."""
+    return t_last if t < t_last or t > t_next else t
+
+
 def _intersect(t0: float, t1: float, allocs: Sequence[tuple[float, float]]) -> float:
     """Seconds of [t0, t1] inside the (sorted, disjoint) allocations."""
     return sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in allocs)
@@ -262,6 +270,7 @@ def timeline(sessions: Sequence[Session], events: Sequence[dict[str, Any]]) -> T
     negative: list[dict[str, Any]] = []
     covered: list[tuple[float, float]] = []
     ftimes, fevents = _fault_events(events)
+    pids = {s.pid for s in sessions if s.pid is not None}  # fault events naming a start belong to it
     # A step executed in start i is kept when no later start resumed from an earlier step (the last execution of a
     # step is the one that counts): the limit of start i is the lowest step any later start restored.
     limits: list[float] = [math.inf] * len(sessions)
@@ -323,21 +332,24 @@ def timeline(sessions: Sequence[Session], events: Sequence[dict[str, Any]]) -> T
             t_next = t_last
         since = max(s.proc_start, t_last - CLOCK_SLACK_S)
         lo, hi = bisect.bisect_right(ftimes, since), bisect.bisect_left(ftimes, t_next)
-        found = fevents[lo:hi]
+        # A fault event naming a start's process (the watchdog's ``dead`` of rank 0) is that start's, whenever it
+        # was written: a loaded machine's watchdog may write it after the next start began.
+        found = sorted([e for e in fevents[lo:hi] if e.get("pid") in (None, s.pid) or e.get("pid") not in pids]
+                       + [e for e in fevents[:lo] + fevents[hi:] if s.pid is not None and e.get("pid") == s.pid],
+                       key=lambda e: float(e["time"]))
         if nxt is None and not found:
             continue  # the newest start, still running (or ended without a word yet)
         cause, detail = _cause(found)
         parts: dict[str, float] = {}
-        t_fault = max(t_last, float(found[0]["time"])) if found else t_last
-        if nxt is not None and t_fault > t_next:
-            t_fault = t_next
+        seen = partial(_seen, t_last, t_next)
+        t_fault = seen(float(found[0]["time"])) if found else t_last
         stop = next((e for e in found if e.get("kind") == "stop"), None)
         hang = next((e for e in found if e.get("kind") == "hang"), None)
         if hang is not None:
-            t_fault = max(t_last, float(hang["time"]))
+            t_fault = seen(float(hang["time"]))
             parts["hang_detection"] = t_fault - t_last
         elif stop is not None and stop.get("saved_step") is not None:
-            t_fault = max(t_last, float(stop["time"]))
+            t_fault = seen(float(stop["time"]))
             parts["checkpoint_save"] = t_fault - t_last  # the save before the stop, then the exit
         elif found and limit <= s.last_step:
             # Work after the last record (at most FLUSH_S of it) until the fault was seen: past the checkpoint the
