@@ -354,13 +354,7 @@ def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, spl
         return iter_documents(scan, root, text_field, on_bad_record, val_fraction, split_seed, stats, prog)
 
     tok = _make_tokenizer(tokenizer, vocab_size, out, docs, n_files, total_bytes, progress)
-    info = tokenizer_info(tok)
-    if tok.tokenizer_json is not None:
-        info["file"] = TOKENIZER_FILE
-        info["sha256"] = file_sha256(out / TOKENIZER_FILE)
-        info["spec"] = "bpe" if tokenizer == "bpe" else str(Path(tokenizer).expanduser().absolute())
-        if tokenizer == "bpe":
-            info["requested_vocab_size"] = vocab_size
+    info = _tokenizer_record(tok, tokenizer, vocab_size, out)
     attrs: dict[str, object] = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "source": str(root)}
     if info.get("sha256"):
         attrs["tokenizer_sha256"] = info["sha256"]
@@ -396,6 +390,19 @@ def _prepare(corpus: str, out: Path, val_fraction: float, shard_tokens: int, spl
         len(scan.unreadable), stats.as_dict()["total"],
     )
     return index
+
+
+def _tokenizer_record(tok: Tokenizer, spec: str, vocab_size: int, out: Path) -> dict[str, Any]:
+    """The index's ``tokenizer_info``: the tokenizer's own description, plus the file it was saved to (with its
+    checksum), what ``data.tokenizer`` said and, for a trained BPE, the vocabulary size asked for."""
+    info = tokenizer_info(tok)
+    if tok.tokenizer_json is not None:
+        info["file"] = TOKENIZER_FILE
+        info["sha256"] = file_sha256(out / TOKENIZER_FILE)
+        info["spec"] = "bpe" if spec == "bpe" else str(Path(spec).expanduser().absolute())
+        if spec == "bpe":
+            info["requested_vocab_size"] = vocab_size
+    return info
 
 
 def _index_tail(scan: CorpusScan, stats: RecordStats, on_bad_record: str, writers: dict[str, Any]) -> dict[str, Any]:
@@ -451,13 +458,7 @@ def _prepare_chat(scan: CorpusScan, root: Path, out: Path, val_fraction: float, 
 
     tok = _make_tokenizer(tokenizer, vocab_size, out, rendered, n_files, total_bytes, progress)
     renderer = ChatRenderer.for_tokenizer(tok, tokenizer, train_on)
-    info = tokenizer_info(tok)
-    if tok.tokenizer_json is not None:
-        info["file"] = TOKENIZER_FILE
-        info["sha256"] = file_sha256(out / TOKENIZER_FILE)
-        info["spec"] = "bpe" if tokenizer == "bpe" else str(Path(tokenizer).expanduser().absolute())
-        if tokenizer == "bpe":
-            info["requested_vocab_size"] = vocab_size
+    info = _tokenizer_record(tok, tokenizer, vocab_size, out)
     attrs: dict[str, object] = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "source": str(root),
                                 "format": fmt, "train_on": train_on, "chat_template_sha256": renderer.sha256}
     if info.get("sha256"):

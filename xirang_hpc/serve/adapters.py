@@ -16,7 +16,6 @@ never see each other's rows.
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,10 +27,8 @@ from torch import nn
 from xirang_hpc.config.hf import PEFT_WEIGHTS, read_peft_config
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.config.schema.finetune import LORA_TARGETS, lora_target
+from xirang_hpc.config.schema.serve import ADAPTER_NAME
 from xirang_hpc.weights.errors import WeightsError
-
-#: A served adapter's name: what a request's ``model`` field says (also a key's ``runs`` entry).
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class AdapterSet:
@@ -125,7 +122,7 @@ def attach_adapters(model: nn.Module, cfg: ModelConfig, adapters: dict[str, str]
     refused naming it and the tensor, before the model is changed."""
     names = list(adapters)
     for n in names:
-        if not NAME.match(n):
+        if not ADAPTER_NAME.match(n):
             raise WeightsError(f"serve.adapters: adapter name {n!r} must be letters, digits, '.', '_' or '-' "
                                "(it is what a request's model field says)")
     read = [_read_adapter(n, Path(adapters[n]).expanduser(), cfg) for n in names]

@@ -50,6 +50,9 @@ class EvalConfig:
             raise ConfigError("eval.harness_tasks", [], "eval.harness_limit/num_fewshot/include apply to harness "
                               "tasks: name them, e.g. eval.harness_tasks=[xirang_heldout_mc]")
 
+#: A served adapter's name: what a request's ``model`` field says (also a key's ``runs`` entry).
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
 
 @dataclass
 class ServeConfig:
@@ -87,7 +90,7 @@ class ServeConfig:
         for name in ("max_batch", "max_new_tokens"):
             check_positive("serve", name, getattr(self, name))
         for name, path in self.adapters.items():
-            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", str(name)):
+            if not ADAPTER_NAME.match(str(name)):
                 raise ConfigError(f"serve.adapters.{name}", path, "name an adapter with letters, digits, '.', '_' or "
                                   "'-' (it is what a request's model field says)")
             if not is_peft_dir(path):
