@@ -112,7 +112,7 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
             apply_tensor_parallel(c, mesh["tp"], p.sequence_parallel)
     apply_recompute(model, p.recompute)
     if t.compile:  # regional: each block, over its TP plan and recompute wrapper, before FSDP2 wraps it
-        apply_compile(model)
+        apply_compile(model, chunks if chunks_per_rank > 1 else ())
     for c in chunks:
         precision = apply_autocast(c, t.precision, device)  # bf16 autocast around the forward, or nothing
     use_fsdp = dims.dp > 1 and (p.data_parallel == "fsdp" or dims.tp > 1 or dims.pp > 1)
