@@ -95,11 +95,17 @@ class PublishedRun:
     value: float = 0.0
     role: str = "held-out"  # fit | held-out
     gpu: str = "a100-80gb"  # hardware preset
-    stack: str = "megatron2021"  # software stack: megatron2021 | torchtitan | composer | megatron-core (STACKS)
+    stack: str = "megatron2021"  # software stack (STACKS): megatron2021 | torchtitan | composer | megatron-core |
+    # deepspeed | metaseq
     sp: bool = False  # sequence parallelism (tp > 1)
     free_knobs: bool = False  # micro-batch, interleaving and recomputation unpublished: the planner's fastest
     excluded: str = ""  # why a held-out row is reported apart from the held-out statistics ("" = counted)
     reduce_bytes: int = 0  # bytes per gradient element reduced, where the row differs from its stack (0 = the stack's)
+    # The row's own network where its paper states one unlike the preset's (0 = the preset's): achieved bandwidth
+    # across nodes per node (line rate x the presets' bus factor) and the NICs it is spread over.
+    inter_gbps: float = 0.0
+    nics: int = 0
+    fixed_recompute: bool = False  # with free_knobs: the published recomputation is kept, the rest is free
 
     @property
     def global_batch(self) -> int:
@@ -295,7 +301,35 @@ def is_original_held_out(run: PublishedRun) -> bool:
     return (size, seq) in _MPT_A100_ORIGINAL or (size == "125m" and seq == 2048 and run.micro == 40)
 
 
-ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100 + MEGATRON_H100
+_BLOOM_SRC = "BigScience BLOOM-176B model page (Megatron-DeepSpeed, 384 A100-80GB)"
+_OPT_SRC = "Zhang et al. 2022, OPT, Sec. 2.4 (metaseq FSDP + Megatron TP, 992 A100-80GB)"
+# Rows of stacks no row was fitted on, each predicted with constants fitted elsewhere (nothing refitted):
+# - BLOOM-176B (bigscience.notion.site "BigScience 176B Model"; Le Scao et al. 2022, Sec. 3.4): 384 A100-80GB,
+#   one replica on 48 GPUs = tp 4 x pp 12, so dp 8; micro-batch 2 and global batch 2,048 of 2,048 tokens
+#   (bigscience ``train/tr11-176B-ml/tr11-176B-ml.slurm``, which also sets ``--checkpoint-activations`` and
+#   ``--bf16`` with DeepSpeed's BF16_Optimizer, ZeRO-1-sharded fp32 state); 70 layers, hidden 14,336, 112 heads,
+#   ALiBi (no position table), tied 250,880-token vocabulary. "Training throughput: about 150 TFLOPs" per GPU,
+#   Megatron-DeepSpeed's count with recomputation (the ``tflops`` metric). Jean Zay's nodes reach the network
+#   through four 100 Gb/s Omni-Path links: 4 x 12.5 GB/s x 0.8 = 40 GB/s per node on 4 NICs.
+# - OPT-175B (Zhang et al. 2022, "OPT: Open Pre-trained Transformer Language Models", Sec. 2.4 and Table 1):
+#   992 A100-80GB, FSDP (ZeRO-3) with Megatron-LM tensor parallelism, "utilization of up to 147 TFLOP/s per GPU";
+#   weights in fp16 (gradients reduced in fp16: 2 bytes), Adam state fp32; the GPT-3 175B shape (96 layers,
+#   12,288 wide, 96 heads, 2,048 tokens) with OPT's 50,272-token vocabulary and learned positions; tp 8 (the
+#   released checkpoint's 8 model-parallel parts, 992 / 8 = 124 FSDP shards) and about 2M tokens per step, i.e.
+#   8 sequences per data-parallel rank. Activation checkpointing as metaseq's 175B config; the micro-batch is not
+#   published: the planner's fastest fitting one (``free_knobs``), the recomputation kept.
+BLOOM = [
+    PublishedRun(_BLOOM_SRC, "BLOOM-176B tp=4 pp=12 dp=8",
+                 Shape(layers=70, hidden=14336, heads=112, seq=2048, vocab=250880, ffn=4 * 14336, learned_pos=False),
+                 384, 2, 2048 // (8 * 2), "full", 1, 4, 12, "tflops", 150, stack="deepspeed", inter_gbps=40.0, nics=4),
+]
+OPT = [
+    PublishedRun(_OPT_SRC, "OPT-175B tp=8 FSDP dp=124",
+                 Shape(layers=96, hidden=12288, heads=96, seq=2048, vocab=50272, ffn=4 * 12288), 992, 1, 8, "full",
+                 3, 8, 1, "tflops", 147, stack="metaseq", reduce_bytes=2, free_knobs=True, fixed_recompute=True),
+]
+
+ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100 + MEGATRON_H100 + BLOOM + OPT
 
 # Constants of the FSDP stacks, as fitted by :func:`fit` on the fit rows (``bench_planner.py --fit``
 # prints them again); the loss's traffic is each stack's own (hardware.logit_bytes).
@@ -315,6 +349,13 @@ _FUSED_LOSS, _FP32_LOSS = 6.0, 36.0
 # Megatron-LM under ``--bf16`` (``arguments.py``: "bfloat16 requires gradient accumulation and all-reduce to
 # be done in fp32"). The weights are gathered in bf16 (``weight_bytes`` 2).
 _FP32_REDUCE = 4
+# Gradients *kept* in fp32 (4 bytes per parameter, not 2) where the stack accumulates them there under 16-bit
+# compute: Megatron-LM's ``main_grad`` buffers (``--accumulate-allreduce-grads-in-fp32``, forced on by ``--bf16``,
+# ``arguments.py``; Megatron-LM docs, "Distributed optimizer": 18 bytes per parameter for bf16 weights with fp32
+# gradients, 6 + 12/d with the distributed optimizer) and DeepSpeed's ``BF16_Optimizer``
+# (``deepspeed/runtime/bf16_optimizer.py``: an fp32 gradient buffer the size of the bf16 weights, into which
+# every microbatch's gradients are accumulated).
+_FP32_GRADS = 4
 
 STACKS: dict[tuple[str, str], Hardware] = {
     # Megatron-LM 2021 materialized the attention scores (no fused attention kernel), reduced after the backward.
@@ -331,9 +372,31 @@ STACKS: dict[tuple[str, str], Hardware] = {
     # Megatron-Core 2024 (r0.8): fused attention (Transformer Engine), fp32 vocab-parallel cross-entropy, the
     # H100 compute constants as fitted above; TP collectives pipelined with the GEMMs (--tp-comm-overlap) and
     # the distributed optimizer's overlapped reduce-scatter/all-gather, whose constants are its own fit.
+    # The H100 compute constants are llm-foundry's fitted set, attention rate included: the three were fitted
+    # together, and the preset's public FlashAttention-2 rate beside the other two over-predicts the small rows
+    # (held-out mean 6.4% against 3.3%).
     ("h100", "megatron-core"): PRESETS["h100"].scaled(
-        logit_bytes=_FP32_LOSS, grad_comm_bytes=_FP32_REDUCE, distributed_optimizer=1.0, **_H100_FSDP_FIT,
+        logit_bytes=_FP32_LOSS, grad_comm_bytes=_FP32_REDUCE, grad_bytes=_FP32_GRADS, distributed_optimizer=1.0,
+        **_H100_FSDP_FIT,
         **_MEGATRON_CORE_FIT),
+    # DeepSpeed's pipeline engine over Megatron-DeepSpeed's layers (BLOOM): Megatron 2021's kernels (materialized
+    # scores with the fused scaled-masked softmax, reentrant activation checkpointing, fp32 vocab-parallel loss)
+    # and its A100 compute constants; BF16_Optimizer keeps and reduces fp32 gradients (grad_bytes 4,
+    # grad_comm_bytes 4), all-reduces them once after the last microbatch's backward (``PipelineEngine``'s
+    # ``ReduceGrads`` instruction follows the whole schedule: nothing overlapped, dp_overlap 0) and then
+    # all-gathers the updated bf16 weights from their owners: this runtime's ZeRO-1 (cost.py).
+    ("a100-80gb", "deepspeed"): PRESETS["a100-80gb"].scaled(flash_attention=0.0, logit_bytes=_FP32_LOSS,
+                                                             checkpoint_early_stop=0.0, grad_bytes=_FP32_GRADS,
+                                                             grad_comm_bytes=_FP32_REDUCE, dp_overlap=0.0),
+    ("a100-40gb", "deepspeed"): PRESETS["a100-40gb"].scaled(flash_attention=0.0, logit_bytes=_FP32_LOSS,
+                                                             checkpoint_early_stop=0.0, grad_bytes=_FP32_GRADS,
+                                                             grad_comm_bytes=_FP32_REDUCE, dp_overlap=0.0),
+    # metaseq (OPT, 2022): Megatron-LM's tensor-parallel layers and kernels (materialized scores, reentrant
+    # checkpointing, fp32 vocab-parallel loss; the A100 compute constants of Megatron-LM 2021) under FairScale's
+    # FSDP, whose gathers are prefetched behind compute as PyTorch FSDP's are: the A100 FSDP overlap constants.
+    ("a100-80gb", "metaseq"): PRESETS["a100-80gb"].scaled(
+        flash_attention=0.0, logit_bytes=_FP32_LOSS, checkpoint_early_stop=0.0,
+        dp_overlap=_A100_FSDP_FIT["dp_overlap"], comm_interference=_A100_FSDP_FIT["comm_interference"]),
 }
 
 
@@ -341,6 +404,8 @@ def hardware_for(run: PublishedRun, stacks: dict[tuple[str, str], Hardware] | No
     """The hardware preset with the row's software stack's constants (from ``stacks``, default
     :data:`STACKS`) and the row's own reduce precision where it differs from its stack's."""
     hw = (stacks or STACKS)[(run.gpu, run.stack)]
+    if run.inter_gbps:
+        hw = hw.scaled(inter_bw_gbs=run.inter_gbps, inter_nics=run.nics or hw.inter_nics)
     return hw.scaled(grad_comm_bytes=run.reduce_bytes) if run.reduce_bytes else hw
 
 
@@ -358,7 +423,7 @@ def _free_plans(run: PublishedRun, dp: int) -> list[Plan]:
         vs = [1] if run.pp <= 2 else [v for v in range(1, per_stage + 1)
                                       if per_stage % v == 0 and (v == 1 or m % run.pp == 0)]
         for v in vs:
-            for rc in ("none", "selective", "full"):
+            for rc in (run.recompute,) if run.fixed_recompute else ("none", "selective", "full"):
                 plans.append(Plan(dp=dp, tp=run.tp, pp=run.pp, micro=micro, v=v, zero=run.zero, recompute=rc,
                                   sp=run.sp))
     return plans
