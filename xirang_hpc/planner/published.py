@@ -73,7 +73,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xirang_hpc.planner.cost import Plan, Problem, estimate
-from xirang_hpc.planner.formulas import Shape
+from xirang_hpc.planner.formulas import Shape, model_flops
 from xirang_hpc.planner.hardware import PRESETS, Hardware
 
 
@@ -91,7 +91,8 @@ class PublishedRun:
     zero: int  # 0 = DDP / Megatron, 3 = FSDP full shard
     tp: int = 1
     pp: int = 1
-    metric: str = "tokens_per_gpu"  # or "tflops" (hardware FLOP/s per GPU, recomputation counted)
+    # or "tflops" (hardware FLOP/s per GPU, recomputation counted), "model_tflops" (without), "megatron_tflops"
+    metric: str = "tokens_per_gpu"
     value: float = 0.0
     role: str = "held-out"  # fit | held-out
     gpu: str = "a100-80gb"  # hardware preset
@@ -329,7 +330,24 @@ OPT = [
                  3, 8, 1, "tflops", 147, stack="metaseq", reduce_bytes=2, free_knobs=True, fixed_recompute=True),
 ]
 
-ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100 + MEGATRON_H100 + BLOOM + OPT
+_LLAMA3_SRC = "Llama 3 Herd of Models, Table 4 (Meta, 405B, H100-80GB)"
+# Llama 3 405B ("The Llama 3 Herd of Models", Meta 2024): Table 4's two 8,192-token stages, 8,192 and 16,384
+# H100s (700 W, 80 GB HBM3; Sec. 3.3.1), tp 8, pp 16, dp 64 and 128 (FSDP: "DP stands for FSDP", Fig. 5), 32 and
+# 16 sequences per data-parallel group, 16M tokens per step; BF16 MFU 43% and 41% = 430 and 400 TFLOP/s per GPU of
+# model FLOPs (Chowdhery et al.'s count: 6N + 12 l h s per token, :func:`formulas.model_flops`). Sec. 3.3.2: FSDP
+# shards optimizer and gradients but does not reshard the weights after the forward (ZeRO-2 as this runtime runs
+# it under a pipeline), gradients accumulated and reduce-scattered in fp32, an interleaved schedule whose first
+# and last stages hold one layer fewer. Micro-batch, interleaving and recomputation are not published: the
+# planner's fastest fitting choice (``free_knobs``). The shape is bench_planner.py's (Table 3). The context-
+# parallel third stage (131,072 tokens) is not modelled.
+_LLAMA3_405B = _llama(126, 16384, 128, 8, 53248, 128256, 8192)
+LLAMA3 = [
+    PublishedRun(_LLAMA3_SRC, f"Llama 3 405B tp=8 pp=16 dp={dp}", _LLAMA3_405B, gpus, 1, per_dp, "none", 2, 8, 16,
+                 "model_tflops", value, gpu="h100", stack="llama3", sp=True, free_knobs=True)
+    for gpus, dp, per_dp, value in ((8192, 64, 32, 430), (16384, 128, 16, 400))
+]
+
+ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100 + MEGATRON_H100 + BLOOM + OPT + LLAMA3
 
 # Constants of the FSDP stacks, as fitted by :func:`fit` on the fit rows (``bench_planner.py --fit``
 # prints them again); the loss's traffic is each stack's own (hardware.logit_bytes).
@@ -397,6 +415,9 @@ STACKS: dict[tuple[str, str], Hardware] = {
     ("a100-80gb", "metaseq"): PRESETS["a100-80gb"].scaled(
         flash_attention=0.0, logit_bytes=_FP32_LOSS, checkpoint_early_stop=0.0,
         dp_overlap=_A100_FSDP_FIT["dp_overlap"], comm_interference=_A100_FSDP_FIT["comm_interference"]),
+    # Meta's Llama 3 stack on H100 (Sec. 3.3.2): the h100 preset (fused attention at FlashAttention-2's published
+    # H100 rate, fp32 cross-entropy, FSDP overlap from the A100 FSDP fit) with fp32 gradients kept and reduced.
+    ("h100", "llama3"): PRESETS["h100"].scaled(grad_bytes=_FP32_GRADS, grad_comm_bytes=_FP32_REDUCE),
 }
 
 
@@ -452,6 +473,8 @@ def predict(run: PublishedRun, hw: Hardware | None = None) -> float:
     est = estimate(_problem(run, hw), plan_for(run, hw))
     if run.metric == "tflops":
         return est.tflops_per_gpu
+    if run.metric == "model_tflops":  # model FLOPs (no recomputation) per GPU: MFU x peak
+        return model_flops(run.shape, run.global_batch) / est.step_time / run.gpus / 1e12
     if run.metric == "megatron_tflops":  # the published figure's own FLOP count over the predicted step
         return megatron_model_flops(run.shape, run.global_batch) / est.step_time / run.gpus / 1e12
     return est.tokens_per_s / run.gpus
