@@ -326,7 +326,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
 
     def group(n: float) -> float:
         if sharded and hw.pipelined_rings > 0:
-            return comm.pipelined_ring(n, k_dp, d // k_dp, links, flows=k)
+            return comm.pipelined_ring(n, k_dp, d // k_dp, links, flows=k, channels=round(hw.sharded_ring_channels))
         return comm.group_allreduce(n, k_dp, d // k_dp, links, flows=k)[0]
 
     scatter = group(grad_bytes) / 2

@@ -132,6 +132,10 @@ class Hardware:
     # sets the time (comm.pipelined_ring). 0 = the best of a flat single-NIC ring and a hierarchical
     # all-reduce whose intra- and inter-node phases run one after the other (comm.group_allreduce).
     pipelined_rings: float = 0.0
+    # NICs per node the sharded stages' rings cross nodes through (comm.pipelined_ring's ``channels``); 0 = one per
+    # rank of the node, NCCL's multi-channel rings as above. A stack whose gathers reach less (DeepSpeed ZeRO-3 of
+    # 2021, fitted on Narayanan et al. SC21 Table 2 in planner/published.py) sets the share it reaches.
+    sharded_ring_channels: float = 0.0
 
     def scaled(self, **overrides: float) -> Hardware:
         """A copy with some fields replaced."""
@@ -189,7 +193,7 @@ _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", 
                 "sp_overhead_us", "tp_overhead_us_per_mb", "bubble_exposed", "dp_overhead_us_per_mb",
                 "fsdp_overhead_us_per_mb", "optimizer_ns_per_param", "fsdp_buffer_factor", "attn_score_ns",
                 "flash_attention", "attn_efficiency", "logit_bytes", "comm_interference",
-                "checkpoint_early_stop", "metric_bytes", "pipelined_rings"}
+                "checkpoint_early_stop", "metric_bytes", "pipelined_rings", "sharded_ring_channels"}
 _FRACTIONS = {"bubble_exposed", "dp_overlap", "flash_attention", "attn_efficiency", "comm_interference",
               "checkpoint_early_stop", "pipelined_rings"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")

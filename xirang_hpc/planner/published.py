@@ -302,6 +302,24 @@ def is_original_held_out(run: PublishedRun) -> bool:
     return (size, seq) in _MPT_A100_ORIGINAL or (size == "125m" and seq == 2048 and run.micro == 40)
 
 
+_ZERO3_SRC = "Narayanan et al. SC21 Table 2 (DeepSpeed ZeRO-3, no model parallelism, A100-80GB)"
+# Narayanan et al. SC21, Sec. 5.2 and Table 2: the 175B and 530B GPTs of Table 1 trained with DeepSpeed's ZeRO-3 and
+# no model parallelism on the same cluster (8x 200 Gb/s HDR per DGX A100 node, the preset's), fixed global batch,
+# the micro-batch halved as the GPUs double, one microbatch per step; teraFLOP/s per GPU counted as Table 1's
+# (with recomputation). The 530B run needed 640 GPUs and a batch of 2,560 at the smallest scale (the table's
+# starred row). Rule fixed before looking at errors: the three 175B rows set the stack's two communication
+# constants (:func:`fit_deepspeed_zero3`), the three 530B rows are held out.
+NARAYANAN_ZERO3 = [
+    PublishedRun(_ZERO3_SRC, f"GPT {name} ZeRO-3 {gpus} GPUs", _gpt(*dims), gpus, micro, batch // (gpus * micro),
+                 "full", 3, metric="tflops", value=value, role=role, stack="deepspeed-zero3")
+    for name, dims, batch, gpus, micro, value, role in (
+        ("174.6B", (96, 12288, 96), 1536, 384, 4, 144, "fit"), ("174.6B", (96, 12288, 96), 1536, 768, 2, 88, "fit"),
+        ("174.6B", (96, 12288, 96), 1536, 1536, 1, 44, "fit"),
+        ("529.6B", (105, 20480, 128), 2560, 640, 4, 138, "held-out"),
+        ("529.6B", (105, 20480, 128), 2240, 1120, 2, 98, "held-out"),
+        ("529.6B", (105, 20480, 128), 2240, 2240, 1, 48, "held-out"))
+]
+
 _BLOOM_SRC = "BigScience BLOOM-176B model page (Megatron-DeepSpeed, 384 A100-80GB)"
 _OPT_SRC = "Zhang et al. 2022, OPT, Sec. 2.4 (metaseq FSDP + Megatron TP, 992 A100-80GB)"
 # Rows of stacks no row was fitted on, each predicted with constants fitted elsewhere (nothing refitted):
@@ -347,7 +365,7 @@ LLAMA3 = [
     for gpus, dp, per_dp, value in ((8192, 64, 32, 430), (16384, 128, 16, 400))
 ]
 
-ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100 + MEGATRON_H100 + BLOOM + OPT + LLAMA3
+ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100 + MEGATRON_H100 + BLOOM + OPT + LLAMA3 + NARAYANAN_ZERO3
 
 # Constants of the FSDP stacks, as fitted by :func:`fit` on the fit rows (``bench_planner.py --fit``
 # prints them again); the loss's traffic is each stack's own (hardware.logit_bytes).
@@ -361,6 +379,9 @@ _COMPOSER_METRICS = dict(metric_bytes=31.85)
 # :func:`fit_megatron_core` on the Megatron-LM fit rows, with the H100 compute constants above.
 _MEGATRON_CORE_FIT = dict(tp_comm_overlap=0.025, dp_overlap=0.824, comm_interference=0.0)
 _FUSED_LOSS, _FP32_LOSS = 6.0, 36.0
+# DeepSpeed ZeRO-3's overlap and NICs reached, fitted by :func:`fit_deepspeed_zero3` on the 175B rows of Narayanan
+# et al. SC21 Table 2.
+_DEEPSPEED_ZERO3_FIT = dict(dp_overlap=0.98, sharded_ring_channels=1.0)
 # Gradients reduced in fp32 under bf16 compute (4 bytes per element on the wire): Composer FSDP's ``DEFAULT``
 # mixed precision (above), torchtitan's FSDP2 ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``
 # (``parallelize_llama.py`` of 395a526, later the ``--training.mixed_precision_reduce`` default), and
@@ -415,6 +436,14 @@ STACKS: dict[tuple[str, str], Hardware] = {
     ("a100-80gb", "metaseq"): PRESETS["a100-80gb"].scaled(
         flash_attention=0.0, logit_bytes=_FP32_LOSS, checkpoint_early_stop=0.0,
         dp_overlap=_A100_FSDP_FIT["dp_overlap"], comm_interference=_A100_FSDP_FIT["comm_interference"]),
+    # DeepSpeed ZeRO-3 of 2021 (Narayanan et al. SC21 Table 2's baseline) over Megatron-LM's GPT: Megatron 2021's
+    # kernels and A100 compute constants, fp16 weights and gradients (reduced in fp16); parameters prefetched and
+    # gradients reduced in buckets during the passes (DeepSpeed's ``overlap_comm``, ``stage3_prefetch_bucket_size``),
+    # how much of a pass that hides (``dp_overlap``) and how many NICs per node its gathers reach
+    # (``sharded_ring_channels``) fitted on the 175B rows (:func:`fit_deepspeed_zero3`).
+    ("a100-80gb", "deepspeed-zero3"): PRESETS["a100-80gb"].scaled(
+        flash_attention=0.0, logit_bytes=_FP32_LOSS, checkpoint_early_stop=0.0,
+        comm_interference=_A100_FSDP_FIT["comm_interference"], **_DEEPSPEED_ZERO3_FIT),
     # Meta's Llama 3 stack on H100 (Sec. 3.3.2): the h100 preset (fused attention at FlashAttention-2's published
     # H100 rate, fp32 cross-entropy, FSDP overlap from the A100 FSDP fit) with fp32 gradients kept and reduced.
     ("h100", "llama3"): PRESETS["h100"].scaled(grad_bytes=_FP32_GRADS, grad_comm_bytes=_FP32_REDUCE),
@@ -524,7 +553,7 @@ MEGATRON_CORE_FIT_FIELDS = {"tp_comm_overlap": (0.0, 1.0), "dp_overlap": (0.0, 1
 
 def fit_a100() -> dict[str, float]:
     """The A100 FSDP constants from the A100 fit rows of the FSDP stacks (torchtitan + llm-foundry)."""
-    rows = [r for r in ALL if r.role == "fit" and r.gpu == "a100-80gb" and r.stack != "megatron2021"]
+    rows = [r for r in ALL if r.role == "fit" and r.gpu == "a100-80gb" and r.stack in ("torchtitan", "composer")]
     return fit(rows, STACKS, FSDP_FIT_FIELDS)
 
 
@@ -542,3 +571,25 @@ def fit_megatron_core() -> dict[str, float]:
     """Megatron-Core's overlap constants (TP communication hidden, data-parallel overlap and its interference)
     from the Megatron-LM fit rows, every other constant as stored (H100 compute constants from llm-foundry)."""
     return fit([r for r in MEGATRON_H100 if r.role == "fit"], STACKS, MEGATRON_CORE_FIT_FIELDS)
+
+
+DEEPSPEED_ZERO3_FIT_FIELDS = {"dp_overlap": (0.0, 1.0), "sharded_ring_channels": (1.0, 8.0)}
+
+
+def fit_deepspeed_zero3() -> dict[str, float]:
+    """DeepSpeed ZeRO-3's overlap and NICs reached from the fit rows of Narayanan et al. SC21 Table 2 (175B): for
+    each whole number of NICs (1 to 8, the node's), :func:`fit` of the overlap; the pair with the least mean
+    |relative error| is kept."""
+    rows = [r for r in NARAYANAN_ZERO3 if r.role == "fit"]
+
+    def loss(vals: dict[str, float]) -> float:
+        return sum(abs(predict(r, hardware_for(r).scaled(**vals)) / r.value - 1) for r in rows) / len(rows)
+
+    best: dict[str, float] = {}
+    for nics in range(1, 9):
+        base = {k: v.scaled(sharded_ring_channels=float(nics)) for k, v in STACKS.items()}
+        vals = {**fit(rows, base, {"dp_overlap": DEEPSPEED_ZERO3_FIT_FIELDS["dp_overlap"]}),
+                "sharded_ring_channels": float(nics)}
+        if not best or loss(vals) < loss(best):
+            best = vals
+    return best
