@@ -319,6 +319,18 @@ NARAYANAN_ZERO3 = [
         ("529.6B", (105, 20480, 128), 2240, 1120, 2, 98, "held-out"),
         ("529.6B", (105, 20480, 128), 2240, 2240, 1, 48, "held-out"))
 ]
+# The same table's PTD-P rows (Megatron-LM 2021: tp 8 x pp 12 for 175B, tp 8 x pp 35 for 530B, micro-batch 1, batches
+# of 1,536 and 2,240), held out on the Megatron-LM 2021 stack whose constants Table 1's fit rows set: at every GPU
+# count they are faster than ZeRO-3, the ranking the planner has to reproduce.
+_PTDP_SRC = "Narayanan et al. SC21 Table 2 (PTD-P, Megatron-LM, A100-80GB)"
+NARAYANAN_PTDP = [
+    PublishedRun(_PTDP_SRC, f"GPT {name} tp=8 pp={pp} {gpus} GPUs", _gpt(*dims), gpus, 1, batch // (gpus // (8 * pp)),
+                 "full", 0, 8, pp, "tflops", value)
+    for name, dims, pp, batch, gpus, value in (
+        ("174.6B", (96, 12288, 96), 12, 1536, 384, 153), ("174.6B", (96, 12288, 96), 12, 1536, 768, 149),
+        ("174.6B", (96, 12288, 96), 12, 1536, 1536, 141), ("529.6B", (105, 20480, 128), 35, 2240, 560, 171),
+        ("529.6B", (105, 20480, 128), 35, 2240, 1120, 167), ("529.6B", (105, 20480, 128), 35, 2240, 2240, 159))
+]
 
 _BLOOM_SRC = "BigScience BLOOM-176B model page (Megatron-DeepSpeed, 384 A100-80GB)"
 _OPT_SRC = "Zhang et al. 2022, OPT, Sec. 2.4 (metaseq FSDP + Megatron TP, 992 A100-80GB)"
@@ -365,7 +377,8 @@ LLAMA3 = [
     for gpus, dp, per_dp, value in ((8192, 64, 32, 430), (16384, 128, 16, 400))
 ]
 
-ALL = NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100 + MEGATRON_H100 + BLOOM + OPT + LLAMA3 + NARAYANAN_ZERO3
+ALL = (NARAYANAN + TORCHTITAN_A100 + MPT_A100 + MPT_H100 + MEGATRON_H100 + BLOOM + OPT + LLAMA3 + NARAYANAN_ZERO3
+       + NARAYANAN_PTDP)
 
 # Constants of the FSDP stacks, as fitted by :func:`fit` on the fit rows (``bench_planner.py --fit``
 # prints them again); the loss's traffic is each stack's own (hardware.logit_bytes).
