@@ -19,6 +19,10 @@ Two roles, kept apart so that accuracy is never reported on the rows that set th
   314B). The rules (fit on the short-sequence rows, predict the long ones; every other Megatron row) were
   fixed before looking at the errors; the first makes the MPT held-out rows an extrapolation in sequence
   length, the second the Megatron ones an interpolation in size, tp and pp.
+- at hundreds to thousands of GPUs: Narayanan et al. SC21 Table 2's ZeRO-3 rows set the ``deepspeed-zero3``
+  stack's two communication constants on 175B (:func:`fit_deepspeed_zero3`) and are held out on 530B; that
+  table's PTD-P rows, BLOOM-176B, OPT-175B and Llama 3 405B are all held out, on stacks whose constants were
+  fitted on other rows (each stack's comment in :data:`STACKS` says where from).
 
 Sources (read 2026-11):
 - Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
