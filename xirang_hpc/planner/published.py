@@ -371,9 +371,11 @@ _LLAMA3_SRC = "Llama 3 Herd of Models, Table 4 (Meta, 405B, H100-80GB)"
 # model FLOPs (Chowdhery et al.'s count: 6N + 12 l h s per token, :func:`formulas.model_flops`). Sec. 3.3.2: FSDP
 # shards optimizer and gradients but does not reshard the weights after the forward (ZeRO-2 as this runtime runs
 # it under a pipeline), gradients accumulated and reduce-scattered in fp32, an interleaved schedule whose first
-# and last stages hold one layer fewer. Micro-batch, interleaving and recomputation are not published: the
-# planner's fastest fitting choice (``free_knobs``). The shape is bench_planner.py's (Table 3). The context-
-# parallel third stage (131,072 tokens) is not modelled.
+# and last stages hold one layer fewer; 8K-token pre-training "without activation checkpointing". Micro-batch and
+# interleaving are not published, and the planner's memory model does not fit the run without recomputation (its
+# first chunk holds a layer where Llama 3's holds only the embedding; benchmarks/RESULTS.md): each row is
+# predicted with the planner's fastest fitting choice of the three (``free_knobs``). The shape is
+# bench_planner.py's (Table 3). The context-parallel third stage (131,072 tokens) is not modelled.
 _LLAMA3_405B = _llama(126, 16384, 128, 8, 53248, 128256, 8192)
 LLAMA3 = [
     PublishedRun(_LLAMA3_SRC, f"Llama 3 405B tp=8 pp=16 dp={dp}", _LLAMA3_405B, gpus, 1, per_dp, "none", 2, 8, 16,
