@@ -49,15 +49,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--fit", action="store_true",
-                    help="refit the FSDP and Megatron-Core stacks' constants on the fit rows, print them")
+                    help="refit the FSDP, Megatron-Core and DeepSpeed ZeRO-3 stacks' constants on the fit rows")
     args = ap.parse_args()
     if args.fit:
-        from xirang_hpc.planner.published import fit_a100, fit_h100, fit_megatron_core
+        from xirang_hpc.planner.published import fit_a100, fit_deepspeed_zero3, fit_h100, fit_megatron_core
 
         a100 = fit_a100()
         print("A100 FSDP:", {k: round(v, 3) for k, v in a100.items()})
         print("H100 FSDP:", {k: round(v, 3) for k, v in fit_h100(a100).items()})
         print("H100 Megatron-Core overlap:", {k: round(v, 3) for k, v in fit_megatron_core().items()})
+        print("A100 DeepSpeed ZeRO-3:", {k: round(v, 3) for k, v in fit_deepspeed_zero3().items()})
         return
     if args.local:
         from bench_planner_local import run_local
@@ -109,7 +110,8 @@ def validation_table() -> None:
     groups = [("fit", "rows that set the constants (in-sample)", lambda r: True),
               ("held-out", "held-out rows, A100-80GB (out-of-sample, nothing refitted)", lambda r: r.gpu != "h100"),
               ("held-out", "held-out rows, H100-80GB (out-of-sample, nothing refitted)", lambda r: r.gpu == "h100")]
-    units = {"tflops": "TFLOP/s/GPU", "megatron_tflops": "model TFLOP/s/GPU", "tokens_per_gpu": "tokens/s/GPU"}
+    units = {"tflops": "TFLOP/s/GPU", "megatron_tflops": "model TFLOP/s/GPU", "model_tflops": "model TFLOP/s/GPU",
+             "tokens_per_gpu": "tokens/s/GPU"}
     for role, title, keep in groups:
         rows = [r for r in ALL if r.role == role and keep(r)]
         print(f"{title}:\n| source | run | GPUs | metric | published | predicted | error |")

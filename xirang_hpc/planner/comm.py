@@ -72,7 +72,7 @@ def group_allreduce(n: float, k: int, m: int, links: Links, flows: int) -> tuple
     return (hier, "hierarchical") if hier <= flat else (flat, "ring-inter")
 
 
-def pipelined_ring(n: float, k: int, m: int, links: Links, flows: int) -> float:
+def pipelined_ring(n: float, k: int, m: int, links: Links, flows: int, channels: int = 0) -> float:
     """All-reduce-equivalent time of NCCL's ring over a group of k ranks on each of m nodes (half of it for an
     all-gather or a reduce-scatter): 2(p-m)a_l + 2(m-1)a_g + 2(p-1)/p * n * max((k-1)/k * b_l, b_g / k).
 
@@ -85,13 +85,19 @@ def pipelined_ring(n: float, k: int, m: int, links: Links, flows: int) -> float:
     in the 1/k that leave it. Latency as NCCL's own tuning model counts a ring's steps (``src/graph/tuning.cc``,
     ``ncclTopoTuneModel``): 2(m-1) of the 2(p-1) steps cross nodes and pay the network's latency, the others
     NVLink's. One rank per node (k = 1) or one node (m = 1): the flat ring.
+
+    ``channels`` (0 = k) is how many of a node's NICs the collective's rings actually leave it through: every link
+    of a ring carries the whole (p-1)/p * n, so with c rings (channels) on c NICs each NIC carries 1/c of it, and a
+    collective whose rings share fewer NICs than the node has ranks crosses nodes at b_g / c instead of b_g / k
+    (c = 1: one NIC carries everything, a single ring's bandwidth).
     """
     p = k * m
     if p <= 1 or n <= 0:
         return 0.0
     if m == 1:
         return ring_allreduce(n, k, links.a_intra, links.b_intra)
-    per_byte = max((k - 1) / k * links.b_intra, links.b_inter(flows) / k)
+    c = min(k, channels) if channels > 0 else k
+    per_byte = max((k - 1) / k * links.b_intra, links.b_inter(flows) / c)
     return 2 * (p - m) * links.a_intra + 2 * (m - 1) * links.a_inter + 2 * (p - 1) / p * n * per_byte
 
 

@@ -250,6 +250,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     # Softmax, dropout, norms, GeLU are memory-bound: they stream the layer's activations
     # (Korthikanti et al.'s per-layer bytes, no recompute) through device memory on every pass.
     act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes, flash)
+    score_bytes = act_stream - layer_activation_bytes(sh, b, t, pl.sp, "selective", hw.act_bytes, flash)
     # Training = 3 forward passes + recomputation; the attention products run at the attention
     # kernel's rate, the rest at the GEMM rate.
     dense_extra = dense - skipped if pl.recompute == "full" else 0.0
@@ -264,11 +265,19 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
         # Softmax over the b * a/t * s^2 attention scores (exp per element; calibrated on CPU, 0 on GPUs
         # where fused attention hides it in the FLOP rate).
         scores = 0.0 if flash else n * passes * b * (sh.heads / t) * sh.seq**2 * hw.attn_score_ns * 1e-9
+        # Selective recomputation (Korthikanti et al. 2022, Sec. 5) re-runs QK^T, softmax, dropout and the
+        # product with V in the backward: over materialized scores that is one more pass of the memory-bound
+        # softmax and dropout over the 5*a*s^2*b bytes the recomputation saved (the score term of
+        # ``layer_activation_bytes``), at the same ``elementwise_traffic`` as the other passes. A fused kernel
+        # recomputes its scores in on-chip memory: no traffic.
+        rescore = 0.0
+        if pl.recompute == "selective" and not flash:
+            rescore = n * hw.elementwise_traffic * score_bytes / (hw.mem_bw_gbs * 1e9)
         # The loss streams the b*s*V/t logits through device memory (hardware.logit_bytes per element).
         loss = (hw.logit_bytes * tokens * sh.vocab / t / (hw.mem_bw_gbs * 1e9)) if last else 0.0
         # Training metrics computed on every microbatch's logits stream them again (hardware.metric_bytes).
         loss += (hw.metric_bytes * tokens * sh.vocab / t / (hw.mem_bw_gbs * 1e9)) if last else 0.0
-        return flops_time + overhead + elementwise + scores + loss + hw.microbatch_overhead_us * 1e-6
+        return flops_time + overhead + elementwise + scores + rescore + loss + hw.microbatch_overhead_us * 1e-6
 
     def tp_of(n: int) -> float:
         # Tensor parallel all-reduces of b*s*h activations, inside the node.
@@ -317,7 +326,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
 
     def group(n: float) -> float:
         if sharded and hw.pipelined_rings > 0:
-            return comm.pipelined_ring(n, k_dp, d // k_dp, links, flows=k)
+            return comm.pipelined_ring(n, k_dp, d // k_dp, links, flows=k, channels=round(hw.sharded_ring_channels))
         return comm.group_allreduce(n, k_dp, d // k_dp, links, flows=k)[0]
 
     scatter = group(grad_bytes) / 2
