@@ -8,6 +8,10 @@ Costs (anchors.md, "Communication"), p = k ranks/node x m nodes, n bytes, a = la
 - NCCL's pipelined multi-channel ring (``pipelined_ring``; the sharded stages' all-gathers and
   reduce-scatters on GPUs): 2(p-m)*a_l + 2(m-1)*a_g + 2(p-1)/p * n * max((k-1)/k * b_l, b_g/k), the
   slowest link's time, since the ring's NVLink and network hops carry their chunks at the same time.
+- all-to-all (``all_to_all``; expert parallelism's token dispatch and combine), pairwise exchange
+  (Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH",
+  IJHPCA 2005, Sec. 4.5): (p-1)*a + (p-1)/p * n * b, each rank sending n/p bytes to every other rank;
+  with k of the p ranks on each node the NVLink and network shares move at the same time.
 Inter-node bandwidth is a per-node figure shared by the ``flows`` ranks of a node that talk across
 nodes at the same time (e.g. the 8 data-parallel groups of a node with tp=8).
 """
@@ -93,6 +97,23 @@ def pipelined_ring(n: float, k: int, m: int, links: Links, flows: int) -> float:
         return ring_allreduce(n, k, links.a_intra, links.b_intra)
     per_byte = max((k - 1) / k * links.b_intra, links.b_inter(flows) / k)
     return 2 * (p - m) * links.a_intra + 2 * (m - 1) * links.a_inter + 2 * (p - 1) / p * n * per_byte
+
+
+def all_to_all(n: float, k: int, m: int, links: Links, flows: int) -> float:
+    """All-to-all of ``n`` bytes per rank over a group of k ranks on each of m nodes (n/p bytes to each peer).
+
+    Pairwise exchange (Thakur et al. 2005): p - 1 steps, (p-1)/p * n bytes out of each rank. Of the p - 1
+    peers, k - 1 share the rank's node (NVLink) and p - k do not (its share of the node's NICs, one of
+    ``flows`` streams leaving the node at once); the two kinds of transfer proceed concurrently (NCCL issues
+    an all-to-all as grouped point-to-point sends), so the slower sets the time. Latency: one step per peer,
+    at the latency of that peer's link. One node (m = 1): the intra-node exchange alone.
+    """
+    p = k * m
+    if p <= 1 or n <= 0:
+        return 0.0
+    intra = (k - 1) / p * n * links.b_intra
+    inter = (p - k) / p * n * links.b_inter(flows) if m > 1 else 0.0
+    return (k - 1) * links.a_intra + (p - k) * links.a_inter + max(intra, inter)
 
 
 def p2p(n: float, inter_node: bool, links: Links, flows: int) -> float:
