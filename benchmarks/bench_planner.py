@@ -108,7 +108,10 @@ def validation_table() -> None:
 
     groups = [("fit", "rows that set the constants (in-sample)", lambda r: True),
               ("held-out", "held-out rows, A100-80GB (out-of-sample, nothing refitted)", lambda r: r.gpu != "h100"),
-              ("held-out", "held-out rows, H100-80GB (out-of-sample, nothing refitted)", lambda r: r.gpu == "h100")]
+              ("held-out", "held-out rows, H100-80GB (out-of-sample, nothing refitted)",
+               lambda r: r.gpu == "h100" and not r.shape.experts),
+              ("held-out", "held-out mixture-of-experts rows, H100-80GB (out-of-sample, nothing fitted on them)",
+               lambda r: bool(r.shape.experts))]
     units = {"tflops": "TFLOP/s/GPU", "megatron_tflops": "model TFLOP/s/GPU", "tokens_per_gpu": "tokens/s/GPU"}
     for role, title, keep in groups:
         rows = [r for r in ALL if r.role == role and keep(r)]

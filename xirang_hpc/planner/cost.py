@@ -319,9 +319,15 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
 
     # Expert parallelism: each MoE block's token dispatch and combine, an all-to-all over the ep group in
     # every pass (comm.all_to_all); the group is ep consecutive ranks of the tp-then-dp order.
+    # A dispatcher that sends a token once per target node (hardware.a2a_node_dedup, DeepEP) moves only
+    # comm.node_dedup_share of the cross-node copies.
     ep_local = math.gcd(pl.ep, k)
-    a2a = comm.all_to_all(tokens / t * sh.top_k * sh.hidden * hw.act_bytes, ep_local, pl.ep // ep_local, links,
-                          flows=k) if pl.ep > 1 else 0.0
+    ep_nodes = pl.ep // ep_local
+    a2a_bytes = tokens / t * sh.top_k * sh.hidden * hw.act_bytes
+    inter_bytes = None
+    if hw.a2a_node_dedup > 0 and ep_nodes > 1:
+        inter_bytes = (ep_nodes - 1) / ep_nodes * a2a_bytes * comm.node_dedup_share(sh.experts, sh.top_k, ep_nodes)
+    a2a = comm.all_to_all(a2a_bytes, ep_local, ep_nodes, links, flows=k, inter_n=inter_bytes) if pl.ep > 1 else 0.0
     moe_share = sh.n_moe / sh.layers
     n_a2a = 6 if pl.recompute == "full" else 4
 

@@ -132,6 +132,11 @@ class Hardware:
     # sets the time (comm.pipelined_ring). 0 = the best of a flat single-NIC ring and a hierarchical
     # all-reduce whose intra- and inter-node phases run one after the other (comm.group_allreduce).
     pipelined_rings: float = 0.0
+    # 1 = expert parallelism's token dispatcher sends each token once to every other node that holds one of its
+    # experts and forwards it there over NVLink (DeepEP; DeepSeek-V3 technical report Sec. 3.2.2): the network
+    # carries comm.node_dedup_share of a plain all-to-all's cross-node bytes. 0 = a plain all-to-all (NCCL, as
+    # torchtitan's and this runtime's expert parallelism).
+    a2a_node_dedup: float = 0.0
 
     def scaled(self, **overrides: float) -> Hardware:
         """A copy with some fields replaced."""
@@ -186,9 +191,9 @@ _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", 
                 "sp_overhead_us", "tp_overhead_us_per_mb", "bubble_exposed", "dp_overhead_us_per_mb",
                 "fsdp_overhead_us_per_mb", "optimizer_ns_per_param", "fsdp_buffer_factor", "attn_score_ns",
                 "flash_attention", "attn_efficiency", "logit_bytes", "comm_interference",
-                "checkpoint_early_stop", "metric_bytes", "pipelined_rings"}
+                "checkpoint_early_stop", "metric_bytes", "pipelined_rings", "a2a_node_dedup"}
 _FRACTIONS = {"bubble_exposed", "dp_overlap", "flash_attention", "attn_efficiency", "comm_interference",
-              "checkpoint_early_stop", "pipelined_rings"}
+              "checkpoint_early_stop", "pipelined_rings", "a2a_node_dedup"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
 
 
