@@ -25,7 +25,7 @@ from xirang_hpc.config.validate import check_runnable, validate
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.planner.cost import Estimate, Plan, Problem
 from xirang_hpc.planner.formulas import Shape
-from xirang_hpc.planner.hardware import hardware_for
+from xirang_hpc.planner.hardware import hardware_for, with_precision
 from xirang_hpc.planner.search import Result, Space, search
 
 log = logging.getLogger("xirang.plan")
@@ -35,7 +35,8 @@ PLAN_FILE = "plan.json"
 def problem_of(cfg: XirangConfig) -> Problem:
     """The planning problem a config describes."""
     c = cfg.cluster
-    return Problem(Shape.from_model(cfg.model), hardware_for(c), c.nodes, c.tasks_per_node, cfg.train.global_batch)
+    hw = with_precision(hardware_for(c), cfg.train.precision)
+    return Problem(Shape.from_model(cfg.model), hw, c.nodes, c.tasks_per_node, cfg.train.global_batch)
 
 
 def _has_ep(cfg: XirangConfig | None) -> bool:

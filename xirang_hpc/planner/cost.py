@@ -292,9 +292,14 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     dense_share = 3.0 * dense + dense_extra
     attn_share = 3.0 * attn + extra - dense_extra
 
+    # The linear layers' GEMMs run at linear_peak_tflops where set (FP8: hardware.with_precision); the head and
+    # the attention products at peak_tflops.
+    linear_peak = (hw.linear_peak_tflops or hw.peak_tflops) * 1e12
+
     def compute_of(n: int, last: bool) -> float:
-        flops_time = (n * dense_share + (3 * logits_flops(sh, tokens) if last else 0.0)) / t / (
-            hw.peak_tflops * 1e12 * eff) + n * attn_share * causal / t / (hw.peak_tflops * 1e12 * attn_eff)
+        flops_time = (n * dense_share / t / (linear_peak * eff)
+                      + (3 * logits_flops(sh, tokens) if last else 0.0) / t / (hw.peak_tflops * 1e12 * eff)
+                      + n * attn_share * causal / t / (hw.peak_tflops * 1e12 * attn_eff))
         overhead = n * hw.kernel_overhead_us * 1e-6 * passes
         elementwise = n * passes * hw.elementwise_traffic * act_stream / (hw.mem_bw_gbs * 1e9)
         # Softmax over the b * a/t * s^2 attention scores (exp per element; calibrated on CPU, 0 on GPUs
