@@ -198,8 +198,8 @@ def test_published_moe_rows_are_held_out_and_keep_their_recorded_errors() -> Non
     (the A2A-overlap row, reported apart, -14.6%)."""
     from xirang_hpc.planner.published import ALL, MOE_H100, predict
 
-    assert all(r.role == "held-out" and r.stack == "megatron-core-deepep" for r in MOE_H100)
-    assert all(r.shape.experts == 0 for r in ALL if r.role == "fit")
+    assert all(r.role == "held-out" and r.stack == "megatron-core" and r.a2a_node_dedup == 1.0 for r in MOE_H100)
+    assert not any(r in ALL for r in MOE_H100)  # every fit draws its rows from ALL
     errs = {r.name: predict(r) / r.value - 1 for r in MOE_H100}
     recorded = [-0.044, -0.146, -0.408, 0.785]
     assert [round(e, 3) for e in errs.values()] == pytest.approx(recorded, abs=0.002), errs
