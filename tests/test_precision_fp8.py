@@ -18,7 +18,7 @@ from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import FinetuneConfig, ModelConfig, TrainConfig
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.runtime.device import Device
-from xirang_hpc.runtime.precision import check_fp8, fp8_eligible, resolve
+from xirang_hpc.runtime.precision import check_fp8, fp8_eligible, fp8_filter, resolve
 from xirang_hpc.runtime.trainer import Trainer
 
 
@@ -74,6 +74,22 @@ def test_linear_layers_converted_skip_the_head_and_unaligned_dims() -> None:
         model = GPT(odd)
     names = [n for n, m in model.named_modules() if fp8_eligible(m, n)]
     assert names and not any(n.split(".")[-1] in ("gate", "up", "down", "w1", "w2", "w3") for n in names), names
+
+
+def test_moe_routers_and_experts_stay_out_of_float8() -> None:
+    """torchtitan's MoE filter: the router's top-k selection stays on bf16 scores; the stacked experts are not
+    nn.Linear. The shared expert's linears and attention are converted."""
+    cfg = ModelConfig(name="t", n_layer=2, n_head=4, d_model=64, vocab_size=128, seq_len=16, norm="rmsnorm",
+                      mlp="swiglu", pos="rope", bias=False, moe_experts=16, moe_top_k=2, moe_ffn_hidden=32,
+                      moe_shared_ffn_hidden=48)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    keep = fp8_filter(model)
+    names = [n for n, m in model.named_modules() if keep(m, n)]
+    routers = [n for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    assert routers and fp8_eligible(dict(model.named_modules())[routers[0]], routers[0])  # 64 x 16: aligned
+    assert not set(routers) & set(names)
+    assert any(n.endswith("mlp.shared.gate") for n in names) and any(n.endswith("attn.q") for n in names), names
 
 
 def test_fp8_with_tensor_parallelism_or_lora_is_refused_by_name() -> None:

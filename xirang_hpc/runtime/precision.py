@@ -8,11 +8,14 @@
 - ``fp8``: bf16 autocast as above, and the linear layers' matmuls in float8 through torchao's float8
   training (``torchao.float8.convert_to_float8_training`` with the ``rowwise`` recipe: per-row scales of
   the activations and per-column scales of the weights, computed dynamically in every pass), applied as
-  torchtitan applies it: to every ``nn.Linear`` but the output head, and only where both of its
-  dimensions are multiples of 16 (float8 tensor-core GEMMs need them; torchtitan's
-  ``Float8LinearConverter`` filters the same way). Only where the device has float8 matmuls (a CUDA GPU
-  of compute capability >= 8.9: :meth:`Device.supports_fp8`); anywhere else the run is refused at
-  start-up, naming the device found. Tested on a GPU only (``tests/test_gpu.py``), never emulated.
+  torchtitan applies it: to every ``nn.Linear`` but the output head and the mixture-of-experts routers
+  (torchtitan's MoE configs filter ``output`` and ``router.gate``: top-k selection on float8 scores would
+  change which experts a token goes to), and only where both of its dimensions are multiples of 16
+  (float8 tensor-core GEMMs need them; torchtitan's ``Float8LinearConverter`` filters the same way). The
+  experts themselves are stacked parameters, not ``nn.Linear``, and stay in bf16. Only where the device
+  has float8 matmuls (a CUDA GPU of compute capability >= 8.9: :meth:`Device.supports_fp8`); anywhere
+  else the run is refused at start-up, naming the device found. Tested on a GPU only
+  (``tests/test_gpu.py``), never emulated.
 
 The loss is always computed in fp32: :func:`xirang_hpc.models.gpt.lm_loss` casts the logits
 before the cross-entropy, outside the autocast region.
@@ -26,11 +29,13 @@ names do not change.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.models.moe import MoE
 from xirang_hpc.runtime.device import FP8_MIN_CAPABILITY, Device
 
 MODES = ("auto", "fp32", "bf16", "fp8")
@@ -84,6 +89,16 @@ def fp8_eligible(module: nn.Module, fqn: str) -> bool:
     return module.in_features % FP8_DIM_MULTIPLE == 0 and module.out_features % FP8_DIM_MULTIPLE == 0
 
 
+def fp8_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
+    """:func:`fp8_eligible`, less ``model``'s mixture-of-experts routers."""
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, MoE)}
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return id(module) not in routers and fp8_eligible(module, fqn)
+
+    return keep
+
+
 def apply_float8(model: nn.Module, device: Device) -> list[str]:
     """Swap ``model``'s eligible linear layers for torchao's ``Float8Linear`` (rowwise recipe); returns their
     names. Refuses a device without float8 matmuls, and a missing torchao, by name."""
@@ -93,7 +108,8 @@ def apply_float8(model: nn.Module, device: Device) -> list[str]:
     except ImportError:
         raise ConfigError("train.precision", "fp8", "needs torchao's float8 training: pip install torchao "
                           "(or pip install 'xirang-hpc[fp8]'), or use train.precision=bf16") from None
-    names = [n for n, m in model.named_modules() if fp8_eligible(m, n)]
-    convert_to_float8_training(model, module_filter_fn=fp8_eligible,
+    keep = fp8_filter(model)
+    names = [n for n, m in model.named_modules() if keep(m, n)]
+    convert_to_float8_training(model, module_filter_fn=keep,
                                config=Float8LinearConfig.from_recipe_name(FP8_RECIPE))
     return names
