@@ -218,3 +218,19 @@ def test_moe_presets_plan_on_h100_nodes(preset: str) -> None:
     res = plan_for(cfg)
     assert res.ranked and res.best.fits
     assert all(e.plan.ep == 1 for e in res.ranked)
+
+
+def test_ep_plans_are_runnable_only_where_the_config_has_parallel_ep() -> None:
+    """parallel=auto and xirang-plan rank only what the runtime runs: ep > 1 needs a ``parallel.ep`` field in the
+    schema (written by apply_plan when it exists), ep = 1 plans stay expressible as before."""
+    from xirang_hpc.planner.auto import _has_ep, apply_plan, expressible
+
+    cfg = load_config(compose_cfg(["model=qwen3-30b-a3b", "parallel=fsdp", "train.global_batch=8"]))
+    with_ep = Plan(dp=4, tp=1, pp=1, micro=1, zero=3, ep=4)
+    if _has_ep(cfg):  # a build whose schema has parallel.ep
+        assert expressible(with_ep, cfg) and apply_plan(cfg, with_ep).parallel.ep == 4
+    else:
+        assert not expressible(with_ep, cfg)
+        with pytest.raises(ValueError, match="expert parallelism without parallel.ep"):
+            apply_plan(cfg, with_ep)
+    assert expressible(dataclasses.replace(with_ep, ep=1), cfg)
