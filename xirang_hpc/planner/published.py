@@ -70,6 +70,19 @@ Sources (read 2026-11):
   Megatron-LM docs, "Distributed optimizer"). The README does not state the network; the h100 preset's
   is used.
   The README's strong-scaling figure (GPT-3 175B, 96..4,608 GPUs) gives no layouts and is not used.
+- yanring/Megatron-MoE-ModelZoo ``best_practice/Qwen3/readme.md`` (commit c1ad0b5, NVIDIA's Megatron-Core MoE
+  recipes), "Performance Results": Qwen3-235B-A22B on 256 H100s (NVLink4, 8x 50 GB/s InfiniBand per node),
+  BF16, 4,096 tokens, global batch 2,048, each row with its TP, EP, PP, virtual stages, DP, FSDP, micro-batch,
+  recomputation and step time (seconds); tokens/s per GPU = 2048 * 4096 / (step * 256). Held out, nothing
+  fitted on them (:data:`MOE_H100`, outside :data:`ALL`): the megatron-core stack's H100 constants, with the MoE
+  terms of ``formulas.py`` / ``cost.py``; the DeepEP dispatcher of these rows sends a token once per target node
+  (``hardware.a2a_node_dedup``, a property of the dispatcher, not a fitted constant; added after a first
+  comparison had charged the cross-node row a plain all-to-all, -32%). Expert tensor parallelism is 1 in every
+  row (the ETP column), as the planner's ep > 1. Of the table's five Qwen3-235B rows, the "+1f1b overlap" row
+  (the all-to-all of one microbatch hidden behind another's compute, which the cost model does not have) is
+  reported apart, and the A2A-dispatcher row is left out: its 32 stages x 3 virtual stages = 96 exceed the 94
+  blocks (Megatron counts the embedding and the loss as pipeline layers), which the planner's split does not
+  express.
 """
 
 from __future__ import annotations
@@ -111,6 +124,11 @@ class PublishedRun:
     inter_gbps: float = 0.0
     nics: int = 0
     fixed_recompute: bool = False  # with free_knobs: the published recomputation is kept, the rest is free
+    v: int = 1  # interleaved virtual stages per pipeline rank, where published
+    ep: int = 1  # expert parallel degree (MoE rows)
+    # 1 where the row's MoE token dispatcher is DeepEP (``--moe-token-dispatcher-type flex``), which sends a token
+    # once per target node (hardware.a2a_node_dedup); 0 = the stack's plain all-to-all.
+    a2a_node_dedup: float = 0.0
 
     @property
     def global_batch(self) -> int:
@@ -298,6 +316,35 @@ MEGATRON_H100 = [
 ]
 
 
+_MOE_ZOO_SRC = "Megatron-MoE-ModelZoo Qwen3 readme (Megatron-Core, H100, BF16)"
+# Qwen3-235B-A22B (HF config of Qwen/Qwen3-235B-A22B; conf/model/qwen3-235b-a22b.yaml).
+_QWEN3_235B = Shape(layers=94, hidden=4096, heads=64, seq=4096, vocab=151936, ffn=12288, swiglu=True, bias=False,
+                    learned_pos=False, kv_heads=4, tied=False, head_dim=128, qk_norm=True, experts=128, top_k=8,
+                    expert_ffn=1536)
+# (label, TP, EP, PP, VPP, DP, FSDP, MBS, recompute, step seconds, excluded). "norm, act" recomputes only the
+# norms and the activation functions (``--recompute-modules layernorm moe_act``): no GEMM re-runs, so "none".
+_MOE_ZOO_ROWS = [
+    ("cross-node EP, DeepEP", 2, 32, 8, 4, 16, False, 1, "none", 19.7, ""),
+    ("cross-node EP, DeepEP, 1F1B A2A overlap", 2, 32, 8, 4, 16, False, 1, "none", 17.6,
+     "all-to-all overlapped with another microbatch's compute (1F1B A2A overlap); not modelled"),
+    ("intra-node EP, DeepEP, FSDP", 2, 8, 1, 1, 128, True, 4, "full", 17.6, ""),
+    ("intra-node EP, DeepEP", 4, 8, 8, 4, 8, False, 1, "none", 29.0, ""),
+]
+
+
+def _moe_zoo_run(label: str, t: int, ep: int, p: int, v: int, d: int, fsdp: bool, micro: int, rc: str,
+                 step: float, excluded: str) -> PublishedRun:
+    gpus, batch = t * p * d, 2048
+    return PublishedRun(_MOE_ZOO_SRC, f"Qwen3-235B-A22B {label} tp={t} ep={ep} pp={p} v={v} dp={d}", _QWEN3_235B,
+                        gpus, micro, batch // (d * micro), rc, 3 if fsdp else 1, t, p, "tokens_per_gpu",
+                        round(batch * 4096 / (step * gpus), 1), "held-out", "h100", "megatron-core", sp=t > 1,
+                        excluded=excluded, v=v, ep=ep, a2a_node_dedup=1.0)
+
+
+# Kept out of :data:`ALL` (from which every fit draws its rows): no fit can see them.
+MOE_H100 = [_moe_zoo_run(*row) for row in _MOE_ZOO_ROWS]
+
+
 def is_original_held_out(run: PublishedRun) -> bool:
     """One of the 16 A100 MPT rows first held out (125m seq 2048: the micro-batch 40 row)."""
     if run.gpu != "a100-80gb" or run.stack != "composer" or run.gpus != 8:
@@ -475,6 +522,8 @@ def hardware_for(run: PublishedRun, stacks: dict[tuple[str, str], Hardware] | No
     hw = (stacks or STACKS)[(run.gpu, run.stack)]
     if run.inter_gbps:
         hw = hw.scaled(inter_bw_gbs=run.inter_gbps, inter_nics=run.nics or hw.inter_nics)
+    if run.a2a_node_dedup:
+        hw = hw.scaled(a2a_node_dedup=run.a2a_node_dedup)
     return hw.scaled(grad_comm_bytes=run.reduce_bytes) if run.reduce_bytes else hw
 
 
@@ -494,7 +543,7 @@ def _free_plans(run: PublishedRun, dp: int) -> list[Plan]:
         for v in vs:
             for rc in (run.recompute,) if run.fixed_recompute else ("none", "selective", "full"):
                 plans.append(Plan(dp=dp, tp=run.tp, pp=run.pp, micro=micro, v=v, zero=run.zero, recompute=rc,
-                                  sp=run.sp))
+                                  sp=run.sp, ep=run.ep))
     return plans
 
 
@@ -504,7 +553,8 @@ def plan_for(run: PublishedRun, hw: Hardware | None = None) -> Plan:
     hw = hw or hardware_for(run)
     dp = run.gpus // (run.tp * run.pp)
     if not run.free_knobs:
-        return Plan(dp=dp, tp=run.tp, pp=run.pp, micro=run.micro, zero=run.zero, recompute=run.recompute, sp=run.sp)
+        return Plan(dp=dp, tp=run.tp, pp=run.pp, micro=run.micro, v=run.v, zero=run.zero, recompute=run.recompute,
+                    sp=run.sp, ep=run.ep)
     pb = _problem(run, hw)
     ests = [estimate(pb, pl) for pl in _free_plans(run, dp)]
     return min(ests, key=lambda e: (not e.fits, e.step_time)).plan

@@ -30,7 +30,7 @@ from xirang_hpc.runtime import pipeline
 from xirang_hpc.runtime.compile import apply_compile, probe
 from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer, ddp_bucket_cap_mb
 from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims, dp_mesh, mesh_coords
-from xirang_hpc.runtime.precision import apply_autocast
+from xirang_hpc.runtime.precision import apply_autocast, apply_float8
 from xirang_hpc.runtime.recompute import apply_recompute
 from xirang_hpc.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -51,7 +51,7 @@ class ParallelModel:
     stage_layers: range = range(0)
     schedule: object | None = None
     n_microbatches: int = 1
-    precision: str = "fp32"  # resolved train.precision: fp32 | bf16 (autocast)
+    precision: str = "fp32"  # resolved train.precision: fp32 | bf16 (autocast) | fp8 (autocast + float8 linears)
 
     @property
     def is_first_stage(self) -> bool:
@@ -99,6 +99,8 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
     ranges = pipeline.stage_ranges(cfg.model, dims.pp * chunks_per_rank)
     stages = pipeline.rank_stages(coords["pp"], dims.pp, chunks_per_rank)
     model.loss_chunk = t.loss_chunk_tokens
+    if t.precision == "fp8":  # float8 linears (torchao, rowwise), still on meta; refused where the device has none
+        apply_float8(model, layout.device)
     if cfg.finetune.adapters:  # adapters beside the frozen base linears, before any carving or sharding
         apply_lora(model, cfg.finetune.lora)
     if dims.pp > 1:
