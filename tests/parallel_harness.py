@@ -141,6 +141,8 @@ def run_layout(cfg: XirangConfig, topo: Topology, data_dir: Path, steps: int, wa
                # graphs torch.compile made for this layout beyond its start-up probe's one (train.compile)
                "graphs": counters["stats"]["unique_graphs"] - graphs0 - int(cfg.train.compile),
                "optimizer": {k: inner.defaults.get(k) for k in ("foreach", "fused")},
+               # tokens of each row this rank holds (a context-parallel shard: seq_len / cp)
+               "seq_tokens": tr.pm.seq_shards.index.numel() if tr.pm.seq_shards is not None else cfg.model.seq_len,
                "n_opt_state": opt_state, "n_local_params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                                      for p in tr.model.parameters())}
         del tr

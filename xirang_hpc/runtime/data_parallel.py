@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import CommConfig, TrainConfig
-from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_cp_mesh, dp_mesh, dp_shard_cp_mesh
+from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_cp_mesh, dp_shard_cp_mesh
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_after_forward: bool = True,
@@ -38,8 +38,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_a
     their stage chunks, each of which then owns (and unshards) the embedding/head it runs.
     """
     if dims.cp > 1:  # each cp rank holds a shard too (the gradients are reduced over dp x cp: cp saw parts of rows)
-        dp_shard_cp_mesh(mesh)
-        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
+        shard_cp = dp_shard_cp_mesh(mesh)
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard_cp
     else:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     for block in model.layers.values():

@@ -5,7 +5,9 @@ dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` (row-major, tp innermost
 torchtitan), and ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` with context parallelism
 (cp > 1): a cp group sits between dp and tp, so with tp it stays as close as the node allows.
 The gradient reduction runs over dp x cp together (flattened ``dp_cp``), since each cp rank saw
-only part of every sequence; FSDP2 shards over ``dp_shard_cp``. Placement is topology-aware: the ranks are first sorted by (node, local rank), so
+only part of every sequence; FSDP2 shards over ``dp_shard_cp``.
+
+Placement is topology-aware: the ranks are first sorted by (node, local rank), so
 consecutive mesh positions are on the same node. With tp innermost and ``tp`` dividing the
 ranks per node, every tp group stays inside a node (the bandwidth-hungry collective on the
 fast links) while dp and pp groups span nodes. This holds even when the launcher numbers
