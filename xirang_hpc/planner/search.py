@@ -4,7 +4,9 @@ Space: tp (divides the ranks of a node, heads, key/value heads, width, MLP width
 config validation demands), pp (any count up to the layers that divides world/tp: stages need not
 divide the layers, the split balances them), dp = world/(tp*pp) dividing the global batch,
 micro-batch b (divides batch/dp), interleaving v (pp > 1, pp*v <= layers, m % pp == 0 as in
-Megatron-LM), ZeRO stage 0-3, recompute none/selective/full, sequence parallel (tp > 1).
+Megatron-LM), ZeRO stage 0-3, recompute none/selective/full, sequence parallel (tp > 1), and for long
+sequences (``Space.cp_min_seq`` tokens or more) context parallelism cp (divides world/(tp*pp), 2*cp divides
+the sequence; without pipeline stages or ZeRO-1, as the runtime runs it), dp = world/(tp*pp*cp).
 
 Pruning: (1) a (tp, pp, zero) whose weights+grads+optimizer alone exceed memory is skipped whole;
 (2) for fixed everything else, memory grows with b, so the first b that does not fit ends that
@@ -41,6 +43,8 @@ class Space:
     sequence_parallel: tuple[bool, ...] = (False, True)
     max_interleave: int = 8
     max_micro: int = 64
+    cp: Iterable[int] | None = None  # None: every valid degree when the sequence is long (cp_min_seq), else 1
+    cp_min_seq: int = 8192  # below this, a sequence's activations are small enough that cp only adds traffic
     allow: Callable[[Plan], bool] | None = None  # final veto, e.g. "the runtime can run it"
 
 
@@ -85,6 +89,17 @@ def _pp_options(pb: Problem, t: int) -> list[int]:
     return [p for p in divisors(pb.world // t) if p <= pb.shape.layers] if pb.world % t == 0 else []
 
 
+def _cp_options(pb: Problem, sp_: Space, t: int, p: int) -> list[int]:
+    """Context-parallel degrees for (tp, pp): 1, and for long sequences without pipeline stages every cp that
+    divides world/(tp*pp) with 2*cp dividing the sequence (the runtime's load-balanced chunks)."""
+    seq, rest = pb.shape.seq, pb.world // (t * p)
+    if sp_.cp is not None:
+        return [c for c in sp_.cp if rest % c == 0 and seq % (2 * c) == 0 and (c == 1 or p == 1)]
+    if seq < sp_.cp_min_seq or p > 1:
+        return [1]
+    return [c for c in divisors(rest) if seq % (2 * c) == 0]
+
+
 def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result:
     """Every valid plan, estimated; returns them ranked by step time (fitting ones only)."""
     sp_ = space or Space()
@@ -97,21 +112,23 @@ def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result
     floors: list[tuple[float, str]] = []  # (state bytes, layout) of layouts skipped whole
     n = 0
     for t in tps:
-        for p in _pp_options(pb, t):
+        for p, cp in ((q, c) for q in _pp_options(pb, t) for c in _cp_options(pb, sp_, t, q)):
             if sp_.pp is not None and p not in set(sp_.pp):
                 continue
-            d = world // (t * p)
+            d = world // (t * p * cp)
             if batch % d:
                 continue
             per_rank = batch // d
             micros = [b for b in divisors(per_rank) if b <= sp_.max_micro]
             vs = [1] + ([v for v in range(2, sp_.max_interleave + 1) if p * v <= sh.layers] if p > 1 else [])
             for zero in sp_.zero:
-                if zero and d == 1:
+                if zero and d * cp == 1:
                     continue  # nothing to shard over
-                floor = _state_floor(pb, t, p, d, zero)
+                if zero == 1 and cp > 1:
+                    continue  # the runtime's ZeRO-1 shards over dp only (refused with cp)
+                floor = _state_floor(pb, t, p, d * cp, zero)
                 if floor > mem_cap:
-                    floors.append((floor, f"dp={d} tp={t} pp={p} zero{zero}"))
+                    floors.append((floor, f"dp={d} tp={t} pp={p} zero{zero}" + (f" cp={cp}" if cp > 1 else "")))
                     continue
                 for v in vs:
                     for rc in sp_.recompute:
@@ -124,7 +141,7 @@ def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result
                                 m = per_rank // b
                                 if v > 1 and m % p:
                                     continue
-                                plan = Plan(dp=d, tp=t, pp=p, micro=b, v=v, zero=zero, recompute=rc, sp=sq)
+                                plan = Plan(dp=d, tp=t, pp=p, micro=b, v=v, zero=zero, recompute=rc, sp=sq, cp=cp)
                                 if sp_.allow is not None and not sp_.allow(plan):
                                     continue
                                 est = estimate(pb, plan)
@@ -156,7 +173,8 @@ TIE_BREAK = 0.002  # per feature: within model noise, prefer the plan with fewer
 
 def complexity(pl: Plan) -> int:
     """How many non-default features a plan turns on (ZeRO-3 counts twice)."""
-    return (min(pl.zero, 2) + (pl.recompute != "none") + pl.sp + (pl.v > 1) + (pl.tp > 1) + (pl.pp > 1))
+    return (min(pl.zero, 2) + (pl.recompute != "none") + pl.sp + (pl.v > 1) + (pl.tp > 1) + (pl.pp > 1)
+            + (pl.cp > 1))
 
 
 def _largest(mem: dict[str, float]) -> str:
@@ -164,7 +182,7 @@ def _largest(mem: dict[str, float]) -> str:
 
 
 _GROUPS = {"compute": ("compute", "optimizer"), "TP communication": ("tp_comm",), "pipeline bubble": ("bubble",),
-           "pipeline p2p": ("p2p",), "DP communication": ("dp_comm",)}
+           "pipeline p2p": ("p2p",), "DP communication": ("dp_comm",), "CP K/V communication": ("cp_comm",)}
 
 
 def why_lost(loser: Estimate, winner: Estimate) -> str:
@@ -183,11 +201,11 @@ def why_lost(loser: Estimate, winner: Estimate) -> str:
 
 
 def best_per_layout(res: Result, n: int = 8) -> list[Estimate]:
-    """The fastest plan of each distinct (dp, tp, pp) layout, fastest layouts first."""
-    seen: set[tuple[int, int, int]] = set()
+    """The fastest plan of each distinct (dp, cp, tp, pp) layout, fastest layouts first."""
+    seen: set[tuple[int, int, int, int]] = set()
     out: list[Estimate] = []
     for e in res.ranked:
-        key = (e.plan.dp, e.plan.tp, e.plan.pp)
+        key = (e.plan.dp, e.plan.cp, e.plan.tp, e.plan.pp)
         if key not in seen:
             seen.add(key)
             out.append(e)
