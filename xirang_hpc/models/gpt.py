@@ -188,7 +188,7 @@ class Attention(nn.Module):
         """x: (B, T, C) -> (B, T, C); ``mask`` (B, 1, T, T) bool replaces the causal mask (packed samples).
 
         Under context parallelism T is this rank's shard, the keys are gathered (T_all of them) and ``mask``
-        (B|1, 1, T, T_all) is always given.
+        (B|1, 1, T, T_all), additive (0 or -inf), is always given.
         """
         b, t, _ = x.shape
         # Heads are derived from the local width so the same code runs on a TP shard, where q holds
@@ -205,6 +205,8 @@ class Attention(nn.Module):
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
         else:
+            if mask.is_floating_point() and mask.dtype != q.dtype:  # an additive mask under autocast
+                mask = mask.to(q.dtype)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, C_local)
         return self.o(y)
@@ -376,7 +378,10 @@ class GPT(nn.Module):
         sh = self.seq_shards
         if sh is not None:
             k_pos = sh.gather_ids(position_ids) if position_ids is not None else None  # (B, T_all)
-            mask = sharded_causal_mask(sh.index, sh.key_index, position_ids, k_pos)  # (B|1, 1, T_local, T_all)
+            allowed = sharded_causal_mask(sh.index, sh.key_index, position_ids, k_pos)  # (B|1, 1, T_local, T_all)
+            # Additive once here: SDPA's CPU kernel would turn a boolean mask into a float one in every layer and
+            # keep each copy for the backward; one tensor is shared by all layers instead.
+            mask = torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
             where: torch.Tensor | None = position_ids if position_ids is not None else sh.index
         else:
             mask = packed_attention(position_ids) if position_ids is not None else None
