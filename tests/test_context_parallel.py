@@ -106,3 +106,34 @@ def test_cp_refuses_what_it_does_not_run_by_name(parallel: dict, kw: dict, field
 
 def test_full_finetune_is_not_refused() -> None:
     assert H.make_cfg(2, {"cp": 2}, finetune=FinetuneConfig()).parallel.cp == 2
+
+
+@pytest.mark.parametrize("cp,heads", [(2, 2), (4, 3)])
+def test_chunked_causal_attention_is_full_causal_attention(cp: int, heads: int) -> None:
+    """The fused per-chunk attention (no mask held): every rank's rows and, summed over ranks, the gradients
+    of plain causal SDPA over the whole sequence."""
+    import torch.nn.functional as F
+
+    from xirang_hpc.runtime.context_parallel import _ChunkedCausalAttention, _flash_cpu_available
+
+    if not _flash_cpu_available():
+        pytest.skip("this torch build has no fused CPU attention kernels")
+    t, hd = 32, 8
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, heads, t, hd, generator=g, dtype=torch.float64).float().requires_grad_()
+               for _ in range(3))
+    weights = torch.randn(2, heads, t, hd, generator=g)  # a loss that weighs every output differently
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (full * weights).sum().backward()
+    want = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    total = torch.zeros(())
+    for r in range(cp):
+        idx = shard_index(t, cp, r)
+        out = _ChunkedCausalAttention.apply(q[:, :, idx], k, v, (r, 2 * cp - 1 - r))
+        torch.testing.assert_close(out, full[:, :, idx].detach(), rtol=1e-5, atol=1e-6)
+        total = total + (out * weights[:, :, idx]).sum()
+    total.backward()
+    for got, ref in zip((q.grad, k.grad, v.grad), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)

@@ -123,6 +123,10 @@ class SequenceShards(Protocol):
         """(B, T_local) integer ids -> (B, T) in :attr:`key_index` order, without gradient."""
         ...
 
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of local queries (B, H, T_local, hd) over gathered k, v (B, H, T, hd) -> like q."""
+        ...
+
 
 def sharded_causal_mask(q_index: torch.Tensor, k_index: torch.Tensor, q_pos: torch.Tensor | None = None,
                         k_pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -187,8 +191,8 @@ class Attention(nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C); ``mask`` (B, 1, T, T) bool replaces the causal mask (packed samples).
 
-        Under context parallelism T is this rank's shard, the keys are gathered (T_all of them) and ``mask``
-        (B|1, 1, T, T_all), additive (0 or -inf), is always given.
+        Under context parallelism T is this rank's shard and the keys are gathered (T_all of them): plain rows
+        go through ``seq_shards.causal_attention``, packed ones take ``mask`` (B, 1, T, T_all), additive.
         """
         b, t, _ = x.shape
         # Heads are derived from the local width so the same code runs on a TP shard, where q holds
@@ -202,7 +206,9 @@ class Attention(nn.Module):
         if self.seq_shards is not None:  # before repeat_kv: gather n_kv heads, not n_head
             k, v = self.seq_shards.gather(k, 2), self.seq_shards.gather(v, 2)  # (B, nkv_local, T_all, hd)
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # (B, nh_local, T, hd)
-        if mask is None:
+        if self.seq_shards is not None and mask is None:  # plain causal rows over the shards
+            y = self.seq_shards.causal_attention(q, k, v)  # (B, nh, T_local, hd)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
         else:
             if mask.is_floating_point() and mask.dtype != q.dtype:  # an additive mask under autocast
@@ -376,12 +382,14 @@ class GPT(nn.Module):
         positions use those true positions, and the mask covers the local queries against every shard's keys.
         """
         sh = self.seq_shards
+        mask: torch.Tensor | None = None
         if sh is not None:
-            k_pos = sh.gather_ids(position_ids) if position_ids is not None else None  # (B, T_all)
-            allowed = sharded_causal_mask(sh.index, sh.key_index, position_ids, k_pos)  # (B|1, 1, T_local, T_all)
-            # Additive once here: SDPA's CPU kernel would turn a boolean mask into a float one in every layer and
-            # keep each copy for the backward; one tensor is shared by all layers instead.
-            mask = torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+            if position_ids is not None:  # packed rows: causal within each sample, across the shards
+                k_pos = sh.gather_ids(position_ids)  # (B, T_all)
+                allowed = sharded_causal_mask(sh.index, sh.key_index, position_ids, k_pos)  # (B, 1, T_local, T_all)
+                # Additive once here: SDPA's CPU kernel would turn a boolean mask into a float one in every layer
+                # and keep each copy for the backward; one tensor is shared by all layers instead.
+                mask = torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
             where: torch.Tensor | None = position_ids if position_ids is not None else sh.index
         else:
             mask = packed_attention(position_ids) if position_ids is not None else None

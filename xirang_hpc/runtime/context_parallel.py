@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from xirang_hpc.models.gpt import GPT, Attention
+from xirang_hpc.models.gpt import GPT, Attention, sharded_causal_mask
 
 
 def shard_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -66,6 +67,64 @@ class _GatherSeq(torch.autograd.Function):
         return out, None, None
 
 
+def _flash_cpu_available() -> bool:
+    """torch's fused CPU attention kernels (forward with log-sum-exp, and their backward) are present."""
+    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+class _ChunkedCausalAttention(torch.autograd.Function):
+    """Causal attention of a rank's two load-balanced chunks over the keys in global order, no mask held.
+
+    Query chunk ``j`` (of ``c`` tokens, global positions ``[jc, (j+1)c)``) sees every key before its chunk
+    in full and the keys of its own chunk causally: two fused-kernel calls (the full past block, the
+    square diagonal with ``is_causal``) merged by their log-sum-exps, as ring attention merges blocks.
+    Memory stays linear in the sequence (the kernel keeps no scores; no ``(T/cp, T)`` mask exists), and
+    the work is the causal share only. The backward runs the kernel's own backward per block with the
+    *merged* output and log-sum-exp, whose per-block gradients sum to the whole attention's.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                chunks: tuple[int, ...]) -> torch.Tensor:
+        c = q.shape[2] // len(chunks)
+        fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        outs, lses = [], []
+        for i, j in enumerate(chunks):
+            qc = q[:, :, i * c:(i + 1) * c]  # (B, H, c, hd)
+            o, lse = fwd(qc, k[:, :, j * c:(j + 1) * c], v[:, :, j * c:(j + 1) * c], 0.0, True)
+            if j > 0:  # the keys of every earlier chunk, all visible
+                o_past, lse_past = fwd(qc, k[:, :, :j * c], v[:, :, :j * c], 0.0, False)
+                both = torch.logaddexp(lse, lse_past)  # (B, H, c)
+                o = (o.float() * (lse - both).exp()[..., None]
+                     + o_past.float() * (lse_past - both).exp()[..., None]).to(q.dtype)
+                lse = both
+            outs.append(o)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)  # (B, H, T/cp, hd), (B, H, T/cp)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunks = chunks
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        c = q.shape[2] // len(ctx.chunks)
+        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad = grad.contiguous()
+        for i, j in enumerate(ctx.chunks):
+            rows = slice(i * c, (i + 1) * c)
+            g, qc, oc, lc = grad[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows]
+            blocks = [(slice(j * c, (j + 1) * c), True)] + ([(slice(0, j * c), False)] if j > 0 else [])
+            for keys, causal in blocks:
+                gq, gk, gv = bwd(g, qc, k[:, :, keys], v[:, :, keys], oc, lc, 0.0, causal)
+                dq[:, :, rows] += gq
+                dk[:, :, keys] += gk
+                dv[:, :, keys] += gv
+        return dq, dk, dv, None
+
+
 class ContextShards:
     """This rank's shard of every sequence in its cp group (implements :class:`xirang_hpc.models.gpt.SequenceShards`).
 
@@ -79,12 +138,34 @@ class ContextShards:
         self.seq_len = seq_len
         self.index = shard_index(seq_len, self.cp, self.rank).to(device)
         self.key_index = torch.cat([shard_index(seq_len, self.cp, r) for r in range(self.cp)]).to(device)
+        self.chunks = (self.rank, 2 * self.cp - 1 - self.rank)  # the global chunk numbers held, in order
+        self._order = torch.argsort(self.key_index)  # gathered keys -> global positions
+        self._fused = _flash_cpu_available()
+        self._masks: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def shard(self, rows: torch.Tensor) -> torch.Tensor:
         """(B, T) -> (B, T/cp): this rank's tokens of every row (inputs, targets or position ids)."""
         if rows.shape[1] != self.seq_len:
             raise ValueError(f"rows of {rows.shape[1]} tokens, the cp shards cut {self.seq_len}")
         return rows.index_select(1, self.index.to(rows.device))
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Plain causal attention of this rank's queries (B, H, T/cp, hd) over gathered k, v (B, H, T, hd).
+
+        On the CPU: the fused kernel per chunk (:class:`_ChunkedCausalAttention`, linear memory). Elsewhere
+        SDPA with the additive mask of the true positions, built once for the run (its ``(T/cp, T)`` is the
+        price where no chunked kernel is wired in).
+        """
+        if q.device.type == "cpu" and self._fused:
+            order = self._order.to(k.device)
+            k, v = k.index_select(2, order), v.index_select(2, order)  # rank order -> global positions
+            return _ChunkedCausalAttention.apply(q, k, v, self.chunks)
+        key = (q.dtype, q.device)
+        if key not in self._masks:
+            allowed = sharded_causal_mask(self.index, self.key_index).to(q.device)  # (1, 1, T/cp, T)
+            self._masks[key] = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._masks[key])
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every shard of ``x`` concatenated along ``dim`` in :attr:`key_index` order (autograd-correct)."""
