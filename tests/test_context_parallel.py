@@ -137,3 +137,15 @@ def test_chunked_causal_attention_is_full_causal_attention(cp: int, heads: int) 
     total.backward()
     for got, ref in zip((q.grad, k.grad, v.grad), want, strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_in_job_shrink_keeps_the_cp_group_whole() -> None:
+    """A restart on fewer nodes shrinks dp, never cp (each cp group shares its sequences)."""
+    from xirang_hpc.config.elastic import shrink
+
+    cfg = H.make_cfg(4, {"cp": 2})  # 2 nodes x 2 ranks: dp=2 x cp=2
+    small = shrink(cfg, 1)
+    assert (small.cluster.nodes, small.parallel.dp, small.parallel.cp, small.train.grad_accum) == (1, 1, 2, 2)
+    wide = H.make_cfg(4, {"cp": 4})  # one cp group over both nodes
+    with pytest.raises(ConfigError, match="cp\\*tp\\*pp=4 ranks do not fit on 1 node"):
+        shrink(wide, 1)
