@@ -38,8 +38,8 @@ import pytest
 GROUPS = {
     2: [("dp2", "none"), ("dp2", "full"), ("tp2", "none"), ("tp2", "full"), ("tp2", "selective"),
         ("pp2", "none"), ("pp2", "full"), ("tp2sp", "none"), ("dp2zero", "none"), ("pp2v2", "none"),
-        ("pp2v2", "full"), ("zero2dp2", "none"), ("zero3dp2", "none"), ("cp2", "none"), ("cp2", "full"), ("cp2", "selective"),
-        ("cp2acc", "none")],
+        ("pp2v2", "full"), ("zero2dp2", "none"), ("zero3dp2", "none"), ("cp2", "none"), ("cp2", "full"),
+        ("cp2", "selective"), ("cp2acc", "none")],
     4: [(n, r) for n in ("dp2xtp2", "dp2xpp2", "tp2xpp2", "fsdp4", "fsdp2xtp2", "hsdp2x2") for r in ("none", "full")]
     + [("dp2xpp2v2", "none")]
     + [(n, "none") for n in ("zero1dp2xtp2", "zero1dp2xpp2", "zero2dp2xtp2", "zero2dp2xpp2", "zero3dp2xpp2")]
