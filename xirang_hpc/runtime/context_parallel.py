@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from xirang_hpc.models.gpt import GPT, Attention, sharded_causal_mask
+from xirang_hpc.runtime.device import CPU
 
 
 def shard_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -132,7 +133,7 @@ class ContextShards:
     gathered keys (every rank's ``index``, concatenated in cp-rank order).
     """
 
-    def __init__(self, group: dist.ProcessGroup, seq_len: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, group: dist.ProcessGroup, seq_len: int, device: torch.device | str = CPU) -> None:
         self.group = group
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.seq_len = seq_len
@@ -156,7 +157,7 @@ class ContextShards:
         SDPA with the additive mask of the true positions, built once for the run (its ``(T/cp, T)`` is the
         price where no chunked kernel is wired in).
         """
-        if q.device.type == "cpu" and self._fused:
+        if q.device.type == CPU and self._fused:
             order = self._order.to(k.device)
             k, v = k.index_select(2, order), v.index_select(2, order)  # rank order -> global positions
             return _ChunkedCausalAttention.apply(q, k, v, self.chunks)
@@ -180,7 +181,7 @@ class ContextShards:
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int,
-                           device: torch.device | str = "cpu") -> ContextShards:
+                           device: torch.device | str = CPU) -> ContextShards:
     """Make ``model`` (a GPT) run on sequence shards of the ``cp_mesh`` group: itself and every attention."""
     shards = ContextShards(cp_mesh.get_group(), seq_len, device)
     if not isinstance(model, GPT):
