@@ -149,3 +149,56 @@ def test_in_job_shrink_keeps_the_cp_group_whole() -> None:
     wide = H.make_cfg(4, {"cp": 4})  # one cp group over both nodes
     with pytest.raises(ConfigError, match="cp\\*tp\\*pp=4 ranks do not fit on 1 node"):
         shrink(wide, 1)
+
+
+def _attention_ranks(place, queue, fused: bool) -> None:  # noqa: ANN001 - a LocalRanks target
+    """One cp rank: its queries and K/V shard of a shared sequence through ``ContextShards``; reports its
+    output rows and, all-reduced, the gradients of the whole q, k, v."""
+    import torch.distributed as dist
+
+    from xirang_hpc.runtime.context_parallel import ContextShards
+
+    place.init_process_group("gloo")
+    try:
+        t, hd = 32, 8
+        g = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(2, 3, t, hd, generator=g).requires_grad_() for _ in range(3))
+        weights = torch.randn(2, 3, t, hd, generator=g)
+        sh = ContextShards(dist.group.WORLD, t)
+        sh._fused = sh._fused and fused  # False: the mask path other devices take
+        idx = sh.index
+        k_all, v_all = sh.gather(k[:, :, idx], 2), sh.gather(v[:, :, idx], 2)  # (2, 3, T, hd), rank order
+        out = sh.causal_attention(q[:, :, idx], k_all, v_all)
+        (out * weights[:, :, idx]).sum().backward()
+        grads = torch.stack([q.grad, k.grad, v.grad])
+        dist.all_reduce(grads)  # each rank's loss term's gradients, summed: the whole loss's
+        queue.put({"rank": place.rank, "index": idx.tolist(), "out": out.detach().numpy(),
+                   "grads": grads.numpy(), "fused": sh._fused})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp,fused", [(2, True), (2, False), (4, False)])
+def test_attention_across_gloo_ranks_is_one_process_attention(cp: int, fused: bool) -> None:
+    """Real gloo ranks: the K/V all-gather (its backward returning each shard its summed gradient) and causal
+    attention over the shards, fused per chunk or through the mask, give one process's outputs and gradients."""
+    import numpy as np
+    import torch.nn.functional as F
+    from ranks import rank_context
+
+    from xirang_hpc.runtime.local_ranks import LocalRanks
+
+    with LocalRanks(_attention_ranks, cp, (fused,), ctx=rank_context(), timeout_s=120) as ranks:
+        reports = [ranks.get() for _ in range(cp)]
+    t, hd = 32, 8
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, t, hd, generator=g).requires_grad_() for _ in range(3))
+    weights = torch.randn(2, 3, t, hd, generator=g)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (full * weights).sum().backward()
+    want = torch.stack([q.grad, k.grad, v.grad]).numpy()
+    for r in reports:
+        assert r["fused"] is fused
+        np.testing.assert_allclose(r["out"], full[:, :, r["index"]].detach().numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r["grads"], want, rtol=1e-4, atol=1e-5)
