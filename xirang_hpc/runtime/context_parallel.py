@@ -7,11 +7,13 @@ the same attention work (rank 0 would otherwise idle on the cheapest chunk while
 most expensive one).
 
 Attention across the shards gathers keys and values: each rank all-gathers K and V of its cp group
-(n_kv heads, before grouped-query repetition) and attends with its local queries to every key, under
-a mask built from the true positions (:func:`xirang_hpc.models.gpt.sharded_causal_mask`). This is
-torchtitan's ``allgather`` rotation; a ring would overlap the transfer with compute, at the price of
-``cp`` steps of online softmax. torch's own ``context_parallel`` needs its fused SDPA kernels, which
-the CPU (gloo) path does not have.
+(n_kv heads, before grouped-query repetition) and attends with its local queries to every key before
+them: on the CPU with torch's fused kernel per chunk, merged by log-sum-exp (no mask, no scores held;
+:class:`_ChunkedCausalAttention`), elsewhere through SDPA with an additive mask of the true positions
+built once (:func:`xirang_hpc.models.gpt.sharded_causal_mask`; packed rows always take that path, with
+their per-sample mask). This is torchtitan's ``allgather`` rotation; a ring would overlap the transfer
+with compute, at the price of ``cp`` steps of online softmax. torch's own ``context_parallel`` needs
+its fused SDPA kernels, which the CPU (gloo) path does not have.
 
 The gathered tensor's gradient is the sum, over the cp ranks, of what each rank's queries sent back
 to each key: the backward reduce-scatters it (nccl), or all-reduces it and keeps this rank's slice
