@@ -347,7 +347,8 @@ class Trainer:
         if topo.rank == 0:
             self.log(
                 f"model {self.cfg.model.name}: {full_model_params(self.cfg.model) / 1e6:.2f}M params | "
-                f"{topo.world_size} ranks on {topo.num_nodes} node(s) | dp={self.dp_size} | {self.pm.precision} | "
+                f"{topo.world_size} ranks on {topo.num_nodes} node(s) | dp={self.dp_size}"
+                f"{f' x cp={self.dims.cp}' if self.dims.cp > 1 else ''} | {self.pm.precision} | "
                 f"global batch {t.global_batch} x {self.cfg.model.seq_len} tokens | run dir {self.run_dir}"
             )
             if self.cfg.finetune.adapters:
