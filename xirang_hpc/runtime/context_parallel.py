@@ -9,11 +9,12 @@ most expensive one).
 Attention across the shards gathers keys and values: each rank all-gathers K and V of its cp group
 (n_kv heads, before grouped-query repetition) and attends with its local queries to every key before
 them: on the CPU with torch's fused kernel per chunk, merged by log-sum-exp (no mask, no scores held;
-:class:`_ChunkedCausalAttention`), elsewhere through SDPA with an additive mask of the true positions
-built once (:func:`xirang_hpc.models.gpt.sharded_causal_mask`; packed rows always take that path, with
-their per-sample mask). This is torchtitan's ``allgather`` rotation; a ring would overlap the transfer
-with compute, at the price of ``cp`` steps of online softmax. torch's own ``context_parallel`` needs
-its fused SDPA kernels, which the CPU (gloo) path does not have.
+:class:`_ChunkedCausalAttention`), elsewhere through SDPA per chunk with torch's lower-right causal bias.
+Packed rows take SDPA with their per-sample mask over the shards
+(:func:`xirang_hpc.models.gpt.sharded_causal_mask`, built in the model). This is torchtitan's
+``allgather`` rotation; a ring would overlap the transfer with compute, at the price of ``cp`` steps
+of online softmax. torch's own ``context_parallel`` needs its fused SDPA kernels, which the CPU (gloo)
+path does not have.
 
 The gathered tensor's gradient is the sum, over the cp ranks, of what each rank's queries sent back
 to each key: the backward reduce-scatters it (nccl), or all-reduces it and keeps this rank's slice
@@ -30,8 +31,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 
-from xirang_hpc.models.gpt import GPT, Attention, sharded_causal_mask
+from xirang_hpc.models.gpt import GPT, Attention
 from xirang_hpc.runtime.device import CPU
 
 
@@ -144,7 +146,6 @@ class ContextShards:
         self.chunks = (self.rank, 2 * self.cp - 1 - self.rank)  # the global chunk numbers held, in order
         self._order = torch.argsort(self.key_index)  # gathered keys -> global positions
         self._fused = _flash_cpu_available()
-        self._masks: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def shard(self, rows: torch.Tensor) -> torch.Tensor:
         """(B, T) -> (B, T/cp): this rank's tokens of every row (inputs, targets or position ids)."""
@@ -155,20 +156,21 @@ class ContextShards:
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Plain causal attention of this rank's queries (B, H, T/cp, hd) over gathered k, v (B, H, T, hd).
 
-        On the CPU: the fused kernel per chunk (:class:`_ChunkedCausalAttention`, linear memory). Elsewhere
-        SDPA with the additive mask of the true positions, built once for the run (its ``(T/cp, T)`` is the
-        price where no chunked kernel is wired in).
+        The keys are put in global order first; query chunk ``j`` then sees the first ``(j+1)c`` of them,
+        causally aligned to their end. On the CPU: the fused kernel per chunk (:class:`_ChunkedCausalAttention`;
+        torch's CPU kernels would otherwise materialize a lower-right mask). Elsewhere: SDPA per chunk with
+        torch's lower-right causal bias, which the fused GPU kernels take without a mask tensor. Either way
+        no ``(T/cp, T)`` mask is held and only the causal share of the work is done.
         """
+        order = self._order.to(k.device)
+        k, v = k.index_select(2, order), v.index_select(2, order)  # rank order -> global positions
         if q.device.type == CPU and self._fused:
-            order = self._order.to(k.device)
-            k, v = k.index_select(2, order), v.index_select(2, order)  # rank order -> global positions
             return _ChunkedCausalAttention.apply(q, k, v, self.chunks)
-        key = (q.dtype, q.device)
-        if key not in self._masks:
-            allowed = sharded_causal_mask(self.index, self.key_index).to(q.device)  # (1, 1, T/cp, T)
-            self._masks[key] = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                ~allowed, float("-inf"))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._masks[key])
+        c = q.shape[2] // len(self.chunks)
+        outs = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k[:, :, :(j + 1) * c], v[:, :, :(j + 1) * c],
+                                               attn_mask=causal_lower_right(c, (j + 1) * c))
+                for i, j in enumerate(self.chunks)]
+        return torch.cat(outs, dim=2)  # (B, H, T/cp, hd)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every shard of ``x`` concatenated along ``dim`` in :attr:`key_index` order (autograd-correct)."""
