@@ -4,6 +4,7 @@ calibrated CPU model against real runs of every runnable layout on 4 local gloo 
     python benchmarks/bench_planner.py [--repeats 5]
     xirang-plan --calibrate cluster=local --out /tmp/local-calibrated.yaml
     python benchmarks/bench_planner.py --local /tmp/local-calibrated.yaml [--steps 8]
+    python benchmarks/bench_planner.py --moe   # the mixture-of-experts rows only, and a search with ep
 
 ``--local``: for model tiny and a small GPT (d 256, 4 layers), on 2 virtual nodes x 2 ranks, the
 fastest plan the planner predicts for each runnable (dp, tp, pp, ZeRO) layout is trained for real
@@ -48,16 +49,22 @@ def main() -> None:
     ap.add_argument("--local", default="", help="calibrated cluster preset YAML: run the local comparison only")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--models", default="tiny,small")
+    ap.add_argument("--moe", action="store_true",
+                    help="only the held-out mixture-of-experts rows and the search time with ep in the space")
     ap.add_argument("--fit", action="store_true",
-                    help="refit the FSDP and Megatron-Core stacks' constants on the fit rows, print them")
+                    help="refit the FSDP, Megatron-Core and DeepSpeed ZeRO-3 stacks' constants on the fit rows")
     args = ap.parse_args()
     if args.fit:
-        from xirang_hpc.planner.published import fit_a100, fit_h100, fit_megatron_core
+        from xirang_hpc.planner.published import fit_a100, fit_deepspeed_zero3, fit_h100, fit_megatron_core
 
         a100 = fit_a100()
         print("A100 FSDP:", {k: round(v, 3) for k, v in a100.items()})
         print("H100 FSDP:", {k: round(v, 3) for k, v in fit_h100(a100).items()})
         print("H100 Megatron-Core overlap:", {k: round(v, 3) for k, v in fit_megatron_core().items()})
+        print("A100 DeepSpeed ZeRO-3:", {k: round(v, 3) for k, v in fit_deepspeed_zero3().items()})
+        return
+    if args.moe:
+        moe_report(args.repeats)
         return
     if args.local:
         from bench_planner_local import run_local
@@ -80,6 +87,9 @@ def main() -> None:
               f"{best.tokens_per_s / pub.tokens_per_s:.2f}x |")
     print(f"mean |error| {100 * statistics.mean(errs):.1f}%, max {100 * max(errs):.1f}%\n")
     validation_table()
+    print("held-out mixture-of-experts rows, H100-80GB (out-of-sample, nothing fitted on them):")
+    moe_report(1)
+    print()
     gpt3 = Shape(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, ffn=4 * 12288)
     # Llama 3.1 405B (Meta 2024, table 3): GQA with 8 kv heads, SwiGLU 53248, untied 128256 vocab, 8K context.
     llama = Shape(layers=126, hidden=16384, heads=128, seq=8192, vocab=128256, ffn=53248, swiglu=True, bias=False,
@@ -101,6 +111,40 @@ def main() -> None:
               f"({target / med:.0f}x margin) |")
 
 
+def moe_report(repeats: int) -> None:
+    """The MoE rows (predicted with their per-term breakdown) and a search of Qwen3-235B-A22B on 256 H100s with
+    ep in the space."""
+    from xirang_hpc.planner.published import MOE_H100, _problem, hardware_for, plan_for, predict
+
+    print("| row | published tokens/s/GPU | predicted | error | predicted step: compute / EP all-to-all / DP / "
+          "other (s) |")
+    print("|---|---|---|---|---|")
+    errs = []
+    for r in MOE_H100:
+        est = estimate(_problem(r, hardware_for(r)), plan_for(r))
+        t = est.time
+        other = t["total"] - t["compute"] - t["ep_comm"] - t["dp_comm"]
+        err = predict(r) / r.value - 1
+        if not r.excluded:
+            errs.append(abs(err))
+        note = f" (excluded: {r.excluded})" if r.excluded else ""
+        print(f"| {r.name}{note} | {r.value:g} | {predict(r):.0f} | {100 * err:+.1f}% | {t['compute']:.1f} / "
+              f"{t['ep_comm']:.1f} / {t['dp_comm']:.1f} / {other:.1f} |")
+    print(f"held-out MoE rows: mean |error| {100 * statistics.mean(errs):.1f}%, max {100 * max(errs):.1f}% "
+          f"over {len(errs)} rows\n")
+    sh = MOE_H100[0].shape
+    pb = Problem(sh, hardware_for(MOE_H100[0]), 32, 8, 2048)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = search(pb)
+        times.append(time.perf_counter() - t0)
+    best = res.best
+    print(f"search, Qwen3-235B-A22B on 256 H100 (ep in the space): {res.evaluated} plans in "
+          f"{1e3 * statistics.median(times):.0f} ms (median of {repeats}); best {best.plan.label()}: "
+          f"{best.tokens_per_s / 256:.0f} tokens/s/GPU predicted")
+
+
 def validation_table() -> None:
     """Every published row (xirang_hpc/planner/published.py): the rows that set constants, then the held-out
     rows predicted without refitting, each group with its mean and max |error|."""
@@ -109,7 +153,8 @@ def validation_table() -> None:
     groups = [("fit", "rows that set the constants (in-sample)", lambda r: True),
               ("held-out", "held-out rows, A100-80GB (out-of-sample, nothing refitted)", lambda r: r.gpu != "h100"),
               ("held-out", "held-out rows, H100-80GB (out-of-sample, nothing refitted)", lambda r: r.gpu == "h100")]
-    units = {"tflops": "TFLOP/s/GPU", "megatron_tflops": "model TFLOP/s/GPU", "tokens_per_gpu": "tokens/s/GPU"}
+    units = {"tflops": "TFLOP/s/GPU", "megatron_tflops": "model TFLOP/s/GPU", "model_tflops": "model TFLOP/s/GPU",
+             "tokens_per_gpu": "tokens/s/GPU"}
     for role, title, keep in groups:
         rows = [r for r in ALL if r.role == role and keep(r)]
         print(f"{title}:\n| source | run | GPUs | metric | published | predicted | error |")

@@ -5,7 +5,13 @@ baseline (the same server decoding one request at a time, ``--max-batch 1``) and
 batched by a plain aiohttp server, benchmarks/hf_generate_server.py). Prints p50/p99 latency,
 throughput, errors and the ratios.
 
-    python benchmarks/bench_serve.py [--clients 32] [--requests 500] [--max-tokens 32] [--source RUN_DIR]
+    python benchmarks/bench_serve.py [--rounds 7] [--clients 32] [--requests 200] [--max-tokens 32] [--source RUN_DIR]
+
+The three servers start once and stay up; the load then visits them in turns, ``--rounds`` times, the order
+rotated every round (ours, HF, baseline; HF, baseline, ours; ...), so that a drift of the machine's load during
+the run falls on every server alike. Each round gives one paired ratio per peer (ours/peer, measured minutes
+apart); the headline is the median of those ratios, not a ratio of medians. Idle servers wait on a socket and
+take no CPU while another is measured.
 
 Without ``--source`` the weights are a fresh ``model=tiny`` preset, written as our safetensors export
 and as the Hugging Face directory ``export --format hf`` writes (same conversion functions); with a
@@ -138,28 +144,40 @@ async def load(url: str, clients: int, n_requests: int, max_tokens: int, max_pro
             "req_per_s": len(lat) / wall, "tok_per_s": tokens[0] / wall, "first_error": errors[0] if errors else ""}
 
 
-def run_one(source: Path, tmp: Path, name: str, max_batch: int, a: argparse.Namespace, max_prompt: int,
-            hf: bool = False) -> dict[str, float]:
-    info = tmp / f"{name}.json"
-    proc = start(source, info, max_batch, a.threads, hf)
-    try:
-        started = json.loads(info.read_text())
-        url = started["url"]
-        probe = {"prompt": "def ", "max_tokens": 16, "temperature": 0, **({} if hf else {"model": started["model"]})}
-        with urllib_open(f"{url}{'/generate' if hf else '/v1/completions'}", probe) as out:
-            probe_text = out["text"] if hf else out["choices"][0]["text"]
-        res = asyncio.run(load(url, a.clients, a.requests, a.max_tokens, max_prompt, None if hf else started["model"]))
-        res["probe"] = probe_text
-        if hf:  # requests per generate call
-            with urllib_open(f"{url}/stats") as stats:
-                res["mean_batch"] = stats["rows"] / max(1, stats["batches"])
-        else:  # rows per forward pass (decode steps and single-row prefills)
-            with urllib_open(f"{url}/v1/model") as stats:
-                res["mean_batch"] = stats["stats"]["batched_rows"] / max(1, stats["stats"]["forward_passes"])
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-    return res
+class Server:
+    """One server of the comparison, started once and measured in every round."""
+
+    def __init__(self, source: Path, tmp: Path, name: str, max_batch: int, threads: int, hf: bool = False) -> None:
+        self.name, self.hf = name, hf
+        self.proc = start(source, tmp / f"{name}.json", max_batch, threads, hf)
+        started = json.loads((tmp / f"{name}.json").read_text())
+        self.url, self.model = started["url"], None if hf else started["model"]
+
+    def probe(self) -> str:
+        """The greedy reply to a fixed prompt (ours and HF compute the same maths: the same text)."""
+        body = {"prompt": "def ", "max_tokens": 16, "temperature": 0, **({} if self.hf else {"model": self.model})}
+        with urllib_open(f"{self.url}{'/generate' if self.hf else '/v1/completions'}", body) as out:
+            return out["text"] if self.hf else out["choices"][0]["text"]
+
+    def measure(self, a: argparse.Namespace, max_prompt: int) -> dict[str, float]:
+        """One round of load on this server, with its mean batch over the round."""
+        before = self._batches()
+        res = asyncio.run(load(self.url, a.clients, a.requests, a.max_tokens, max_prompt, self.model))
+        after = self._batches()
+        res["mean_batch"] = (after[0] - before[0]) / max(1, after[1] - before[1])
+        return res
+
+    def _batches(self) -> tuple[int, int]:
+        """(rows, batches) so far: requests per generate call (HF), rows per forward pass (ours)."""
+        if self.hf:
+            with urllib_open(f"{self.url}/stats") as stats:
+                return stats["rows"], stats["batches"]
+        with urllib_open(f"{self.url}/v1/model") as stats:
+            return stats["stats"]["batched_rows"], stats["stats"]["forward_passes"]
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)
 
 
 class urllib_open:  # noqa: N801 - tiny context manager around urllib for one JSON GET (or POST with body)
@@ -180,8 +198,9 @@ class urllib_open:  # noqa: N801 - tiny context manager around urllib for one JS
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=7, help="turns of load over the servers (paired ratios per round)")
     p.add_argument("--clients", type=int, default=32)
-    p.add_argument("--requests", type=int, default=500)
+    p.add_argument("--requests", type=int, default=200, help="requests per server per round")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server (xirang-serve --threads)")
@@ -189,36 +208,58 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers peer")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
+    ours, base, hf = "ours (batched)", "baseline (one at a time)", "HF transformers generate"
+    rounds: list[dict[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         source = Path(a.source) if a.source else make_weights(tmp)
         max_prompt = min(47, context_of(source) - a.max_tokens)
         if max_prompt < 4:
             raise SystemExit(f"--max-tokens {a.max_tokens} leaves no room for a prompt in the model's context")
-        rows = {"ours (batched)": run_one(source, tmp, "ours", a.max_batch, a, max_prompt),
-                "baseline (one at a time)": run_one(source, tmp, "base", 1, a, max_prompt)}
-        if not a.no_hf:
-            rows["HF transformers generate"] = run_one(hf_dir_for(source, tmp), tmp, "hf", a.max_batch, a, max_prompt,
-                                                       hf=True)
-    print(f"{a.clients} clients, {a.requests} requests, prompts 4-{max_prompt} bytes, {a.max_tokens} new tokens "
-          f"each, server torch threads {a.threads}, {os.cpu_count()} CPUs")
-    print(f"{'server':<26} {'ok':>5} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} {'tok/s':>8} {'batch':>6}")
-    for name, r in rows.items():
-        print(f"{name:<26} {r['ok']:>5} {r['errors']:>4} {1e3 * r['p50_s']:>8.1f} {1e3 * r['p99_s']:>8.1f} "
-              f"{r['req_per_s']:>7.1f} {r['tok_per_s']:>8.0f} {r['mean_batch']:>6.1f}")
-        if r["errors"]:
-            print(f"  first error: {r['first_error']}")
-    o = rows["ours (batched)"]
-    if "HF transformers generate" in rows:  # the peer computes what we compute: same greedy text
-        print(f"greedy probe (prompt 'def ', 16 tokens): HF text == ours: "
-              f"{rows['HF transformers generate']['probe'] == o['probe']}")
-    for peer, r in rows.items():
-        if peer != "ours (batched)":
-            print(f"ratios ours/{peer}: throughput x{o['req_per_s'] / r['req_per_s']:.2f}, "
-                  f"p50 latency x{o['p50_s'] / r['p50_s']:.2f}, p99 latency x{o['p99_s'] / r['p99_s']:.2f}")
+        servers: dict[str, Server] = {}
+        try:
+            servers[ours] = Server(source, tmp, "ours", a.max_batch, a.threads)
+            servers[base] = Server(source, tmp, "base", 1, a.threads)
+            if not a.no_hf:
+                servers[hf] = Server(hf_dir_for(source, tmp), tmp, "hf", a.max_batch, a.threads, hf=True)
+            probes = {name: s.probe() for name, s in servers.items()}
+            names = list(servers)
+            for r in range(a.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                rounds.append({name: servers[name].measure(a, max_prompt) for name in order})
+                line = "  ".join(f"{n.split()[0]} {rounds[-1][n]['req_per_s']:.1f} req/s" for n in names)
+                print(f"round {r + 1}/{a.rounds} ({', '.join(n.split()[0] for n in order)}): {line}", flush=True)
+        finally:
+            for s in servers.values():
+                s.stop()
+    print(f"{a.clients} clients, {a.requests} requests per server per round, {a.rounds} rounds, prompts "
+          f"4-{max_prompt} bytes, {a.max_tokens} new tokens each, server torch threads {a.threads}, "
+          f"{os.cpu_count()} CPUs")
+    print(f"{'server (median of rounds)':<26} {'ok':>5} {'err':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} "
+          f"{'tok/s':>8} {'batch':>6}")
+    med = statistics.median
+    for name in names:
+        rs = [rd[name] for rd in rounds]
+        print(f"{name:<26} {sum(r['ok'] for r in rs):>5} {sum(r['errors'] for r in rs):>4} "
+              f"{1e3 * med(r['p50_s'] for r in rs):>8.1f} {1e3 * med(r['p99_s'] for r in rs):>8.1f} "
+              f"{med(r['req_per_s'] for r in rs):>7.1f} {med(r['tok_per_s'] for r in rs):>8.0f} "
+              f"{med(r['mean_batch'] for r in rs):>6.1f}")
+        first = next((r["first_error"] for r in rs if r["errors"]), "")
+        if first:
+            print(f"  first error: {first}")
+    if hf in probes:
+        print(f"greedy probe (prompt 'def ', 16 tokens): HF text == ours: {probes[hf] == probes[ours]}")
+    summary: dict[str, dict[str, float | list[float]]] = {}
+    for peer in names[1:]:
+        thr = [rd[ours]["req_per_s"] / rd[peer]["req_per_s"] for rd in rounds]
+        p50 = [rd[ours]["p50_s"] / rd[peer]["p50_s"] for rd in rounds]
+        p99 = [rd[ours]["p99_s"] / rd[peer]["p99_s"] for rd in rounds]
+        summary[peer] = {"throughput": med(thr), "p50": med(p50), "p99": med(p99), "throughput_per_round": thr}
+        print(f"ours/{peer}, median of {len(thr)} paired rounds: throughput x{med(thr):.2f} "
+              f"(rounds {min(thr):.2f}-{max(thr):.2f}), p50 latency x{med(p50):.2f}, p99 latency x{med(p99):.2f}")
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
-    if any(r["errors"] for r in rows.values()):
+        Path(a.json).write_text(json.dumps({"rounds": rounds, "paired": summary}, indent=1))
+    if any(r["errors"] for rd in rounds for r in rd.values()):
         sys.exit(1)
 
 

@@ -3,7 +3,9 @@
 #   1. the tests marked `gpu` (tests/test_gpu.py and any other): nccl process group, bf16 autocast
 #      training steps, SDPA taking the flash/memory-efficient kernels, NVML figures in xirang-status,
 #      Hugging Face import/export on the GPU where present; the device decision (runtime/device.py), serving
-#      on the GPU (greedy tokens equal the CPU's), a 2-rank FSDP2 job on >= 2 GPUs (skipped, saying so, on one);
+#      on the GPU (greedy tokens equal the CPU's), a 2-rank FSDP2 job on >= 2 GPUs (skipped, saying so, on one),
+#      train.precision=fp8 (torchao float8, rowwise) against bf16 on a GPU of compute capability >= 8.9
+#      (skipped, naming the capability, on an older one);
 #   2. tokens/s and MFU of a ~1.1B Llama-family model for 30 steps, xirang's trainer vs a plain
 #      PyTorch loop of the same model on the same GPU, printed as a ratio (benchmarks/bench_gpu_train.py).
 # Without a GPU it says why and exits 0.

@@ -193,3 +193,49 @@ def test_a_restart_reuses_the_first_starts_compiled_kernels(email_data: Path, tm
     cache = tmp_path / "xdg/xirang-hpc/inductor"
     assert any(cache.rglob("*.so")), "compiled kernels are in the user's cache"
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+
+
+@pytest.mark.slow
+def test_the_compiled_loss_equals_the_eager_one_and_a_new_denominator_compiles_nothing(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """train.compile compiles the loss too: the plain cross-entropy and the chunked head's per-chunk step give the
+    eager values and gradients (masked targets, the last chunk shorter), and a denominator that changes every step
+    (chat data) reuses the compiled graphs instead of compiling one per step."""
+    from torch._dynamo.utils import counters
+
+    from xirang_hpc.config.schema import ModelConfig
+    from xirang_hpc.models.gpt import GPT
+    from xirang_hpc.models.loss import IGNORE_INDEX, chunked_lm_loss
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = ModelConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=64, seq_len=12)
+    model = GPT(cfg, seed=0)
+    C.apply_compile(model)
+    assert model.loss_kernel is not None and model.loss_fn is not lm_loss_eager()
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 64, (3, 7), generator=g)
+    y[0, :4] = IGNORE_INDEX  # a prompt's targets: learned by neither path
+    graphs = None
+    for denom in (11.0, 13.0, 17.0):  # one new value per step
+        h = torch.randn(3, 7, 16, generator=g, requires_grad=True)  # (B, T, C)
+        w = torch.randn(64, 16, generator=g, requires_grad=True)  # (V, C)
+        want = chunked_lm_loss(h, w, y, 5, denom)
+        gh, gw = torch.autograd.grad(want, (h, w))
+        got = chunked_lm_loss(h, w, y, 5, denom, model.loss_kernel)
+        ch, cw = torch.autograd.grad(got, (h, w))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ch, gh, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(cw, gw, rtol=1e-5, atol=1e-6)
+        logits = torch.randn(3, 7, 64, generator=g, requires_grad=True)
+        torch.testing.assert_close(model.loss_fn(logits, y, denom), lm_loss_eager()(logits, y, denom),
+                                   rtol=1e-5, atol=1e-6)
+        if graphs is None:  # after the first step: every shape (full and short chunk) is compiled
+            graphs = counters["stats"]["unique_graphs"]
+            assert graphs > 0
+    assert counters["stats"]["unique_graphs"] == graphs, "a new denominator compiled new graphs"
+
+
+def lm_loss_eager():  # noqa: ANN201 - the eager plain loss, imported late (the module under test imports it too)
+    from xirang_hpc.models.gpt import lm_loss
+
+    return lm_loss

@@ -25,6 +25,10 @@ def test_every_option_of_every_group_composes_and_validates(group: str) -> None:
     for opt in options:
         # Real clusters have hundreds of ranks: give them a batch that divides.
         extra = ["train.global_batch=4096"] if group == "cluster" else []
+        # Mixture-of-experts presets train data-parallel only in this build (validation refuses pp/tp for them),
+        # so they compose with the FSDP layout instead of the embedded dp2 x pp2 default.
+        if group == "model" and "moe_experts:" in (Path(CONF_DIR) / group / f"{opt}.yaml").read_text():
+            extra = ["parallel=fsdp"]
         cfg = load_config(compose_cfg([f"{group}={opt}", *extra]))
         assert isinstance(cfg, XirangConfig)
         assert isinstance(getattr(cfg, group), GROUPS[group])

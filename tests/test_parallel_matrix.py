@@ -69,6 +69,9 @@ CHUNKED = [(2, "dp2"), (2, "tp2"), (2, "pp2"), (2, "pp2v2"), (2, "zero2dp2"), (4
 # in the world-2 group: DDP, FSDP2 (ZeRO-3), tensor parallel, 1F1B pipeline stages, and over full recompute.
 # ~10 s of compiling per case here on a cold cache (the per-user cache makes a rerun cheaper; no timing is tested).
 COMPILED = [(2, "dp2", "none"), (2, "zero3dp2", "none"), (2, "tp2", "none"), (2, "pp2", "none"), (2, "dp2", "full")]
+# The compiled loss (train.compile compiles the loss too): the chunked head's compiled per-chunk step inside the
+# forward under FSDP2 (ZeRO-3) and in the last pipeline stage; the compiled plain loss runs in every case above.
+COMPILED_CHUNKED = [(2, "zero3dp2"), (2, "pp2")]
 # train.optimizer_impl beside the default AdamW: over FSDP2's DTensor shards, tensor parallelism's mix of DTensor
 # and plain parameters, and ZeRO-1's local AdamW (cheap: no compiling).
 OPTIMIZER_CASES = [(2, "zero3dp2", "fused"), (2, "tp2", "fused"), (2, "tp2", "foreach"), (2, "dp2zero", "fused")]
@@ -105,6 +108,9 @@ def groups(email_data: Path):
                      for w, n in CHUNKED if w == world]
             jobs += [(f"{n}/{r}/compiled", H.with_recompute(H.make_cfg(w, H.LAYOUTS[n], train={"compile": True}), r))
                      for w, n, r in COMPILED if w == world]
+            jobs += [(f"{n}/chunked/compiled", H.make_cfg(w, H.LAYOUTS[n], train={"compile": True,
+                                                                                  "loss_chunk_tokens": 24}))
+                     for w, n in COMPILED_CHUNKED if w == world]
             jobs += [(f"{n}/{o}", H.make_cfg(w, H.LAYOUTS[n], train={"optimizer_impl": o}))
                      for w, n, o in OPTIMIZER_CASES if w == world]
             cache[world] = H.run_group(world, jobs, email_data, steps=10, timeout_s=420)
@@ -212,6 +218,19 @@ def test_compiled_layout_matches_eager_single_process(world: int, layout: str, r
     assert all(r["graphs"] > 0 for r in per_rank), [r["graphs"] for r in per_rank]
     params = H.merged_params(per_rank)
     assert sorted(params) == sorted(ref["params"]), "compiling keeps the parameter names"
+    for name, want in ref["params"].items():
+        np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout", COMPILED_CHUNKED, ids=[n for _, n in COMPILED_CHUNKED])
+def test_compiled_chunked_loss_layout_matches_eager_single_process(world: int, layout: str, groups,
+                                                                   ref: dict) -> None:
+    """train.compile with the chunked head + loss: the compiled per-chunk step trains like the eager plain loss."""
+    per_rank = groups(world)[f"{layout}/chunked/compiled"]
+    _assert_same_curves(per_rank, world, ref)
+    assert all(r["graphs"] > 0 for r in per_rank), [r["graphs"] for r in per_rank]
+    params = H.merged_params(per_rank)
     for name, want in ref["params"].items():
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
 

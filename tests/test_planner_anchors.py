@@ -162,9 +162,10 @@ def test_held_out_rows_keep_their_recorded_accuracy() -> None:
 def test_megatron_h100_rows_tensor_and_pipeline_parallel_out_of_sample() -> None:
     """Megatron-LM's README table on H100 (tp 1-8, pp 1-16, 48-6,144 GPUs). Megatron-Core's three overlap
     constants are fitted on every other row by size from the smallest (1.7B, 16B, 70B, 177B, 462B); the four
-    between (7.1B tp=2, 32B tp=8, 119B tp=8 pp=4, 314B tp=8 pp=8) are out of sample: mean 3.2%, max 6.7%
-    (RESULTS.md). The shapes are the table's models, and every predicted plan keeps the published tp/pp/dp
-    and fits in 80 GB."""
+    between (7.1B tp=2, 32B tp=8, 119B tp=8 pp=4, 314B tp=8 pp=8) are out of sample: mean 3.3%, max 6.7%
+    (RESULTS.md; 3.2% before Megatron's fp32 gradients were held at 4 bytes, which leaves the 314B row's
+    unpublished micro-batch 2 at 87.5 GiB and moves it to micro-batch 1, 0.5% slower). The shapes are the
+    table's models, and every predicted plan keeps the published tp/pp/dp and fits in 80 GB."""
     from xirang_hpc.planner.published import MEGATRON_H100, _problem, hardware_for, plan_for
 
     sizes = [1.7, 7.1, 16, 32, 70, 119, 177, 314, 462]
@@ -176,7 +177,7 @@ def test_megatron_h100_rows_tensor_and_pipeline_parallel_out_of_sample() -> None
     held = [r for r in MEGATRON_H100 if r.role == "held-out"]
     assert [r.name.split()[1] for r in held] == ["7.1B", "32B", "119B", "314B"]
     n, mean, worst = _stats(held)
-    assert n == 4 and mean <= 0.033 and worst <= 0.067, (mean, worst)
+    assert n == 4 and mean <= 0.0331 and worst <= 0.067, (mean, worst)
     # Without the overlap terms every row is predicted slow (max 52.2%, 32B; 41.1% before the fp32 gradient
     # reduction and the refit H100 constants). Exposing the TP collectives and this runtime's ZeRO-1 again (the
     # planner's own costs) must bring that back.
@@ -196,9 +197,10 @@ def test_rows_reduce_gradients_in_the_precision_their_software_used() -> None:
     for r in ALL:
         hw = hardware_for(r)
         pure = r.stack == "composer" and r.gpu == "a100-80gb" and r.name.startswith("MPT-70b")
-        want = 2 if pure or r.stack == "megatron2021" else 4
+        # OPT's FSDP and DeepSpeed's 2021 ZeRO-3 runs reduced fp16 gradients in fp16.
+        want = 2 if pure or r.stack in ("megatron2021", "metaseq", "deepspeed-zero3") else 4
         assert (hw.grad_comm_bytes, hw.weight_bytes) == (want, 2), r.name
-    assert sum(1 for r in ALL if r.reduce_bytes) == 2
+    assert sum(1 for r in ALL if r.reduce_bytes) == 3
 
 
 def test_multi_node_mpt_13b_on_h100_scales_as_published() -> None:

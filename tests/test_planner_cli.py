@@ -151,3 +151,12 @@ def test_plan_reads_the_model_of_model_init_from(tmp_path) -> None:
     typed = plan_cli.typed_config(dcfg)
     m = typed.model
     assert (m.d_model, m.n_layer, m.n_head, m.n_kv_head, m.vocab_size) == (96, 3, 6, 2, 320)
+    # The plan is made for that shape: the problem the search ranks layouts for is the Hugging Face model's, and
+    # the typed config is the one xirang-train's loader builds from the same composition (to_typed, then validate).
+    from xirang_hpc.config.validate import to_typed
+    from xirang_hpc.planner.auto import plan_for
+
+    sh = plan_for(typed).problem.shape
+    assert (sh.hidden, sh.layers, sh.heads, sh.n_kv, sh.vocab, sh.ffn, sh.swiglu, sh.tied) == (
+        96, 3, 6, 2, 320, 160, True, False)
+    assert to_typed(dcfg).model == typed.model

@@ -184,6 +184,12 @@ def validate(cfg: XirangConfig) -> XirangConfig:
     if m.moe_experts and t.compile:  # the router's data-dependent token routing breaks a whole-block graph
         raise ConfigError("train.compile", True, "mixture-of-experts blocks are not compiled (their token routing "
                           "has data-dependent shapes); use train.compile=false for model.moe_experts > 0")
+    if t.precision == "fp8" and p.tp > 1:  # the tensor-parallel plan shards nn.Linear, not torchao's Float8Linear
+        raise ConfigError("train.precision", "fp8", "float8 linear layers are not tensor-parallel yet; use "
+                          "parallel.tp=1 (data parallel, FSDP and pipelines work) or train.precision=bf16")
+    if t.precision == "fp8" and cfg.finetune.adapters:
+        raise ConfigError("train.precision", "fp8", "LoRA adapters wrap the linear layers that float8 training "
+                          "would swap; use train.precision=bf16 with LoRA adapters")
     if m.tie_embeddings and p.pp > 1:
         raise ConfigError(
             "model.tie_embeddings",

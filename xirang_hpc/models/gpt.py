@@ -12,6 +12,7 @@ Structure choices made for tensor and pipeline parallelism later:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.init import init_parameters
-from xirang_hpc.models.loss import LossNorm, chunked_lm_loss
+from xirang_hpc.models.loss import ChunkKernel, LossNorm, chunked_lm_loss
 from xirang_hpc.models.moe import MoE, load_balancing_loss
 
 
@@ -279,6 +280,10 @@ class GPT(nn.Module):
         self.loss_chunk = 0
         # The loss's denominator (learned tokens per loss term) for masked targets; shared with pipeline views.
         self.loss_norm = LossNorm()
+        # The loss functions the job runs: the plain one (logits -> loss) and the chunked head's per-chunk step
+        # (None: models/loss.chunk_step as it is); train.compile sets compiled versions (runtime/compile.py).
+        self.loss_fn: Callable[..., torch.Tensor] = lm_loss
+        self.loss_kernel: ChunkKernel | None = None
         # Context parallelism (set by the runtime): inputs are this rank's shard of every sequence.
         self.seq_shards: SequenceShards | None = None
         if cfg.tie_embeddings:
@@ -416,7 +421,7 @@ class GPT(nn.Module):
             if targets is not None and self.loss_chunk > 0:
                 # (1,): a pipeline concatenates its microbatches' outputs
                 return chunked_lm_loss(h, self.head.weight, targets, self.loss_chunk,
-                                       self.loss_norm.denom).reshape(1)
+                                       self.loss_norm.denom, self.loss_kernel).reshape(1)
             h = self.head(h)  # (B, T, V)
         return h
 

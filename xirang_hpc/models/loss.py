@@ -20,6 +20,7 @@ every loss term of every rank divides by the same count of the *global* batch (s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,11 @@ import torch.nn.functional as F
 
 #: A target the loss ignores (torch's cross-entropy default ``ignore_index``).
 IGNORE_INDEX = -100
+
+#: :func:`chunk_step`'s signature: the plain function, or what ``torch.compile`` made of it.
+ChunkKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "float | torch.Tensor", bool,
+                        bool],
+                       "tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]"]
 
 
 class LossNorm:
@@ -50,15 +56,48 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(h, weight).float()
 
 
+def chunk_step(hc: torch.Tensor, weight: torch.Tensor, tc: torch.Tensor, keep: torch.Tensor | None,
+               n: float | torch.Tensor, need_h: bool, need_w: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One chunk of the fused head + loss: (summed loss, d/dh, d/dweight), the gradients already divided by ``n``.
+
+    hc (n_c, C), weight (V, C), tc (n_c,) target ids (masked ones clamped to a valid index), keep (n_c,) bool or
+    None. A pure function of its inputs, so ``train.compile`` can hand it to ``torch.compile`` as it is (one
+    graph: the matmul, the log-sum-exp, the softmax written over the logits and both gradient matmuls).
+    """
+    logits = _chunk_logits(hc, weight)  # (n_c, V)
+    lse = torch.logsumexp(logits, dim=-1)  # (n_c,)
+    per_token = lse - logits.gather(1, tc[:, None]).squeeze(1)  # (n_c,)
+    loss = (per_token * keep).sum() if keep is not None else per_token.sum()
+    if not (need_h or need_w):
+        return loss, None, None
+    # d(sum of the chunk's losses)/d logits = softmax - one_hot, written over the logits (no second
+    # (n_c, V) buffer); the 1/n of the mean is applied here once.
+    g = logits.sub_(lse[:, None]).exp_()  # (n_c, V)
+    g[torch.arange(tc.shape[0], device=g.device), tc] -= 1.0
+    if keep is not None:
+        g.mul_(keep[:, None])  # ignored targets: no gradient
+    g.div_(n)
+    grad_h = (g.to(weight.dtype) @ weight).to(hc.dtype) if need_h else None  # (n_c, C)
+    grad_w = g.t() @ hc.float() if need_w else None  # (V, C) fp32
+    return loss, grad_h, grad_w
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``h @ weight.T`` against ``targets``; gradients computed in the forward."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
-                chunk: int, denom: float | None = None, masked: bool = False) -> torch.Tensor:
+                chunk: int, denom: float | None = None, masked: bool = False,
+                kernel: ChunkKernel | None = None) -> torch.Tensor:
         rows = h.shape[0]
         n = rows if denom is None else denom  # what the summed losses are divided by
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        step = kernel or chunk_step
+        # A compiled kernel takes the denominator as a 0-d tensor: a Python float would be a constant of its graph,
+        # and chat data changes the denominator every step (one recompilation per step).
+        n_arg: float | torch.Tensor = (float(n) if kernel is None
+                                       else torch.tensor(float(n), dtype=torch.float32, device=h.device))
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -66,25 +105,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             hc, tc = h[start:start + chunk], targets[start:start + chunk]  # (n_c, C), (n_c,)
             keep = tc != IGNORE_INDEX if masked else None  # (n_c,) learned targets
             if keep is not None:
-                tc = tc.clamp_min(0)  # an index for gather; its row is zeroed below
-            logits = _chunk_logits(hc, weight)  # (n_c, V)
-            lse = torch.logsumexp(logits, dim=-1)  # (n_c,)
-            per_token = lse - logits.gather(1, tc[:, None]).squeeze(1)  # (n_c,)
-            total += (per_token * keep).sum() if keep is not None else per_token.sum()
-            if grad_h is None and grad_w is None:
-                continue
-            # d(sum of the chunk's losses)/d logits = softmax - one_hot, written over the logits (no second
-            # (n_c, V) buffer); the 1/n of the mean is applied here once.
-            g = logits.sub_(lse[:, None]).exp_()  # (n_c, V)
-            g[torch.arange(tc.shape[0], device=g.device), tc] -= 1.0
-            if keep is not None:
-                g.mul_(keep[:, None])  # ignored targets: no gradient
-            g.div_(n)
-            if grad_h is not None:
-                grad_h[start:start + chunk] = (g.to(weight.dtype) @ weight).to(h.dtype)  # (n_c, C)
-            if grad_w is not None:
-                grad_w += g.t() @ hc.float()  # (V, C)
-            del logits, g
+                tc = tc.clamp_min(0)  # an index for gather; its row is zeroed in the step
+            loss, gh, gw = step(hc, weight, tc, keep, n_arg, need_h, need_w)
+            total += loss
+            if gh is not None:
+                grad_h[start:start + chunk] = gh  # type: ignore[index]
+            if gw is not None:
+                grad_w += gw  # type: ignore[operator]
+            del gh, gw
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.has = (grad_h is not None, grad_w is not None)
         ctx.weight_dtype = weight.dtype
@@ -95,16 +123,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         grad_h = saved.pop(0) * grad_out.to(saved[0].dtype) if ctx.has[0] else None
         grad_w = (saved.pop(0) * grad_out).to(ctx.weight_dtype) if ctx.has[1] else None
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def chunked_lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                    denom: float | None = None) -> torch.Tensor:
+                    denom: float | None = None, kernel: ChunkKernel | None = None) -> torch.Tensor:
     """Next-token cross-entropy of ``h @ weight.T``: h (B, T, C), weight (V, C), targets (B, T).
 
     Equal to ``lm_loss(F.linear(h, weight), targets, denom)`` (values and gradients) without ever holding
     more than ``chunk`` tokens' logits. Targets of :data:`IGNORE_INDEX` are left out; ``denom`` None: the
-    mean over the others.
+    mean over the others. ``kernel``: :func:`chunk_step` or a compiled version of it (``train.compile``).
     """
     if chunk <= 0:
         raise ValueError(f"chunked_lm_loss: chunk must be > 0, got {chunk}")
@@ -118,4 +146,4 @@ def chunked_lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
             total = sum(F.cross_entropy(_chunk_logits(flat_h[s:s + chunk], weight), flat_t[s:s + chunk],
                                         reduction="sum") for s in range(0, flat_h.shape[0], chunk))
             return torch.as_tensor(total, dtype=torch.float32) / (flat_h.shape[0] if denom is None else denom)
-    return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_t, chunk, denom, masked)
+    return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_t, chunk, denom, masked, kernel)

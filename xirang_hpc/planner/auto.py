@@ -25,7 +25,7 @@ from xirang_hpc.config.validate import check_runnable, validate
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.planner.cost import Estimate, Plan, Problem
 from xirang_hpc.planner.formulas import Shape
-from xirang_hpc.planner.hardware import hardware_for
+from xirang_hpc.planner.hardware import hardware_for, with_precision
 from xirang_hpc.planner.search import Result, Space, search
 
 log = logging.getLogger("xirang.plan")
@@ -35,26 +35,35 @@ PLAN_FILE = "plan.json"
 def problem_of(cfg: XirangConfig) -> Problem:
     """The planning problem a config describes."""
     c = cfg.cluster
-    return Problem(Shape.from_model(cfg.model), hardware_for(c), c.nodes, c.tasks_per_node, cfg.train.global_batch)
+    hw = with_precision(hardware_for(c), cfg.train.precision)
+    return Problem(Shape.from_model(cfg.model), hw, c.nodes, c.tasks_per_node, cfg.train.global_batch)
 
 
-def expressible(plan: Plan) -> bool:
-    """Every ZeRO stage composes with tp and pp (``parallel.zero``); interleaving needs a pipeline."""
-    return plan.v == 1 or plan.pp > 1
+def _has_ep(cfg: XirangConfig | None) -> bool:
+    """Whether this build's ``ParallelConfig`` has an expert parallel degree (``parallel.ep``)."""
+    return cfg is not None and any(f.name == "ep" for f in dataclasses.fields(cfg.parallel))
+
+
+def expressible(plan: Plan, cfg: XirangConfig | None = None) -> bool:
+    """Every ZeRO stage composes with tp and pp (``parallel.zero``); interleaving needs a pipeline; expert
+    parallelism (ep > 1) needs a ``parallel.ep`` field in the config schema."""
+    return (plan.v == 1 or plan.pp > 1) and (plan.ep == 1 or _has_ep(cfg))
 
 
 def apply_plan(cfg: XirangConfig, plan: Plan) -> XirangConfig:
     """``cfg`` with the plan's degrees written in (not validated)."""
-    if not expressible(plan):
-        raise ValueError(f"plan {plan.label()} cannot be expressed in ParallelConfig (interleaving without pp)")
+    if not expressible(plan, cfg):
+        raise ValueError(f"plan {plan.label()} cannot be expressed in ParallelConfig (interleaving without pp, "
+                         "or expert parallelism without parallel.ep)")
     m = cfg.train.global_batch // (plan.dp * plan.micro)
+    extra = {"ep": plan.ep} if _has_ep(cfg) else {}
     par = dataclasses.replace(
         cfg.parallel, dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero=plan.zero,
         data_parallel="fsdp" if plan.zero >= 2 else "ddp", optimizer_sharding=plan.zero >= 1, dp_replicate=1,
         microbatches=m if plan.pp > 1 else 1,
         schedule="interleaved" if plan.v > 1 else ("gpipe" if plan.schedule == "gpipe" else "1f1b"),
         virtual_stages=plan.v if plan.v > 1 else cfg.parallel.virtual_stages, recompute=plan.recompute,
-        sequence_parallel=plan.sp)
+        sequence_parallel=plan.sp, **extra)
     train = dataclasses.replace(cfg.train, grad_accum=1 if plan.pp > 1 else m)
     return dataclasses.replace(cfg, parallel=par, train=train)
 
@@ -64,11 +73,11 @@ def runtime_allows(cfg: XirangConfig) -> Callable[[Plan], bool]:
     cache: dict[tuple[int, ...], bool] = {}
 
     def ok(plan: Plan) -> bool:
-        if not expressible(plan):
+        if not expressible(plan, cfg):
             return False
         if plan.pp > 1 and cfg.train.global_batch // (plan.dp * plan.micro) < plan.pp:
             return False  # torch's 1F1B needs at least as many microbatches as stages
-        key = (plan.dp, plan.cp, plan.tp, plan.pp, plan.v, plan.zero, plan.sp,
+        key = (plan.dp, plan.cp, plan.tp, plan.pp, plan.ep, plan.v, plan.zero, plan.sp,
                ("none", "selective", "full").index(plan.recompute))
         if key not in cache:
             try:

@@ -8,6 +8,21 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   plus a fixed kernel overhead per layer;
 - full recomputation re-runs each block's forward except its last GEMM where the checkpoint stops
   early (``checkpoint_early_stop``: PyTorch's non-reentrant checkpoint, ``formulas.recompute_extra``);
+- MoE (``Shape.experts``): FLOPs and activations count the routed experts only (active parameters),
+  weights, gradients and optimizer state every expert (total parameters; formulas.py). Expert parallelism
+  (``Plan.ep``) puts E/ep whole experts on each of ep ranks drawn from the tp*dp ranks of a pipeline stage
+  (expert tensor parallelism 1: Megatron-Core's ``--expert-tensor-parallel-size 1``, torchtitan's
+  ``expert_tensor_parallel_degree`` 1, the rule ``dp_shard*cp*tp == efsdp*ep``); without it (ep = 1) the
+  experts are split over tp like the dense MLP. The expert state is then sharded by the ZeRO stage over the
+  remaining edp = tp*dp/(ep*etp) ranks (torchtitan's efsdp, Megatron's expert data parallel group), and the
+  expert gradients are reduced over that group, not over dp. Each MoE block moves its tokens twice per pass
+  through an all-to-all over the ep group (dispatch and combine: 4 per microbatch, 6 under full
+  recomputation; torchtitan ``ExpertParallel``, Megatron-Core ``MoEAlltoAllTokenDispatcher``), each rank
+  sending its b*s/t tokens x top_k x h activations (sequence-parallel tokens, as Megatron-Core requires
+  sequence parallelism for MoE with tp > 1), (ep-1)/ep of them off the rank: inside a node when the ep
+  group fits in one (ranks are ordered tp fastest, then dp, so a group of ep consecutive ranks), else partly
+  across nodes (``comm.all_to_all``). Routing is taken as balanced (every expert gets top_k/E of the tokens);
+  the all-to-all is exposed (not overlapped with compute).
 - TP: 4 all-reduces of b*s*h activations per layer (2 forward, 2 backward; +2 under full recompute),
   a ring inside the node (Narayanan et al. SC21 Sec. 3.2); sequence parallelism swaps each for a
   reduce-scatter + all-gather of the same volume; a stack that overlaps them with the GEMMs
@@ -57,6 +72,7 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -67,6 +83,7 @@ from xirang_hpc.planner.formulas import (
     embedding_params,
     iteration_flops,
     layer_activation_bytes,
+    layer_expert_params,
     layer_forward_flops,
     layer_params,
     logits_flops,
@@ -96,12 +113,24 @@ class Plan:
     recompute: str = "none"  # none | selective | full
     sp: bool = False  # sequence parallel (needs tp > 1)
     schedule: str = "1f1b"  # 1f1b | gpipe
+    ep: int = 1  # expert parallel degree (MoE): E/ep experts per rank, ep dividing tp*dp
     cp: int = 1  # context parallel: ranks sharing each sequence
 
     @property
     def grad_ranks(self) -> int:
-        """Ranks that reduce (and under ZeRO shard) one gradient: dp x cp."""
+        """Ranks that reduce (and under ZeRO shard) one dense gradient: dp x cp."""
         return self.dp * self.cp
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor parallel degree: tp without expert parallelism, 1 (whole experts) with it."""
+        return self.tp if self.ep == 1 else 1
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel degree: the tp*dp ranks of a stage over the ep*etp that hold distinct expert
+        shards; the ZeRO stage shards the expert state over these (torchtitan's efsdp)."""
+        return max(1, self.tp * self.dp // (self.ep * self.etp))
 
     def label(self) -> str:
         """Compact human-readable form."""
@@ -111,7 +140,8 @@ class Plan:
         extra += ["sp"] if self.sp else []
         extra += [f"rc={self.recompute}"] if self.recompute != "none" else []
         extra += [self.schedule] if self.schedule != "1f1b" else []
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} b={self.micro} " + " ".join(extra)
+        ep = f"ep={self.ep} " if self.ep > 1 else ""
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} {ep}b={self.micro} " + " ".join(extra)
 
 
 @dataclass
@@ -144,7 +174,7 @@ class Estimate:
         return {
             "plan": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch": p.micro, "microbatches": self.microbatches,
                      "interleave": p.v, "zero": p.zero, "recompute": p.recompute, "sequence_parallel": p.sp,
-                     "schedule": p.schedule, "cp": p.cp},
+                     "schedule": p.schedule, "ep": p.ep, "cp": p.cp},
             "label": p.label(),
             "fits": self.fits,
             "memory_gib": {k: v / GiB for k, v in self.memory.items()},
@@ -184,9 +214,13 @@ def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str,
     sh, hw = pb.shape, pb.hw
     t, p, b, cp = pl.tp, pl.pp, pl.micro, pl.cp
     lp = layer_params(sh)
+    le = layer_expert_params(sh)  # routed experts: E/ep per rank, whole (ep > 1) or split over tp (ep = 1)
+    ld = lp - le
+    e_share = 1.0 / (pl.ep * pl.etp)
     flash = hw.flash_attention > 0
     dcp = pl.grad_ranks  # FSDP shards over dp x cp
     w, g, o = state_bytes_per_param(pl.zero, dcp, hw.weight_bytes, hw.grad_bytes, hw.optim_bytes)
+    we, ge, oe = state_bytes_per_param(pl.zero, pl.edp, hw.weight_bytes, hw.grad_bytes, hw.optim_bytes)
     pipelined_fsdp = p > 1 and pl.zero >= 2 and dcp > 1
     if pipelined_fsdp:
         # torch's pipeline schedule (PipelineStage.backward_one_chunk) sets FSDP2's reshard_after_backward
@@ -195,6 +229,8 @@ def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str,
         # step's one reduce-scatter, the sharded gradients. Only the optimizer state is 1/dp.
         w = hw.weight_bytes * (1 + 1 / dcp)
         g = hw.grad_bytes * (1 + 1 / dcp)
+        we = hw.weight_bytes * (1 + 1 / pl.edp)
+        ge = hw.grad_bytes * (1 + 1 / pl.edp)
     # Every activation, scores included (s/cp queries x s keys), is the rank's 1/cp share of the sequence's;
     # the gathered K and V (full length) are kept beside them for the backward, unless recomputed.
     kv_gathered = 4.0 * sh.seq * b * sh.kv_width / t * (hw.act_bytes / 2.0) * (cp - 1) / cp
@@ -221,21 +257,21 @@ def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str,
             inflight = float(m)
         else:
             inflight = min(m, p - r) * (1 + (p - 1) / (p * pl.v) if pl.v > 1 else 1)
-        params = n * lp / t + (embedding_params(sh) / t if r == 0 else 0.0) + (head if r == p - 1 else 0.0)
+        params = n * ld / t + (embedding_params(sh) / t if r == 0 else 0.0) + (head if r == p - 1 else 0.0)
         acts = n * act * inflight + working + (logits if r == p - 1 else 0.0)
-        stages.append((params, acts))
-    params, acts = max(stages, key=lambda x: x[0] * (w + g + o) + x[1])
+        stages.append((params, n * le * e_share, acts))
+    params, experts, acts = max(stages, key=lambda x: x[0] * (w + g + o) + x[1] * (we + ge + oe) + x[2])
     buffers = hw.reserved_gb * GiB
-    if dcp > 1 and pl.zero <= 1:
-        buffers += 2 * min(DDP_BUCKET_BYTES, params * hw.grad_comm_bytes)
+    if (dcp > 1 or pl.edp > 1) and pl.zero <= 1:
+        buffers += 2 * min(DDP_BUCKET_BYTES, (params + experts) * hw.grad_comm_bytes)
     if pl.zero == 3 and not pipelined_fsdp:  # gathered weights of the layer being computed and the one prefetched
-        buffers += 2 * lp / t * hw.weight_bytes
+        buffers += 2 * (ld / t + le * e_share) * hw.weight_bytes
     if pl.zero >= 2:
         # What a backend keeps beyond them, per unsharded parameter byte (calibrated on CPU: gloo
         # reduce-scatters as a full all-reduce, FSDP2 copy-in/out buffers).
-        buffers += hw.fsdp_buffer_factor * params * hw.weight_bytes
-    mem = {"params": params * w, "grads": params * g, "optimizer": params * o, "activations": acts,
-           "buffers": buffers}
+        buffers += hw.fsdp_buffer_factor * (params + experts) * hw.weight_bytes
+    mem = {"params": params * w + experts * we, "grads": params * g + experts * ge,
+           "optimizer": params * o + experts * oe, "activations": acts, "buffers": buffers}
     mem["total"] = sum(mem.values())
     return mem
 
@@ -275,25 +311,39 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     # Softmax, dropout, norms, GeLU are memory-bound: they stream the layer's activations
     # (Korthikanti et al.'s per-layer bytes, no recompute) through device memory on every pass.
     act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes, flash) / cp
+    score_bytes = act_stream - layer_activation_bytes(sh, b, t, pl.sp, "selective", hw.act_bytes, flash) / cp
     # Training = 3 forward passes + recomputation; the attention products run at the attention
     # kernel's rate, the rest at the GEMM rate.
     dense_extra = dense - skipped if pl.recompute == "full" else 0.0
     dense_share = 3.0 * dense + dense_extra
     attn_share = 3.0 * attn + extra - dense_extra
 
+    # The linear layers' GEMMs run at linear_peak_tflops where set (FP8: hardware.with_precision); the head and
+    # the attention products at peak_tflops.
+    linear_peak = (hw.linear_peak_tflops or hw.peak_tflops) * 1e12
+
     def compute_of(n: int, last: bool) -> float:
-        flops_time = (n * dense_share + (3 * logits_flops(sh, tokens) if last else 0.0)) / t / (
-            hw.peak_tflops * 1e12 * eff) + n * attn_share * causal / t / (hw.peak_tflops * 1e12 * attn_eff)
+        flops_time = (n * dense_share / t / (linear_peak * eff)
+                      + (3 * logits_flops(sh, tokens) if last else 0.0) / t / (hw.peak_tflops * 1e12 * eff)
+                      + n * attn_share * causal / t / (hw.peak_tflops * 1e12 * attn_eff))
         overhead = n * hw.kernel_overhead_us * 1e-6 * passes
         elementwise = n * passes * hw.elementwise_traffic * act_stream / (hw.mem_bw_gbs * 1e9)
         # Softmax over the b * a/t * s^2 attention scores (exp per element; calibrated on CPU, 0 on GPUs
         # where fused attention hides it in the FLOP rate).
         scores = 0.0 if flash else n * passes * b * (sh.heads / t) * sh.seq**2 / cp * hw.attn_score_ns * 1e-9
+        # Selective recomputation (Korthikanti et al. 2022, Sec. 5) re-runs QK^T, softmax, dropout and the
+        # product with V in the backward: over materialized scores that is one more pass of the memory-bound
+        # softmax and dropout over the 5*a*s^2*b bytes the recomputation saved (the score term of
+        # ``layer_activation_bytes``), at the same ``elementwise_traffic`` as the other passes. A fused kernel
+        # recomputes its scores in on-chip memory: no traffic.
+        rescore = 0.0
+        if pl.recompute == "selective" and not flash:
+            rescore = n * hw.elementwise_traffic * score_bytes / (hw.mem_bw_gbs * 1e9)
         # The loss streams the b*s*V/t logits through device memory (hardware.logit_bytes per element).
         loss = (hw.logit_bytes * tokens * sh.vocab / t / (hw.mem_bw_gbs * 1e9)) if last else 0.0
         # Training metrics computed on every microbatch's logits stream them again (hardware.metric_bytes).
         loss += (hw.metric_bytes * tokens * sh.vocab / t / (hw.mem_bw_gbs * 1e9)) if last else 0.0
-        return flops_time + overhead + elementwise + scores + loss + hw.microbatch_overhead_us * 1e-6
+        return flops_time + overhead + elementwise + scores + rescore + loss + hw.microbatch_overhead_us * 1e-6
 
     def tp_of(n: int) -> float:
         # Tensor parallel all-reduces of b*s*h activations, inside the node.
@@ -305,6 +355,23 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
             out += n * passes * (hw.tp_overhead_us + hw.tp_overhead_us_per_mb * act_mb
                                  + (hw.sp_overhead_us if pl.sp else 0.0)) * 1e-6
         return out
+
+    # Expert parallelism: each MoE block's token dispatch and combine, an all-to-all over the ep group in
+    # every pass (comm.all_to_all); the group is ep consecutive ranks of the tp-then-dp order.
+    # A dispatcher that sends a token once per target node (hardware.a2a_node_dedup, DeepEP) moves only
+    # comm.node_dedup_share of the cross-node copies.
+    ep_local = math.gcd(pl.ep, k)
+    ep_nodes = pl.ep // ep_local
+    a2a_bytes = tokens / t * sh.top_k * sh.hidden * hw.act_bytes
+    inter_bytes = None
+    if hw.a2a_node_dedup > 0 and ep_nodes > 1:
+        inter_bytes = (ep_nodes - 1) / ep_nodes * a2a_bytes * comm.node_dedup_share(sh.experts, sh.top_k, ep_nodes)
+    a2a = comm.all_to_all(a2a_bytes, ep_local, ep_nodes, links, flows=k, inter_n=inter_bytes) if pl.ep > 1 else 0.0
+    moe_share = sh.n_moe / sh.layers
+    n_a2a = 6 if pl.recompute == "full" else 4
+
+    def ep_of(n: int) -> float:
+        return n * moe_share * n_a2a * a2a
 
     def cp_of(n: int) -> float:
         # K/V all-gather (forward; again under full recompute) and the reduce-scatter of their gradients:
@@ -319,10 +386,10 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
 
     # Ranks differ only by their block count and by holding the head: few distinct cases.
     kinds = {(n, r == p - 1) for r, n in enumerate(counts)}
-    compute_mb, tp_mb, cp_mb = max(((compute_of(n, last), tp_of(n), cp_of(n)) for n, last in kinds),
-                                   key=lambda x: x[0] + x[1] + x[2])
+    compute_mb, tp_mb, ep_mb, cp_mb = max(((compute_of(n, last), tp_of(n), ep_of(n), cp_of(n)) for n, last in kinds),
+                                          key=lambda x: x[0] + x[1] + x[2] + x[3])
 
-    slot = compute_mb + tp_mb + cp_mb
+    slot = compute_mb + tp_mb + ep_mb + cp_mb
     bubble = (p - 1) / v * slot * hw.bubble_exposed
 
     # Pipeline p2p: ranks are ordered tp fastest, then dp, then pp (Megatron), so a stage boundary
@@ -334,13 +401,20 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
         p2p += (v * m + p - 1) * hw.pp_overhead_us * 1e-6  # schedule bookkeeping per slot
 
     # Data parallel gradient all-reduce over dp ranks, k_dp per node.
-    lp = layer_params(sh)
+    le = layer_expert_params(sh)
+    lp = layer_params(sh) - le
     stage_params = (layers * lp + max(embedding_params(sh), sh.vocab * sh.hidden)) / t
     grad_bytes = stage_params * hw.grad_comm_bytes
+    # Expert gradients are reduced over the expert data parallel group (edp ranks at a stride of ep*etp).
+    e_params = layers * le / (pl.ep * pl.etp)
+    e_grad_bytes = e_params * hw.grad_comm_bytes
+    de = pl.edp if le else 1
+    k_e = math.gcd(de, max(1, k // (pl.ep * pl.etp)))
     k_dp = max(1, min(d, k // t)) if k % t == 0 else 1
     while d % k_dp:
         k_dp -= 1
     dp_full, algo = comm.group_allreduce(grad_bytes, k_dp, d // k_dp, links, flows=k)
+    dp_full += comm.group_allreduce(e_grad_bytes, k_e, de // k_e, links, flows=k)[0]
     backward = compute_mb * (passes - 1) / passes  # backward (+ recompute) of the last microbatch
     forward = compute_mb - backward
     hide = hw.dp_overlap
@@ -352,13 +426,14 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     # the sharded stacks' all-gathers and reduce-scatters cost the slowest link's time (comm.pipelined_ring).
     sharded = pl.zero >= 2 or (pl.zero == 1 and hw.distributed_optimizer > 0)
 
-    def group(n: float) -> float:
+    def group(n: float, kk: int = k_dp, nodes: int = d // k_dp) -> float:
         if sharded and hw.pipelined_rings > 0:
-            return comm.pipelined_ring(n, k_dp, d // k_dp, links, flows=k)
-        return comm.group_allreduce(n, k_dp, d // k_dp, links, flows=k)[0]
+            return comm.pipelined_ring(n, kk, nodes, links, flows=k, channels=round(hw.sharded_ring_channels))
+        return comm.group_allreduce(n, kk, nodes, links, flows=k)[0]
 
-    scatter = group(grad_bytes) / 2
-    gather = scatter if hw.weight_bytes == hw.grad_comm_bytes else group(stage_params * hw.weight_bytes) / 2
+    scatter = group(grad_bytes) / 2 + group(e_grad_bytes, k_e, de // k_e) / 2
+    gather = scatter if hw.weight_bytes == hw.grad_comm_bytes else (
+        group(stage_params * hw.weight_bytes) / 2 + group(e_params * hw.weight_bytes, k_e, de // k_e) / 2)
     if sharded and hw.pipelined_rings > 0 and d > k_dp:
         algo = "ring-pipelined"
     # A collective overlapped with compute still slows it by hw.comm_interference of its hidden time.
@@ -366,7 +441,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
         hidden = min(comm_s, hide * compute_s)
         return comm_s - hidden + hw.comm_interference * hidden
 
-    if d == 1:
+    if d == 1 and de == 1:
         dp_exposed = 0.0
     elif pl.zero == 0:  # all-reduce in buckets as the backward runs
         dp_exposed = exposed(dp_full, backward)
@@ -406,7 +481,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
             dp_exposed += (d if (t > 1 or p > 1) else tensors) * hw.zero1_overhead_us * 1e-6
 
     # Adam reads and writes weights, grads and states of the parameters this rank updates.
-    updated = stage_params / (d if pl.zero else 1)
+    updated = stage_params / (d if pl.zero else 1) + e_params / (de if pl.zero else 1)
     # Measured per parameter on CPU ranks, where Adam's arithmetic on a shared core is the bound.
     optim = updated * max((hw.optim_bytes + hw.weight_bytes + hw.grad_bytes) * 2 / (hw.mem_bw_gbs * 1e9),
                           hw.optimizer_ns_per_param * 1e-9)
@@ -415,7 +490,8 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
 
     total = m * slot + bubble + p2p + dp_exposed + optim
     est = Estimate(plan=pl, microbatches=m, dp_algo=algo)
-    est.time = {"compute": m * compute_mb, "tp_comm": m * tp_mb, "cp_comm": m * cp_mb, "bubble": bubble, "p2p": p2p,
+    est.time = {"compute": m * compute_mb, "tp_comm": m * tp_mb, "ep_comm": m * ep_mb, "cp_comm": m * cp_mb,
+                "bubble": bubble, "p2p": p2p,
                 "dp_comm": dp_exposed, "optimizer": optim, "total": total}
     est.memory = _memory(pb, pl, m, counts)
     est.fits = est.memory["total"] <= hw.mem_gb * GiB

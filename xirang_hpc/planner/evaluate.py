@@ -14,7 +14,7 @@ from xirang_hpc.config.validate import resolve_zero
 from xirang_hpc.planner.cost import Estimate, Plan, Problem, estimate
 from xirang_hpc.planner.search import Result, Space, search
 
-_KEYS = {"tp", "pp", "dp", "cp", "mbs", "v", "zero", "recompute", "sp", "schedule"}
+_KEYS = {"tp", "pp", "dp", "cp", "mbs", "v", "zero", "recompute", "sp", "schedule", "ep"}
 
 
 def parse_layout(spec: str, pb: Problem) -> Plan:
@@ -33,7 +33,7 @@ def parse_layout(spec: str, pb: Problem) -> Plan:
         plan = Plan(dp=dp, tp=tp, pp=pp, micro=int(fields.get("mbs", 1)), v=int(fields.get("v", 1)),
                     zero=int(fields.get("zero", 0)), recompute=fields.get("recompute", "none"),
                     sp=fields.get("sp", "false").lower() in ("1", "true", "yes"),
-                    schedule=fields.get("schedule", "1f1b"), cp=cp)
+                    schedule=fields.get("schedule", "1f1b"), ep=int(fields.get("ep", 1)), cp=cp)
     except ValueError as exc:
         raise ValueError(f"--layout {spec!r}: {exc}") from None
     check_plan(plan, pb)
@@ -71,6 +71,13 @@ def check_plan(plan: Plan, pb: Problem) -> None:
         raise ValueError("recompute is none|selective|full and zero is 0..3")
     if plan.sp and plan.tp == 1:
         raise ValueError("sp=true (sequence parallelism) needs tp > 1")
+    if plan.ep < 1 or (plan.ep > 1 and not sh.experts):
+        raise ValueError(f"ep={plan.ep}: expert parallelism needs a mixture-of-experts model (model.moe_experts > 0); "
+                         "use ep=1")
+    if sh.experts and (sh.experts % plan.ep or (plan.tp * plan.dp) % plan.ep):
+        ok = [e for e in range(1, sh.experts + 1) if sh.experts % e == 0 and (plan.tp * plan.dp) % e == 0]
+        raise ValueError(f"ep={plan.ep} must divide the model's {sh.experts} experts and the tp*dp={plan.tp * plan.dp} "
+                         f"ranks of a pipeline stage; choose ep from {ok}")
 
 
 @dataclass

@@ -15,6 +15,14 @@ Sources (see /work/shared/anchors.md):
   are never written to device memory (no 5*a*s/h term in Korthikanti's activations, no score
   traffic); the backward recomputes them, 5 matrix products instead of 4 (FlashAttention-2 Sec.
   3.1.2), so training costs 3.5 forward attention passes instead of 3.
+- Mixture of experts (Shazeer et al., "Outrageously Large Neural Networks", ICLR 2017; Fedus et al.,
+  "Switch Transformers", JMLR 2022; Jiang et al., "Mixtral of Experts", 2024): a MoE block holds
+  ``experts`` SwiGLU experts of width ``expert_ffn`` and a bias-free linear router (h x E), but each
+  token runs only its ``top_k`` experts (plus an optional shared expert): weights, gradients and
+  optimizer state count every expert (*total* parameters), FLOPs and activations only the routed ones
+  (*active* parameters), as Megatron-LM's ``num_floating_point_operations`` (``moe_ffn_hidden_size *
+  moe_router_topk``) and torchtitan's ``get_nparams_and_flops`` (routed experts scaled by top_k/E) count
+  them. The router adds 2*h*E forward FLOPs per token (Fedus et al. Sec. 2.1: a linear layer h -> E).
 
 Everything here is pure arithmetic on a :class:`Shape`; the step-time model lives in ``cost.py``.
 """
@@ -49,6 +57,14 @@ class Shape:
     # planner's parameter count equals the model's exactly.
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Mixture of experts: routed experts per MoE block (0 = dense), experts per token, one expert's SwiGLU
+    # width, the width of a dense shared expert every token also runs (0 = none), and how many of the
+    # ``layers`` blocks are MoE (0 with experts > 0: all of them). The other blocks keep the dense ``ffn``.
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    moe_layers: int = 0
 
     @classmethod
     def from_model(cls, m: ModelConfig) -> Shape:
@@ -56,7 +72,16 @@ class Shape:
         return cls(layers=m.n_layer, hidden=m.d_model, heads=m.n_head, seq=m.seq_len, vocab=m.vocab_size,
                    ffn=m.ffn_dim, swiglu=m.mlp == "swiglu", bias=m.bias, learned_pos=m.pos == "learned",
                    kv_heads=m.n_kv_head, tied=m.tie_embeddings, head_dim=m.d_head, qkv_bias=m.attn_qkv_bias,
-                   qk_norm=m.qk_norm)
+                   qk_norm=m.qk_norm, experts=m.moe_experts, top_k=m.moe_top_k if m.moe_experts else 0,
+                   expert_ffn=m.moe_ffn_dim if m.moe_experts else 0, shared_ffn=m.moe_shared_ffn_hidden,
+                   moe_layers=len(m.moe_layers))
+
+    @property
+    def n_moe(self) -> int:
+        """Blocks whose feed-forward is a mixture of experts (0 for a dense model)."""
+        if not self.experts:
+            return 0
+        return self.moe_layers or self.layers
 
     @property
     def kv_width(self) -> int:
@@ -87,19 +112,70 @@ def attn_matrix_params(sh: Shape) -> int:
     return 2 * sh.hidden * sh.q_width + 2 * sh.hidden * sh.kv_width
 
 
-def layer_params(sh: Shape) -> int:
-    """Parameters of one block: attention projections + (2 or 3)*h*ffn MLP + norms and biases.
+def dense_mlp_params(sh: Shape) -> int:
+    """A dense block's MLP weights: (2 or 3)*h*ffn."""
+    return (3 if sh.swiglu else 2) * sh.hidden * sh.ffn
 
-    For GELU with ffn=4h, biases and no GQA this is Narayanan et al.'s 12h^2 + 13h per layer.
-    """
-    h, f = sh.hidden, sh.ffn
-    mats = attn_matrix_params(sh) + (3 if sh.swiglu else 2) * h * f
+
+def router_params(sh: Shape) -> int:
+    """A MoE block's router: one bias-free linear layer h -> E (Fedus et al. 2022, Sec. 2.1)."""
+    return sh.hidden * sh.experts
+
+
+def expert_params(sh: Shape) -> int:
+    """A MoE block's routed experts, all of them: E SwiGLU experts of 3*h*expert_ffn each. This is what
+    expert parallelism shards (E/ep experts per rank)."""
+    return sh.experts * 3 * sh.hidden * sh.expert_ffn
+
+
+def moe_mlp_params(sh: Shape) -> int:
+    """A MoE block's feed-forward weights: router + every routed expert + the shared expert (3*h*shared_ffn)."""
+    return router_params(sh) + expert_params(sh) + 3 * sh.hidden * sh.shared_ffn
+
+
+def moe_active_mlp_params(sh: Shape) -> int:
+    """The MoE weights one token runs through: router + top_k routed experts + the shared expert."""
+    return router_params(sh) + sh.top_k * 3 * sh.hidden * sh.expert_ffn + 3 * sh.hidden * sh.shared_ffn
+
+
+def _per_block(dense: float, moe: float, sh: Shape) -> float:
+    """The mean over the blocks of a quantity that is ``dense`` in a dense block and ``moe`` in a MoE block."""
+    if not sh.n_moe:
+        return dense
+    if sh.n_moe == sh.layers:
+        return moe
+    return ((sh.layers - sh.n_moe) * dense + sh.n_moe * moe) / sh.layers
+
+
+def _block_params_but_mlp(sh: Shape) -> int:
+    """One block's attention projections, biases (the MLP's: dense blocks only) and norms."""
+    h = sh.hidden
     if sh.bias:
-        bias = sh.q_width + h + 2 * sh.kv_width + f + h + (f if sh.swiglu else 0)  # q, o, k, v, up, down, gate
+        bias = sh.q_width + h + 2 * sh.kv_width  # q, o, k, v
     else:
         bias = sh.q_width + 2 * sh.kv_width if sh.qkv_bias else 0
     norms = 2 * h * (2 if sh.bias else 1) + (2 * sh.hd if sh.qk_norm else 0)
-    return mats + bias + norms
+    return attn_matrix_params(sh) + bias + norms
+
+
+def layer_params(sh: Shape) -> float:
+    """Parameters of one block: attention projections + (2 or 3)*h*ffn MLP + norms and biases.
+
+    For GELU with ffn=4h, biases and no GQA this is Narayanan et al.'s 12h^2 + 13h per layer. A MoE block
+    holds :func:`moe_mlp_params` instead of the MLP (every expert: total parameters); where only some blocks
+    are MoE this is the mean over the blocks (exact sums in :func:`total_params`).
+    """
+    mlp_bias = (sh.ffn + sh.hidden + (sh.ffn if sh.swiglu else 0)) if sh.bias else 0  # up, down, gate
+    dense = dense_mlp_params(sh) + mlp_bias
+    mean = _per_block(dense, moe_mlp_params(sh), sh)
+    out = _block_params_but_mlp(sh) + mean
+    return int(out) if float(out).is_integer() else out
+
+
+def layer_expert_params(sh: Shape) -> float:
+    """Routed-expert parameters of one block, mean over the blocks (0 for a dense model): the share of
+    :func:`layer_params` that expert parallelism shards."""
+    return _per_block(0, expert_params(sh), sh)
 
 
 def layer_tensors(sh: Shape) -> int:
@@ -126,8 +202,19 @@ def head_params(sh: Shape) -> int:
 
 
 def total_params(sh: Shape) -> int:
-    """Narayanan et al. eq. (2) generalised: l*(12h^2 + 13h) + (V + s)*h for the GELU GPT (+ V*h untied)."""
-    return sh.layers * layer_params(sh) + embedding_params(sh) + head_params(sh)
+    """Narayanan et al. eq. (2) generalised: l*(12h^2 + 13h) + (V + s)*h for the GELU GPT (+ V*h untied); a
+    MoE block counts every expert (total parameters)."""
+    mlp_bias = (sh.ffn + sh.hidden + (sh.ffn if sh.swiglu else 0)) if sh.bias else 0
+    dense_blocks = sh.layers - sh.n_moe
+    blocks = (sh.layers * _block_params_but_mlp(sh) + dense_blocks * (dense_mlp_params(sh) + mlp_bias)
+              + sh.n_moe * moe_mlp_params(sh))
+    return blocks + embedding_params(sh) + head_params(sh)
+
+
+def active_params(sh: Shape) -> int:
+    """Parameters one token runs through: :func:`total_params` with each MoE block's experts cut to the
+    ``top_k`` routed ones (+ the router and the shared expert). Equal to the total for a dense model."""
+    return total_params(sh) - sh.n_moe * (moe_mlp_params(sh) - moe_active_mlp_params(sh))
 
 
 def model_params(m: ModelConfig) -> int:
@@ -143,11 +230,19 @@ def layer_forward_flops(sh: Shape, tokens: int) -> tuple[float, float]:
     Dense: 2 FLOPs per multiply-add over the attention projections and the MLP (24*b*s*h^2 for GELU 4h
     without GQA); attention scores QK^T and AV over all query heads: 4*b*s^2*h. Their sum is
     24*b*s*h^2*(1 + s/(6h)) (Narayanan et al.).
+    A MoE block's dense part runs the router and only the ``top_k`` routed experts (+ the shared expert):
+    :func:`moe_active_mlp_params`, mean over the blocks where some are dense.
     """
     h = sh.hidden
-    dense = 2.0 * tokens * (attn_matrix_params(sh) + (3 if sh.swiglu else 2) * h * sh.ffn)
+    mlp = _per_block(dense_mlp_params(sh), moe_active_mlp_params(sh), sh)
+    dense = 2.0 * tokens * (attn_matrix_params(sh) + mlp)
     attn = 4.0 * tokens * sh.seq * h
     return dense, attn
+
+
+def router_flops(sh: Shape, tokens: int) -> float:
+    """Forward FLOPs of one MoE block's router over ``tokens``: 2*tokens*h*E (0 for a dense block)."""
+    return 2.0 * tokens * router_params(sh)
 
 
 FLASH_BLOCK = 128  # FlashAttention-2's tile of keys/queries along the sequence (Dao 2023, Sec. 3.1.1)
@@ -173,8 +268,13 @@ def logits_flops(sh: Shape, tokens: int) -> float:
 
 
 def mlp_down_flops(sh: Shape, tokens: int) -> float:
-    """Forward FLOPs of a block's last GEMM, the MLP down-projection: 2*b*s*ffn*h."""
-    return 2.0 * tokens * sh.ffn * sh.hidden
+    """Forward FLOPs of a block's last GEMM, the MLP down-projection: 2*b*s*ffn*h.
+
+    A MoE block ends in the routing-weighted sum of its experts' outputs, whose backward needs those
+    outputs (for the routing weights' gradient): they are saved, and a non-reentrant checkpoint recomputes
+    them. Nothing is skipped there (0; the mean over the blocks where some are dense).
+    """
+    return _per_block(2.0 * tokens * sh.ffn * sh.hidden, 0.0, sh)
 
 
 def recompute_extra(dense: float, attn: float, recompute: str, flash: bool = False, skipped: float = 0.0) -> float:
@@ -231,10 +331,12 @@ def layer_activation_bytes(sh: Shape, micro: int, tp: int, sp: bool, recompute: 
     The "34" assumes a 4h GELU MLP; a different MLP width scales its 16 bytes/element share. Of
     the attention's 11, K and V take 2 each: GQA scales those 4 by kv_width/h. A fused attention
     kernel (``flash``) stores no scores: the 5*a*s/h term goes, as under selective recompute.
+    A MoE block's feed-forward keeps :func:`moe_activation_share` instead of the MLP's share.
     """
     s, b, h, a, t = sh.seq, micro, sh.hidden, sh.heads, tp
     scale = act_bytes / 2.0
-    mlp = 16.0 * (sh.ffn / (4.0 * h)) * (1.5 if sh.swiglu else 1.0)  # MLP share of the 34
+    dense_mlp = 16.0 * (sh.ffn / (4.0 * h)) * (1.5 if sh.swiglu else 1.0)  # MLP share of the 34
+    mlp = _per_block(dense_mlp, moe_activation_share(sh), sh)
     base = 18.0 - 4.0 * (1.0 - sh.kv_width / h) + mlp  # = 34 for GELU 4h without GQA
     if recompute == "full":
         return scale * 2.0 * s * b * h / (t if sp else 1)
@@ -246,6 +348,20 @@ def layer_activation_bytes(sh: Shape, micro: int, tp: int, sp: bool, recompute: 
     else:
         per = 10.0 + (base - 10.0) / t + score
     return scale * s * b * h * per
+
+
+def moe_activation_share(sh: Shape) -> float:
+    """Bytes per s*b*h element a MoE block's feed-forward keeps for the backward (16-bit activations).
+
+    A hand count of the tensors its backward saves, after Korthikanti et al.'s per-tensor count of the dense
+    MLP (whose SwiGLU share, 16*(ffn/4h)*1.5 = 6*ffn/h, is the gate, up and product tensors of ffn width):
+    each token's ``top_k`` expert copies run SwiGLUs of ``expert_ffn`` width (6*top_k*expert_ffn/h), the
+    shared expert one of ``shared_ffn`` (6*shared_ffn/h); the permuted token copies the experts read and their
+    outputs the weighted combine reads back (2 bytes each per element and copy: 4*top_k); the router's
+    fp32 logits and probabilities (8*E/h).
+    """
+    h = sh.hidden
+    return 6.0 * (sh.top_k * sh.expert_ffn + sh.shared_ffn) / h + 4.0 * sh.top_k + 8.0 * sh.experts / h
 
 
 def state_bytes_per_param(zero: int, dp: int, w: int, g: int, o: int) -> tuple[float, float, float]:

@@ -13,6 +13,8 @@ Public specs used (dense bf16 Tensor Core rates; the datasheets print twice thes
   3.35 TB/s, NVLink4 900 GB/s bidirectional = 450 GB/s per direction through NVSwitch.
 - H200 SXM (NVIDIA H200 Tensor Core GPU datasheet, 2024): the H100's compute (989 TFLOP/s bf16) and
   NVLink (900 GB/s), 141 GB HBM3e at 4.8 TB/s.
+- FP8 (the same H100 and H200 datasheets): 1,979 TFLOP/s dense FP8 Tensor Core (3,958 "with sparsity"),
+  twice the bf16 rate; the A100 has no FP8 (``fp8_tflops`` 0).
 - Network: a DGX A100 node has 8x ConnectX-6 200 Gb/s HDR InfiniBand (Narayanan et al. SC21's
   cluster); DGX H100 / DGX H200 nodes have 8x ConnectX-7 400 Gb/s NDR, one per GPU (DGX H100/H200
   user guide, "Hardware overview"): 50 GB/s per GPU, 400 GB/s per node line rate.
@@ -132,6 +134,21 @@ class Hardware:
     # sets the time (comm.pipelined_ring). 0 = the best of a flat single-NIC ring and a hierarchical
     # all-reduce whose intra- and inter-node phases run one after the other (comm.group_allreduce).
     pipelined_rings: float = 0.0
+    # NICs per node the sharded stages' rings cross nodes through (comm.pipelined_ring's ``channels``); 0 = one per
+    # rank of the node, NCCL's multi-channel rings as above. A stack whose gathers reach less (DeepSpeed ZeRO-3 of
+    # 2021, fitted on Narayanan et al. SC21 Table 2 in planner/published.py) sets the share it reaches.
+    sharded_ring_channels: float = 0.0
+    # 1 = expert parallelism's token dispatcher sends each token once to every other node that holds one of its
+    # experts and forwards it there over NVLink (DeepEP; DeepSeek-V3 technical report Sec. 3.2.2): the network
+    # carries comm.node_dedup_share of a plain all-to-all's cross-node bytes. 0 = a plain all-to-all (NCCL, as
+    # torchtitan's and this runtime's expert parallelism).
+    a2a_node_dedup: float = 0.0
+    # Dense FP8 Tensor Core peak per device (datasheet; 0 = no FP8). Under train.precision=fp8 the planner runs the
+    # linear layers' GEMMs at this rate (``linear_peak_tflops``; attention and the output head stay at
+    # ``peak_tflops``, as torchao's float8 training converts only the linear layers and skips the head).
+    fp8_tflops: float = 0.0
+    # Peak of the linear layers' GEMMs (attention projections, MLP, experts, router); 0 = ``peak_tflops``.
+    linear_peak_tflops: float = 0.0
 
     def scaled(self, **overrides: float) -> Hardware:
         """A copy with some fields replaced."""
@@ -150,21 +167,24 @@ _A100 = dict(peak_tflops=312.0, gemm_efficiency=0.70, gemm_half_width=25.0, kern
              elementwise_traffic=2.25, intra_bw_gbs=300.0 * _BUS, intra_latency_us=3.0,
              inter_bw_gbs=8 * 25.0 * _BUS, inter_latency_us=8.0, inter_nics=8, dp_overlap=0.0, reserved_gb=3.0,
              flash_attention=1.0, logit_bytes=36.0, pipelined_rings=1.0)
-# H100/H200 SXM: datasheet peak, NVLink4 and 8x NDR 400 Gb/s per node (module docstring). The compute constants
-# (gemm_efficiency, elementwise_traffic, attn_efficiency) were fitted on llm-foundry's H100 BF16 rows of 512, 1,024
+# H100/H200 SXM: datasheet peak, NVLink4 and 8x NDR 400 Gb/s per node (module docstring). The GEMM constants
+# (gemm_efficiency, elementwise_traffic) were fitted on llm-foundry's H100 BF16 rows of 512, 1,024
 # and 65,536 tokens (Composer FSDP; planner/published.py, 12 rows) and checked on its 40 other H100 rows
 # (benchmarks/RESULTS.md); dp_overlap and comm_interference come from the A100 FSDP fit (torchtitan + llm-foundry A100
 # rows). Both GPU presets time FSDP's collectives across nodes as NCCL's pipelined rings (pipelined_rings 1; this
-# runtime's FSDP2 runs on NCCL there). attn_efficiency 0.18 is the fused attention kernel's rate on the tiles it runs
-# (formulas.causal_fraction): FlashAttention-3 (Shah et al. 2024) reports FlashAttention-2 at 35% of H100 peak in its
-# own benchmark, and these end-to-end runs reach about half that. Megatron-LM's published TP/PP H100 rows are checked
+# runtime's FSDP2 runs on NCCL there). attn_efficiency is the fused attention kernel's rate on the tiles it runs
+# (formulas.causal_fraction), from the kernel this runtime runs on H100 (PyTorch SDPA's flash backend,
+# FlashAttention-2): Dao, "FlashAttention-2" (2023), Sec. 4.1 and Fig. 7, up to 335 TFLOP/s forward + backward
+# on H100 SXM5 at head dimension 128, causal FLOPs counted on the tiles run: 335 / 989 = 0.339. The 0.184 fitted
+# on llm-foundry's 2023 H100 rows is that stack's older kernel (flash-attn 1.0.9 / Triton) and stays in its stack
+# (planner/published.py). Megatron-LM's published TP/PP H100 rows are checked
 # in planner/published.py under the megatron-core stack, whose TP and distributed-optimizer overlap (tp_comm_overlap,
 # distributed_optimizer) this runtime does not have: the presets keep those at 0.
 _H100 = dict(peak_tflops=989.0, gemm_efficiency=0.753, gemm_half_width=40.0, kernel_overhead_us=15.0,
              elementwise_traffic=4.064, intra_bw_gbs=450.0 * _BUS, intra_latency_us=3.0,
              inter_bw_gbs=8 * 50.0 * _BUS, inter_latency_us=8.0, inter_nics=8, dp_overlap=0.085, reserved_gb=3.0,
-             flash_attention=1.0, attn_efficiency=0.184, logit_bytes=36.0, comm_interference=0.452,
-             pipelined_rings=1.0)
+             flash_attention=1.0, attn_efficiency=round(335.0 / 989.0, 3), logit_bytes=36.0, comm_interference=0.452,
+             pipelined_rings=1.0, fp8_tflops=1979.0)
 
 PRESETS: dict[str, Hardware] = {
     "a100-40gb": Hardware(name="a100-40gb", mem_gb=40.0, mem_bw_gbs=1555.0, **_A100),
@@ -186,9 +206,10 @@ _MAY_BE_ZERO = {"gemm_half_width", "kernel_overhead_us", "elementwise_traffic", 
                 "sp_overhead_us", "tp_overhead_us_per_mb", "bubble_exposed", "dp_overhead_us_per_mb",
                 "fsdp_overhead_us_per_mb", "optimizer_ns_per_param", "fsdp_buffer_factor", "attn_score_ns",
                 "flash_attention", "attn_efficiency", "logit_bytes", "comm_interference",
-                "checkpoint_early_stop", "metric_bytes", "pipelined_rings"}
+                "checkpoint_early_stop", "metric_bytes", "pipelined_rings", "sharded_ring_channels", "a2a_node_dedup",
+                "fp8_tflops", "linear_peak_tflops"}
 _FRACTIONS = {"bubble_exposed", "dp_overlap", "flash_attention", "attn_efficiency", "comm_interference",
-              "checkpoint_early_stop", "pipelined_rings"}
+              "checkpoint_early_stop", "pipelined_rings", "a2a_node_dedup"}
 TUNABLE = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
 
 
@@ -197,6 +218,18 @@ def default_gpu(cluster: ClusterConfig) -> str:
     if cluster.gpu:
         return cluster.gpu
     return "cpu" if cluster.gpus_per_node == 0 else "a100-80gb"
+
+
+def with_precision(hw: Hardware, precision: str) -> Hardware:
+    """``hw`` for ``train.precision``: under fp8 the linear layers' GEMMs at the device's FP8 peak
+    (``fp8_tflops``); a device without one is refused, naming the preset and the fix."""
+    if precision != "fp8":
+        return hw
+    if hw.fp8_tflops <= 0:
+        raise ConfigError("train.precision", "fp8", f"the {hw.name} preset has no FP8 peak (no float8 tensor cores); "
+                          "plan with train.precision=bf16, choose an h100/h200 cluster.gpu, or set "
+                          "cluster.hardware.fp8_tflops")
+    return hw.scaled(linear_peak_tflops=hw.fp8_tflops)
 
 
 def hardware_for(cluster: ClusterConfig) -> Hardware:

@@ -14,6 +14,10 @@ def _fmt_time(s: float) -> str:
     return f"{s * 1e3:.1f}ms" if s < 1 else f"{s:.2f}s"
 
 
+def _ep(t: dict[str, float]) -> str:
+    return f" + EP all-to-all {_fmt_time(t['ep_comm'])}" if t.get("ep_comm") else ""
+
+
 def describe(e: Estimate, mem_cap_gb: float) -> list[str]:
     """Three lines: memory breakdown, step-time breakdown, throughput."""
     m, t = e.memory, e.time
@@ -21,7 +25,7 @@ def describe(e: Estimate, mem_cap_gb: float) -> list[str]:
     return [
         f"memory/rank  {m['total'] / GiB:.2f} GiB of {mem_cap_gb:g} = {mem}",
         f"step time    {_fmt_time(t['total'])} = compute {_fmt_time(t['compute'])} + TP comm "
-        f"{_fmt_time(t['tp_comm'])} + "
+        f"{_fmt_time(t['tp_comm'])}{_ep(t)} + "
         + (f"CP K/V comm {_fmt_time(t['cp_comm'])} + " if e.plan.cp > 1 else "")
         + f"bubble {_fmt_time(t['bubble'])} + p2p {_fmt_time(t['p2p'])} + "
         f"exposed DP comm {_fmt_time(t['dp_comm'])} ({e.dp_algo}) + optimizer {_fmt_time(t['optimizer'])}",

@@ -1,4 +1,4 @@
-"""Regional compilation (``train.compile``): each transformer block's forward through ``torch.compile``.
+"""Regional compilation (``train.compile``): each transformer block's forward through ``torch.compile``, and the loss.
 
 As torchtitan does it: the blocks are compiled one by one (they share one code object, so the first
 block's graph is reused by the others rather than the whole model traced as one), after tensor
@@ -18,13 +18,15 @@ kernels (no C++ compiler on a CPU node, no Triton on a GPU one) is refused with 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.models.gpt import lm_loss
+from xirang_hpc.models.loss import chunk_step
 
 CACHE_SUBDIR = "xirang-hpc"
 
@@ -103,9 +105,13 @@ def _probe_fn(x: torch.Tensor) -> torch.Tensor:
     return torch.sin(x) * 2.0 + x
 
 
-def apply_compile(model: nn.Module) -> int:
-    """``torch.compile`` each block's forward of ``model`` (a GPT or a pipeline stage) in place; returns how many.
+def apply_compile(model: nn.Module, views: Sequence[nn.Module] = ()) -> int:
+    """``torch.compile`` each block's forward of ``model`` (a GPT or a pipeline stage) in place, and its loss;
+    returns how many blocks.
 
+    The loss is compiled as torchtitan compiles it: the plain cross-entropy over the logits (``loss_fn``) and
+    the chunked head's per-chunk step (``loss_kernel``: matmul, log-sum-exp, softmax gradient and both gradient
+    matmuls in one graph). ``views``: the pipeline's per-stage views of ``model``, which run its loss too.
     Call after tensor parallelism and recompute, before FSDP2 (see the module docstring).
     """
     configure_cache()
@@ -113,4 +119,24 @@ def apply_compile(model: nn.Module) -> int:
     for block in blocks:
         # fullgraph: a graph break inside a block is a bug to see, not a silent slow path.
         block.forward = torch.compile(block.forward, fullgraph=True)  # type: ignore[method-assign]
+    if getattr(model, "head", None) is not None:  # the stage that computes the loss
+        loss_fn = compiled_lm_loss()
+        kernel = torch.compile(chunk_step, fullgraph=True)
+        for m in (model, *views):
+            m.loss_fn, m.loss_kernel = loss_fn, kernel
     return len(blocks)
+
+
+def compiled_lm_loss() -> Callable[..., torch.Tensor]:
+    """:func:`~xirang_hpc.models.gpt.lm_loss` compiled, with the denominator outside the graph.
+
+    Chat data divides the summed loss by the global batch's learned-token count, a new number every step: as an
+    argument of the compiled function it would be a constant of the graph (a recompilation per step).
+    """
+    mean = torch.compile(lambda logits, targets: lm_loss(logits, targets), fullgraph=True)
+    total = torch.compile(lambda logits, targets: lm_loss(logits, targets, 1.0), fullgraph=True)
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor, denom: float | None = None) -> torch.Tensor:
+        return mean(logits, targets) if denom is None else total(logits, targets) / denom
+
+    return loss

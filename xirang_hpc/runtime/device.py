@@ -26,6 +26,10 @@ from xirang_hpc.config.errors import ConfigError
 
 CPU = "cpu"
 _TYPE = re.compile(r"^[a-z][a-z0-9_]*$")
+# Float8 tensor-core matmuls (torch._scaled_mm, which torchao's float8 training runs on): NVIDIA compute capability
+# 8.9 (Ada) and 9.0 (Hopper) onwards (CUDA C++ Programming Guide, "Compute Capabilities"; torch's _scaled_mm
+# refuses older devices).
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,26 @@ class Device:
         if self.is_accelerator and callable(get):
             return str(get(self.index))
         return self.type
+
+    def capability(self) -> tuple[int, int] | None:
+        """The NVIDIA compute capability of a CUDA device (None for the CPU, ROCm and other accelerators)."""
+        if self.type != "cuda" or getattr(torch.version, "hip", None) or not torch.cuda.is_available():
+            return None
+        return tuple(torch.cuda.get_device_capability(self.index))  # type: ignore[return-value]
+
+    def describe(self) -> str:
+        """This device in words, for refusals: ``the CPU``, ``cuda:0 (NVIDIA A100-SXM4-80GB, compute capability
+        8.0)``."""
+        if not self.is_accelerator:
+            return "the CPU (no accelerator)"
+        cap = self.capability()
+        extra = f", compute capability {cap[0]}.{cap[1]}" if cap else ""
+        return f"{self} ({self.name()}{extra})"
+
+    def supports_fp8(self) -> bool:
+        """Float8 tensor-core matmuls: a CUDA device of compute capability >= 8.9."""
+        cap = self.capability()
+        return cap is not None and cap >= FP8_MIN_CAPABILITY
 
     def rng_state(self) -> list[torch.Tensor] | None:
         """Every local device's RNG state (for exact resume), None on the CPU."""

@@ -31,7 +31,7 @@ from xirang_hpc.runtime.compile import apply_compile, probe
 from xirang_hpc.runtime.context_parallel import ContextShards, apply_context_parallel
 from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer, ddp_bucket_cap_mb
 from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims, dp_mesh, mesh_coords
-from xirang_hpc.runtime.precision import apply_autocast
+from xirang_hpc.runtime.precision import apply_autocast, apply_float8
 from xirang_hpc.runtime.recompute import apply_recompute
 from xirang_hpc.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -52,7 +52,7 @@ class ParallelModel:
     stage_layers: range = range(0)
     schedule: object | None = None
     n_microbatches: int = 1
-    precision: str = "fp32"  # resolved train.precision: fp32 | bf16 (autocast)
+    precision: str = "fp32"  # resolved train.precision: fp32 | bf16 (autocast) | fp8 (autocast + float8 linears)
     seq_shards: ContextShards | None = None  # context parallelism: this rank's shard of every row
 
     @property
@@ -101,6 +101,8 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
     ranges = pipeline.stage_ranges(cfg.model, dims.pp * chunks_per_rank)
     stages = pipeline.rank_stages(coords["pp"], dims.pp, chunks_per_rank)
     model.loss_chunk = t.loss_chunk_tokens
+    if t.precision == "fp8":  # float8 linears (torchao, rowwise), still on meta; refused where the device has none
+        apply_float8(model, layout.device)
     if cfg.finetune.adapters:  # adapters beside the frozen base linears, before any carving or sharding
         apply_lora(model, cfg.finetune.lora)
     if dims.pp > 1:
@@ -114,7 +116,7 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
             apply_tensor_parallel(c, mesh["tp"], p.sequence_parallel)
     apply_recompute(model, p.recompute)
     if t.compile:  # regional: each block, over its TP plan and recompute wrapper, before FSDP2 wraps it
-        apply_compile(model)
+        apply_compile(model, chunks if chunks_per_rank > 1 else ())
     for c in chunks:
         precision = apply_autocast(c, t.precision, device)  # bf16 autocast around the forward, or nothing
     # Context parallelism: the cp ranks see parts of the same rows, so their gradients are reduced together

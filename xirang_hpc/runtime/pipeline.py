@@ -115,6 +115,7 @@ class StageChunk(nn.Module):
         self.norm = model.norm if last else None
         self.head = model.head if last else None
         self.loss_chunk = model.loss_chunk
+        self.loss_fn, self.loss_kernel = model.loss_fn, model.loss_kernel  # plain or compiled (train.compile)
         self.loss_norm = model.loss_norm  # the same object: the trainer sets its denominator per step
         self.seq_shards = None  # context parallelism does not run with pipeline stages (refused at validation)
         if model.cfg.pos == "rope":
@@ -142,10 +143,12 @@ def build_schedule(module: nn.Module | list[nn.Module], stage: int | list[int], 
     For ``interleaved``, ``module`` and ``stage`` are lists: this rank's chunks and their stage indices.
     ``loss_in_stage``: the last stage's forward gets ``targets=`` and returns the loss (``train.loss_chunk_tokens``).
     """
-    norm = module[-1].loss_norm if isinstance(module, list) else getattr(module, "loss_norm", None)
+    last = module[-1] if isinstance(module, list) else module
+    norm = getattr(last, "loss_norm", None)
+    fn = getattr(last, "loss_fn", lm_loss)  # compiled under train.compile
 
     def plain_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return lm_loss(output, target, norm.denom if norm is not None else None)
+        return fn(output, target, norm.denom if norm is not None else None)
 
     loss_fn = _loss_is_output if loss_in_stage else plain_loss
     if schedule not in SCHEDULES and schedule not in MULTI_SCHEDULES:

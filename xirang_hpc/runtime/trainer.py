@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.data.dataset import ChatSamples, PairSamples, TokenWindows
 from xirang_hpc.models.dpo import DpoTerms, completion_logps, dpo_terms
-from xirang_hpc.models.gpt import full_model_params, lm_loss
+from xirang_hpc.models.gpt import full_model_params
 from xirang_hpc.models.lora import adapters_disabled, lora_params
 from xirang_hpc.runtime import liveness, testpoint
 from xirang_hpc.runtime.data_parallel import build_optimizer
@@ -221,7 +221,8 @@ class Trainer:
         kw = {"position_ids": pos} if pos is not None else {}
         if self.cfg.train.loss_chunk_tokens:
             return module(x, targets=y, **kw).squeeze(0)
-        return lm_loss(module(x, **kw), y, self.model.loss_norm.denom if self.chat else None)  # type: ignore[union-attr]
+        return self.model.loss_fn(module(x, **kw), y,  # type: ignore[operator]
+                                  self.model.loss_norm.denom if self.chat else None)  # type: ignore[union-attr]
 
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor, train: bool, pos: torch.Tensor | None = None) -> float:
         """Loss of this rank's batch slice through the pipeline (0.0 on non-last stages)."""

@@ -60,7 +60,9 @@ class TrainConfig:
     after_active: bool = False
     # Resume from a specific step (forks a new run from it; see checkpoint rollback); -1 = latest.
     resume_from: int = -1
-    # Mixed precision: auto = bf16 autocast on CUDA (nccl), fp32 on CPU | fp32 | bf16.
+    # Mixed precision: auto = bf16 autocast on CUDA (nccl), fp32 on CPU | fp32 | bf16 | fp8 (bf16 autocast and the
+    # linear layers in float8 through torchao, rowwise scales; CUDA compute capability >= 8.9 only, refused at
+    # start-up elsewhere; see xirang_hpc/runtime/precision.py).
     precision: str = "auto"
     # The output head and the loss computed this many tokens at a time (0: all at once). The full
     # (tokens, vocab) logits and their gradient are then never held: a 128k vocabulary at 16k tokens per
@@ -106,8 +108,8 @@ class TrainConfig:
                               "use 0 (the whole batch at once) or a chunk of tokens > 0, e.g. 4096")
         if self.priority not in PRIORITIES:
             raise ConfigError("train.priority", self.priority, f"choose one of {', '.join(PRIORITIES)}")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise ConfigError("train.precision", self.precision, "choose auto, fp32 or bf16")
+        if self.precision not in ("auto", "fp32", "bf16", "fp8"):
+            raise ConfigError("train.precision", self.precision, "choose auto, fp32, bf16 or fp8")
         if self.optimizer_impl not in OPTIMIZER_IMPLS:
             raise ConfigError("train.optimizer_impl", self.optimizer_impl,
                               f"choose one of {', '.join(OPTIMIZER_IMPLS)}")
