@@ -63,12 +63,18 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "zero3dp2xpp2": {"dp": 2, "pp": 2, "microbatches": 2, "zero": 3},
     "zero1dp2xtp2xpp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2, "zero": 1},
     "zero3dp2xtp2xpp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2, "zero": 3},
+    # Context parallelism: every row split over the cp ranks (load-balanced chunks), K/V all-gathered.
+    "cp2": {"cp": 2},
+    "cp2xdp2": {"dp": 2, "cp": 2},
+    "cp2xtp2": {"cp": 2, "tp": 2},
+    "fsdp2xcp2": {"dp": 2, "cp": 2, "data_parallel": "fsdp"},
+    "cp2acc": {"cp": 2, "microbatches": 2},  # two accumulation steps
 }
 
 
 def world_of(layout: dict[str, Any]) -> int:
     """Ranks a layout needs."""
-    return layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+    return layout.get("dp", 1) * layout.get("cp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
 
 
 def make_cfg(world: int, parallel: dict[str, Any], steps: int = 10, model: dict[str, Any] | None = None,
@@ -135,6 +141,8 @@ def run_layout(cfg: XirangConfig, topo: Topology, data_dir: Path, steps: int, wa
                # graphs torch.compile made for this layout beyond its start-up probe's one (train.compile)
                "graphs": counters["stats"]["unique_graphs"] - graphs0 - int(cfg.train.compile),
                "optimizer": {k: inner.defaults.get(k) for k in ("foreach", "fused")},
+               # tokens of each row this rank holds (a context-parallel shard: seq_len / cp)
+               "seq_tokens": tr.pm.seq_shards.index.numel() if tr.pm.seq_shards is not None else cfg.model.seq_len,
                "n_opt_state": opt_state, "n_local_params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                                      for p in tr.model.parameters())}
         del tr

@@ -196,6 +196,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "parallel.dp": (3, REFUSED, []),
     "parallel.tp": (2, dims, []),
     "parallel.pp": (1, dims, []),
+    "parallel.cp": (2, dims, PURE_DP),  # a cp mesh dimension; dp derived from the rest
     "parallel.data_parallel": ("fsdp", dims, []),
     "parallel.dp_replicate": (2, REFUSED, []),  # ddp has no replicate groups
     "parallel.microbatches": (2, reads("xirang_hpc.runtime.parallelize"), []),

@@ -20,6 +20,11 @@ ZeRO-2 with accumulation (zero2dp2: a reduce-scatter per microbatch), x TP (zero
 (zero2dp2xpp2); ZeRO-3 (fsdp4, hsdp2x2, zero3dp2 with accumulation), x TP (fsdp2xtp2), x PP
 (zero3dp2xpp2), x TP x PP (zero3dp2xtp2xpp2). Each also shows its sharding: ZeRO-1 keeps AdamW state for part of the
 rank's (replicated) parameters only, ZeRO-2/3 hold parameter shards.
+
+Context parallelism (``parallel.cp``: every row split over the cp ranks in load-balanced chunks, K/V
+all-gathered): cp2 (learned positions; with recompute full; with accumulation), cp2 x dp2 (DDP over dp x cp),
+cp2 x tp2, fsdp2 x cp2 (FSDP2 sharding over dp_shard x cp), grouped-query RoPE (cp2, cp2 x tp2), the chunked
+loss, and chat rows packed (per-sample positions and the block-diagonal mask across shards) and padded.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ import pytest
 GROUPS = {
     2: [("dp2", "none"), ("dp2", "full"), ("tp2", "none"), ("tp2", "full"), ("tp2", "selective"),
         ("pp2", "none"), ("pp2", "full"), ("tp2sp", "none"), ("dp2zero", "none"), ("pp2v2", "none"),
-        ("pp2v2", "full"), ("zero2dp2", "none"), ("zero3dp2", "none")],
+        ("pp2v2", "full"), ("zero2dp2", "none"), ("zero3dp2", "none"), ("cp2", "none"), ("cp2", "full"),
+        ("cp2", "selective"), ("cp2acc", "none")],
     4: [(n, r) for n in ("dp2xtp2", "dp2xpp2", "tp2xpp2", "fsdp4", "fsdp2xtp2", "hsdp2x2") for r in ("none", "full")]
     + [("dp2xpp2v2", "none")]
-    + [(n, "none") for n in ("zero1dp2xtp2", "zero1dp2xpp2", "zero2dp2xtp2", "zero2dp2xpp2", "zero3dp2xpp2")],
+    + [(n, "none") for n in ("zero1dp2xtp2", "zero1dp2xpp2", "zero2dp2xtp2", "zero2dp2xpp2", "zero3dp2xpp2")]
+    + [(n, "none") for n in ("cp2xdp2", "cp2xtp2", "fsdp2xcp2")],
     8: [("dp2xtp2xpp2", "none"), ("dp2xtp2xpp2", "full"), ("zero1dp2xtp2xpp2", "none"),
         ("zero3dp2xtp2xpp2", "none")],
 }
@@ -55,7 +62,7 @@ MODELS = {"gqa": GQA, "tied": TIED, "uneven": UNEVEN}
 # single-process reference: inside the forward under DDP and FSDP2 (ZeRO-2 and -3), in the last pipeline stage
 # (1F1B and interleaved), beside tensor parallelism.
 CHUNKED = [(2, "dp2"), (2, "tp2"), (2, "pp2"), (2, "pp2v2"), (2, "zero2dp2"), (4, "fsdp4"), (4, "dp2xpp2"),
-           (4, "fsdp2xtp2")]
+           (4, "fsdp2xtp2"), (2, "cp2")]
 # LoRA (frozen base, adapters on every block linear) against the single-process LoRA run, in process groups
 # of their own: data parallel (DDP), FSDP2 (ZeRO-3), pipeline stages (1F1B), both together.
 # train.compile (each block through torch.compile, Inductor on the CPU) against the eager single-process reference,
@@ -74,10 +81,10 @@ LORA_CASES = [(2, "dp2"), (2, "pp2"), (2, "tp2"), (4, "fsdp4"), (4, "dp2xpp2"), 
 CHAT_MODEL = {"name": "chat", "vocab_size": 512, "seq_len": 64, "pos": "rope"}
 CHAT_CASES = [(2, "dp2", "packed"), (2, "tp2", "packed"), (2, "pp2", "packed"), (2, "pp2v2", "packed"),
               (2, "zero2dp2", "packed"), (2, "dp2", "padded"), (2, "dp2", "chunked"), (4, "dp2xpp2", "packed"),
-              (4, "fsdp4", "packed")]
+              (4, "fsdp4", "packed"), (2, "cp2", "packed"), (2, "cp2", "padded"), (4, "cp2xdp2", "packed")]
 SHAPE_CASES = [(4, "dp2xtp2", "gqa"), (4, "tp2xpp2", "gqa"), (4, "fsdp2xtp2", "gqa"), (4, "dp2xpp2v2", "gqa"),
                (4, "dp2xtp2", "tied"), (4, "fsdp4", "tied"), (2, "tp2sp", "gqa"), (4, "dp2xpp2", "uneven"),
-               (2, "pp2v2", "uneven")]
+               (2, "pp2v2", "uneven"), (2, "cp2", "gqa"), (4, "cp2xtp2", "gqa")]
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +133,8 @@ def test_layout_matches_single_process(world: int, layout: str, recompute: str, 
     for name, want in ref["params"].items():
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
     total = sum(v.size for v in ref["params"].values())
+    cp = H.LAYOUTS[layout].get("cp", 1)
+    assert all(r["seq_tokens"] == 16 // cp for r in per_rank), "each cp rank holds its shard of every row"
     if "tp" in layout or "fsdp" in layout or "pp" in layout:
         assert per_rank[0]["n_local_params"] < total, "rank 0 holds a share"
     lay = H.LAYOUTS[layout]

@@ -37,9 +37,10 @@ def shrink(cfg: XirangConfig, nodes: int) -> XirangConfig:
         raise ConfigError("cluster.nodes", nodes, f"a restart runs on 1..cluster.nodes={c.nodes} nodes")
     if p.dp < 1:
         raise ConfigError("parallel.dp", p.dp, "unresolved: shrink needs a config from load_config/validate")
-    if p.tp * p.pp > nodes * c.tasks_per_node:
+    if p.tp * p.pp * p.cp > nodes * c.tasks_per_node:  # a cp group shares each sequence: it cannot shrink
+        what = f"cp*tp*pp={p.cp * p.tp * p.pp}" if p.cp > 1 else f"tp*pp={p.tp * p.pp}"
         raise ConfigError("cluster.nodes", nodes,
-                          f"tp*pp={p.tp * p.pp} ranks do not fit on {nodes} node(s) x {c.tasks_per_node} ranks")
+                          f"{what} ranks do not fit on {nodes} node(s) x {c.tasks_per_node} ranks")
     if (p.dp * nodes) % c.nodes or (cfg.train.grad_accum * c.nodes) % nodes:
         raise ConfigError("cluster.nodes", nodes,
                           f"data parallelism dp={p.dp} over {c.nodes} nodes does not shrink by a whole factor to "

@@ -154,13 +154,14 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             f"tp*pp={p.tp * p.pp} must divide the world size {world} "
             f"(cluster.nodes={c.nodes} x cluster.tasks_per_node={c.tasks_per_node})",
         )
-    dp = world // (p.tp * p.pp) if p.dp == -1 else p.dp  # the one place parallel.dp=-1 is resolved
-    if dp * p.tp * p.pp != world:
+    _check_cp(cfg)
+    dp = world // (p.tp * p.pp * p.cp) if p.dp == -1 else p.dp  # the one place parallel.dp=-1 is resolved
+    if dp * p.cp * p.tp * p.pp != world:
         raise ConfigError(
             "parallel.dp",
             p.dp,
-            f"dp*tp*pp={dp * p.tp * p.pp} must equal the world size {world}; "
-            f"use parallel.dp={world // (p.tp * p.pp)} or parallel.dp=-1 to derive it",
+            f"dp*cp*tp*pp={dp * p.cp * p.tp * p.pp} must equal the world size {world}; "
+            f"use parallel.dp={world // (p.tp * p.pp * p.cp)} or parallel.dp=-1 to derive it",
         )
     per_step = dp * t.grad_accum * p.microbatches
     if t.global_batch % per_step:
@@ -205,6 +206,27 @@ def validate(cfg: XirangConfig) -> XirangConfig:
         )
     data = _check_tokenizer(cfg)
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp), data=data)
+
+
+def cp_degrees(world: int, tp: int, pp: int, seq_len: int) -> list[int]:
+    """Context-parallel degrees that fit: they divide the ranks left by tp*pp, and 2*cp divides ``seq_len``."""
+    rest = world // (tp * pp) if world % (tp * pp) == 0 else 1
+    return [d for d in _divisors(rest) if seq_len % (2 * d) == 0]
+
+
+def _check_cp(cfg: XirangConfig) -> None:
+    """``parallel.cp``: a degree that divides the world with tp and pp, and whose 2*cp chunks tile the sequence."""
+    p, m, world = cfg.parallel, cfg.model, cfg.cluster.world_size
+    if p.cp == 1:
+        return
+    ok = cp_degrees(world, p.tp, p.pp, m.seq_len)
+    if world % (p.tp * p.pp * p.cp):
+        raise ConfigError("parallel.cp", p.cp, f"cp*tp*pp={p.cp * p.tp * p.pp} must divide the world size {world}; "
+                          f"choose parallel.cp from {ok}")
+    if m.seq_len % (2 * p.cp):
+        # Load-balanced causal chunking cuts every sequence into 2*cp equal chunks (rank i takes i and 2cp-1-i).
+        raise ConfigError("parallel.cp", p.cp, f"2*cp={2 * p.cp} must divide model.seq_len={m.seq_len} (each "
+                          f"sequence is cut into 2*cp equal chunks); choose parallel.cp from {ok}")
 
 
 def tokenizer_file(spec: str) -> Path | None:
@@ -310,6 +332,7 @@ def check_runnable(cfg: XirangConfig) -> None:
     dp = p.dp
     _check_comm_applies(cfg)
     _check_dpo(cfg)
+    _check_cp_runnable(cfg)
     if cfg.finetune.adapters:
         if p.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel", True, "not yet with LoRA adapters (finetune.method=lora): "
@@ -338,6 +361,33 @@ def check_runnable(cfg: XirangConfig) -> None:
         raise ConfigError(
             "parallel.sequence_parallel", True, f"parallel.tp={p.tp} must divide model.seq_len={cfg.model.seq_len}"
         )
+
+
+def _check_cp_runnable(cfg: XirangConfig) -> None:
+    """Context parallelism composes with dp (DDP, FSDP2), tp, packed or padded rows; the rest is refused by name."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.cp == 1:
+        return
+    why = f"parallel.cp={p.cp} runs without it so far"
+    refused = [
+        ("parallel.pp", p.pp, p.pp > 1, f"{why} (the pipeline's stage boundaries do not carry the sequence shards); "
+         "use parallel.pp=1"),
+        ("parallel.sequence_parallel", True, p.sequence_parallel, f"{why}; set parallel.sequence_parallel=false "
+         "(tensor parallelism itself composes with cp)"),
+        ("parallel.zero", 1, p.zero == 1, f"{why} (ZeRO-1 shards over dp only); use parallel.zero=0, 2 or 3"),
+        ("model.moe_experts", m.moe_experts, m.moe_experts > 0, f"{why} (routing and its balancing loss see one "
+         "shard of the sequence); use parallel.cp=1 for mixture-of-experts models"),
+        ("finetune.method", cfg.finetune.method, cfg.finetune.method != "full", f"{why}; use finetune.method=full "
+         "or parallel.cp=1"),
+        ("train.compile", True, t.compile, f"{why} (the K/V all-gather sits inside each block); set "
+         "train.compile=false"),
+        ("comm.sync_period", cfg.comm.sync_period, cfg.comm.sync_period > 1 or cfg.comm.inter_node_budget > 0,
+         f"{why}: the ranks of a cp group must stay identical every step; use comm.sync_period=1 and "
+         "comm.inter_node_budget=0"),
+    ]
+    for name, value, bad, fix in refused:
+        if bad:
+            raise ConfigError(name, value, fix)
 
 
 def _check_comm_applies(cfg: XirangConfig) -> None:

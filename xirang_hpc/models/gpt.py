@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,49 @@ def packed_attention(position_ids: torch.Tensor) -> torch.Tensor:
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
 
 
+class SequenceShards(Protocol):
+    """This rank's part of every sequence under context parallelism (built by ``runtime/context_parallel.py``).
+
+    The model only needs where its tokens and the gathered keys sit in the whole sequence, and a way to
+    gather keys and values (or position ids) from the other shards; the process group stays in the runtime.
+    """
+
+    #: (T_local,) int64: the global position of each token this rank holds, in its order.
+    index: torch.Tensor
+    #: (T,) int64: the global position of each key after :meth:`gather` (the shards concatenated in rank order).
+    key_index: torch.Tensor
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """All shards of ``x`` concatenated along ``dim`` (autograd-correct: gradients return to their shard)."""
+        ...
+
+    def gather_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T_local) integer ids -> (B, T) in :attr:`key_index` order, without gradient."""
+        ...
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of local queries (B, H, T_local, hd) over gathered k, v (B, H, T, hd) -> like q."""
+        ...
+
+
+def sharded_causal_mask(q_index: torch.Tensor, k_index: torch.Tensor, q_pos: torch.Tensor | None = None,
+                        k_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal mask of queries at global positions ``q_index`` (Tq,) over keys at ``k_index`` (Tk,): (B|1, 1, Tq, Tk).
+
+    Any order of either side works (context-parallel shards hold non-contiguous chunks). With packed rows
+    (``q_pos`` (B, Tq), ``k_pos`` (B, Tk): positions restarting at 0 per sample) a key also has to lie in
+    the query's sample: inside one sample positions advance exactly as the tokens do, while any restart
+    between the key and the query leaves the query's position short, so ``q_pos - k_pos == q - k`` decides
+    it from the two tokens alone, without the whole row. True = may attend (SDPA's boolean mask).
+    """
+    gap = q_index[:, None] - k_index[None, :]  # (Tq, Tk): how many tokens the key lies before the query
+    causal = gap >= 0
+    if q_pos is None or k_pos is None:
+        return causal[None, None]  # (1, 1, Tq, Tk)
+    same = (q_pos[:, :, None] - k_pos[:, None, :]) == gap  # (B, Tq, Tk)
+    return (causal & same)[:, None]  # (B, 1, Tq, Tk)
+
+
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """Grouped-query attention: (B, n_kv, T, hd) -> (B, n_kv*groups, T, hd), query head i reading kv head i//groups.
 
@@ -135,6 +179,8 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.use_rope = cfg.pos == "rope"
+        # Context parallelism (set by the runtime): keys and values are gathered from every shard of the sequence.
+        self.seq_shards: SequenceShards | None = None
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head RMSNorm of q (B, nh, T, hd) and k (B, nkv, T, hd) over hd, when ``qk_norm``."""
@@ -144,7 +190,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, T, C) -> (B, T, C); ``mask`` (B, 1, T, T) bool replaces the causal mask (packed samples)."""
+        """x: (B, T, C) -> (B, T, C); ``mask`` (B, 1, T, T) bool replaces the causal mask (packed samples).
+
+        Under context parallelism T is this rank's shard and the keys are gathered (T_all of them): plain rows
+        go through ``seq_shards.causal_attention``, packed ones take ``mask`` (B, 1, T, T_all), additive.
+        """
         b, t, _ = x.shape
         # Heads are derived from the local width so the same code runs on a TP shard, where q holds
         # n_head/tp heads and k/v hold n_kv_head/tp: (B, T, C_local) -> (B, nh_local, T, hd).
@@ -154,10 +204,16 @@ class Attention(nn.Module):
         q, k = self.norm_qk(q, k)  # before rotary, as Qwen3 does
         if self.use_rope and rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.seq_shards is not None:  # before repeat_kv: gather n_kv heads, not n_head
+            k, v = self.seq_shards.gather(k, 2), self.seq_shards.gather(v, 2)  # (B, nkv_local, T_all, hd)
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # (B, nh_local, T, hd)
-        if mask is None:
+        if self.seq_shards is not None and mask is None:  # plain causal rows over the shards
+            y = self.seq_shards.causal_attention(q, k, v)  # (B, nh, T_local, hd)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
         else:
+            if mask.is_floating_point() and mask.dtype != q.dtype:  # an additive mask under autocast
+                mask = mask.to(q.dtype)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, C_local)
         return self.o(y)
@@ -228,6 +284,8 @@ class GPT(nn.Module):
         # (None: models/loss.chunk_step as it is); train.compile sets compiled versions (runtime/compile.py).
         self.loss_fn: Callable[..., torch.Tensor] = lm_loss
         self.loss_kernel: ChunkKernel | None = None
+        # Context parallelism (set by the runtime): inputs are this rank's shard of every sequence.
+        self.seq_shards: SequenceShards | None = None
         if cfg.tie_embeddings:
             # One parameter under two names: the state dict keeps both keys (identical tensors).
             self.head.weight = self.tok_emb.weight
@@ -323,19 +381,38 @@ class GPT(nn.Module):
         the forward, so the head's weight is the gathered one under FSDP and the pipeline's last stage needs
         no other access to it. ``position_ids`` (B, T): packed samples (positions restart at 0 per sample):
         per-sample positions and a block-diagonal causal mask; every pipeline stage is given them.
+
+        Context parallelism (:attr:`seq_shards` set): ``x``, ``targets`` and ``position_ids`` are this rank's
+        shard of each row (T_local tokens at the global positions ``seq_shards.index``); rotary and learned
+        positions use those true positions, and the mask covers the local queries against every shard's keys.
         """
-        mask = packed_attention(position_ids) if position_ids is not None else None
+        sh = self.seq_shards
+        mask: torch.Tensor | None = None
+        if sh is not None:
+            if position_ids is not None:  # packed rows: causal within each sample, across the shards
+                k_pos = sh.gather_ids(position_ids)  # (B, T_all)
+                allowed = sharded_causal_mask(sh.index, sh.key_index, position_ids, k_pos)  # (B, 1, T_local, T_all)
+                # Additive once here: SDPA's CPU kernel would turn a boolean mask into a float one in every layer
+                # and keep each copy for the backward; one tensor is shared by all layers instead.
+                mask = torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+            where: torch.Tensor | None = position_ids if position_ids is not None else sh.index
+        else:
+            mask = packed_attention(position_ids) if position_ids is not None else None
+            where = position_ids
         if self.tok_emb is not None:
             t = x.shape[1]
             h = self.tok_emb(x)  # (B, T, C)
             if self.pos_emb is not None:
-                where = position_ids if position_ids is not None else torch.arange(t, device=x.device)
-                h = h + self.pos_emb(where)  # (B, T, C) or broadcast (T, C)
+                at = where if where is not None else torch.arange(t, device=x.device)
+                h = h + self.pos_emb(at)  # (B, T, C) or broadcast (T, C)
         else:
             h = x
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos == "rope" else None
-        if rope is not None and position_ids is not None:
-            rope = (rope[0][position_ids][:, None], rope[1][position_ids][:, None])  # (B, 1, T, hd/2) each
+        if rope is not None and where is not None:
+            if where.dim() == 1:  # a shard's positions, the same in every row: (T_local, hd/2) each
+                rope = (rope[0][where], rope[1][where])
+            else:
+                rope = (rope[0][where][:, None], rope[1][where][:, None])  # (B, 1, T, hd/2) each
         for block in self.layers.values():
             h = block(h, rope) if mask is None else block(h, rope, mask)
         if self.norm is not None:

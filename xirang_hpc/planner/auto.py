@@ -58,7 +58,7 @@ def apply_plan(cfg: XirangConfig, plan: Plan) -> XirangConfig:
     m = cfg.train.global_batch // (plan.dp * plan.micro)
     extra = {"ep": plan.ep} if _has_ep(cfg) else {}
     par = dataclasses.replace(
-        cfg.parallel, dp=plan.dp, tp=plan.tp, pp=plan.pp, zero=plan.zero,
+        cfg.parallel, dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero=plan.zero,
         data_parallel="fsdp" if plan.zero >= 2 else "ddp", optimizer_sharding=plan.zero >= 1, dp_replicate=1,
         microbatches=m if plan.pp > 1 else 1,
         schedule="interleaved" if plan.v > 1 else ("gpipe" if plan.schedule == "gpipe" else "1f1b"),
@@ -77,7 +77,7 @@ def runtime_allows(cfg: XirangConfig) -> Callable[[Plan], bool]:
             return False
         if plan.pp > 1 and cfg.train.global_batch // (plan.dp * plan.micro) < plan.pp:
             return False  # torch's 1F1B needs at least as many microbatches as stages
-        key = (plan.dp, plan.tp, plan.pp, plan.ep, plan.v, plan.zero, plan.sp,
+        key = (plan.dp, plan.cp, plan.tp, plan.pp, plan.ep, plan.v, plan.zero, plan.sp,
                ("none", "selective", "full").index(plan.recompute))
         if key not in cache:
             try:

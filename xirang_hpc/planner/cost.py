@@ -40,6 +40,13 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   (Composer's train metrics: unfused fp32 cross-entropies, 28-44 bytes; hardware.py);
 - bubble: (p-1)/v microbatch slots (Narayanan et al.: (p-1)/m of ideal time, (p-1)/(v*m) interleaved);
 - p2p: two sends of b*s*h/t (scatter-gather) per pipeline slot, 2*(v*m + p - 1) on the critical path;
+- context parallelism (cp > 1, ``parallel.cp``): each rank holds s/cp tokens of every sequence (load-balanced
+  causal chunks), so its dense, attention, loss and activation work and memory are 1/cp of the sequence's;
+  attention all-gathers K and V over the cp group (the n_kv heads' 2*b*s*kv_width/t elements) once in the
+  forward (again under full recompute) and reduce-scatters their gradients in the backward, not overlapped
+  (the runtime's all-gather is blocking), inside the node while cp*tp fits one; the gathered full-length K
+  and V are kept for the backward. The gradient reduction then runs over dp*cp ranks, and FSDP shards
+  over them;
 - DP, as this runtime runs each ZeRO stage (runtime/data_parallel.py, runtime/trainer.py):
   a collective hidden behind compute still costs ``comm_interference`` of its time (SM and HBM
   contention; sources in hardware.py).
@@ -107,6 +114,12 @@ class Plan:
     sp: bool = False  # sequence parallel (needs tp > 1)
     schedule: str = "1f1b"  # 1f1b | gpipe
     ep: int = 1  # expert parallel degree (MoE): E/ep experts per rank, ep dividing tp*dp
+    cp: int = 1  # context parallel: ranks sharing each sequence
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks that reduce (and under ZeRO shard) one dense gradient: dp x cp."""
+        return self.dp * self.cp
 
     @property
     def etp(self) -> int:
@@ -121,7 +134,8 @@ class Plan:
 
     def label(self) -> str:
         """Compact human-readable form."""
-        extra = [f"v={self.v}"] if self.v > 1 else []
+        extra = [f"cp={self.cp}"] if self.cp > 1 else []
+        extra += [f"v={self.v}"] if self.v > 1 else []
         extra += [f"zero{self.zero}"] if self.zero else []
         extra += ["sp"] if self.sp else []
         extra += [f"rc={self.recompute}"] if self.recompute != "none" else []
@@ -160,7 +174,7 @@ class Estimate:
         return {
             "plan": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch": p.micro, "microbatches": self.microbatches,
                      "interleave": p.v, "zero": p.zero, "recompute": p.recompute, "sequence_parallel": p.sp,
-                     "schedule": p.schedule, "ep": p.ep},
+                     "schedule": p.schedule, "ep": p.ep, "cp": p.cp},
             "label": p.label(),
             "fits": self.fits,
             "memory_gib": {k: v / GiB for k, v in self.memory.items()},
@@ -198,32 +212,37 @@ def rank_layers(sh: Shape, p: int, v: int) -> tuple[int, ...]:
 
 def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str, float]:
     sh, hw = pb.shape, pb.hw
-    t, p, b = pl.tp, pl.pp, pl.micro
+    t, p, b, cp = pl.tp, pl.pp, pl.micro, pl.cp
     lp = layer_params(sh)
     le = layer_expert_params(sh)  # routed experts: E/ep per rank, whole (ep > 1) or split over tp (ep = 1)
     ld = lp - le
     e_share = 1.0 / (pl.ep * pl.etp)
     flash = hw.flash_attention > 0
-    w, g, o = state_bytes_per_param(pl.zero, pl.dp, hw.weight_bytes, hw.grad_bytes, hw.optim_bytes)
+    dcp = pl.grad_ranks  # FSDP shards over dp x cp
+    w, g, o = state_bytes_per_param(pl.zero, dcp, hw.weight_bytes, hw.grad_bytes, hw.optim_bytes)
     we, ge, oe = state_bytes_per_param(pl.zero, pl.edp, hw.weight_bytes, hw.grad_bytes, hw.optim_bytes)
-    pipelined_fsdp = p > 1 and pl.zero >= 2 and pl.dp > 1
+    pipelined_fsdp = p > 1 and pl.zero >= 2 and dcp > 1
     if pipelined_fsdp:
         # torch's pipeline schedule (PipelineStage.backward_one_chunk) sets FSDP2's reshard_after_backward
         # and requires_gradient_sync to False until the last microbatch: the gathered weights and the
         # unreduced gradients stay whole, beside FSDP2's own sharded parameter storage and, after the
         # step's one reduce-scatter, the sharded gradients. Only the optimizer state is 1/dp.
-        w = hw.weight_bytes * (1 + 1 / pl.dp)
-        g = hw.grad_bytes * (1 + 1 / pl.dp)
+        w = hw.weight_bytes * (1 + 1 / dcp)
+        g = hw.grad_bytes * (1 + 1 / dcp)
         we = hw.weight_bytes * (1 + 1 / pl.edp)
         ge = hw.grad_bytes * (1 + 1 / pl.edp)
-    act = layer_activation_bytes(sh, b, t, pl.sp, pl.recompute, hw.act_bytes, flash)
+    # Every activation, scores included (s/cp queries x s keys), is the rank's 1/cp share of the sequence's;
+    # the gathered K and V (full length) are kept beside them for the backward, unless recomputed.
+    kv_gathered = 4.0 * sh.seq * b * sh.kv_width / t * (hw.act_bytes / 2.0) * (cp - 1) / cp
+    act = layer_activation_bytes(sh, b, t, pl.sp, pl.recompute, hw.act_bytes, flash) / cp
+    act += kv_gathered if pl.recompute != "full" else 0.0
     working = 0.0
     if pl.recompute == "full":  # one layer's full activations while it is recomputed
-        working = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes, flash)
+        working = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes, flash) / cp + kv_gathered
     # A tied head is the embedding on a single stage; with pp > 1 the last stage keeps its own copy
     # (Megatron-LM), as an untied model does.
     head = 0.0 if (sh.tied and p == 1) else sh.vocab * sh.hidden / t
-    logits = 2.0 * sh.seq * b * sh.vocab / t * 4  # fp32 logits and their gradient
+    logits = 2.0 * sh.seq * b * sh.vocab / t * 4 / cp  # fp32 logits and their gradient (the rank's tokens)
     stages = []
     # Per block count, only the earliest rank matters (it has the most microbatches in flight), plus the
     # first and last ranks (embedding, head).
@@ -243,7 +262,7 @@ def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str,
         stages.append((params, n * le * e_share, acts))
     params, experts, acts = max(stages, key=lambda x: x[0] * (w + g + o) + x[1] * (we + ge + oe) + x[2])
     buffers = hw.reserved_gb * GiB
-    if (pl.dp > 1 or pl.edp > 1) and pl.zero <= 1:
+    if (dcp > 1 or pl.edp > 1) and pl.zero <= 1:
         buffers += 2 * min(DDP_BUCKET_BYTES, (params + experts) * hw.grad_comm_bytes)
     if pl.zero == 3 and not pipelined_fsdp:  # gathered weights of the layer being computed and the one prefetched
         buffers += 2 * (ld / t + le * e_share) * hw.weight_bytes
@@ -260,13 +279,19 @@ def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str,
 def estimate(pb: Problem, pl: Plan) -> Estimate:
     """Memory and time of ``pl`` on ``pb``. Raises ValueError for a plan that does not tile the batch."""
     sh, hw = pb.shape, pb.hw
-    t, p, d, b, v = pl.tp, pl.pp, pl.dp, pl.micro, pl.v
-    if pb.global_batch % (d * b):
-        raise ValueError(f"global batch {pb.global_batch} is not a multiple of dp*micro={d * b}")
-    m = pb.global_batch // (d * b)
+    t, p, b, v, cp = pl.tp, pl.pp, pl.micro, pl.v, pl.cp
+    if pb.global_batch % (pl.dp * b):
+        raise ValueError(f"global batch {pb.global_batch} is not a multiple of dp*micro={pl.dp * b}")
+    if sh.seq % (2 * cp):
+        raise ValueError(f"2*cp={2 * cp} must divide the sequence length {sh.seq}")
+    m = pb.global_batch // (pl.dp * b)
+    # The gradient is reduced over dp x cp ranks: below, ``d`` is that group (cp's shards of a sequence
+    # are data-parallel ranks as far as the weights are concerned).
+    d = pl.grad_ranks
     links = comm.Links.of(hw)
     k = pb.per_node
-    tokens = b * sh.seq
+    # This rank's tokens of the microbatch; layer_forward_flops pairs them with all sh.seq keys.
+    tokens = b * sh.seq // cp
     flash = hw.flash_attention > 0
     counts = rank_layers(sh, p, v)
     layers = max(counts)  # the rank holding the most blocks (parameters, per-layer costs)
@@ -285,8 +310,8 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     passes = 4.0 if pl.recompute == "full" else 3.0
     # Softmax, dropout, norms, GeLU are memory-bound: they stream the layer's activations
     # (Korthikanti et al.'s per-layer bytes, no recompute) through device memory on every pass.
-    act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes, flash)
-    score_bytes = act_stream - layer_activation_bytes(sh, b, t, pl.sp, "selective", hw.act_bytes, flash)
+    act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes, flash) / cp
+    score_bytes = act_stream - layer_activation_bytes(sh, b, t, pl.sp, "selective", hw.act_bytes, flash) / cp
     # Training = 3 forward passes + recomputation; the attention products run at the attention
     # kernel's rate, the rest at the GEMM rate.
     dense_extra = dense - skipped if pl.recompute == "full" else 0.0
@@ -305,7 +330,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
         elementwise = n * passes * hw.elementwise_traffic * act_stream / (hw.mem_bw_gbs * 1e9)
         # Softmax over the b * a/t * s^2 attention scores (exp per element; calibrated on CPU, 0 on GPUs
         # where fused attention hides it in the FLOP rate).
-        scores = 0.0 if flash else n * passes * b * (sh.heads / t) * sh.seq**2 * hw.attn_score_ns * 1e-9
+        scores = 0.0 if flash else n * passes * b * (sh.heads / t) * sh.seq**2 / cp * hw.attn_score_ns * 1e-9
         # Selective recomputation (Korthikanti et al. 2022, Sec. 5) re-runs QK^T, softmax, dropout and the
         # product with V in the backward: over materialized scores that is one more pass of the memory-bound
         # softmax and dropout over the 5*a*s^2*b bytes the recomputation saved (the score term of
@@ -348,12 +373,23 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     def ep_of(n: int) -> float:
         return n * moe_share * n_a2a * a2a
 
+    def cp_of(n: int) -> float:
+        # K/V all-gather (forward; again under full recompute) and the reduce-scatter of their gradients:
+        # each half an all-reduce of the gathered 2*b*s*kv_width/t elements; inside the node while cp*tp fits.
+        if cp == 1:
+            return 0.0
+        kv = 2.0 * b * sh.seq * sh.kv_width / t * hw.act_bytes
+        intra = cp * t <= k
+        a, bw = (links.a_intra, links.b_intra) if intra else (links.a_inter, links.b_inter(k))
+        n_coll = 3 if pl.recompute == "full" else 2
+        return n * n_coll * comm.ring_allreduce(kv, cp, a, bw) / 2
+
     # Ranks differ only by their block count and by holding the head: few distinct cases.
     kinds = {(n, r == p - 1) for r, n in enumerate(counts)}
-    compute_mb, tp_mb, ep_mb = max(((compute_of(n, last), tp_of(n), ep_of(n)) for n, last in kinds),
-                                   key=lambda x: x[0] + x[1] + x[2])
+    compute_mb, tp_mb, ep_mb, cp_mb = max(((compute_of(n, last), tp_of(n), ep_of(n), cp_of(n)) for n, last in kinds),
+                                          key=lambda x: x[0] + x[1] + x[2] + x[3])
 
-    slot = compute_mb + tp_mb + ep_mb
+    slot = compute_mb + tp_mb + ep_mb + cp_mb
     bubble = (p - 1) / v * slot * hw.bubble_exposed
 
     # Pipeline p2p: ranks are ordered tp fastest, then dp, then pp (Megatron), so a stage boundary
@@ -454,7 +490,8 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
 
     total = m * slot + bubble + p2p + dp_exposed + optim
     est = Estimate(plan=pl, microbatches=m, dp_algo=algo)
-    est.time = {"compute": m * compute_mb, "tp_comm": m * tp_mb, "ep_comm": m * ep_mb, "bubble": bubble, "p2p": p2p,
+    est.time = {"compute": m * compute_mb, "tp_comm": m * tp_mb, "ep_comm": m * ep_mb, "cp_comm": m * cp_mb,
+                "bubble": bubble, "p2p": p2p,
                 "dp_comm": dp_exposed, "optimizer": optim, "total": total}
     est.memory = _memory(pb, pl, m, counts)
     est.fits = est.memory["total"] <= hw.mem_gb * GiB

@@ -14,7 +14,7 @@ from xirang_hpc.config.validate import resolve_zero
 from xirang_hpc.planner.cost import Estimate, Plan, Problem, estimate
 from xirang_hpc.planner.search import Result, Space, search
 
-_KEYS = {"tp", "pp", "dp", "mbs", "v", "zero", "recompute", "sp", "schedule", "ep"}
+_KEYS = {"tp", "pp", "dp", "cp", "mbs", "v", "zero", "recompute", "sp", "schedule", "ep"}
 
 
 def parse_layout(spec: str, pb: Problem) -> Plan:
@@ -24,15 +24,16 @@ def parse_layout(spec: str, pb: Problem) -> Plan:
         key, sep, value = part.partition("=")
         if not sep or key not in _KEYS:
             raise ValueError(f"--layout: cannot read {part!r}; use key=value pairs with keys {sorted(_KEYS)}, "
-                             "e.g. tp=8,pp=16,dp=64,mbs=1,v=4,zero=1,recompute=selective,sp=true")
+                             "e.g. tp=8,pp=16,dp=64,mbs=1,v=4,zero=1,recompute=selective,sp=true "
+                             "(cp=2 splits each sequence)")
         fields[key] = value
     try:
-        tp, pp = int(fields.get("tp", 1)), int(fields.get("pp", 1))
-        dp = int(fields.get("dp", pb.world // (tp * pp)))
+        tp, pp, cp = int(fields.get("tp", 1)), int(fields.get("pp", 1)), int(fields.get("cp", 1))
+        dp = int(fields.get("dp", pb.world // (tp * pp * cp)))
         plan = Plan(dp=dp, tp=tp, pp=pp, micro=int(fields.get("mbs", 1)), v=int(fields.get("v", 1)),
                     zero=int(fields.get("zero", 0)), recompute=fields.get("recompute", "none"),
                     sp=fields.get("sp", "false").lower() in ("1", "true", "yes"),
-                    schedule=fields.get("schedule", "1f1b"), ep=int(fields.get("ep", 1)))
+                    schedule=fields.get("schedule", "1f1b"), ep=int(fields.get("ep", 1)), cp=cp)
     except ValueError as exc:
         raise ValueError(f"--layout {spec!r}: {exc}") from None
     check_plan(plan, pb)
@@ -42,12 +43,13 @@ def parse_layout(spec: str, pb: Problem) -> Plan:
 def plan_from_config(cfg: XirangConfig) -> Plan:
     """The layout ``cfg`` runs (the parallel group as validation resolved it)."""
     p, t = cfg.parallel, cfg.train
-    dp = p.dp if p.dp > 0 else cfg.cluster.world_size // (p.tp * p.pp)
+    dp = p.dp if p.dp > 0 else cfg.cluster.world_size // (p.tp * p.pp * p.cp)
     accum = p.microbatches * t.grad_accum
     zero = resolve_zero(p).zero
     v = p.virtual_stages if p.schedule == "interleaved" else 1
     return Plan(dp=dp, tp=p.tp, pp=p.pp, micro=t.global_batch // (dp * accum), v=v, zero=zero,
-                recompute=p.recompute, sp=p.sequence_parallel, schedule="gpipe" if p.schedule == "gpipe" else "1f1b")
+                recompute=p.recompute, sp=p.sequence_parallel, schedule="gpipe" if p.schedule == "gpipe" else "1f1b",
+                cp=p.cp)
 
 
 def check_plan(plan: Plan, pb: Problem) -> None:
@@ -56,9 +58,11 @@ def check_plan(plan: Plan, pb: Problem) -> None:
     for name, n in (("heads", sh.heads), ("key/value heads", sh.n_kv), ("hidden", sh.hidden), ("ffn", sh.ffn)):
         if n % plan.tp:
             raise ValueError(f"tp={plan.tp} must divide the model's {name} ({n})")
-    if plan.dp * plan.tp * plan.pp != pb.world:
-        raise ValueError(f"dp*tp*pp={plan.dp * plan.tp * plan.pp} must equal the {pb.world} GPUs "
+    if plan.dp * plan.cp * plan.tp * plan.pp != pb.world:
+        raise ValueError(f"dp*cp*tp*pp={plan.dp * plan.cp * plan.tp * plan.pp} must equal the {pb.world} GPUs "
                          f"({pb.nodes} nodes x {pb.per_node})")
+    if plan.cp < 1 or sh.seq % (2 * plan.cp):
+        raise ValueError(f"cp={plan.cp}: 2*cp must divide the sequence length {sh.seq}")
     if plan.pp * plan.v > sh.layers:
         raise ValueError(f"pp*v={plan.pp * plan.v} stages exceed the {sh.layers} layers")
     if pb.global_batch % (plan.dp * plan.micro):

@@ -25,7 +25,9 @@ def describe(e: Estimate, mem_cap_gb: float) -> list[str]:
     return [
         f"memory/rank  {m['total'] / GiB:.2f} GiB of {mem_cap_gb:g} = {mem}",
         f"step time    {_fmt_time(t['total'])} = compute {_fmt_time(t['compute'])} + TP comm "
-        f"{_fmt_time(t['tp_comm'])}{_ep(t)} + bubble {_fmt_time(t['bubble'])} + p2p {_fmt_time(t['p2p'])} + "
+        f"{_fmt_time(t['tp_comm'])}{_ep(t)} + "
+        + (f"CP K/V comm {_fmt_time(t['cp_comm'])} + " if e.plan.cp > 1 else "")
+        + f"bubble {_fmt_time(t['bubble'])} + p2p {_fmt_time(t['p2p'])} + "
         f"exposed DP comm {_fmt_time(t['dp_comm'])} ({e.dp_algo}) + optimizer {_fmt_time(t['optimizer'])}",
         f"throughput   {e.tokens_per_s:,.0f} tokens/s | MFU {100 * e.mfu:.1f}% | "
         f"{e.tflops_per_gpu:.4g} TFLOP/s/rank incl. recompute | {e.microbatches} microbatches",

@@ -5,7 +5,10 @@ config validation demands), pp (any count up to the layers that divides world/tp
 divide the layers, the split balances them), dp = world/(tp*pp) dividing the global batch,
 micro-batch b (divides batch/dp), interleaving v (pp > 1, pp*v <= layers, m % pp == 0 as in
 Megatron-LM), ZeRO stage 0-3, recompute none/selective/full, sequence parallel (tp > 1); for a MoE
-model the expert parallel degree ep (divides the experts and the tp*dp ranks of a stage; cost.py).
+model the expert parallel degree ep (divides the experts and the tp*dp ranks of a stage; cost.py); and for
+long sequences of a dense model (``Space.cp_min_seq`` tokens or more) context parallelism cp (divides
+world/(tp*pp), 2*cp divides the sequence; without pipeline stages or ZeRO-1, as the runtime runs it),
+dp = world/(tp*pp*cp).
 
 Pruning: (1) a (tp, pp, zero) whose weights+grads+optimizer alone exceed memory is skipped whole;
 (2) for fixed everything else, memory grows with b, so the first b that does not fit ends that
@@ -43,6 +46,8 @@ class Space:
     max_interleave: int = 8
     max_micro: int = 64
     ep: Iterable[int] | None = None  # expert parallel degrees (MoE models); None: all valid
+    cp: Iterable[int] | None = None  # None: every valid degree when the sequence is long (cp_min_seq), else 1
+    cp_min_seq: int = 8192  # below this, a sequence's activations are small enough that cp only adds traffic
     allow: Callable[[Plan], bool] | None = None  # final veto, e.g. "the runtime can run it"
 
 
@@ -99,6 +104,19 @@ def _pp_options(pb: Problem, t: int) -> list[int]:
     return [p for p in divisors(pb.world // t) if p <= pb.shape.layers] if pb.world % t == 0 else []
 
 
+def _cp_options(pb: Problem, sp_: Space, t: int, p: int) -> list[int]:
+    """Context-parallel degrees for (tp, pp): 1, and for long sequences of a dense model without pipeline stages
+    every cp that divides world/(tp*pp) with 2*cp dividing the sequence (the runtime's load-balanced chunks)."""
+    seq, rest = pb.shape.seq, pb.world // (t * p)
+    if pb.shape.experts:  # the runtime runs mixture-of-experts models without cp
+        return [1]
+    if sp_.cp is not None:
+        return [c for c in sp_.cp if rest % c == 0 and seq % (2 * c) == 0 and (c == 1 or p == 1)]
+    if seq < sp_.cp_min_seq or p > 1:
+        return [1]
+    return [c for c in divisors(rest) if seq % (2 * c) == 0]
+
+
 def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result:
     """Every valid plan, estimated; returns them ranked by step time (fitting ones only)."""
     sp_ = space or Space()
@@ -111,10 +129,10 @@ def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result
     floors: list[tuple[float, str]] = []  # (state bytes, layout) of layouts skipped whole
     n = 0
     for t in tps:
-        for p in _pp_options(pb, t):
+        for p, cp in ((q, c) for q in _pp_options(pb, t) for c in _cp_options(pb, sp_, t, q)):
             if sp_.pp is not None and p not in set(sp_.pp):
                 continue
-            d = world // (t * p)
+            d = world // (t * p * cp)
             if batch % d:
                 continue
             per_rank = batch // d
@@ -122,11 +140,14 @@ def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result
             vs = [1] + ([v for v in range(2, sp_.max_interleave + 1) if p * v <= sh.layers] if p > 1 else [])
             eps = [e for e in ep_options(pb, t, d) if sp_.ep is None or e in set(sp_.ep)]
             for zero, ep in ((z, e) for z in sp_.zero for e in eps):
-                if zero and d == 1 and Plan(dp=d, tp=t, pp=p, micro=1, ep=ep).edp == 1:
+                if zero and d * cp == 1 and Plan(dp=d, tp=t, pp=p, micro=1, ep=ep).edp == 1:
                     continue  # nothing to shard over
-                floor = _state_floor(pb, t, p, d, zero, ep)
+                if zero == 1 and cp > 1:
+                    continue  # the runtime's ZeRO-1 shards over dp only (refused with cp)
+                floor = _state_floor(pb, t, p, d * cp, zero, ep)  # FSDP shards over dp x cp
                 if floor > mem_cap:
-                    floors.append((floor, f"dp={d} tp={t} pp={p}{f' ep={ep}' if ep > 1 else ''} zero{zero}"))
+                    floors.append((floor, f"dp={d} tp={t} pp={p}{f' ep={ep}' if ep > 1 else ''}"
+                                   f"{f' cp={cp}' if cp > 1 else ''} zero{zero}"))
                     continue
                 for v in vs:
                     for rc in sp_.recompute:
@@ -139,7 +160,8 @@ def search(pb: Problem, space: Space | None = None, keep_oom: int = 3) -> Result
                                 m = per_rank // b
                                 if v > 1 and m % p:
                                     continue
-                                plan = Plan(dp=d, tp=t, pp=p, micro=b, v=v, zero=zero, recompute=rc, sp=sq, ep=ep)
+                                plan = Plan(dp=d, tp=t, pp=p, micro=b, v=v, zero=zero, recompute=rc, sp=sq, ep=ep,
+                                            cp=cp)
                                 if sp_.allow is not None and not sp_.allow(plan):
                                     continue
                                 est = estimate(pb, plan)
@@ -172,7 +194,7 @@ TIE_BREAK = 0.002  # per feature: within model noise, prefer the plan with fewer
 def complexity(pl: Plan) -> int:
     """How many non-default features a plan turns on (ZeRO-3 counts twice)."""
     return (min(pl.zero, 2) + (pl.recompute != "none") + pl.sp + (pl.v > 1) + (pl.tp > 1) + (pl.pp > 1)
-            + (pl.ep > 1))
+            + (pl.ep > 1) + (pl.cp > 1))
 
 
 def _largest(mem: dict[str, float]) -> str:
@@ -181,7 +203,7 @@ def _largest(mem: dict[str, float]) -> str:
 
 _GROUPS = {"compute": ("compute", "optimizer"), "TP communication": ("tp_comm",),
            "EP all-to-all": ("ep_comm",), "pipeline bubble": ("bubble",),
-           "pipeline p2p": ("p2p",), "DP communication": ("dp_comm",)}
+           "pipeline p2p": ("p2p",), "DP communication": ("dp_comm",), "CP K/V communication": ("cp_comm",)}
 
 
 def why_lost(loser: Estimate, winner: Estimate) -> str:
@@ -200,11 +222,11 @@ def why_lost(loser: Estimate, winner: Estimate) -> str:
 
 
 def best_per_layout(res: Result, n: int = 8) -> list[Estimate]:
-    """The fastest plan of each distinct (dp, tp, pp, ep) layout, fastest layouts first."""
-    seen: set[tuple[int, int, int, int]] = set()
+    """The fastest plan of each distinct (dp, cp, tp, pp, ep) layout, fastest layouts first."""
+    seen: set[tuple[int, int, int, int, int]] = set()
     out: list[Estimate] = []
     for e in res.ranked:
-        key = (e.plan.dp, e.plan.tp, e.plan.pp, e.plan.ep)
+        key = (e.plan.dp, e.plan.cp, e.plan.tp, e.plan.pp, e.plan.ep)
         if key not in seen:
             seen.add(key)
             out.append(e)

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import CommConfig, TrainConfig
-from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh
+from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_cp_mesh, dp_shard_cp_mesh
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_after_forward: bool = True,
@@ -37,7 +37,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_a
     ``roots``: the modules whose forward is called (default ``[model]``). Interleaved pipelines pass
     their stage chunks, each of which then owns (and unshards) the embedding/head it runs.
     """
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    if dims.cp > 1:  # each cp rank holds a shard too (the gradients are reduced over dp x cp: cp saw parts of rows)
+        shard_cp = dp_shard_cp_mesh(mesh)
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard_cp
+    else:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     for root in roots or [model]:
@@ -56,14 +60,15 @@ def ddp_bucket_cap_mb(comm: CommConfig) -> float:
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -> DDP:
-    """Wrap ``model`` in DDP over the flattened dp sub-mesh (buckets of ``bucket_cap_mb`` MB).
+    """Wrap ``model`` in DDP over the flattened dp sub-mesh (dp x cp with context parallelism; buckets of
+    ``bucket_cap_mb`` MB).
 
     DDP given a *sliced* ``device_mesh`` applies torch's DP x TP workaround
     (``_pre_dp_module_transform``): forward hooks that walk every parameter twice per forward to
     swap DTensors in and out. Without tensor-parallel parameters that is pure overhead (~6% of a
     small model's step here), so DDP then gets the dp mesh's process group instead.
     """
-    dp = dp_mesh(mesh)
+    dp = dp_cp_mesh(mesh)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return DDP(model, device_mesh=dp, bucket_cap_mb=bucket_cap_mb)
     return DDP(model, process_group=dp.get_group(), bucket_cap_mb=bucket_cap_mb)

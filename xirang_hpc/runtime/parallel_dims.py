@@ -1,8 +1,13 @@
-"""The one object that says how ranks are split: pipeline x data (replicate x shard) x tensor.
+"""The one object that says how ranks are split: pipeline x data (replicate x shard) x context x tensor.
 
 ``ParallelDims`` is validated on construction and builds a named ``DeviceMesh`` with the
 dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` (row-major, tp innermost, as in
-torchtitan). Placement is topology-aware: the ranks are first sorted by (node, local rank), so
+torchtitan), and ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` with context parallelism
+(cp > 1): a cp group sits between dp and tp, so with tp it stays as close as the node allows.
+The gradient reduction runs over dp x cp together (flattened ``dp_cp``), since each cp rank saw
+only part of every sequence; FSDP2 shards over ``dp_shard_cp``.
+
+Placement is topology-aware: the ranks are first sorted by (node, local rank), so
 consecutive mesh positions are on the same node. With tp innermost and ``tp`` dividing the
 ranks per node, every tp group stays inside a node (the bandwidth-hungry collective on the
 fast links) while dp and pp groups span nodes. This holds even when the launcher numbers
@@ -30,6 +35,8 @@ from xirang_hpc.runtime.topology import Topology
 log = logging.getLogger(__name__)
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+#: The mesh dimensions with context parallelism (cp > 1).
+CP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class LayoutError(ValueError):
@@ -45,15 +52,17 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    cp: int = 1  # context parallel: ranks sharing each sequence (mesh dimension only when > 1)
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp_replicate", "dp_shard", "tp", "world_size"):
+        for name in ("pp", "dp_replicate", "dp_shard", "tp", "cp", "world_size"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"parallel degree {name}={getattr(self, name)} must be >= 1")
-        if self.pp * self.dp * self.tp != self.world_size:
+        if self.pp * self.dp * self.cp * self.tp != self.world_size:
+            cp = f" x cp={self.cp}" if self.cp > 1 else ""
             raise LayoutError(
-                f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
-                f"= {self.pp * self.dp * self.tp} ranks, but the world has {self.world_size}"
+                f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}{cp} x tp={self.tp} "
+                f"= {self.pp * self.dp * self.cp * self.tp} ranks, but the world has {self.world_size}"
             )
 
     @classmethod
@@ -71,8 +80,8 @@ class ParallelDims:
             rep = max(1, p.dp_replicate)
             if dp % rep:
                 raise LayoutError(f"parallel.dp_replicate={rep} must divide dp={dp}")
-            return cls(pp=p.pp, dp_replicate=rep, dp_shard=dp // rep, tp=p.tp, world_size=world_size)
-        return cls(pp=p.pp, dp_replicate=dp, dp_shard=1, tp=p.tp, world_size=world_size)
+            return cls(pp=p.pp, dp_replicate=rep, dp_shard=dp // rep, tp=p.tp, world_size=world_size, cp=p.cp)
+        return cls(pp=p.pp, dp_replicate=dp, dp_shard=1, tp=p.tp, world_size=world_size, cp=p.cp)
 
     @property
     def dp(self) -> int:
@@ -80,14 +89,26 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """Mesh shape in :data:`MESH_DIMS` order."""
+    def dp_cp(self) -> int:
+        """Ranks that reduce one gradient together: data-parallel replicas x context-parallel shards."""
+        return self.dp * self.cp
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        """The mesh's dimension names: :data:`MESH_DIMS`, or :data:`CP_MESH_DIMS` with cp > 1."""
+        return CP_MESH_DIMS if self.cp > 1 else MESH_DIMS
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in :attr:`dim_names` order."""
+        if self.cp > 1:
+            return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     def coords(self, position: int) -> dict[str, int]:
-        """Mesh coordinates of the rank at ``position`` in placement order."""
-        out = {}
-        for name, size in reversed(list(zip(MESH_DIMS, self.shape))):
+        """Mesh coordinates of the rank at ``position`` in placement order (``cp`` is 0 without cp)."""
+        out = {"cp": 0}
+        for name, size in reversed(list(zip(self.dim_names, self.shape))):
             out[name] = position % size
             position //= size
         out["dp"] = out["dp_replicate"] * self.dp_shard + out["dp_shard"]
@@ -117,7 +138,7 @@ class ParallelDims:
         for pos, rank in enumerate(order):
             c = self.coords(pos)
             rows.append({"rank": rank, "node": nodes[rank][0], "local_rank": nodes[rank][1],
-                         "pp": c["pp"], "dp": c["dp"], "tp": c["tp"]})
+                         "pp": c["pp"], "dp": c["dp"], "cp": c["cp"], "tp": c["tp"]})
         return sorted(rows, key=lambda r: r["rank"])
 
     def build_mesh(self, topo: Topology, device_type: str = CPU,
@@ -134,8 +155,11 @@ class ParallelDims:
         nodes = gather_nodes(topo) if nodes is None else list(nodes)
         order = self.placement(nodes)
         mesh_tensor = torch.tensor(order, dtype=torch.int).view(self.shape)
-        mesh = DeviceMesh(device_type, mesh_tensor, mesh_dim_names=MESH_DIMS)
+        mesh = DeviceMesh(device_type, mesh_tensor, mesh_dim_names=self.dim_names)
         dp_mesh(mesh)
+        if self.cp > 1:  # the gradient-reduction meshes of context parallelism, flattened once on every rank
+            dp_cp_mesh(mesh)
+            dp_shard_cp_mesh(mesh)
         if dist.get_rank() == 0:
             (log_fn or log.info)(format_table(self, self.table(nodes)))
         return mesh
@@ -189,6 +213,12 @@ def gather_nodes(topo: Topology) -> list[tuple[int, int]]:
 
 def format_table(dims: ParallelDims, rows: list[dict[str, int]]) -> str:
     """Human-readable placement table."""
+    if dims.cp > 1:
+        head = (f"layout pp={dims.pp} dp={dims.dp} (replicate {dims.dp_replicate} x shard {dims.dp_shard}) "
+                f"cp={dims.cp} tp={dims.tp}\n rank  node  local  pp  dp  cp  tp")
+        lines = [f"{r['rank']:>5} {r['node']:>5} {r['local_rank']:>6} {r['pp']:>3} {r['dp']:>3} {r['cp']:>3} "
+                 f"{r['tp']:>3}" for r in rows]
+        return "\n".join([head, *lines])
     head = (f"layout pp={dims.pp} dp={dims.dp} (replicate {dims.dp_replicate} x shard {dims.dp_shard}) "
             f"tp={dims.tp}\n rank  node  local  pp  dp  tp")
     lines = [f"{r['rank']:>5} {r['node']:>5} {r['local_rank']:>6} {r['pp']:>3} {r['dp']:>3} {r['tp']:>3}" for r in rows]
@@ -198,8 +228,8 @@ def format_table(dims: ParallelDims, rows: list[dict[str, int]]) -> str:
 def mesh_coords(dims: ParallelDims, mesh: DeviceMesh | None) -> dict[str, int]:
     """This rank's coordinates (all zeros for a single process)."""
     if mesh is None:
-        return {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0, "dp": 0}
-    c = {name: mesh.get_local_rank(name) for name in MESH_DIMS}
+        return {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0, "dp": 0}
+    c = {"cp": 0} | {name: mesh.get_local_rank(name) for name in dims.dim_names}
     c["dp"] = c["dp_replicate"] * dims.dp_shard + c["dp_shard"]
     return c
 
@@ -207,3 +237,15 @@ def mesh_coords(dims: ParallelDims, mesh: DeviceMesh | None) -> dict[str, int]:
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The flattened data-parallel (replicate x shard) 1-D mesh; created once, then cached by torch."""
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The flattened gradient-reduction mesh: dp (replicate x shard) x cp; the dp mesh when there is no cp."""
+    if "cp" not in (mesh.mesh_dim_names or ()):
+        return dp_mesh(mesh)
+    return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+
+
+def dp_shard_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP2's shard mesh under context parallelism: dp_shard x cp flattened (each cp rank holds a shard)."""
+    return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")

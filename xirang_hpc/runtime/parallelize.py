@@ -28,6 +28,7 @@ from xirang_hpc.models.gpt import GPT
 from xirang_hpc.models.lora import apply_lora
 from xirang_hpc.runtime import pipeline
 from xirang_hpc.runtime.compile import apply_compile, probe
+from xirang_hpc.runtime.context_parallel import ContextShards, apply_context_parallel
 from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer, ddp_bucket_cap_mb
 from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims, dp_mesh, mesh_coords
 from xirang_hpc.runtime.precision import apply_autocast, apply_float8
@@ -52,6 +53,7 @@ class ParallelModel:
     schedule: object | None = None
     n_microbatches: int = 1
     precision: str = "fp32"  # resolved train.precision: fp32 | bf16 (autocast) | fp8 (autocast + float8 linears)
+    seq_shards: ContextShards | None = None  # context parallelism: this rank's shard of every row
 
     @property
     def is_first_stage(self) -> bool:
@@ -65,7 +67,7 @@ class ParallelModel:
 
     @property
     def reports_loss(self) -> bool:
-        """One rank per dp replica contributes the loss: last stage, tp rank 0."""
+        """One rank per dp replica and cp shard contributes the loss: last stage, tp rank 0."""
         return self.is_last_stage and self.coords.get("tp", 0) == 0
 
 
@@ -117,7 +119,9 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
         apply_compile(model, chunks if chunks_per_rank > 1 else ())
     for c in chunks:
         precision = apply_autocast(c, t.precision, device)  # bf16 autocast around the forward, or nothing
-    use_fsdp = dims.dp > 1 and (p.data_parallel == "fsdp" or dims.tp > 1 or dims.pp > 1)
+    # Context parallelism: the cp ranks see parts of the same rows, so their gradients are reduced together
+    # with dp's (over dp x cp); FSDP2 then shards over dp_shard x cp, as torchtitan does.
+    use_fsdp = dims.dp_cp > 1 and (p.data_parallel == "fsdp" or dims.tp > 1 or dims.pp > 1)
     if use_fsdp:
         # DDP cannot hold tensor-parallel DTensors without swapping parameters (which breaks
         # their names), and its reducer rejects the several forwards before a backward that a
@@ -130,16 +134,20 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
         for c in chunks:  # stage views hold their own references to the (recomputed) rope tables
             if c is not model and cfg.model.pos == "rope":
                 c.rope_cos, c.rope_sin = model.rope_cos, model.rope_sin
+    shards = None
+    if dims.cp > 1:
+        assert mesh is not None
+        shards = apply_context_parallel(model, mesh["cp"], cfg.model.seq_len, device)
     kind = "none"
     module: nn.Module = model
     if use_fsdp:
         kind = "fsdp"
-    elif dims.dp > 1:
+    elif dims.dp_cp > 1:
         module = apply_ddp(model, mesh, ddp_bucket_cap_mb(cfg.comm))
         kind = "ddp"
     pm = ParallelModel(dims=dims, mesh=mesh, model=model, module=module, data_parallel=kind, zero=layout.zero,
                        coords=coords,
-                       stage_layers=ranges[stages[0]], precision=precision)
+                       stage_layers=ranges[stages[0]], precision=precision, seq_shards=shards)
     if dims.pp > 1:
         pm.n_microbatches = p.microbatches * t.grad_accum
         interleaved = chunks_per_rank > 1
@@ -162,7 +170,7 @@ def make_optimizer(pm: ParallelModel, cfg: XirangConfig, layout: Layout) -> torc
 def _grad_sq_weighted(params: Iterable[nn.Parameter], replicas: int) -> torch.Tensor:
     """Sum of squared gradient entries held here, each divided by how many ranks hold a copy.
 
-    A gradient chunk is held by ``dp*tp / shards`` ranks of a pipeline stage, where ``shards``
+    A gradient chunk is held by ``dp*cp*tp / shards`` ranks of a pipeline stage, where ``shards``
     is the product of the mesh sizes its DTensor is sharded over (1 for a plain tensor).
     Summing the weighted values over the whole world counts every entry exactly once.
     """
@@ -196,7 +204,8 @@ def clip_and_reduce(
     """Global gradient norm (clipping every grad to ``max_norm``) and the global mean loss.
 
     ``local_loss`` is this rank's mean loss over its share of the batch (ignored unless
-    :attr:`ParallelModel.reports_loss`). One all-reduce over the world carries both numbers.
+    :attr:`ParallelModel.reports_loss`; under cp each shard's tokens are as many, so the mean over
+    dp x cp is the batch's). One all-reduce over the world carries both numbers.
     When every rank holds the same full gradients (``replicated``: plain DDP) and the caller
     does not need the global loss this step, the norm is computed locally, as
     ``clip_grad_norm_`` does, and no collective runs; the returned loss is then this rank's.
@@ -204,9 +213,9 @@ def clip_and_reduce(
     buf = torch.zeros(2, dtype=torch.float64)
     if replicated and not reduce_loss:
         buf[0] = _grad_sq_weighted(pm.model.parameters(), 1)
-        buf[1] = local_loss * pm.dims.dp
+        buf[1] = local_loss * pm.dims.dp_cp
     else:
-        buf[0] = _grad_sq_weighted(pm.model.parameters(), pm.dims.dp * pm.dims.tp)
+        buf[0] = _grad_sq_weighted(pm.model.parameters(), pm.dims.dp_cp * pm.dims.tp)
         buf[1] = local_loss if pm.reports_loss else 0.0
         if dist.is_initialized() and pm.dims.world_size > 1:
             dist.all_reduce(buf)
@@ -222,12 +231,12 @@ def clip_and_reduce(
         for g in grads:
             if isinstance(g, DTensor):
                 g.mul_(float(coef))
-    return float(buf[1]) / pm.dims.dp, norm
+    return float(buf[1]) / pm.dims.dp_cp, norm
 
 
 def global_mean(pm: ParallelModel, local_value: float) -> float:
-    """Mean over dp replicas of a value known on the loss-reporting ranks."""
+    """Mean over dp replicas (and cp shards) of a value known on the loss-reporting ranks."""
     buf = torch.tensor([local_value if pm.reports_loss else 0.0], dtype=torch.float64)
     if dist.is_initialized() and pm.dims.world_size > 1:
         dist.all_reduce(buf)
-    return float(buf[0]) / pm.dims.dp
+    return float(buf[0]) / pm.dims.dp_cp

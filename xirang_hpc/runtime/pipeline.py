@@ -117,6 +117,7 @@ class StageChunk(nn.Module):
         self.loss_chunk = model.loss_chunk
         self.loss_fn, self.loss_kernel = model.loss_fn, model.loss_kernel  # plain or compiled (train.compile)
         self.loss_norm = model.loss_norm  # the same object: the trainer sets its denominator per step
+        self.seq_shards = None  # context parallelism does not run with pipeline stages (refused at validation)
         if model.cfg.pos == "rope":
             self.register_buffer("rope_cos", model.rope_cos, persistent=False)
             self.register_buffer("rope_sin", model.rope_sin, persistent=False)

@@ -189,10 +189,19 @@ class Trainer:
             return self._on_device(x, y, None)
         if isinstance(data, ChatSamples):
             x, y, pos, n_learned = data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
-            self.model.loss_norm.denom = max(n_learned, 1) / (terms * self.dp_size)  # type: ignore[union-attr]
-            return self._on_device(x, y, pos)
+            # Under cp every shard is a term of its own too: the gradient reduction averages over dp x cp.
+            self.model.loss_norm.denom = max(n_learned, 1) / (terms * self.dims.dp_cp)  # type: ignore[union-attr]
+            return self._on_device(*self._shard(x, y, pos))
         x, y = data.batch(t.seed, step, t.global_batch, self.dp_rank, self.dp_size)
-        return self._on_device(x, y, None)
+        return self._on_device(*self._shard(x, y, None))
+
+    def _shard(self, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Context parallelism: this rank's tokens of the rows its cp group shares, (B, T) -> (B, T/cp) each."""
+        sh = self.pm.seq_shards
+        if sh is None:
+            return x, y, pos
+        return sh.shard(x), sh.shard(y), None if pos is None else sh.shard(pos)
 
     def _on_device(self, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -339,7 +348,8 @@ class Trainer:
         if topo.rank == 0:
             self.log(
                 f"model {self.cfg.model.name}: {full_model_params(self.cfg.model) / 1e6:.2f}M params | "
-                f"{topo.world_size} ranks on {topo.num_nodes} node(s) | dp={self.dp_size} | {self.pm.precision} | "
+                f"{topo.world_size} ranks on {topo.num_nodes} node(s) | dp={self.dp_size}"
+                f"{f' x cp={self.dims.cp}' if self.dims.cp > 1 else ''} | {self.pm.precision} | "
                 f"global batch {t.global_batch} x {self.cfg.model.seq_len} tokens | run dir {self.run_dir}"
             )
             if self.cfg.finetune.adapters:

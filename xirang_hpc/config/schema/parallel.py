@@ -1,4 +1,4 @@
-"""The parallel group: the layout (dp x tp x pp, ZeRO stage, microbatches, recompute)."""
+"""The parallel group: the layout (dp x cp x tp x pp, ZeRO stage, microbatches, recompute)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ class ParallelConfig:
     dp: int = -1
     tp: int = 1
     pp: int = 1
+    # Context parallelism: each sequence split over cp ranks (load-balanced causal chunks), K/V all-gathered
+    # in attention; the cp ranks of a group see the same rows, and gradients are reduced over dp x cp.
+    cp: int = 1
     data_parallel: str = "ddp"  # ddp | fsdp (data_parallel=fsdp is ZeRO-3 unless parallel.zero says 2)
     microbatches: int = 1
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (interleaved 1F1B, virtual_stages per rank)
@@ -37,7 +40,7 @@ class ParallelConfig:
         check_finite("parallel", self)
         if self.dp != -1 and self.dp < 1:
             raise ConfigError("parallel.dp", self.dp, "use a positive degree, or -1 to derive it")
-        for name in ("tp", "pp", "microbatches"):
+        for name in ("tp", "pp", "cp", "microbatches"):
             check_positive("parallel", name, getattr(self, name))
         if self.data_parallel not in ("ddp", "fsdp"):
             raise ConfigError("parallel.data_parallel", self.data_parallel, "choose ddp or fsdp")
