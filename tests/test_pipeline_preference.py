@@ -113,12 +113,14 @@ def _pref(tmp: Path, inputs: tuple[Path, Path, Path], *extra: str) -> None:
 
 
 @pytest.mark.parametrize(("extra", "field", "says"), [
-    (["finetune.method=dpo", "data.format=pairs", "data.packing=false"], "finetune.method/data.format", "supervised fine-tune before DPO"),
+    (["finetune.method=dpo", "data.format=pairs", "data.packing=false"], "finetune.method/data.format",
+     "supervised fine-tune before DPO"),
     (["preference.out_dir=DATA"], "preference.out_dir", "same directory as data.out_dir"),
     (["parallel.tp=2", "cluster.tasks_per_node=2"], "parallel.tp", "finetune.method=dpo runs on one process"),
     (["train.warmup_steps=6", "preference.max_steps=4"], "train.warmup_steps", "the DPO run takes"),
 ])
-def test_a_chain_whose_stages_disagree_is_refused_naming_the_fields(tmp_path: Path, chain_inputs: tuple[Path, Path, Path],
+def test_a_chain_whose_stages_disagree_is_refused_naming_the_fields(tmp_path: Path,
+                                                                    chain_inputs: tuple[Path, Path, Path],
                                                                     extra: list[str], field: str, says: str) -> None:
     extra = [e.replace("DATA", f"{tmp_path}/data/chat") for e in extra]
     with pytest.raises(ConfigError) as err:
