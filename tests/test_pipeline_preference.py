@@ -93,7 +93,7 @@ def chain_overrides(tmp: Path, model: Path, chats: Path, pairs: Path) -> list[st
             f"data.corpus={chats}", f"data.out_dir={tmp}/data/chat", "data.packing=true",
             f"preference.corpus={pairs}", f"preference.out_dir={tmp}/data/pairs", "cluster.nodes=1",
             "cluster.tasks_per_node=1", "parallel.pp=1", "parallel.microbatches=1", "train.global_batch=8",
-            "train.max_steps=8", "train.warmup_steps=2", "train.log_every=4", "train.lr=3e-3",
+            "train.max_steps=8", "train.warmup_steps=2", "train.log_every=1", "train.lr=3e-3",
             f"train.runs_root={tmp}/runs"]
 
 

@@ -153,7 +153,7 @@ def run_local_chain(cfg: XirangConfig, run_dir: Path, pref: XirangConfig | None 
             if name in ("train", "dpo"):  # the usual local launch (submitit local executor, all ranks), blocking
                 run_cfg = cfg if name == "train" else pref
                 assert run_cfg is not None
-                with stage_record(run_dir, name, **({} if name == "train" else {"run_dir": run_cfg.train.run_dir})):
+                with stage_record(run_dir, name, **({} if name == "train" else {"dpo_run": run_cfg.train.run_dir})):
                     launch(dataclasses.replace(run_cfg, train=dataclasses.replace(run_cfg.train, wait=True)))
             elif name == "serve":
                 serve_stage(cfg_dict, str(run_dir), str(data_dir), log=lambda m: print(m, flush=True), **kw)

@@ -108,7 +108,7 @@ def export_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[
 def dpo_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str, pipeline_dir: str) -> dict[str, Any]:
     """The DPO run's training job (every rank), in its own run directory; rank 0 records the pipeline's dpo stage."""
     training = training_stack()
-    with stage_record(Path(pipeline_dir), "dpo", enabled=_rank() == 0, run_dir=run_dir):
+    with stage_record(Path(pipeline_dir), "dpo", enabled=_rank() == 0, dpo_run=run_dir):
         return training.run_training(cfg_dict, run_dir, data_dir)
 
 
