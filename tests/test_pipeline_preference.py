@@ -328,3 +328,29 @@ def test_the_local_chain_fine_tunes_prefers_evaluates_and_serves(tmp_path: Path,
         assert info["source"].startswith(str(dpo_run))
     served = json.loads((run / "serve.json").read_text())
     assert served["status"] == "stopped"
+
+
+@pytest.mark.slow
+def test_docs_fine_tuning_chain(tmp_path: Path, chain_inputs: tuple[Path, Path, Path]) -> None:
+    """The chain on the fine-tuning page, as written (two ranks): the adapter answers, the chain completes."""
+    from test_hf_roundtrip import doc_block
+
+    model, chats, pairs = chain_inputs
+    script = doc_block("models-and-fine-tuning.md", "## The fine-tuning chain in one pipeline")
+    env = {k: v for k, v in os.environ.items() if k != "XIRANG_SERVE_TOKEN"}
+    env.update(MODEL=str(model), CHATS=str(chats), PAIRS=str(pairs), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    r = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=2400)
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
+    out = r.stdout
+    models = next(x for x in out.splitlines() if x.startswith("models: "))
+    assert "'dpo'" in models and "'sft-model'" in models, models
+    assert any(x.startswith("reply: ") for x in out.splitlines())
+    run = tmp_path / "runs" / "chain"
+    assert f"pipeline {run} (local): completed" in out.splitlines()[-7]
+    assert "step    20/20" in out and "step    10/10" in out  # the fine-tune, then DPO
+    for stage in PREFERENCE_STAGES:
+        assert any(x.startswith(f"  {stage:<8} completed") for x in out.splitlines()[-6:]), stage
+    assert "harness xirang_heldout_mc acc" in out
+    assert json.loads((run / "dpo" / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] \
+        == str(run / SFT_MODEL)
