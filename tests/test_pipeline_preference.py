@@ -117,7 +117,7 @@ def _pref(tmp: Path, inputs: tuple[Path, Path, Path], *extra: str) -> None:
      "supervised fine-tune before DPO"),
     (["preference.out_dir=DATA"], "preference.out_dir", "same directory as data.out_dir"),
     (["parallel.tp=2", "cluster.tasks_per_node=2"], "parallel.tp", "finetune.method=dpo runs on one process"),
-    (["train.warmup_steps=6", "preference.max_steps=4"], "train.warmup_steps", "the DPO run takes"),
+    (["train.warmup_steps=6", "preference.steps=4"], "train.warmup_steps", "the DPO run takes"),
 ])
 def test_a_chain_whose_stages_disagree_is_refused_naming_the_fields(tmp_path: Path,
                                                                     chain_inputs: tuple[Path, Path, Path],
@@ -249,7 +249,7 @@ def test_the_local_chain_fine_tunes_prefers_evaluates_and_serves(tmp_path: Path,
     model, chats, pairs = chain_inputs
     lora = method == "lora"
     argv = [*chain_overrides(tmp_path, model, chats, pairs), f"finetune.method={method}",
-            f"preference.lora={str(lora).lower()}", "preference.beta=0.5", "preference.max_steps=6",
+            f"preference.lora={str(lora).lower()}", "preference.beta=0.5", "preference.steps=6",
             "preference.lr=1e-2", "'eval.harness_tasks=[xirang_heldout_mc]'", "eval.harness_limit=8",
             "eval.batches=2", "serve.port=0", "serve.duration_s=45"]
     env = {**os.environ, "XIRANG_SERVE_TOKEN": ""}

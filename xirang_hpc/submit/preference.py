@@ -104,7 +104,7 @@ def preference_config(cfg: XirangConfig, run_dir: Path) -> XirangConfig:
     d["data"].update(corpus=pref.corpus, out_dir=str(pairs_dir), format="pairs", packing=False, train_on="assistant")
     d["finetune"].update(method="dpo", dpo={"beta": pref.beta, "loss": "sigmoid", "lora": pref.lora})
     d["train"].update(run_dir=str(Path(run_dir) / DPO_RUN), name=f"{cfg.train.name}-dpo", resume_from=-1,
-                      max_steps=pref.max_steps or cfg.train.max_steps, lr=pref.lr or cfg.train.lr)
+                      max_steps=pref.steps or cfg.train.max_steps, lr=pref.lr or cfg.train.lr)
     # Checked from the base directory (the export stage has not run yet; it writes the same shapes).
     d["model"]["init_from"] = str(Path(str(cfg.model.init_from)).expanduser().absolute())
     try:

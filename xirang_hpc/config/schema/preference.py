@@ -30,7 +30,7 @@ class PreferenceConfig:
     # reference; false: every weight trains against a frozen copy of it.
     lora: bool = False
     # train.max_steps / train.lr of the DPO run; 0 = the train stage's.
-    max_steps: int = 0
+    steps: int = 0
     lr: float = 0.0
 
     def __post_init__(self) -> None:
@@ -38,12 +38,12 @@ class PreferenceConfig:
         if not self.beta > 0:
             raise ConfigError("preference.beta", self.beta, "must be a positive number (finetune.dpo.beta of the "
                               "DPO stage, 0.1 by default)")
-        if self.max_steps < 0 or self.lr < 0:
-            raise ConfigError("preference.max_steps/lr", (self.max_steps, self.lr),
+        if self.steps < 0 or self.lr < 0:
+            raise ConfigError("preference.steps/lr", (self.steps, self.lr),
                               "use 0 (the train stage's train.max_steps / train.lr) or a positive value")
         if not self.out_dir:
             raise ConfigError("preference.out_dir", self.out_dir, "name a directory for the prepared pairs")
-        if not self.corpus and (self.beta != 0.1 or self.lora or self.max_steps or self.lr):
+        if not self.corpus and (self.beta != 0.1 or self.lora or self.steps or self.lr):
             raise ConfigError("preference.corpus", self.corpus,
                               "the preference (DPO) stage needs pairs data: set preference.corpus to a JSONL file "
                               "of prompt/chosen/rejected records, or leave the other preference.* fields unset")
