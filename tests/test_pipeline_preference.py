@@ -344,10 +344,10 @@ def test_docs_fine_tuning_chain(tmp_path: Path, chain_inputs: tuple[Path, Path, 
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     out = r.stdout
     models = next(x for x in out.splitlines() if x.startswith("models: "))
-    assert "'dpo'" in models and "'sft-model'" in models, models
+    assert "'dpo'" in models and "'hf-sft-model'" in models, models  # the adapter, and the base's own id
     assert any(x.startswith("reply: ") for x in out.splitlines())
     run = tmp_path / "runs" / "chain"
-    assert f"pipeline {run} (local): completed" in out.splitlines()[-7]
+    assert out.splitlines()[-7] == "pipeline runs/chain (local): completed"  # --status, as the page runs it
     assert "step    20/20" in out and "step    10/10" in out  # the fine-tune, then DPO
     for stage in PREFERENCE_STAGES:
         assert any(x.startswith(f"  {stage:<8} completed") for x in out.splitlines()[-6:]), stage

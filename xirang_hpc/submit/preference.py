@@ -105,8 +105,9 @@ def preference_config(cfg: XirangConfig, run_dir: Path) -> XirangConfig:
     d["finetune"].update(method="dpo", dpo={"beta": pref.beta, "loss": "sigmoid", "lora": pref.lora})
     d["train"].update(run_dir=str(Path(run_dir) / DPO_RUN), name=f"{cfg.train.name}-dpo", resume_from=-1,
                       max_steps=pref.steps or cfg.train.max_steps, lr=pref.lr or cfg.train.lr)
-    # Checked from the base directory (the export stage has not run yet; it writes the same shapes).
-    d["model"]["init_from"] = str(Path(str(cfg.model.init_from)).expanduser().absolute())
+    # Checked from the Hugging Face directory the fine-tune starts from (a PEFT adapter's base): the export stage
+    # has not run yet, and it writes the same shapes.
+    d["model"]["init_from"] = str(Path(base).expanduser().absolute())
     try:
         dpo = load_config(OmegaConf.create(d))
         check_runnable(dpo)
