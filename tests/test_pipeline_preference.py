@@ -328,6 +328,17 @@ def test_the_local_chain_fine_tunes_prefers_evaluates_and_serves(tmp_path: Path,
         assert info["source"].startswith(str(dpo_run))
     served = json.loads((run / "serve.json").read_text())
     assert served["status"] == "stopped"
+    if not lora:
+        return
+    # Again: nothing is trained or exported twice; eval and serve run on what is there.
+    again = subprocess.run(" ".join([str(BIN / "xirang-pipeline"), *argv, "serve.duration_s=1"]), shell=True,
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-3000:]
+    assert f"run {run} is complete: its last checkpoint is step 8 of 8" in again.stdout
+    assert f"run {dpo_run} is complete: its last checkpoint is step 6 of 6" in again.stdout
+    assert "(kept: already exported)" in again.stdout and "| loss" not in again.stdout
+    assert f"pipeline {run} (local): completed" in again.stdout
+    assert json.loads((exported / "xirang_export.json").read_text()) == rec
 
 
 @pytest.mark.slow

@@ -82,7 +82,7 @@ def export_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str) -> dict[
         from xirang_hpc.weights.hf import export_hf
         from xirang_hpc.weights.load import find_step_dir
 
-    _cfg(cfg_dict)
+    _cfg(cfg_dict)  # checked, and what the stage creates private (or the group's)
     run, out = Path(run_dir), Path(run_dir) / SFT_MODEL
     with stage_record(run, "export", model_dir=str(out)):
         step_dir = find_step_dir(run)
