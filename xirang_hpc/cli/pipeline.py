@@ -193,6 +193,9 @@ def _app(dcfg: DictConfig) -> None:
     if (damaged := corrupt_message(status)) is not None:
         print(damaged, file=sys.stderr, flush=True)
     run_dir = open_run_dir(cfg)
+    if pref is not None and run_dir != run_dir_for(cfg):  # train.resume_from forked the run: the chain lives there
+        pref = preference_config(cfg, run_dir)
+        pref_status = preflight(pref)
     if cfg.cluster.executor == "slurm":
         pref_done = pref_status.last_step if pref_status is not None and pref_status.complete else None
         stages = launch_slurm_chain(cfg, run_dir, status.last_step if status.complete else None, pref, pref_done)
