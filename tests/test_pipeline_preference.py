@@ -315,6 +315,10 @@ def test_the_local_chain_fine_tunes_prefers_evaluates_and_serves(tmp_path: Path,
     status = subprocess.run([str(BIN / "xirang-pipeline"), "--status", str(run)], capture_output=True, text=True)
     assert status.returncode == 0 and f"val loss {ev['val_loss']:.4f}" in status.stdout
     assert "harness xirang_heldout_mc acc" in status.stdout
+    view = subprocess.run([str(BIN / "xirang-status"), str(run)], capture_output=True, text=True).stdout
+    assert f"eval      val loss {ev['val_loss']:.4f}, perplexity {ev['perplexity']:.2f} @ step 6" in view, view
+    assert f"| of {dpo_run}" in view and "harness   xirang_heldout_mc acc" in view
+    assert ("pipeline  completed: " + " -> ".join(f"{s} completed" for s in PREFERENCE_STAGES)) in view
     # Serve: the final model answered a chat request (the DPO adapter over the exported model, for LoRA).
     assert reply is not None, out[-4000:]
     assert isinstance(reply["choices"][0]["message"]["content"], str) and reply["usage"]["completion_tokens"] > 0

@@ -86,6 +86,13 @@ def stage_record(run_dir: Path, stage: str, enabled: bool = True, **extra: Any) 
         write_stage(run_dir, stage, "completed")
 
 
+def eval_dir(run_dir: Path) -> Path:
+    """Where the pipeline's eval stage wrote ``eval.json`` and ``harness.json``: the run itself, or, in a chain with
+    a preference stage, the DPO run (the stage's record names the file)."""
+    rec = read_json(Path(run_dir) / STAGE_DIR / "eval.json") or {}
+    return Path(rec["eval_file"]).parent if rec.get("eval_file") else Path(run_dir)
+
+
 # ---- the record -------------------------------------------------------------------------------
 def write_pipeline(run_dir: Path, executor: str, stages: list[dict[str, Any]]) -> None:
     """``<run>/pipeline.json``: the chain as launched."""
@@ -128,8 +135,7 @@ def chain_status(run_dir: Path, slurm_state: Callable[[str], str | None] = _slur
         if status == "failed" and failed_at is None:
             failed_at = name
         if name == "eval" and status == "completed":
-            # The model evaluated may be another run's (the DPO run): its stage record says where.
-            ev = read_json(Path(own.get("eval_file") or run_dir / "eval.json")) or {}
+            ev = read_json(eval_dir(run_dir) / "eval.json") or {}  # the DPO run's, in a preference chain
             if "val_loss" in ev:
                 detail = f"val loss {ev['val_loss']:.4f}, perplexity {ev['perplexity']:.2f} (step {ev['step']})"
                 if (ev.get("harness") or {}).get("metrics"):
