@@ -129,7 +129,8 @@ def eval_stage(cfg_dict: dict[str, Any], run_dir: str, data_dir: str,
 
     cfg = _cfg(cfg_dict)
     model_cfg, model_run = (cfg, Path(run_dir)) if pref is None else _final(pref)
-    with stage_record(Path(run_dir), "eval", eval_file=str(model_run / EVAL_FILE)):
+    where = {} if pref is None else {"eval_file": str(model_run / EVAL_FILE)}  # runs/chain.py eval_dir
+    with stage_record(Path(run_dir), "eval", **where):
         return run_eval(model_run, data_dir, cfg.eval, cfg.serve, model_cfg)
 
 

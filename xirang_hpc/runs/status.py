@@ -257,7 +257,8 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
         "tokens_per_s": tok_s or None, "tflops": tok_s * fpt / 1e12 if tok_s and fpt else None,
         "mfu": mfu(tok_s, fpt, int(session.get("devices", 0)), peak), "eta_s": eta,
         "checkpoint": ckpt, "nodes": _nodes(beats, now), "events": events[-n_events:], "n_events": len(events),
-        "time": now, "eval": read_json(evals / "eval.json"), "eval_run": str(evals) if evals != run_dir else None,
+        "time": now, "eval": read_json(evals / "eval.json"),
+        "eval_run": str(evals) if evals.resolve() != run_dir.resolve() else None,
         "harness": read_json(evals / "harness.json"), "pipeline": _pipeline(run_dir),
     }
 
