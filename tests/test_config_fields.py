@@ -312,6 +312,10 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "finetune.lora": (LoraConfig(rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj", "k_proj"]), identity,
                       ["finetune.method=lora"]),
     "finetune.dpo": (DpoConfig(beta=0.5, lora=True), identity, DPO),
+    # preference: the pipeline's DPO stage, derived from the pipeline's config on the login node
+    "preference.corpus": ("pairs.jsonl", reads("xirang_hpc.submit.preference"), []),
+    **{f"preference.{k}": (v, reads("xirang_hpc.submit.preference"), ["preference.corpus=pairs.jsonl"])
+       for k, v in {"out_dir": "data/my-pairs", "beta": 0.5, "lora": True, "steps": 7, "lr": 1e-5}.items()},
     # target: what xirang-plan plans for (no training run reads it)
     **{f"target.{k}": (v, reads("xirang_hpc.submit.plan_target"), []) for k, v in {
         "loss": 2.5, "tokens": 1e9, "compute": 1e20, "deadline": "36h", "budget": "5000gpuh",

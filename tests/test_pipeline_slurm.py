@@ -139,3 +139,43 @@ def test_pipeline_runs_as_four_dependent_jobs_and_a_failing_eval_stops_the_chain
     assert "stage eval failed" in by["serve"]["detail"]
     assert "failed at eval" in text.splitlines()[0]
     assert not (bad_run / "serve.json").exists()  # the server never started
+
+
+def test_the_fine_tuning_chain_runs_as_six_dependent_jobs(tmp_path: Path) -> None:
+    """prepare (chat + pairs) -> train (LoRA SFT, 2 ranks) -> export -> dpo (2 ranks) -> eval (harness) -> serve,
+    each job afterok the previous one; the chain completes, and serve serves the DPO adapter over the export."""
+    from test_pipeline_preference import chain_overrides, make_chat_model, write_corpora
+
+    from xirang_hpc.runs.chain import DPO_ADAPTER, DPO_RUN, PREFERENCE_STAGES, SFT_MODEL
+
+    model = make_chat_model(tmp_path / "my-llama")
+    chats, pairs = write_corpora(tmp_path)
+    argv = ["cluster=testbed", *chain_overrides(tmp_path, model, chats, pairs), "cluster.tasks_per_node=2",
+            "train.name=ftchain", "finetune.method=lora", "preference.lora=true", "preference.steps=4",
+            "eval.harness_tasks=[xirang_heldout_mc]", "eval.harness_limit=4", "eval.batches=2", "serve.port=0",
+            "serve.duration_s=3"]
+    with testbed_held(ENV):
+        r = subprocess.run([str(BIN / "xirang-pipeline"), *argv], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600, env=ENV)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        (run,) = (tmp_path / "runs").glob("ftchain-*")
+        stages = json.loads((run / "pipeline.json").read_text())["stages"]
+        ids = [s["job_id"] for s in stages]
+        deps = _squeue_deps(ids[1:])
+    assert [s["stage"] for s in stages] == list(PREFERENCE_STAGES)
+    assert len(set(ids)) == 6 and [s["depends_on"] for s in stages] == [None, *ids[:5]]
+    for prev, job in zip(ids, ids[1:]):  # Slurm itself holds the chain
+        assert deps.get(job, "").startswith(f"afterok:{prev}"), deps
+    assert "submitted pipeline: prepare (" in r.stdout and "-> dpo (" in r.stdout
+
+    rc, chain, text = _wait_done(run, timeout_s=1800)
+    assert rc == 0 and chain["status"] == "completed", text
+    assert [s["slurm_state"] for s in chain["stages"]] == ["COMPLETED"] * 6, text
+    dpo = run / DPO_RUN
+    assert (dpo / "checkpoints" / "step_4").is_dir() and (run / SFT_MODEL / "config.json").is_file()
+    ev = json.loads((dpo / "eval.json").read_text())
+    assert ev["step"] == 4 and "xirang_heldout_mc" in ev["harness"]["metrics"]
+    assert "harness xirang_heldout_mc acc" in text
+    serve = json.loads((run / "serve.json").read_text())
+    assert serve["status"] == "stopped" and serve["adapters"] == [DPO_ADAPTER]
+    assert serve["source"] == str(run / SFT_MODEL)

@@ -171,7 +171,9 @@ COMMANDS: dict[str, CommandHelp] = {
             "here in sequence; on Slurm they are four jobs chained with --dependency=afterok, so a failed stage "
             "cancels the rest, and the command returns after submitting. eval.max_val_loss > 0 is a quality "
             "gate: above it the eval stage fails and serving never starts. <run>/pipeline.json holds the chain "
-            "and <run>/pipeline/<stage>.json what each stage reported."
+            "and <run>/pipeline/<stage>.json what each stage reported. With preference.corpus (preference "
+            "pairs) the chain is prepare -> train -> export -> dpo -> eval -> serve: the fine-tune's result "
+            "(LoRA merged) is the start and reference of a DPO run in <run>/dpo, which eval and serve take."
         ),
         flags=[
             ("--status RUN_DIR", "print the chain of RUN_DIR and exit (1 when a stage failed)"),
@@ -181,6 +183,8 @@ COMMANDS: dict[str, CommandHelp] = {
         examples=[
             ("xirang-pipeline", "all four stages on this machine"),
             ("xirang-pipeline cluster=testbed eval.max_val_loss=2.5", "4 chained Slurm jobs"),
+            ("xirang-pipeline model.init_from=$MODEL data.format=chat data.corpus=chats.jsonl finetune.method=lora "
+             "preference.corpus=pairs.jsonl preference.lora=true", "SFT, then DPO, eval, serve the adapter"),
             ("xirang-pipeline --status runs/default-tiny-0123456789ab --json", ""),
         ],
         notes="Exit status: 0 every stage passed (or was submitted), 1 a stage failed, 2 refused before starting.",

@@ -1,5 +1,10 @@
 """The record of a pipeline's stage chain: prepare -> train -> eval -> serve, one config for all.
 
+With a preference stage (``preference.corpus``, see ``submit/preference.py``) the chain is prepare -> train ->
+export -> dpo -> eval -> serve: the train stage's result exported as a Hugging Face directory
+(``<run>/sft-model``), a DPO run on it (``<run>/dpo``), and eval and serve of the DPO run. Its records live in
+the pipeline's run directory all the same.
+
 Every stage receives the *same* validated config (composed from the usual groups). On Slurm each
 stage is its own job, submitted up front and chained with ``--dependency=afterok:<previous>``
 plus ``--kill-on-invalid-dep=yes``, so a failed stage cancels the rest instead of leaving them
@@ -28,6 +33,14 @@ from xirang_hpc.files import make_dir, write_json_atomic
 from xirang_hpc.slurm import control
 
 STAGES = ("prepare", "train", "eval", "serve")
+#: The chain with a preference stage (``preference.corpus``).
+PREFERENCE_STAGES = ("prepare", "train", "export", "dpo", "eval", "serve")
+#: Under the pipeline's run directory: the train stage's result as a Hugging Face directory (the DPO start) ...
+SFT_MODEL = "sft-model"
+#: ... the DPO run's own run directory ...
+DPO_RUN = "dpo"
+#: ... and, when the DPO run trains adapters, their PEFT export inside it, served under this name.
+DPO_ADAPTER = "dpo"
 PIPELINE_FILE = "pipeline.json"
 STAGE_DIR = "pipeline"
 
@@ -56,10 +69,11 @@ def write_stage(run_dir: Path, stage: str, status: str, **extra: Any) -> None:
 
 
 @contextmanager
-def stage_record(run_dir: Path, stage: str, enabled: bool = True) -> Iterator[None]:
-    """Mark ``stage`` running, then completed, or failed with the error (re-raised)."""
+def stage_record(run_dir: Path, stage: str, enabled: bool = True, **extra: Any) -> Iterator[None]:
+    """Mark ``stage`` running (with ``extra`` in its record), then completed, or failed with the error (re-raised)."""
     if enabled:
-        write_stage(run_dir, stage, "running", host=os.uname().nodename, job=os.environ.get("SLURM_JOB_ID"))
+        write_stage(run_dir, stage, "running", host=os.uname().nodename, job=os.environ.get("SLURM_JOB_ID"),
+                    **extra)
     try:
         yield
     except BaseException as exc:
@@ -70,6 +84,13 @@ def stage_record(run_dir: Path, stage: str, enabled: bool = True) -> Iterator[No
         raise
     if enabled:
         write_stage(run_dir, stage, "completed")
+
+
+def eval_dir(run_dir: Path) -> Path:
+    """Where the pipeline's eval stage wrote ``eval.json`` and ``harness.json``: the run itself, or, in a chain with
+    a preference stage, the DPO run (the stage's record names the file)."""
+    rec = read_json(Path(run_dir) / STAGE_DIR / "eval.json") or {}
+    return Path(rec["eval_file"]).parent if rec.get("eval_file") else Path(run_dir)
 
 
 # ---- the record -------------------------------------------------------------------------------
@@ -114,7 +135,7 @@ def chain_status(run_dir: Path, slurm_state: Callable[[str], str | None] = _slur
         if status == "failed" and failed_at is None:
             failed_at = name
         if name == "eval" and status == "completed":
-            ev = read_json(run_dir / "eval.json") or {}
+            ev = read_json(eval_dir(run_dir) / "eval.json") or {}  # the DPO run's, in a preference chain
             if "val_loss" in ev:
                 detail = f"val loss {ev['val_loss']:.4f}, perplexity {ev['perplexity']:.2f} (step {ev['step']})"
                 if (ev.get("harness") or {}).get("metrics"):

@@ -70,7 +70,8 @@ def render_run(s: dict[str, Any], tty: bool = False) -> str:
     if ev:  # <run>/eval.json (xirang_hpc/eval)
         lines.append(f"eval      val loss {ev['val_loss']:.4f}, perplexity {ev['perplexity']:.2f} @ step {ev['step']}"
                      f"{'' if ev.get('passed', True) else '  (FAILED the eval.max_val_loss gate)'}"
-                     f"  | sample {ev.get('sample', '')[:40]!r}")
+                     f"  | sample {ev.get('sample', '')[:40]!r}"
+                     + (f"  | of {s['eval_run']}" if s.get("eval_run") else ""))
     h = s.get("harness")
     if h:  # <run>/harness.json (lm-evaluation-harness, eval.harness_tasks)
         lines.append(f"harness   {harness_text(h.get('metrics', {}))} @ step {h.get('step')}")

@@ -20,7 +20,7 @@ from xirang_hpc.checkpoint.naming import committed_steps, step_dir_name
 from xirang_hpc.monitor.events import FAULT_KINDS, read_events, read_jsonl
 from xirang_hpc.monitor.flops import mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import HEARTBEAT_DIR, SESSION_FILE, SESSIONS_LOG, read_heartbeats, read_json
-from xirang_hpc.runs.chain import PIPELINE_FILE, chain_status
+from xirang_hpc.runs.chain import PIPELINE_FILE, chain_status, eval_dir
 from xirang_hpc.runtime.process_identity import is_running
 from xirang_hpc.slurm.jobs import Runner, run_cmd, slurm_state
 
@@ -246,6 +246,7 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
                                  f"command to train it again from "
                                  f"{'step ' + str(good) if good is not None else 'step 0'}"}
     job_id = who.get("job_id") or _log_job_id(run_dir)
+    evals = eval_dir(run_dir)  # a pipeline with a preference stage evaluates its DPO run
     return {
         "run_dir": str(run_dir), "job_id": job_id, "executor": who.get("source"),
         "state": job["state"], "state_source": job.get("source"), "state_reason": job.get("reason"),
@@ -256,8 +257,9 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
         "tokens_per_s": tok_s or None, "tflops": tok_s * fpt / 1e12 if tok_s and fpt else None,
         "mfu": mfu(tok_s, fpt, int(session.get("devices", 0)), peak), "eta_s": eta,
         "checkpoint": ckpt, "nodes": _nodes(beats, now), "events": events[-n_events:], "n_events": len(events),
-        "time": now, "eval": read_json(run_dir / "eval.json"),
-        "harness": read_json(run_dir / "harness.json"), "pipeline": _pipeline(run_dir),
+        "time": now, "eval": read_json(evals / "eval.json"),
+        "eval_run": str(evals) if evals.resolve() != run_dir.resolve() else None,
+        "harness": read_json(evals / "harness.json"), "pipeline": _pipeline(run_dir),
     }
 
 

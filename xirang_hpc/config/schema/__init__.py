@@ -20,6 +20,7 @@ from xirang_hpc.config.schema.finetune import FinetuneConfig, LoraConfig
 from xirang_hpc.config.schema.model import ModelConfig
 from xirang_hpc.config.schema.monitor import MonitorConfig
 from xirang_hpc.config.schema.parallel import ParallelConfig
+from xirang_hpc.config.schema.preference import PreferenceConfig
 from xirang_hpc.config.schema.serve import EvalConfig, ServeConfig
 from xirang_hpc.config.schema.target import TargetConfig
 from xirang_hpc.config.schema.train import LOGGERS, TrainConfig
@@ -39,6 +40,7 @@ __all__ = [
     "MonitorConfig",
     "PRIORITIES",
     "ParallelConfig",
+    "PreferenceConfig",
     "RequeueConfig",
     "SITE_POLICIES",
     "SITE_SWEEPS",
@@ -67,6 +69,7 @@ class XirangConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     target: TargetConfig = field(default_factory=TargetConfig)  # read by xirang-plan only
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # xirang-pipeline's DPO stage
 
 
 GROUPS: dict[str, type] = {
@@ -83,4 +86,5 @@ GROUPS: dict[str, type] = {
     "serve": ServeConfig,
     "target": TargetConfig,
     "finetune": FinetuneConfig,
+    "preference": PreferenceConfig,
 }
