@@ -134,7 +134,8 @@ def thresholds_for(cfg: Mapping[str, Any]) -> Thresholds:
     """The detection thresholds from the monitor config (as the dict the watchdog process receives)."""
     return Thresholds(hang_s=cfg["hang_s"], stale_s=cfg["stale_s"], straggler_k=cfg["straggler_k"],
                       straggler_min_s=cfg["straggler_min_s"], straggler_window=cfg["straggler_window"],
-                      hang_k=cfg.get("hang_k", 0.0), hang_min_s=cfg.get("hang_min_s", 10.0))
+                      hang_k=cfg.get("hang_k", 0.0), hang_min_s=cfg.get("hang_min_s", 10.0),
+                      collective_s=cfg.get("collective_timeout_s", 0.0))
 
 
 class Watchdog:
