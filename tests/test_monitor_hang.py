@@ -150,3 +150,54 @@ def test_crawling_rank_is_no_hang_and_a_stopped_rank_is_named_in_seconds(launch,
     with capsys.disabled():
         print(f"\nrank 0 waited up to {obs.over_bound[0]:.1f}s beyond its bound while rank 3 crawled; hang named "
               f"{latency:.1f}s after SIGSTOP (bound {ev['bound_s']}s): {ev['cause']}")
+
+
+def test_sixty_second_steps_a_stopped_rank_is_named_by_collective_progress(launch, capsys) -> None:
+    # Every rank's step takes 60 s (each sleeps 60 s on entering forward: rank=all), so the step-multiple bound
+    # would be max(10 s, 20 x 60 s) capped at hang_s=300 s. The collective rule (the default
+    # monitor.collective_timeout_s=10) does not look at the step time: rank 3 is stopped 5 s before its sleep
+    # ends, its peers leave theirs, enter the gradient all-reduce of backward and wait; 10 s later rank 3 is named.
+    collective_s, margin_s = 10.0, 5.0  # margin: heartbeat sampling (0.25 s) + watchdog poll (0.5 s) + scheduling
+    slow = {"XIRANG_TESTPOINT_SLOW": "rank=all,s=60,phases=forward"}
+    run, _ = launch.running("monitor.heartbeat_s=0.25", "cluster.time_min=20", n=2, env=slow)
+    hb = run.beats()
+    assert all(b["step_s"] >= 60 and b["timed_steps"] >= 2 for b in hb.values()), hb  # 60-s steps, measured
+    # Rank 3 in the forward sleep of a later step: stop it 5 s before the sleep ends.
+    deadline = time.time() + 200
+    while time.time() < deadline:
+        b3 = run.beats()[3]
+        if b3["phase"] == "forward" and b3["step"] >= 2 and time.time() < float(b3["progress"]) + 50:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"rank 3 never entered a slow forward: {run.beats()[3]}")
+    time.sleep(max(0.0, float(b3["progress"]) + 55 - time.time()))
+    pid3 = b3["pid"]
+    t_stop = time.time()
+    os.kill(pid3, signal.SIGSTOP)
+    assert "hang" not in _kinds(run), read_events(run.run_dir)  # two 60-s steps and more without a false alarm
+    ev = run.wait_event("hang", 200)
+    run.wait_end()
+    beats = read_heartbeats(run.run_dir)
+    assert (ev["rank"], ev["node"], ev["pid"]) == (3, "vnode1", pid3), ev
+    assert ev["detector"] == "collective" and ev["waiting"] == [0, 1, 2], ev
+    head = f"rank 3 (node vnode1, pid {pid3}) did not reach collective #"
+    assert ev["cause"].startswith(head) and "stopped" in ev["cause"] and "wait in" in ev["cause"], ev["cause"]
+    # Named collective_s after the first peer entered the collective rank 3 missed: as the heartbeats sampled
+    # it (waiting_since), and as the peers' own clocks stamped the phase they block in (backward).
+    after_sampled = ev["time"] - ev["waiting_since"]
+    blocked = min(float(beats[r]["progress"]) for r in (0, 1, 2))
+    after_block = ev["time"] - blocked
+    assert all(beats[r]["phase"] == "backward" for r in (0, 1, 2)), beats
+    assert collective_s - 0.5 <= after_sampled and after_block <= collective_s + margin_s, (after_sampled, after_block)
+    after_stop = ev["time"] - t_stop
+    assert after_stop < 60, after_stop  # far from any multiple of the 60-s step
+    abort = run.wait_event("abort", 120)
+    assert abort["rank"] == 3
+    text = (run.run_dir / "stacks" / "rank-3.txt").read_text()
+    assert "most recent call first" in text and "testpoint.py" in text, text[-2000:]  # its stack: in the sleep
+    _assert_all_gone(run)
+    with capsys.disabled():
+        print(f"\n60-s steps: rank 3 named {after_block:.1f}s after its peers blocked in backward "
+              f"({after_sampled:.1f}s after the heartbeats saw them enter #{ev['seq']}), {after_stop:.1f}s after "
+              f"SIGSTOP: {ev['cause']}")
