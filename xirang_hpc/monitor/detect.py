@@ -304,37 +304,44 @@ def collective_findings(beats: dict[int, dict[str, Any]], probes: dict[int, str 
             t0 = min(since[name][m] for m in leaders)  # when the first rank entered #top
             waits.append((t0, name, top, leaders, laggards))
             waiting.update(leaders)
-    out: list[Finding] = []
-    named: set[int] = set()
+    # Per culprit, every group where it lags and its peers have waited long enough: the earliest names it.
+    due: dict[int, list[tuple[float, str, int, list[int]]]] = {}
     for t0, name, top, leaders, laggards in sorted(waits):
         if now - t0 < th.collective_s:
             continue
         for y in laggards:
-            hb = beats[y]
-            why = _frozen(hb, probes.get(y), now, th)
-            if why is None:
-                still = now - last_motion(hb)
-                if y in waiting or still < still_bound(hb, th):
-                    continue  # it works, or it waits for another rank itself: the chain goes on from there
-                why = (f"alive but still for {still:.0f}s (no phase change, liveness tick, CPU use of its training "
-                       f"thread or collective issued): blocked in local work (I/O, a lock, a sleep) before the "
-                       "collective")
-            if y in named:
-                continue
-            named.add(y)
-            lead = beats[leaders[0]]
-            who = f"rank {y} (node {hb.get('node', '?')}, pid {hb.get('pid', '?')})"
-            span = f"{len(members[name])} ranks" if len(members[name]) > 3 else \
-                f"ranks {', '.join(map(str, members[name]))}"
-            cause = (f"{who} did not reach collective #{top} on process group {name} ({span}), which rank(s) "
-                     f"{', '.join(map(str, leaders))} entered {now - t0:.1f}s ago and wait in ({_waits_in(lead)}); "
-                     f"it issued #{seqs[name][y]} and is in {hb.get('phase')} of step {hb.get('step')}; {why}")
-            states = {str(r): f"step {b.get('step')} {b.get('phase')}" for r, b in beats.items()}
-            out.append(_finding("hang", hb, cause, detector="collective", group=name, seq=top,
-                                waiting=leaders, waiting_since=round(t0, 3), waiting_in=_waits_in(lead),
-                                stalled_ranks=sorted(set(leaders) | {y}), states=states,
-                                stalled_s=round(now - t0, 1), bound_s=th.collective_s,
-                                bound_phase=bound_phase(hb, th), pid=hb.get("pid"), coll_seq=hb.get("coll_seq")))
+            due.setdefault(y, []).append((t0, name, top, leaders))
+    out: list[Finding] = []
+    for y, groups in sorted(due.items()):
+        hb = beats[y]
+        why = _frozen(hb, probes.get(y), now, th)
+        if why is None:
+            still = now - last_motion(hb)
+            if y in waiting or still < still_bound(hb, th):
+                continue  # it works, or it waits for another rank itself: the chain goes on from there
+            why = (f"alive but still for {still:.0f}s (no phase change, liveness tick, CPU use of its training "
+                   f"thread or collective issued): blocked in local work (I/O, a lock, a sleep) before the "
+                   "collective")
+        t0, name, top, leaders = groups[0]
+        direct = sorted({r for g in groups for r in g[3]})
+        lead = beats[leaders[0]]
+        who = f"rank {y} (node {hb.get('node', '?')}, pid {hb.get('pid', '?')})"
+        span = f"{len(members[name])} ranks" if len(members[name]) > 3 else \
+            f"ranks {', '.join(map(str, members[name]))}"
+        more = "".join(f"; also #{g[2]} on group {g[1]}, entered by rank(s) {', '.join(map(str, g[3]))}"
+                       for g in groups[1:])
+        cause = (f"{who} did not reach collective #{top} on process group {name} ({span}), which rank(s) "
+                 f"{', '.join(map(str, leaders))} entered {now - t0:.1f}s ago and wait in ({_waits_in(lead)}){more}; "
+                 f"it issued #{seqs[name][y]} and is in {hb.get('phase')} of step {hb.get('step')}; {why}")
+        states = {str(r): f"step {b.get('step')} {b.get('phase')}" for r, b in beats.items()}
+        # Waiting: the ranks inside a collective some member has not entered (directly on the culprit, or on a
+        # rank that waits for it); the rest of the job is named in ``states``.
+        blocked = sorted((waiting | set(direct)) - set(due))
+        out.append(_finding("hang", hb, cause, detector="collective", group=name, seq=top, waiting=blocked,
+                            waiting_direct=direct, waiting_since=round(t0, 3), waiting_in=_waits_in(lead),
+                            stalled_ranks=sorted(set(blocked) | {y}), states=states,
+                            stalled_s=round(now - t0, 1), bound_s=th.collective_s,
+                            bound_phase=bound_phase(hb, th), pid=hb.get("pid"), coll_seq=hb.get("coll_seq")))
     return out
 
 
