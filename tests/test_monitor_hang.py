@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import test_monitor_faults as faults
 
-from xirang_hpc.monitor.detect import Thresholds, hang_bound, last_move
+from xirang_hpc.monitor.detect import Thresholds, collective_waits, hang_bound, last_motion, last_move, still_bound
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.monitor.heartbeat import read_heartbeats
 from xirang_hpc.runs.status import run_status
@@ -31,6 +31,9 @@ from xirang_hpc.runs.status import run_status
 pytestmark = pytest.mark.slow
 launch = faults.launch  # the fixture: a job submitted as xirang-train submits it, cleaned up after
 Run, _assert_all_gone = faults.Run, faults._assert_all_gone
+
+
+COLL_TH = Thresholds(collective_s=10.0)  # the default monitor.collective_timeout_s, for the closest-call measurement
 
 
 class Observer:
@@ -45,6 +48,10 @@ class Observer:
         # Samples where every live rank was in this phase: the least idle rank's idle (the job's stillness).
         self.job_idle: dict[str, float] = defaultdict(float)
         self.th: Thresholds | None = None
+        # The collective rule's closest call: over the samples, the longest time a laggard that waits for nobody
+        # was both behind its peers in a collective and still (no phase, tick, CPU use or collective), per bound
+        # class ("timed": collective_timeout_s applies; "untimed": start-up and first step, hang_s).
+        self.closest: dict[str, float] = defaultdict(float)
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
 
@@ -64,6 +71,14 @@ class Observer:
             if len(beats) == 4 and len(phases) == 1:
                 p = phases.pop()
                 self.job_idle[p] = max(self.job_idle[p], min(now - last_move(hb) for hb in beats.values()))
+            waits, waiting, _, _ = collective_waits(beats)
+            for w in waits:
+                for y in w.laggards:
+                    if y in waiting or y not in beats:
+                        continue
+                    kind = "timed" if still_bound(beats[y], COLL_TH) == COLL_TH.collective_s else "untimed"
+                    near = min(now - w.t0, now - last_motion(beats[y]))
+                    self.closest[kind] = max(self.closest[kind], near)
             for r, hb in beats.items():
                 key = (r, str(hb.get("phase")))
                 self.phase_age[key] = max(self.phase_age[key], now - float(hb["progress"]))
@@ -108,7 +123,8 @@ def test_no_false_alarm_in_first_step_long_saves_and_long_evaluations(launch) ->
     # every rank was saving or evaluating, one of them had moved within hang_min_s.
     assert 0 < obs.job_idle["checkpoint"] < hang_min_s and 0 < obs.job_idle["eval"] < hang_min_s, dict(obs.job_idle)
     print(f"\nlongest: first step {first:.1f}s, save phase {obs.longest(obs.phase_age, 'checkpoint'):.1f}s, "
-          f"evaluation {obs.longest(obs.phase_age, 'eval'):.1f}s; job still at most {dict(obs.job_idle)}")
+          f"evaluation {obs.longest(obs.phase_age, 'eval'):.1f}s; job still at most {dict(obs.job_idle)}; "
+          f"collective rule's closest call {dict(obs.closest)}")
     _assert_all_gone(run)
 
 
@@ -148,7 +164,8 @@ def test_crawling_rank_is_no_hang_and_a_stopped_rank_is_named_in_seconds(launch,
     assert s["state"] == "FAILED" and head in s["state_reason"], s["state_reason"]
     _assert_all_gone(run)
     with capsys.disabled():
-        print(f"\nrank 0 waited up to {obs.over_bound[0]:.1f}s beyond its bound while rank 3 crawled; hang named "
+        print(f"\ncollective rule's closest call while rank 3 crawled: {dict(obs.closest)}")
+        print(f"rank 0 waited up to {obs.over_bound[0]:.1f}s beyond its bound while rank 3 crawled; hang named "
               f"{latency:.1f}s after SIGSTOP (bound {ev['bound_s']}s): {ev['cause']}")
 
 
@@ -164,14 +181,15 @@ def test_sixty_second_steps_a_stopped_rank_is_named_by_collective_progress(launc
     assert all(b["step_s"] >= 60 and b["timed_steps"] >= 2 for b in hb.values()), hb  # 60-s steps, measured
     # Rank 3 in the forward sleep of a later step: stop it 5 s before the sleep ends.
     deadline = time.time() + 200
-    while time.time() < deadline:
-        b3 = run.beats()[3]
-        if b3["phase"] == "forward" and b3["step"] >= 2 and time.time() < float(b3["progress"]) + 50:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"rank 3 never entered a slow forward: {run.beats()[3]}")
-    time.sleep(max(0.0, float(b3["progress"]) + 55 - time.time()))
+    with Observer(run.run_dir) as obs:
+        while time.time() < deadline:
+            b3 = run.beats()[3]
+            if b3["phase"] == "forward" and b3["step"] >= 2 and time.time() < float(b3["progress"]) + 50:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"rank 3 never entered a slow forward: {run.beats()[3]}")
+        time.sleep(max(0.0, float(b3["progress"]) + 55 - time.time()))
     pid3 = b3["pid"]
     t_stop = time.time()
     os.kill(pid3, signal.SIGSTOP)
@@ -200,4 +218,4 @@ def test_sixty_second_steps_a_stopped_rank_is_named_by_collective_progress(launc
     with capsys.disabled():
         print(f"\n60-s steps: rank 3 named {after_block:.1f}s after its peers blocked in backward "
               f"({after_sampled:.1f}s after the heartbeats saw them enter #{ev['seq']}), {after_stop:.1f}s after "
-              f"SIGSTOP: {ev['cause']}")
+              f"SIGSTOP: {ev['cause']}; closest call of the healthy steps before: {dict(obs.closest)}")

@@ -278,12 +278,23 @@ def _waits_in(hb: dict[str, Any]) -> str:
     return f"the {COLLECTIVE_OF.get(str(hb.get('phase')), str(hb.get('phase')))} of step {hb.get('step')}"
 
 
-def collective_findings(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], now: float,
-                        th: Thresholds) -> list[Finding]:
-    """The collective rule (module doc): ``hang`` findings for the ranks that did not enter a collective their
-    peers entered ``collective_s`` ago and are frozen or still; [] when none (or the rule is off)."""
-    if th.collective_s <= 0:
-        return []
+@dataclass(frozen=True)
+class GroupWait:
+    """On one process group: the members that entered collective #``seq`` (``leaders``, the first at ``t0``)
+    and those that have not (``laggards``)."""
+
+    t0: float
+    group: str
+    seq: int
+    leaders: list[int]
+    laggards: list[int]
+
+
+def collective_waits(beats: dict[int, dict[str, Any]]
+                     ) -> tuple[list[GroupWait], set[int], dict[str, dict[int, int]], dict[str, list[int]]]:
+    """Every group whose members are not all at the same count, oldest wait first; the ranks that lead one
+    (waiting); each group's counts and members. Groups a member does not report (gone, leaving, not yet
+    beating with it) are left out: nothing to compare."""
     seqs: dict[str, dict[int, int]] = {}
     since: dict[str, dict[int, float]] = {}
     members: dict[str, list[int]] = {}
@@ -292,25 +303,35 @@ def collective_findings(beats: dict[int, dict[str, Any]], probes: dict[int, str 
             members.setdefault(name, decode_members(e))
             seqs.setdefault(name, {})[r] = int(e["seq"])
             since.setdefault(name, {})[r] = float(e["since"])
-    waits = []
+    waits: list[GroupWait] = []
     waiting: set[int] = set()
     for name, ranks in members.items():
         if len(ranks) < 2 or any(m not in seqs[name] for m in ranks):
-            continue  # a member gone, leaving or not yet reporting the group: nothing to compare
+            continue
         top = max(seqs[name][m] for m in ranks)
         leaders = [m for m in ranks if seqs[name][m] == top]
         laggards = [m for m in ranks if seqs[name][m] < top]
         if laggards:
-            t0 = min(since[name][m] for m in leaders)  # when the first rank entered #top
-            waits.append((t0, name, top, leaders, laggards))
+            waits.append(GroupWait(min(since[name][m] for m in leaders), name, top, leaders, laggards))
             waiting.update(leaders)
+    waits.sort(key=lambda w: (w.t0, w.group))
+    return waits, waiting, seqs, members
+
+
+def collective_findings(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], now: float,
+                        th: Thresholds) -> list[Finding]:
+    """The collective rule (module doc): ``hang`` findings for the ranks that did not enter a collective their
+    peers entered ``collective_s`` ago and are frozen or still; [] when none (or the rule is off)."""
+    if th.collective_s <= 0:
+        return []
+    waits, waiting, seqs, members = collective_waits(beats)
     # Per culprit, every group where it lags and its peers have waited long enough: the earliest names it.
     due: dict[int, list[tuple[float, str, int, list[int]]]] = {}
-    for t0, name, top, leaders, laggards in sorted(waits):
-        if now - t0 < th.collective_s:
+    for w in waits:
+        if now - w.t0 < th.collective_s:
             continue
-        for y in laggards:
-            due.setdefault(y, []).append((t0, name, top, leaders))
+        for y in w.laggards:
+            due.setdefault(y, []).append((w.t0, w.group, w.seq, w.leaders))
     out: list[Finding] = []
     for y, groups in sorted(due.items()):
         hb = beats[y]
