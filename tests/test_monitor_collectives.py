@@ -165,3 +165,14 @@ def test_slow_step_on_every_rank() -> None:
     assert parse_slow(spec).rank == ALL_RANKS
     env = {"XIRANG_TESTPOINT_SLOW": spec}
     assert all(slow_phase(r, "forward", 3, env) == 0.01 for r in (0, 5)) and slow_phase(0, "data", 3, env) == 0
+
+
+def test_groups_the_job_counts_itself_are_counted_at_entry() -> None:
+    # The hierarchical all-reduce's node barrier is shared memory, invisible to c10d: it counts itself.
+    name = f"shm-test-{time.monotonic_ns()}"
+    assert name not in liveness.counts()
+    for n in (1, 2):
+        with liveness.collective("node shared-memory barrier", group=name, ranks=[2, 3]):
+            assert liveness.counts()[name] == (n, [2, 3])  # entered: counted before the wait
+            assert liveness.inside()[0] == "node shared-memory barrier"
+    assert liveness.inside() is None and liveness.counts()[name] == (2, [2, 3])

@@ -198,16 +198,20 @@ def test_sixty_second_steps_a_stopped_rank_is_named_by_collective_progress(launc
     run.wait_end()
     beats = read_heartbeats(run.run_dir)
     assert (ev["rank"], ev["node"], ev["pid"]) == (3, "vnode1", pid3), ev
-    assert ev["detector"] == "collective" and ev["waiting"] == [0, 1, 2], ev
+    diag = {r: (b["phase"], b.get("coll_in"), {k: e["seq"] for k, e in b.get("colls", {}).items()})
+            for r, b in beats.items()}
+    assert ev["detector"] == "collective" and ev["waiting"] == [0, 1, 2], (ev, diag)
     head = f"rank 3 (node vnode1, pid {pid3}) did not reach collective #"
     assert ev["cause"].startswith(head) and "stopped" in ev["cause"] and "wait in" in ev["cause"], ev["cause"]
     # Named collective_s after the first peer entered the collective rank 3 missed: as the heartbeats sampled
-    # it (waiting_since), and as the peers' own clocks stamped the phase they block in (backward).
+    # it (waiting_since), and as the peers' own clocks stamped the phase they block in (backward, or optimizer
+    # when the gradient all-reduce finished without rank 3's node: both are fast but for the wait, so the
+    # entry to that phase is when the wait began, at the latest).
     after_sampled = ev["time"] - ev["waiting_since"]
-    blocked = min(float(beats[r]["progress"]) for r in (0, 1, 2))
-    after_block = ev["time"] - blocked
-    assert all(beats[r]["phase"] == "backward" for r in (0, 1, 2)), beats
-    assert collective_s - 0.5 <= after_sampled and after_block <= collective_s + margin_s, (after_sampled, after_block)
+    assert all(beats[r]["phase"] in ("backward", "optimizer") for r in (0, 1, 2)), diag
+    after_block = ev["time"] - min(float(beats[r]["progress"]) for r in (0, 1, 2))
+    assert collective_s - 0.5 <= after_sampled and after_block <= collective_s + margin_s, (after_sampled, after_block,
+                                                                                             diag)
     after_stop = ev["time"] - t_stop
     assert after_stop < 60, after_stop  # far from any multiple of the 60-s step
     abort = run.wait_event("abort", 120)
@@ -216,6 +220,6 @@ def test_sixty_second_steps_a_stopped_rank_is_named_by_collective_progress(launc
     assert "most recent call first" in text and "testpoint.py" in text, text[-2000:]  # its stack: in the sleep
     _assert_all_gone(run)
     with capsys.disabled():
-        print(f"\n60-s steps: rank 3 named {after_block:.1f}s after its peers blocked in backward "
+        print(f"\n60-s steps: rank 3 named {after_block:.1f}s after its peers blocked ({diag}) "
               f"({after_sampled:.1f}s after the heartbeats saw them enter #{ev['seq']}), {after_stop:.1f}s after "
               f"SIGSTOP: {ev['cause']}; closest call of the healthy steps before: {dict(obs.closest)}")

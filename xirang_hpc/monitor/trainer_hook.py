@@ -108,7 +108,7 @@ class MonitorHook(TrainerHook):
         track = self.m.collective_timeout_s > 0  # collective progress, for the watchdog's collective rule
         self.hb = Heartbeat(hdir / f"rank-{t.rank}.json", ident, self.m.heartbeat_s, self.m.straggler_window,
                             sampler=ProcessSampler(gpu_index=gpu), seq_fn=collective_seq,
-                            progress_fn=collective_progress if track else None,
+                            progress_fn=_progress if track else None,
                             inside_fn=liveness.inside if track else None)
         self.hb.step = trainer.state.step
         self.hb.start()
@@ -143,6 +143,11 @@ class MonitorHook(TrainerHook):
                 self.hb.stop()
             except OSError:
                 pass
+
+
+def _progress() -> dict[str, tuple[int, list[int]]]:
+    """Collectives entered per group: c10d's counts and those of the groups the job counts itself."""
+    return {**collective_progress(), **liveness.counts()}
 
 
 def _watchdog_cfg(m: MonitorConfig) -> dict[str, Any]:

@@ -29,6 +29,8 @@ _sink: Callable[[str], None] | None = None
 # The explicit collective this process is inside: [label, entered at (wall time)], or None. One list
 # replaced whole, so the heartbeat thread reads a consistent pair without a lock.
 _inside: list[object] | None = None
+# Entries per explicitly counted group (``collective(..., group=...)``): name -> [count, global ranks].
+_counts: dict[str, list[object]] = {}
 
 
 def set_sink(fn: Callable[[str], None] | None) -> None:
@@ -47,18 +49,25 @@ def tick(what: str = "") -> None:
 class collective:  # noqa: N801 - used as a context manager, named like one
     """``with collective("grad-norm / loss all-reduce"): dist.all_reduce(...)``: record entry and exit.
 
-    Two attribute writes and a clock read per collective (well under a microsecond against collectives of
-    tens of microseconds at least), so it stays on in every run; the watchdog reads it from the heartbeat
-    to say what the waiting ranks wait in.
+    With ``group`` (a name the group's members share) and ``ranks`` (its global ranks), entry also counts
+    on that group, for collectives c10d does not see (the node's shared-memory barrier of the hierarchical
+    all-reduce): the heartbeat reports the count beside c10d's, so a rank waiting there is a waiter too.
+    A few attribute writes and a clock read per collective (well under a microsecond against collectives
+    of tens of microseconds at least), so it stays on in every run.
     """
 
-    __slots__ = ("what",)
+    __slots__ = ("what", "group", "ranks")
 
-    def __init__(self, what: str) -> None:
-        self.what = what
+    def __init__(self, what: str, group: str | None = None, ranks: list[int] | None = None) -> None:
+        self.what, self.group, self.ranks = what, group, ranks
 
     def __enter__(self) -> collective:
         global _inside
+        if self.group is not None:
+            count = _counts.get(self.group)
+            if count is None:
+                count = _counts[self.group] = [0, list(self.ranks or ())]
+            count[0] += 1
         _inside = [self.what, time.time()]
         return self
 
@@ -71,3 +80,8 @@ def inside() -> tuple[str, float] | None:
     """The explicit collective this process is inside and when it entered it; None outside one."""
     cur = _inside
     return None if cur is None else (str(cur[0]), float(cur[1]))  # type: ignore[arg-type]
+
+
+def counts() -> dict[str, tuple[int, list[int]]]:
+    """Per group named in :class:`collective`: (entries so far, its global ranks), as c10d's counts read."""
+    return {g: (int(c[0]), list(c[1])) for g, c in list(_counts.items())}  # type: ignore[call-overload]
