@@ -196,30 +196,26 @@ def test_sixty_second_steps_a_stopped_rank_is_named_by_collective_progress(launc
     assert "hang" not in _kinds(run), read_events(run.run_dir)  # two 60-s steps and more without a false alarm
     ev = run.wait_event("hang", 200)
     run.wait_end()
-    beats = read_heartbeats(run.run_dir)
     assert (ev["rank"], ev["node"], ev["pid"]) == (3, "vnode1", pid3), ev
-    diag = {r: (b["phase"], b.get("coll_in"), {k: e["seq"] for k, e in b.get("colls", {}).items()})
-            for r, b in beats.items()}
-    assert ev["detector"] == "collective" and ev["waiting"] == [0, 1, 2], (ev, diag)
+    # The others are named as waiting: those inside a collective some rank has not entered (rank 3's partners
+    # directly, the rest behind them); which of them had entered one when the rule fired is a matter of timing.
+    assert ev["detector"] == "collective" and ev["waiting_direct"], ev
+    assert set(ev["waiting_direct"]) <= set(ev["waiting"]) <= {0, 1, 2}, ev
     head = f"rank 3 (node vnode1, pid {pid3}) did not reach collective #"
     assert ev["cause"].startswith(head) and "stopped" in ev["cause"] and "wait in" in ev["cause"], ev["cause"]
-    # Named collective_s after the first peer entered the collective rank 3 missed: as the heartbeats sampled
-    # it (waiting_since), and as the peers' own clocks stamped the phase they block in (backward, or optimizer
-    # when the gradient all-reduce finished without rank 3's node: both are fast but for the wait, so the
-    # entry to that phase is when the wait began, at the latest).
+    # Named collective_s after the first peer entered the collective rank 3 missed (as the heartbeats sampled
+    # it, every 0.25 s), and so, after SIGSTOP, the 5 s left of the sleep plus collective_s: the peers block
+    # right after their own sleep, which began with rank 3's (the step's all-reduce aligns them).
     after_sampled = ev["time"] - ev["waiting_since"]
-    assert all(beats[r]["phase"] in ("backward", "optimizer") for r in (0, 1, 2)), diag
-    after_block = ev["time"] - min(float(beats[r]["progress"]) for r in (0, 1, 2))
-    assert collective_s - 0.5 <= after_sampled and after_block <= collective_s + margin_s, (after_sampled, after_block,
-                                                                                             diag)
     after_stop = ev["time"] - t_stop
-    assert after_stop < 60, after_stop  # far from any multiple of the 60-s step
+    assert collective_s - 0.5 <= after_sampled <= collective_s + margin_s, ev
+    assert after_stop <= 5 + collective_s + margin_s, after_stop  # far from any multiple of the 60-s step
     abort = run.wait_event("abort", 120)
     assert abort["rank"] == 3
     text = (run.run_dir / "stacks" / "rank-3.txt").read_text()
     assert "most recent call first" in text and "testpoint.py" in text, text[-2000:]  # its stack: in the sleep
     _assert_all_gone(run)
     with capsys.disabled():
-        print(f"\n60-s steps: rank 3 named {after_block:.1f}s after its peers blocked ({diag}) "
-              f"({after_sampled:.1f}s after the heartbeats saw them enter #{ev['seq']}), {after_stop:.1f}s after "
-              f"SIGSTOP: {ev['cause']}; closest call of the healthy steps before: {dict(obs.closest)}")
+        print(f"\n60-s steps: rank 3 named {after_sampled:.1f}s after its peers entered collective #{ev['seq']} (as "
+              f"sampled), {after_stop:.1f}s after SIGSTOP (5 s before its sleep ended); waiting {ev['waiting']}: "
+              f"{ev['cause']}; closest call of the healthy steps before: {dict(obs.closest)}")
