@@ -106,6 +106,8 @@ def test_the_chain_is_followed_to_the_rank_nobody_waits_for() -> None:
         beats[r]["colls"]["1"] = {"seq": seq, "since": since, **encode_members([2, 3])}
     fs = collective_findings(beats, {r: ALIVE for r in range(4)}, NOW, TH)
     assert [f.rank for f in fs] == [2], [f.cause for f in fs]
+    # Waiting: 0 and 1 (in world #58), and 3, which lags in world but waits for 2 in their pair group.
+    assert fs[0].extra["waiting"] == [0, 1, 3] and fs[0].extra["waiting_direct"] == [0, 1, 3], fs[0].extra
     # A stopped rank is a culprit even where it leads a group (frozen is not waiting).
     fs = collective_findings(beats, {0: ALIVE, 1: ALIVE, 2: ALIVE, 3: STOPPED}, NOW, TH)
     assert sorted(f.rank for f in fs) == [2, 3]

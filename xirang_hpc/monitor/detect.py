@@ -332,8 +332,8 @@ def collective_findings(beats: dict[int, dict[str, Any]], probes: dict[int, str 
             continue
         for y in w.laggards:
             due.setdefault(y, []).append((w.t0, w.group, w.seq, w.leaders))
-    out: list[Finding] = []
-    for y, groups in sorted(due.items()):
+    culprits: dict[int, str] = {}
+    for y in sorted(due):
         hb = beats[y]
         why = _frozen(hb, probes.get(y), now, th)
         if why is None:
@@ -343,6 +343,10 @@ def collective_findings(beats: dict[int, dict[str, Any]], probes: dict[int, str 
             why = (f"alive but still for {still:.0f}s (no phase change, liveness tick, CPU use of its training "
                    f"thread or collective issued): blocked in local work (I/O, a lock, a sleep) before the "
                    "collective")
+        culprits[y] = why
+    out: list[Finding] = []
+    for y, why in culprits.items():
+        hb, groups = beats[y], due[y]
         t0, name, top, leaders = groups[0]
         direct = sorted({r for g in groups for r in g[3]})
         lead = beats[leaders[0]]
@@ -357,7 +361,7 @@ def collective_findings(beats: dict[int, dict[str, Any]], probes: dict[int, str 
         states = {str(r): f"step {b.get('step')} {b.get('phase')}" for r, b in beats.items()}
         # Waiting: the ranks inside a collective some member has not entered (directly on the culprit, or on a
         # rank that waits for it); the rest of the job is named in ``states``.
-        blocked = sorted((waiting | set(direct)) - set(due))
+        blocked = sorted((waiting | set(direct)) - set(culprits))
         out.append(_finding("hang", hb, cause, detector="collective", group=name, seq=top, waiting=blocked,
                             waiting_direct=direct, waiting_since=round(t0, 3), waiting_in=_waits_in(lead),
                             stalled_ranks=sorted(set(blocked) | {y}), states=states,
