@@ -286,6 +286,11 @@ def report_tracking(res: dict[str, list[dict[str, Any]]], steps: int, rounds: in
     off = [_tok_s(res[f"tracking/tracking off/{i}"], tokens) for i in range(rounds)]
     ratios = [b / a for a, b in zip(on, off)]  # step time on / off
     step_s = tokens / statistics.median(off)
+    # CPU time per step summed over ranks (process CPU: the heartbeat thread's sampling included), which waiting
+    # for the shared cores does not inflate: the steadier figure on a loaded machine.
+    con = [_tok_cpu_s(res[f"tracking/tracking on/{i}"], tokens) for i in range(rounds)]
+    coff = [_tok_cpu_s(res[f"tracking/tracking off/{i}"], tokens) for i in range(rounds)]
+    cratios = [b / a for a, b in zip(con, coff)]
     unit = res["tracking/unit"]
     sample_s = max(u["sample_s"] for u in unit)
     record_s = max(u["record_s"] for u in unit)
@@ -296,6 +301,8 @@ def report_tracking(res: dict[str, list[dict[str, Any]]], steps: int, rounds: in
     print("|---|---|---|---|")
     print(f"| {statistics.median(on):,.0f} | {statistics.median(off):,.0f} | {' '.join(f'{r:.3f}' for r in ratios)} | "
           f"**{statistics.median(ratios):.3f}** ({min(ratios):.3f}..{max(ratios):.3f}) |")
+    print(f"\nCPU time per step (summed over ranks) on/off per round: {' '.join(f'{r:.3f}' for r in cratios)}; "
+          f"median **{statistics.median(cratios):.3f}** ({min(cratios):.3f}..{max(cratios):.3f})")
     # Per step: two entry/exit records (the grad-norm / loss reduction; the evaluation's is per evaluation), and
     # the heartbeat thread's extra sampling, once per HEARTBEAT_S, prorated to the step.
     per_step = 2 * record_s + sample_s * step_s / HEARTBEAT_S
