@@ -28,8 +28,9 @@ class MonitorConfig:
     hang_min_s: float = 10.0
     # Collective progress: a rank that has not entered a collective its peers entered this many seconds ago,
     # and is stopped, silent or shows no motion at all (no phase, tick, CPU use or collective), is the hang's
-    # culprit, whatever the step time (monitor/detect.py). 10 s: the longest arrival skew of healthy ranks
-    # measured on a loaded 2-core machine, plus margin (docs/monitoring-and-tracking.md). 0 turns it off.
+    # culprit, whatever the step time (monitor/detect.py). 10 s: the rule's closest call in healthy runs on a
+    # loaded 2-core machine (6.3 s, a rank crawling 6 s per phase) plus margin (docs/monitoring-and-tracking.md).
+    # 0 turns it off.
     collective_timeout_s: float = 10.0
     # Heartbeat silence after which a rank's process counts as frozen or lost (its thread stopped too).
     stale_s: float = 10.0
