@@ -219,3 +219,26 @@ def test_sixty_second_steps_a_stopped_rank_is_named_by_collective_progress(launc
         print(f"\n60-s steps: rank 3 named {after_sampled:.1f}s after its peers entered collective #{ev['seq']} (as "
               f"sampled), {after_stop:.1f}s after SIGSTOP (5 s before its sleep ended); waiting {ev['waiting']}: "
               f"{ev['cause']}; closest call of the healthy steps before: {dict(obs.closest)}")
+
+
+def test_dp4_hierarchical_a_stopped_rank_is_named_through_the_node_barrier(launch, capsys) -> None:
+    # dp=4 with the hierarchical all-reduce (comm.hierarchical, the default): node-mates meet in a shared-memory
+    # barrier c10d does not count; it counts itself (runtime/liveness.py), so rank 3's node-mate (rank 2) waits
+    # on it there and the rule names rank 3 collective_timeout_s after a peer entered what rank 3 did not.
+    # hang_min_s=30: the step-multiple rule (max(10 s, 20 x a sub-second step) by default) would name it at about
+    # the same moment; lifted, it cannot, and the collective rule is what this measures.
+    collective_s, margin_s = 10.0, 5.0
+    run, hb = launch.running("parallel.pp=1", "monitor.heartbeat_s=0.25", "monitor.hang_min_s=30", n=3)
+    assert any(k.startswith("shm-") for k in hb[2].get("colls", {})), hb[2].get("colls")  # counted by the job
+    pid3 = hb[3]["pid"]
+    os.kill(pid3, signal.SIGSTOP)
+    ev = run.wait_event("hang", 200)
+    run.wait_end()
+    assert (ev["rank"], ev["node"], ev["pid"], ev["detector"]) == (3, "vnode1", pid3, "collective"), ev
+    assert "process is stopped" in ev["cause"] and set(ev["waiting"]) <= {0, 1, 2} and ev["waiting"], ev
+    after = ev["time"] - ev["waiting_since"]
+    assert collective_s - 0.5 <= after <= collective_s + margin_s, ev
+    _assert_all_gone(run)
+    with capsys.disabled():
+        print(f"\ndp=4 hierarchical: rank 3 named {after:.1f}s after a peer entered what it did not; waiting "
+              f"{ev['waiting']} (directly {ev['waiting_direct']}): {ev['cause']}")
