@@ -3,7 +3,8 @@
 Local 4-rank tiny-GPT runs (2 virtual nodes x 2 ranks, gloo), submitted as ``xirang-train`` submits
 them (submitit's LocalExecutor), one after another in one invocation: ``--runs`` with the defaults
 (``hang_k=20``, ``hang_min_s=10``, ``hang_s=300``) and ``--fixed-runs`` with ``hang_k=0`` (the fixed
-300 s bound of every phase, as before). Each run trains until every rank has timed ``--at`` steps,
+300 s bound of every phase, as before), both with the collective rule (``monitor.collective_timeout_s``)
+off, so that each measures its own bound. Each run trains until every rank has timed ``--at`` steps,
 then rank 3 (the second node) gets SIGSTOP; measured: SIGSTOP -> the watchdog's ``hang`` event
 naming the rank (its time stamp in events.jsonl). Prints the median per mode and the ratio.
 
@@ -33,7 +34,11 @@ from xirang_hpc.submit.hydra_setup import register_configs
 from xirang_hpc.submit.rundir import make_private_dir, run_dir_for
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "xirang_hpc" / "conf")
-MODES = {"adaptive": [], "fixed 300 s": ["monitor.hang_k=0", "monitor.hang_s=300"]}
+# The step-multiple rules are measured with the collective rule (monitor.collective_timeout_s, on by default)
+# off, so each mode measures its own bound; the collective rule's own test runs 60-s steps
+# (tests/test_monitor_hang.py).
+MODES = {"adaptive": ["monitor.collective_timeout_s=0"],
+         "fixed 300 s": ["monitor.hang_k=0", "monitor.hang_s=300", "monitor.collective_timeout_s=0"]}
 
 
 def _cfg(overrides: list[str]) -> Any:

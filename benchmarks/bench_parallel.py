@@ -17,6 +17,12 @@ our DP vs plain DDP, and the default-layout candidates dp2xpp2 vs dp2xtp2. Withi
 sides of each pair run back to back, and the order alternates between rounds (AB, BA, ...), so
 drift in machine load hits both sides alike. It prints the median tokens/s of each side and the
 median of the per-round ratios with its range.
+
+``--tracking N`` measures the cost of collective-progress tracking (the watchdog's collective rule,
+``monitor.collective_timeout_s``): our dp=4 step with the monitor's heartbeat thread sampling every
+process group's collective count, the explicit collectives' entry/exit and the training thread's CPU
+clock (on), vs the same heartbeat without them (off), in N alternating rounds; plus the cost of one
+sample and of one entry/exit record measured alone, as a share of the step time.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ import parallel_harness as H  # noqa: E402
 
 from xirang_hpc.data.dataset import TokenWindows  # noqa: E402
 from xirang_hpc.models.gpt import GPT, lm_loss  # noqa: E402
+from xirang_hpc.monitor.heartbeat import Heartbeat  # noqa: E402
+from xirang_hpc.runtime import liveness  # noqa: E402
+from xirang_hpc.runtime.dist import collective_progress  # noqa: E402
 from xirang_hpc.runtime.local_ranks import LocalRanks, RankPlace  # noqa: E402
 from xirang_hpc.runtime.schedule import lr_at  # noqa: E402
 from xirang_hpc.runtime.trainer import Trainer, build_optimizer  # noqa: E402
@@ -121,6 +130,48 @@ def plain_ddp(cfg, topo, data_dir: Path, steps: int) -> dict[str, Any]:
 
 
 PAIRS = {"ratio": ("ours", "ddp"), "default": ("dp2xpp2", "dp2xtp2")}
+TRACKING = ("tracking on", "tracking off")
+HEARTBEAT_S = 1.0  # monitor.heartbeat_s's default: how often the heartbeat thread samples
+
+
+def with_heartbeat(track: bool, d: Path, fn: Any) -> dict[str, Any]:
+    """Run ``fn`` beside the monitor's heartbeat thread, collective progress sampled (``track``) or not."""
+    hb = Heartbeat(d / f"rank-{dist.get_rank()}.json", {"rank": dist.get_rank()}, HEARTBEAT_S,
+                   progress_fn=collective_progress if track else None, inside_fn=liveness.inside if track else None)
+    hb.start()
+    try:
+        return fn()
+    finally:
+        hb.stop()
+
+
+def _tracking(topo, d: Path, world: int, steps: int, rounds: int, queue: Any) -> None:
+    """Tracking on vs off, ``rounds`` times in alternating order; then the unit costs, measured alone."""
+    cfg = H.make_cfg(world, {"dp": 4}, steps, model=TINY, train=TRAIN)
+    with tempfile.TemporaryDirectory() as hd:
+        for rnd in range(rounds):
+            for side in TRACKING if rnd % 2 == 0 else TRACKING[::-1]:
+                res = with_heartbeat(side == "tracking on", Path(hd), lambda: ours(cfg, topo, d, steps))
+                queue.put((topo.rank, f"tracking/{side}/{rnd}", res))
+        hb = Heartbeat(Path(hd) / "unit.json", {"rank": topo.rank}, HEARTBEAT_S,
+                       progress_fn=collective_progress, inside_fn=liveness.inside)
+        n = 2000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            hb.snapshot()
+        sample_s = (time.perf_counter() - t0) / n
+        plain = Heartbeat(Path(hd) / "unit.json", {"rank": topo.rank}, HEARTBEAT_S)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            plain.snapshot()
+        plain_s = (time.perf_counter() - t0) / n
+        t0 = time.perf_counter()
+        for _ in range(100_000):
+            with liveness.collective("grad-norm / loss all-reduce"):
+                pass
+        record_s = (time.perf_counter() - t0) / 100_000
+    queue.put((topo.rank, "tracking/unit", {"sample_s": sample_s - plain_s, "record_s": record_s,
+                                             "groups": len(collective_progress())}))
 
 
 def _paired(topo, d: Path, world: int, steps: int, rounds: int, queue: Any) -> None:
@@ -137,13 +188,17 @@ def _paired(topo, d: Path, world: int, steps: int, rounds: int, queue: Any) -> N
 
 
 def _worker(place: RankPlace, queue: Any, data_dir: str, steps: int, rounds: int, memory: str = "",
-            paired: bool = False) -> None:
+            paired: bool = False, tracking: bool = False) -> None:
     torch.set_num_threads(1)
     rank, world = place.rank, place.world_size
     try:
         place.init_process_group("gloo")
         topo = place.topology("test")
         d = Path(data_dir)
+        if tracking:
+            _tracking(topo, d, world, steps, rounds, queue)
+            queue.put((rank, "__done__", None))
+            return
         if paired:
             _paired(topo, d, world, steps, rounds, queue)
             queue.put((rank, "__done__", None))
@@ -169,11 +224,11 @@ def _worker(place: RankPlace, queue: Any, data_dir: str, steps: int, rounds: int
 
 
 def _collect(world: int, data_dir: Path, steps: int, rounds: int, memory: str = "", paired: bool = False,
-             ) -> dict[str, list[dict[str, Any]]]:
+             tracking: bool = False) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     done = 0
     # 2 virtual nodes from 4 ranks, as the tests' harness lays them out
-    with LocalRanks(_worker, world, (str(data_dir), steps, rounds, memory, paired),
+    with LocalRanks(_worker, world, (str(data_dir), steps, rounds, memory, paired, tracking),
                     nodes=2 if world >= 4 else 1) as ranks:
         while done < world:
             rank, name, res = ranks.get()
@@ -224,6 +279,39 @@ def report_paired(res: dict[str, list[dict[str, Any]]], steps: int, rounds: int)
               f"**{statistics.median(ratios):.3f}** ({min(ratios):.2f}..{max(ratios):.2f}) |")
 
 
+def report_tracking(res: dict[str, list[dict[str, Any]]], steps: int, rounds: int) -> None:
+    """Step time with tracking on vs off (median of per-round ratios), and the unit costs as a share of a step."""
+    tokens = TRAIN["global_batch"] * TINY["seq_len"]
+    on = [_tok_s(res[f"tracking/tracking on/{i}"], tokens) for i in range(rounds)]
+    off = [_tok_s(res[f"tracking/tracking off/{i}"], tokens) for i in range(rounds)]
+    ratios = [b / a for a, b in zip(on, off)]  # step time on / off
+    step_s = tokens / statistics.median(off)
+    # CPU time per step summed over ranks (process CPU: the heartbeat thread's sampling included), which waiting
+    # for the shared cores does not inflate: the steadier figure on a loaded machine.
+    con = [_tok_cpu_s(res[f"tracking/tracking on/{i}"], tokens) for i in range(rounds)]
+    coff = [_tok_cpu_s(res[f"tracking/tracking off/{i}"], tokens) for i in range(rounds)]
+    cratios = [b / a for a, b in zip(con, coff)]
+    unit = res["tracking/unit"]
+    sample_s = max(u["sample_s"] for u in unit)
+    record_s = max(u["record_s"] for u in unit)
+    print(f"## bench_parallel --tracking {rounds}: dp=4 (2 virtual nodes x 2), gloo, 1 thread/rank, model tiny, "
+          f"global batch {TRAIN['global_batch']} x {TINY['seq_len']}, {steps - 2} timed steps per run, heartbeat every "
+          f"{HEARTBEAT_S:g} s, order alternating per round")
+    print("\n| tracking on tok/s | tracking off tok/s | step time on/off per round | median (min..max) |")
+    print("|---|---|---|---|")
+    print(f"| {statistics.median(on):,.0f} | {statistics.median(off):,.0f} | {' '.join(f'{r:.3f}' for r in ratios)} | "
+          f"**{statistics.median(ratios):.3f}** ({min(ratios):.3f}..{max(ratios):.3f}) |")
+    print(f"\nCPU time per step (summed over ranks) on/off per round: {' '.join(f'{r:.3f}' for r in cratios)}; "
+          f"median **{statistics.median(cratios):.3f}** ({min(cratios):.3f}..{max(cratios):.3f})")
+    # Per step: two entry/exit records (the grad-norm / loss reduction; the evaluation's is per evaluation), and
+    # the heartbeat thread's extra sampling, once per HEARTBEAT_S, prorated to the step.
+    per_step = 2 * record_s + sample_s * step_s / HEARTBEAT_S
+    print(f"\nunit costs (max over ranks): one sample of {unit[0]['groups']} groups' counts + CPU clock "
+          f"{sample_s * 1e6:.1f} us (every {HEARTBEAT_S:g} s, off the training thread), one entry/exit record "
+          f"{record_s * 1e9:.0f} ns; per step of {step_s * 1e3:.1f} ms: {per_step * 1e6:.2f} us = "
+          f"**{100 * per_step / step_s:.4f}%** of the step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -231,6 +319,8 @@ def main() -> None:
     ap.add_argument("--paired", type=int, default=0, metavar="N",
                     help="only the paired comparisons (ours vs DDP, dp2xpp2 vs dp2xtp2), N alternating rounds")
     ap.add_argument("--data", default="", help="prepared data dir (default: stdlib 'email' package, prepared)")
+    ap.add_argument("--tracking", type=int, default=0, metavar="N",
+                    help="only collective-progress tracking on vs off, N alternating rounds")
     args = ap.parse_args()
     from xirang_hpc.data.prepare import is_prepared, prepare
 
@@ -240,6 +330,10 @@ def main() -> None:
 
         prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), data_dir, val_fraction=0.2)
     t0 = time.time()
+    if args.tracking:
+        report_tracking(_collect(4, data_dir, args.steps, args.tracking, tracking=True), args.steps, args.tracking)
+        print(f"\n(total {time.time() - t0:.0f}s)")
+        return
     if args.paired:
         report_paired(_collect(4, data_dir, args.steps, args.paired, paired=True), args.steps, args.paired)
         print(f"\n(total {time.time() - t0:.0f}s)")

@@ -270,8 +270,8 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "data.shard_tokens": (1024, reads("xirang_hpc.data.prepare"), []),
     # monitor: the watchdog's thresholds; the rest inside the job
     **{f"monitor.{k}": (v, watchdog, []) for k, v in {
-        "hang_s": 60.0, "hang_k": 5.0, "hang_min_s": 30.0, "stale_s": 20.0, "straggler_k": 3.0,
-         "straggler_min_s": 0.5, "straggler_window": 9}.items()},
+        "hang_s": 60.0, "hang_k": 5.0, "hang_min_s": 30.0, "collective_timeout_s": 0.0, "stale_s": 20.0,
+         "straggler_k": 3.0, "straggler_min_s": 0.5, "straggler_window": 9}.items()},
     "monitor.enabled": (False, reads("xirang_hpc.job.training"), []),
     "monitor.heartbeat_s": (2.0, reads("xirang_hpc.monitor.trainer_hook"), []),
     "monitor.abort_on_hang": (False, reads("xirang_hpc.monitor.watchdog"), []),

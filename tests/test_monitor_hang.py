@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import test_monitor_faults as faults
 
-from xirang_hpc.monitor.detect import Thresholds, hang_bound, last_move
+from xirang_hpc.monitor.detect import Thresholds, collective_waits, hang_bound, last_motion, last_move, still_bound
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.monitor.heartbeat import read_heartbeats
 from xirang_hpc.runs.status import run_status
@@ -31,6 +31,9 @@ from xirang_hpc.runs.status import run_status
 pytestmark = pytest.mark.slow
 launch = faults.launch  # the fixture: a job submitted as xirang-train submits it, cleaned up after
 Run, _assert_all_gone = faults.Run, faults._assert_all_gone
+
+
+COLL_TH = Thresholds(collective_s=10.0)  # the default monitor.collective_timeout_s, for the closest-call measurement
 
 
 class Observer:
@@ -45,6 +48,10 @@ class Observer:
         # Samples where every live rank was in this phase: the least idle rank's idle (the job's stillness).
         self.job_idle: dict[str, float] = defaultdict(float)
         self.th: Thresholds | None = None
+        # The collective rule's closest call: over the samples, the longest time a laggard that waits for nobody
+        # was both behind its peers in a collective and still (no phase, tick, CPU use or collective), per bound
+        # class ("timed": collective_timeout_s applies; "untimed": start-up and first step, hang_s).
+        self.closest: dict[str, float] = defaultdict(float)
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
 
@@ -64,6 +71,14 @@ class Observer:
             if len(beats) == 4 and len(phases) == 1:
                 p = phases.pop()
                 self.job_idle[p] = max(self.job_idle[p], min(now - last_move(hb) for hb in beats.values()))
+            waits, waiting, _, _ = collective_waits(beats)
+            for w in waits:
+                for y in w.laggards:
+                    if y in waiting or y not in beats:
+                        continue
+                    kind = "timed" if still_bound(beats[y], COLL_TH) == COLL_TH.collective_s else "untimed"
+                    near = min(now - w.t0, now - last_motion(beats[y]))
+                    self.closest[kind] = max(self.closest[kind], near)
             for r, hb in beats.items():
                 key = (r, str(hb.get("phase")))
                 self.phase_age[key] = max(self.phase_age[key], now - float(hb["progress"]))
@@ -108,7 +123,8 @@ def test_no_false_alarm_in_first_step_long_saves_and_long_evaluations(launch) ->
     # every rank was saving or evaluating, one of them had moved within hang_min_s.
     assert 0 < obs.job_idle["checkpoint"] < hang_min_s and 0 < obs.job_idle["eval"] < hang_min_s, dict(obs.job_idle)
     print(f"\nlongest: first step {first:.1f}s, save phase {obs.longest(obs.phase_age, 'checkpoint'):.1f}s, "
-          f"evaluation {obs.longest(obs.phase_age, 'eval'):.1f}s; job still at most {dict(obs.job_idle)}")
+          f"evaluation {obs.longest(obs.phase_age, 'eval'):.1f}s; job still at most {dict(obs.job_idle)}; "
+          f"collective rule's closest call {dict(obs.closest)}")
     _assert_all_gone(run)
 
 
@@ -148,5 +164,81 @@ def test_crawling_rank_is_no_hang_and_a_stopped_rank_is_named_in_seconds(launch,
     assert s["state"] == "FAILED" and head in s["state_reason"], s["state_reason"]
     _assert_all_gone(run)
     with capsys.disabled():
-        print(f"\nrank 0 waited up to {obs.over_bound[0]:.1f}s beyond its bound while rank 3 crawled; hang named "
+        print(f"\ncollective rule's closest call while rank 3 crawled: {dict(obs.closest)}")
+        print(f"rank 0 waited up to {obs.over_bound[0]:.1f}s beyond its bound while rank 3 crawled; hang named "
               f"{latency:.1f}s after SIGSTOP (bound {ev['bound_s']}s): {ev['cause']}")
+
+
+def test_sixty_second_steps_a_stopped_rank_is_named_by_collective_progress(launch, capsys) -> None:
+    # Every rank's step takes 60 s (each sleeps 60 s on entering forward: rank=all), so the step-multiple bound
+    # would be max(10 s, 20 x 60 s) capped at hang_s=300 s. The collective rule (the default
+    # monitor.collective_timeout_s=10) does not look at the step time: rank 3 is stopped 5 s before its sleep
+    # ends, its peers leave theirs, enter the gradient all-reduce of backward and wait; 10 s later rank 3 is named.
+    collective_s, margin_s = 10.0, 5.0  # margin: heartbeat sampling (0.25 s) + watchdog poll (0.5 s) + scheduling
+    slow = {"XIRANG_TESTPOINT_SLOW": "rank=all,s=60,phases=forward"}
+    run, _ = launch.running("monitor.heartbeat_s=0.25", "cluster.time_min=20", n=2, env=slow)
+    hb = run.beats()
+    assert all(b["step_s"] >= 60 and b["timed_steps"] >= 2 for b in hb.values()), hb  # 60-s steps, measured
+    # Rank 3 in the forward sleep of a later step: stop it 5 s before the sleep ends.
+    deadline = time.time() + 200
+    with Observer(run.run_dir) as obs:
+        while time.time() < deadline:
+            b3 = run.beats()[3]
+            if b3["phase"] == "forward" and b3["step"] >= 2 and time.time() < float(b3["progress"]) + 50:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"rank 3 never entered a slow forward: {run.beats()[3]}")
+        time.sleep(max(0.0, float(b3["progress"]) + 55 - time.time()))
+    pid3 = b3["pid"]
+    t_stop = time.time()
+    os.kill(pid3, signal.SIGSTOP)
+    assert "hang" not in _kinds(run), read_events(run.run_dir)  # two 60-s steps and more without a false alarm
+    ev = run.wait_event("hang", 200)
+    run.wait_end()
+    assert (ev["rank"], ev["node"], ev["pid"]) == (3, "vnode1", pid3), ev
+    # The others are named as waiting: those inside a collective some rank has not entered (rank 3's partners
+    # directly, the rest behind them); which of them had entered one when the rule fired is a matter of timing.
+    assert ev["detector"] == "collective" and ev["waiting_direct"], ev
+    assert set(ev["waiting_direct"]) <= set(ev["waiting"]) <= {0, 1, 2}, ev
+    head = f"rank 3 (node vnode1, pid {pid3}) did not reach collective #"
+    assert ev["cause"].startswith(head) and "stopped" in ev["cause"] and "wait in" in ev["cause"], ev["cause"]
+    # Named collective_s after the first peer entered the collective rank 3 missed (as the heartbeats sampled
+    # it, every 0.25 s), and so, after SIGSTOP, the 5 s left of the sleep plus collective_s: the peers block
+    # right after their own sleep, which began with rank 3's (the step's all-reduce aligns them).
+    after_sampled = ev["time"] - ev["waiting_since"]
+    after_stop = ev["time"] - t_stop
+    assert collective_s - 0.5 <= after_sampled <= collective_s + margin_s, ev
+    assert after_stop <= 5 + collective_s + margin_s, after_stop  # far from any multiple of the 60-s step
+    abort = run.wait_event("abort", 120)
+    assert abort["rank"] == 3
+    text = (run.run_dir / "stacks" / "rank-3.txt").read_text()
+    assert "most recent call first" in text and "testpoint.py" in text, text[-2000:]  # its stack: in the sleep
+    _assert_all_gone(run)
+    with capsys.disabled():
+        print(f"\n60-s steps: rank 3 named {after_sampled:.1f}s after its peers entered collective #{ev['seq']} (as "
+              f"sampled), {after_stop:.1f}s after SIGSTOP (5 s before its sleep ended); waiting {ev['waiting']}: "
+              f"{ev['cause']}; closest call of the healthy steps before: {dict(obs.closest)}")
+
+
+def test_dp4_hierarchical_a_stopped_rank_is_named_through_the_node_barrier(launch, capsys) -> None:
+    # dp=4 with the hierarchical all-reduce (comm.hierarchical, the default): node-mates meet in a shared-memory
+    # barrier c10d does not count; it counts itself (runtime/liveness.py), so rank 3's node-mate (rank 2) waits
+    # on it there and the rule names rank 3 collective_timeout_s after a peer entered what rank 3 did not.
+    # hang_min_s=30: the step-multiple rule (max(10 s, 20 x a sub-second step) by default) would name it at about
+    # the same moment; lifted, it cannot, and the collective rule is what this measures.
+    collective_s, margin_s = 10.0, 5.0
+    run, hb = launch.running("parallel.pp=1", "monitor.heartbeat_s=0.25", "monitor.hang_min_s=30", n=3)
+    assert any(k.startswith("shm-") for k in hb[2].get("colls", {})), hb[2].get("colls")  # counted by the job
+    pid3 = hb[3]["pid"]
+    os.kill(pid3, signal.SIGSTOP)
+    ev = run.wait_event("hang", 200)
+    run.wait_end()
+    assert (ev["rank"], ev["node"], ev["pid"], ev["detector"]) == (3, "vnode1", pid3, "collective"), ev
+    assert "process is stopped" in ev["cause"] and set(ev["waiting"]) <= {0, 1, 2} and ev["waiting"], ev
+    after = ev["time"] - ev["waiting_since"]
+    assert collective_s - 0.5 <= after <= collective_s + margin_s, ev
+    _assert_all_gone(run)
+    with capsys.disabled():
+        print(f"\ndp=4 hierarchical: rank 3 named {after:.1f}s after a peer entered what it did not; waiting "
+              f"{ev['waiting']} (directly {ev['waiting_direct']}): {ev['cause']}")

@@ -41,6 +41,18 @@ about the ranks on this host, into findings:
   the (step, phase) positions: ``rank 3 (node n1, pid 4242) did not reach collective #57 (the
   grad-norm / loss all-reduce of step 19) that rank(s) 0, 1, 2 wait in`` or ``... did not reach
   the gradient all-reduce of step 19 that rank(s) 0, 1, 2 wait in; it is in forward of step 19``.
+- ``hang`` by collective progress (:func:`collective_findings`, ``collective_s`` =
+  ``monitor.collective_timeout_s``), checked first and independent of the step time: on some process
+  group, the ranks that entered collective #n (c10d's per-group count, in each heartbeat's ``colls``)
+  have waited ``collective_s`` since the first of them did, and a member that has not entered it is
+  either *frozen* (its process is stopped, or its heartbeat silent for ``stale_s``) or *still* (alive,
+  but no phase change, liveness tick, CPU use of its training thread or collective issued for its
+  bound: ``collective_s`` in a timed step, a save or an evaluation; ``hang_s`` at start-up and in the
+  first step, where a rank may wait without CPU for compilation workers or storage). It is the culprit;
+  the others are named as waiting, with what they wait in. A still rank that itself leads a group
+  whose laggards it waits for is a waiter, not a culprit (the chain is followed to its end); a frozen
+  one is a culprit wherever it is. A rank that computes, however long its step, is busy and never a
+  culprit here: a slow step, a straggler that still works, a save or an evaluation that ticks stay quiet.
 - ``straggler``: a rank whose local work per step (its data phase, before any collective) exceeds
   ``k`` x the median over ranks, and by at least ``min_s``. Report only. Limit: slowness inside
   forward/backward is invisible here (every rank waits at DDP's collectives for the slowest).
@@ -52,6 +64,8 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from xirang_hpc.monitor.heartbeat import decode_members
 
 # Phases announced right before a standalone collective (the signal consensus all-reduce): a rank
 # in one waits for its peers, so a hang culprit is never one of them while another rank is elsewhere.
@@ -71,6 +85,7 @@ class Thresholds:
     straggler_window: int = 5
     hang_k: float = 0.0
     hang_min_s: float = 10.0
+    collective_s: float = 0.0  # the collective rule (0: off); MonitorConfig.collective_timeout_s
 
 
 # A training step's phases (and the stop-signal consensus between steps): once a rank has timed
@@ -230,6 +245,131 @@ def _stragglers(beats: dict[int, dict[str, Any]], th: Thresholds, st: WatchState
     return out
 
 
+def _frozen(hb: dict[str, Any], probe: str | None, now: float, th: Thresholds) -> str | None:
+    """Why this rank's process cannot be moving (stopped, heartbeat silent), or None."""
+    if probe == STOPPED:
+        return (f"process is stopped (SIGSTOP, a debugger or a freezer cgroup); its heartbeat thread stopped "
+                f"{now - float(hb['beat']):.0f}s ago")
+    if now - float(hb["beat"]) > th.stale_s:
+        return (f"heartbeat thread silent for {now - float(hb['beat']):.0f}s: process frozen, node lost or "
+                "filesystem stalled")
+    return None
+
+
+def last_motion(hb: dict[str, Any]) -> float:
+    """When the rank last showed any motion: a phase, a tick, CPU use of its training thread, a collective issued."""
+    colls = hb.get("colls") or {}
+    return max([last_move(hb), float(hb.get("busy") or 0.0)] + [float(e.get("since", 0.0)) for e in colls.values()])
+
+
+def still_bound(hb: dict[str, Any], th: Thresholds) -> float:
+    """How long an alive rank may show no motion while its peers wait for it: ``collective_s`` once steps are
+    timed (a step, a save, an evaluation), ``hang_s`` at start-up and in the first step."""
+    timed = int(hb.get("timed_steps", 0)) >= 2
+    if timed and hb.get("phase") in (*STEP_PHASES, *TICKING_PHASES):
+        return th.collective_s
+    return max(th.collective_s, th.hang_s)
+
+
+def _waits_in(hb: dict[str, Any]) -> str:
+    cur = hb.get("coll_in")
+    if cur:
+        return f"the {cur.get('what')} of step {hb.get('step')}"
+    return f"the {COLLECTIVE_OF.get(str(hb.get('phase')), str(hb.get('phase')))} of step {hb.get('step')}"
+
+
+@dataclass(frozen=True)
+class GroupWait:
+    """On one process group: the members that entered collective #``seq`` (``leaders``, the first at ``t0``)
+    and those that have not (``laggards``)."""
+
+    t0: float
+    group: str
+    seq: int
+    leaders: list[int]
+    laggards: list[int]
+
+
+def collective_waits(beats: dict[int, dict[str, Any]]
+                     ) -> tuple[list[GroupWait], set[int], dict[str, dict[int, int]], dict[str, list[int]]]:
+    """Every group whose members are not all at the same count, oldest wait first; the ranks that lead one
+    (waiting); each group's counts and members. Groups a member does not report (gone, leaving, not yet
+    beating with it) are left out: nothing to compare."""
+    seqs: dict[str, dict[int, int]] = {}
+    since: dict[str, dict[int, float]] = {}
+    members: dict[str, list[int]] = {}
+    for r, hb in beats.items():
+        for name, e in (hb.get("colls") or {}).items():
+            members.setdefault(name, decode_members(e))
+            seqs.setdefault(name, {})[r] = int(e["seq"])
+            since.setdefault(name, {})[r] = float(e["since"])
+    waits: list[GroupWait] = []
+    waiting: set[int] = set()
+    for name, ranks in members.items():
+        if len(ranks) < 2 or any(m not in seqs[name] for m in ranks):
+            continue
+        top = max(seqs[name][m] for m in ranks)
+        leaders = [m for m in ranks if seqs[name][m] == top]
+        laggards = [m for m in ranks if seqs[name][m] < top]
+        if laggards:
+            waits.append(GroupWait(min(since[name][m] for m in leaders), name, top, leaders, laggards))
+            waiting.update(leaders)
+    waits.sort(key=lambda w: (w.t0, w.group))
+    return waits, waiting, seqs, members
+
+
+def collective_findings(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], now: float,
+                        th: Thresholds) -> list[Finding]:
+    """The collective rule (module doc): ``hang`` findings for the ranks that did not enter a collective their
+    peers entered ``collective_s`` ago and are frozen or still; [] when none (or the rule is off)."""
+    if th.collective_s <= 0:
+        return []
+    waits, waiting, seqs, members = collective_waits(beats)
+    # Per culprit, every group where it lags and its peers have waited long enough: the earliest names it.
+    due: dict[int, list[tuple[float, str, int, list[int]]]] = {}
+    for w in waits:
+        if now - w.t0 < th.collective_s:
+            continue
+        for y in w.laggards:
+            due.setdefault(y, []).append((w.t0, w.group, w.seq, w.leaders))
+    culprits: dict[int, str] = {}
+    for y in sorted(due):
+        hb = beats[y]
+        why = _frozen(hb, probes.get(y), now, th)
+        if why is None:
+            still = now - last_motion(hb)
+            if y in waiting or still < still_bound(hb, th):
+                continue  # it works, or it waits for another rank itself: the chain goes on from there
+            why = (f"alive but still for {still:.0f}s (no phase change, liveness tick, CPU use of its training "
+                   f"thread or collective issued): blocked in local work (I/O, a lock, a sleep) before the "
+                   "collective")
+        culprits[y] = why
+    out: list[Finding] = []
+    for y, why in culprits.items():
+        hb, groups = beats[y], due[y]
+        t0, name, top, leaders = groups[0]
+        direct = sorted({r for g in groups for r in g[3]})
+        lead = beats[leaders[0]]
+        who = f"rank {y} (node {hb.get('node', '?')}, pid {hb.get('pid', '?')})"
+        span = f"{len(members[name])} ranks" if len(members[name]) > 3 else \
+            f"ranks {', '.join(map(str, members[name]))}"
+        more = "".join(f"; also #{g[2]} on group {g[1]}, entered by rank(s) {', '.join(map(str, g[3]))}"
+                       for g in groups[1:])
+        cause = (f"{who} did not reach collective #{top} on process group {name} ({span}), which rank(s) "
+                 f"{', '.join(map(str, leaders))} entered {now - t0:.1f}s ago and wait in ({_waits_in(lead)}){more}; "
+                 f"it issued #{seqs[name][y]} and is in {hb.get('phase')} of step {hb.get('step')}; {why}")
+        states = {str(r): f"step {b.get('step')} {b.get('phase')}" for r, b in beats.items()}
+        # Waiting: the ranks inside a collective some member has not entered (directly on the culprit, or on a
+        # rank that waits for it); the rest of the job is named in ``states``.
+        blocked = sorted((waiting | set(direct)) - set(culprits))
+        out.append(_finding("hang", hb, cause, detector="collective", group=name, seq=top, waiting=blocked,
+                            waiting_direct=direct, waiting_since=round(t0, 3), waiting_in=_waits_in(lead),
+                            stalled_ranks=sorted(set(blocked) | {y}), states=states,
+                            stalled_s=round(now - t0, 1), bound_s=th.collective_s,
+                            bound_phase=bound_phase(hb, th), pid=hb.get("pid"), coll_seq=hb.get("coll_seq")))
+    return out
+
+
 def assess(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], now: float, th: Thresholds,
            st: WatchState) -> list[Finding]:
     """New findings for this snapshot; ``st`` remembers what was reported."""
@@ -242,6 +382,10 @@ def assess(beats: dict[int, dict[str, Any]], probes: dict[int, str | None], now:
             st.unresponsive.add(r)
             out.append(_finding("unresponsive", hb, f"heartbeat silent for {now - hb['beat']:.0f}s on another host: "
                                 "process frozen, node lost or filesystem stalled"))
+    coll = collective_findings(live, probes, now, th)
+    if coll:  # named by collective progress, whatever the step time
+        st.hang = True
+        return out + coll
     stalled = sorted(r for r, hb in live.items() if now - last_move(hb) > hang_bound(hb, th))
     # A job is hung when no rank moves: a rank still crawling (throttled, writing a large save) keeps
     # its waiting peers from being a false alarm. A frozen rank stops the others within a step.

@@ -11,6 +11,14 @@ another tensor, an evaluation that finished another batch), so a long phase that
 not a stall; ``coll_seq`` counts the collectives the rank has issued, so the rank that did not
 arrive at a collective has a lower count than the ranks waiting in it.
 
+Collective progress (:mod:`xirang_hpc.monitor.detect`'s collective rule, ``monitor.collective_timeout_s``):
+``colls`` holds, per process group of the rank, the collectives issued on it (``seq``, c10d's counter:
+*entered*), when that count last changed (``since``, sampled by the heartbeat thread) and the group's
+members (``span`` [start, stop, step] or ``ranks``); ``coll_in`` the explicit collective the rank is
+inside (*entered, not exited*: ``what``, ``since``); ``busy`` the last time the rank's training thread
+was seen using the CPU (its thread CPU clock advanced by at least ``BUSY_SHARE`` of the interval). A
+rank that computes, however long, is busy; one that is stopped, blocked or asleep is not.
+
 This module must not import torch: the watchdog process and ``xirang-status`` read it.
 """
 
@@ -32,6 +40,27 @@ ABORT_FILE = "ABORT.json"
 SESSION_FILE = "session.json"
 SESSIONS_LOG = "sessions.jsonl"
 STACKS_DIR = "stacks"  # run_dir/stacks/rank-N.txt: each rank's Python stacks, dumped on the stack signal
+# Share of the wall time between two samples that the training thread must spend on the CPU to count as
+# busy: a thread blocked in a collective or asleep uses ~0, one computing ~1 (or its share of a loaded core).
+BUSY_SHARE = 0.05
+
+
+def encode_members(ranks: list[int]) -> dict[str, list[int]]:
+    """A group's members as ``{"span": [start, stop, step]}`` when evenly spaced (the world group, a
+    mesh dimension: a few numbers at any scale), else ``{"ranks": [...]}``."""
+    if len(ranks) >= 2:
+        step = ranks[1] - ranks[0]
+        if step > 0 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
+            return {"span": [ranks[0], ranks[-1] + step, step]}
+    return {"ranks": list(ranks)}
+
+
+def decode_members(entry: dict[str, Any]) -> list[int]:
+    """The members written by :func:`encode_members`."""
+    if "span" in entry:
+        start, stop, step = (int(v) for v in entry["span"])
+        return list(range(start, stop, step))
+    return [int(r) for r in entry.get("ranks", ())]
 
 
 def stack_file(stacks_dir: Path, rank: int) -> Path:
@@ -83,10 +112,24 @@ class Heartbeat:
     LOCAL_PHASES = ("data",)
 
     def __init__(self, path: Path, ident: dict[str, Any], interval_s: float = 1.0, window: int = 5,
-                 sampler: Any = None, seq_fn: Callable[[], int | None] | None = None) -> None:
+                 sampler: Any = None, seq_fn: Callable[[], int | None] | None = None,
+                 progress_fn: Callable[[], dict[str, tuple[int, list[int]]]] | None = None,
+                 inside_fn: Callable[[], tuple[str, float] | None] | None = None) -> None:
         self.path, self.ident, self.interval_s = path, dict(ident), interval_s
         self.sampler = sampler  # e.g. resources.ProcessSampler: CPU/RSS/GPU of this rank
-        self.seq_fn = seq_fn  # e.g. runtime.liveness.collective_seq: collectives issued so far
+        self.seq_fn = seq_fn  # e.g. runtime.dist.collective_seq: collectives issued so far
+        # Collective progress (None: not tracked): e.g. runtime.dist.collective_progress and runtime.liveness.inside.
+        self.progress_fn, self.inside_fn = progress_fn, inside_fn
+        self._colls: dict[str, dict[str, Any]] = {}
+        # The CPU clock of the thread that trains (the one constructing the heartbeat), for ``busy``.
+        self._cpu_clock: int | None = None
+        if progress_fn is not None and hasattr(time, "pthread_getcpuclockid"):
+            try:
+                self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
+            except OSError:
+                self._cpu_clock = None
+        self._cpu_last: tuple[float, float] | None = None  # (thread CPU seconds, wall time) at the last sample
+        self.busy: float | None = None
         self.step, self.phase = 0, "start"
         self.progress = time.time()
         self.active: float | None = None  # the last liveness tick (None: none yet in this phase)
@@ -133,6 +176,8 @@ class Heartbeat:
             seq = self.seq_fn()
             if seq is not None:
                 row["coll_seq"] = seq
+        if self.progress_fn is not None:
+            self._sample_progress(row)
         if self.sampler is not None:
             row.update(self.sampler.sample())
         if self.step_times:
@@ -140,6 +185,33 @@ class Heartbeat:
             row["local_s"] = statistics.median(self.local_times)
             row["timed_steps"] = len(self.step_times)
         return row
+
+    def _sample_progress(self, row: dict[str, Any]) -> None:
+        """Add ``colls``, ``coll_in`` and ``busy`` (see the module doc) to ``row``."""
+        now = row["beat"]
+        for name, (seq, ranks) in self.progress_fn().items():  # type: ignore[misc]
+            known = self._colls.get(name)
+            if known is None:
+                self._colls[name] = {"seq": seq, "since": now, **encode_members(ranks)}
+            elif known["seq"] != seq:
+                known.update(seq=seq, since=now)
+        if self._colls:
+            row["colls"] = {k: dict(v) for k, v in self._colls.items()}
+        cur = self.inside_fn() if self.inside_fn is not None else None
+        if cur is not None:
+            row["coll_in"] = {"what": cur[0], "since": cur[1]}
+        if self._cpu_clock is not None:
+            try:
+                cpu = time.clock_gettime(self._cpu_clock)
+            except OSError:  # the training thread is gone
+                cpu = None
+            if cpu is not None:
+                last = self._cpu_last
+                if last is not None and cpu - last[0] >= BUSY_SHARE * max(now - last[1], 1e-3):
+                    self.busy = now
+                self._cpu_last = (cpu, now)
+        if self.busy is not None:
+            row["busy"] = self.busy
 
     def write(self) -> None:
         """Persist now (thread-safe)."""

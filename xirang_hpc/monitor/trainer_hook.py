@@ -41,7 +41,7 @@ from xirang_hpc.monitor.heartbeat import (
 from xirang_hpc.monitor.resources import ProcessSampler
 from xirang_hpc.monitor.watchdog import spawn
 from xirang_hpc.runtime import liveness, testpoint
-from xirang_hpc.runtime.dist import collective_seq
+from xirang_hpc.runtime.dist import collective_progress, collective_seq
 from xirang_hpc.runtime.hooks import Loop, TrainerHook
 from xirang_hpc.runtime.process_identity import start_ticks
 from xirang_hpc.runtime.topology import Topology
@@ -105,8 +105,11 @@ class MonitorHook(TrainerHook):
         if t.local_rank == 0:
             ident["watchdog_pid"] = spawn(self.run_dir, session, t.node_name, t.node_id == 0, _watchdog_cfg(self.m))
         gpu = t.local_rank if self.cfg.cluster.gpus_per_node else None
+        track = self.m.collective_timeout_s > 0  # collective progress, for the watchdog's collective rule
         self.hb = Heartbeat(hdir / f"rank-{t.rank}.json", ident, self.m.heartbeat_s, self.m.straggler_window,
-                            sampler=ProcessSampler(gpu_index=gpu), seq_fn=collective_seq)
+                            sampler=ProcessSampler(gpu_index=gpu), seq_fn=collective_seq,
+                            progress_fn=_progress if track else None,
+                            inside_fn=liveness.inside if track else None)
         self.hb.step = trainer.state.step
         self.hb.start()
         liveness.set_sink(self.hb.tick)  # saves and evaluations report that they still move
@@ -142,7 +145,12 @@ class MonitorHook(TrainerHook):
                 pass
 
 
+def _progress() -> dict[str, tuple[int, list[int]]]:
+    """Collectives entered per group: c10d's counts and those of the groups the job counts itself."""
+    return {**collective_progress(), **liveness.counts()}
+
+
 def _watchdog_cfg(m: MonitorConfig) -> dict[str, Any]:
-    keys = ("hang_s", "hang_k", "hang_min_s", "stale_s", "straggler_k", "straggler_min_s", "straggler_window",
-            "abort_on_hang", "abort_on_dead", "stack_signal")
+    keys = ("hang_s", "hang_k", "hang_min_s", "collective_timeout_s", "stale_s", "straggler_k", "straggler_min_s",
+            "straggler_window", "abort_on_hang", "abort_on_dead", "stack_signal")
     return {k: getattr(m, k) for k in keys}

@@ -14,6 +14,10 @@ liveness ticks of a checkpoint save or an evaluation; ``monitor.hang_s`` = 300 s
 step and start-up. A hang needs every rank to be still; the event names the rank that did not
 reach the collective or step the others wait in (``rank 3 (node n1, pid 4242) did not reach ...``).
 
+Before that rule, the collective rule (``monitor.collective_timeout_s``, 10 s): a rank that has not
+entered a collective its peers entered that long ago and is stopped, silent or still is named, with the
+ranks waiting for it, whatever the step time (the module doc of :mod:`xirang_hpc.monitor.detect`).
+
 A watchdog exits when its node's ranks are gone. Limit: a rank frozen on *another* host cannot
 be signalled from here; its node's own watchdog does that.
 """
@@ -134,7 +138,8 @@ def thresholds_for(cfg: Mapping[str, Any]) -> Thresholds:
     """The detection thresholds from the monitor config (as the dict the watchdog process receives)."""
     return Thresholds(hang_s=cfg["hang_s"], stale_s=cfg["stale_s"], straggler_k=cfg["straggler_k"],
                       straggler_min_s=cfg["straggler_min_s"], straggler_window=cfg["straggler_window"],
-                      hang_k=cfg.get("hang_k", 0.0), hang_min_s=cfg.get("hang_min_s", 10.0))
+                      hang_k=cfg.get("hang_k", 0.0), hang_min_s=cfg.get("hang_min_s", 10.0),
+                      collective_s=cfg.get("collective_timeout_s", 0.0))
 
 
 class Watchdog:

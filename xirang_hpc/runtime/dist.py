@@ -211,3 +211,54 @@ def collective_seq() -> int | None:
         return int(c10d._get_default_group()._get_sequence_number_for_group())
     except Exception:  # noqa: BLE001 - a liveness probe never raises into the heartbeat thread
         return None
+
+
+# Group name -> its global ranks; a group's members never change, so they are looked up once.
+_group_ranks: dict[str, list[int]] = {}
+
+
+def collective_progress() -> dict[str, tuple[int, list[int]]]:
+    """Per process group this rank belongs to (size > 1): (collectives issued on it so far, its global ranks).
+
+    c10d counts every collective a group issues, at issue time, in each backend (gloo, NCCL): the explicit
+    reductions of the trainer, DDP's bucketed gradient all-reduce, FSDP2's and DTensor's all-gathers and
+    reduce-scatters, pipeline sends. So the counts cover the collectives no wrapper can reach, and the
+    rank whose count on a group is below its peers' has not entered the collective they entered. Group
+    names are the same on every rank (c10d derives them from the order of creation, which every rank
+    shares). Read from the heartbeat thread while the main thread may sit inside a collective: it only
+    reads counters. Empty without a process group; never raises into the heartbeat thread.
+    """
+    out: dict[str, tuple[int, list[int]]] = {}
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        if not dist.is_available() or not dist.is_initialized():
+            return out
+        world = c10d._world
+        for pg, name in list(world.pg_names.items()):
+            ranks = _group_ranks.get(name)
+            if ranks is None:
+                ranks = _group_ranks[name] = sorted(dist.get_process_group_ranks(pg))
+            if len(ranks) < 2:
+                continue
+            out[name] = (_issued(pg), ranks)
+    except Exception:  # noqa: BLE001 - a liveness probe never raises into the heartbeat thread
+        return out
+    return out
+
+
+def _issued(pg: dist.ProcessGroup) -> int:
+    """Collectives issued on ``pg``, summed over its backends (gloo for CPU tensors beside NCCL on a GPU)."""
+    total, seen = 0, False
+    backends: list[object] = []
+    for dev in getattr(pg, "_device_types", ()):
+        try:
+            backend = pg._get_backend(dev)
+            if any(backend is b for b in backends):
+                continue  # gloo serves both CPU and CUDA tensors: one backend, counted once
+            backends.append(backend)
+            total += int(backend._get_sequence_number_for_group())
+            seen = True
+        except Exception:  # noqa: BLE001 - a backend without the counter: the group's own below
+            continue
+    return total if seen else int(pg._get_sequence_number_for_group())

@@ -13,12 +13,14 @@ Slow-downs (``XIRANG_TESTPOINT_SLOW``, also set only by tests and benchmarks): a
 checkpoint writer, a slow evaluation, for the watchdog's tests. Format: comma-separated ``KEY=VALUE``,
 a list's items joined by ``+``:
 
-- ``rank=R``, ``s=SECONDS``: global rank ``R`` sleeps ``SECONDS`` on entering each of ``phases``
-  (default ``data``) of the training steps ``steps`` (default every step; ``steps=0``: a slow first step);
+- ``rank=R``, ``s=SECONDS``: global rank ``R`` (``rank=all``: every rank, a slow step rather than a
+  straggler) sleeps ``SECONDS`` on entering each of ``phases`` (default ``data``) of the training steps
+  ``steps`` (default every step; ``steps=0``: a slow first step);
 - ``save_s=SECONDS``: every rank's checkpoint writer sleeps this long per tensor written (a slow filesystem);
 - ``eval_s=SECONDS``: every rank sleeps this long per evaluation batch (a long evaluation).
 
-E.g. ``rank=3,s=6,steps=8+9,phases=data+forward+backward+optimizer`` or ``save_s=0.6,eval_s=1.0``.
+E.g. ``rank=3,s=6,steps=8+9,phases=data+forward+backward+optimizer``, ``rank=all,s=60,phases=forward``
+(60-s steps) or ``save_s=0.6,eval_s=1.0``.
 The sleeps happen where the job reports that it still moves (a phase begins, a tensor is written, an
 evaluation batch is done), so they look to the watchdog exactly like slow work. A spec is parsed once.
 """
@@ -37,6 +39,7 @@ ENV = "XIRANG_TESTPOINT"
 DIR_ENV = "XIRANG_TESTPOINT_DIR"
 SLOW_ENV = "XIRANG_TESTPOINT_SLOW"
 _arrivals: dict[str, int] = {}
+ALL_RANKS = -2  # ``rank=all`` in XIRANG_TESTPOINT_SLOW
 
 
 def parse(spec: str) -> dict[tuple[str, int], tuple[int, float]]:
@@ -73,7 +76,7 @@ def pause(stage: str, env: Mapping[str, str] | None = None) -> float:
 class Slow:
     """A parsed ``XIRANG_TESTPOINT_SLOW``: the straggler (``rank`` < 0: none) and the per-item delays."""
 
-    rank: int = -1
+    rank: int = -1  # ALL_RANKS: every rank
     s: float = 0.0
     steps: tuple[int, ...] = ()  # empty: every step
     phases: tuple[str, ...] = ("data",)
@@ -93,7 +96,7 @@ def parse_slow(spec: str) -> Slow:
                              f"{', '.join(keys)} (a list's items joined by +)")
         parts = [v.strip() for v in value.split("+") if v.strip()]
         if key == "rank":
-            values[key] = int(value)
+            values[key] = ALL_RANKS if value == "all" else int(value)
         elif key == "steps":
             values[key] = tuple(int(v) for v in parts)
         elif key == "phases":
@@ -111,7 +114,7 @@ def _slow(env: Mapping[str, str] | None) -> Slow | None:
 def slow_phase(rank: int, phase: str, step: int, env: Mapping[str, str] | None = None) -> float:
     """The straggler sleeps on entering one of its slow phases in one of its slow steps; returns the seconds."""
     slow = _slow(env)
-    if slow is None or rank != slow.rank or slow.s <= 0 or phase not in slow.phases or \
+    if slow is None or (rank != slow.rank and slow.rank != ALL_RANKS) or slow.s <= 0 or phase not in slow.phases or \
             (slow.steps and step not in slow.steps):
         return 0.0
     time.sleep(slow.s)

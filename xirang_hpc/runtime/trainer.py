@@ -264,7 +264,8 @@ class Trainer:
             for m in self.model.modules():
                 if isinstance(m, FSDPModule):
                     m.reshard()
-        return global_mean(self.pm, total / t.eval_batches)
+        with liveness.collective("evaluation mean all-reduce"):
+            return global_mean(self.pm, total / t.eval_batches)
 
     def _grads_replicated(self) -> bool:
         """Plain synchronous DDP: every rank ends the backward with the same full gradients."""
@@ -326,7 +327,8 @@ class Trainer:
                     loss.backward()
                 loss_sum += loss.item()
         self.phase("optimizer")
-        mean_loss, gnorm = clip_and_reduce(self.pm, t.grad_clip, loss_sum, self._grads_replicated(), reduce_loss)
+        with liveness.collective("grad-norm / loss all-reduce"):
+            mean_loss, gnorm = clip_and_reduce(self.pm, t.grad_clip, loss_sum, self._grads_replicated(), reduce_loss)
         if self.dpo and reduce_loss:  # the logged steps: every rank reduces (the flag is the same on all)
             self.dpo_metrics = self._reduce_dpo(reward_sums, x.shape[0] // 2)
         self.opt.step()

@@ -26,6 +26,12 @@ class MonitorConfig:
     # that keeps ticking is never one. hang_k=0 turns this off (hang_s everywhere).
     hang_k: float = 20.0
     hang_min_s: float = 10.0
+    # Collective progress: a rank that has not entered a collective its peers entered this many seconds ago,
+    # and is stopped, silent or shows no motion at all (no phase, tick, CPU use or collective), is the hang's
+    # culprit, whatever the step time (monitor/detect.py). 10 s: the rule's closest call in healthy runs on a
+    # loaded 2-core machine (6.3 s, a rank crawling 6 s per phase) plus margin (docs/monitoring-and-tracking.md).
+    # 0 turns it off.
+    collective_timeout_s: float = 10.0
     # Heartbeat silence after which a rank's process counts as frozen or lost (its thread stopped too).
     stale_s: float = 10.0
     # Straggler: median local work time (data phase) over the window exceeds k x the ranks' median.
@@ -49,6 +55,10 @@ class MonitorConfig:
             raise ConfigError("monitor.hang_s", self.hang_s,
                               "a bound under 5 s aborts healthy jobs in their start-up (imports, rendezvous, the "
                               "first step); keep the default 300 or at least a few minutes on a cluster")
+        if self.collective_timeout_s < 0 or 0 < self.collective_timeout_s < 2 * self.heartbeat_s:
+            raise ConfigError("monitor.collective_timeout_s", self.collective_timeout_s,
+                              f"must be 0 (off) or at least 2 x monitor.heartbeat_s={self.heartbeat_s}: the heartbeat "
+                              "samples when each collective was entered, once per heartbeat")
         if self.stale_s < 2 * self.heartbeat_s:
             raise ConfigError("monitor.stale_s", self.stale_s,
                               f"must be at least 2 x monitor.heartbeat_s={self.heartbeat_s}")

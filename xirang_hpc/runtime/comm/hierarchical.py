@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from xirang_hpc.runtime import liveness
 from xirang_hpc.runtime.comm.groups import CommLayout
 from xirang_hpc.runtime.comm.shm import NodeShm, shm_path
 
@@ -78,6 +79,12 @@ class HierarchicalAllreduce:
             self.shm.close()
             self.shm = None
 
+    def _counted(self, what: str) -> liveness.collective:
+        """The node barrier as a collective of the node's ranks (c10d does not count it): a rank waiting in it
+        for a stopped peer is a waiter for the watchdog's collective rule, not a laggard."""
+        lay = self.layout
+        return liveness.collective(what, group=f"shm-{lay.token}-{lay.node_index}", ranks=lay.intra_ranks)
+
     def _cross(self, t: torch.Tensor) -> None:
         lay = self.layout
         if lay.num_nodes == 1 or t.numel() == 0:
@@ -132,7 +139,8 @@ class HierarchicalAllreduce:
         me = lay.local_index
         for t, t_lo, c_lo, ln in pieces:
             ins[me, c_lo : c_lo + ln].copy_(t[t_lo : t_lo + ln])
-        shm.barrier()  # every input of this chunk is written
+        with self._counted("node shared-memory barrier (inputs written)"):
+            shm.barrier()  # every input of this chunk is written
         lo, hi = shard_bounds(n, lay.local, me)
         work = None
         if hi > lo:
@@ -158,7 +166,8 @@ class HierarchicalAllreduce:
             work.wait()  # type: ignore[attr-defined]
             self.internode_s += time.perf_counter() - t0
         assert self.shm is not None
-        self.shm.barrier()  # every shard is reduced (and all-reduced across nodes)
+        with self._counted("node shared-memory barrier (shards reduced)"):
+            self.shm.barrier()  # every shard is reduced (and all-reduced across nodes)
         for t, t_lo, c_lo, ln in pieces:
             t[t_lo : t_lo + ln].copy_(out[c_lo : c_lo + ln])
 
