@@ -628,3 +628,52 @@ def llama3_405b(policy_costs: RecoveryCosts | None = None, seeds: int = 32) -> S
                   failures=FailureModel.llama3(), costs=costs, checkpoint=ck, interval_s=1.0, memory_every_s=8.0,
                   seeds=seeds)
     return replace(sc, interval_s=sc.daly_s())
+
+
+@dataclass
+class Replay:
+    """One measured run replayed through the simulator: its own faults, its own measured costs."""
+
+    policy: str
+    horizon_s: float  # the replayed window: the first allocation's start to the end of the run's records
+    faults: list[tuple[float, str]]  # (seconds into the window, class) of every fault that hit the job
+    costs: RecoveryCosts
+    checkpoint: CheckpointCosts
+    interval_s: float  # compute between filesystem checkpoints
+    memory_every_s: float  # compute between in-memory copies (in-job+memory)
+    memory_lag_s: float = -1.0
+
+    def scenario(self) -> Scenario:
+        """A 2-node scenario without spares or shrinking (a lost node is a requeue), one seed: the trace is
+        fixed, so the failure rates only name the classes. The window starts in the first allocation, so
+        the pending time of each requeued job is counted as its hold (the simulator's ``queue_wait_s`` also
+        delays the first start)."""
+        rates = {c: 0.0 for c in CLASSES}
+        for _, c in self.faults:
+            rates[c] += 1.0
+        if not self.faults:
+            rates["software"] = 1.0
+        fm = FailureModel.from_counts(rates, 2, self.horizon_s / DAY_S, source="the replayed run's own faults")
+        costs = replace(self.costs, requeue_hold_s=self.costs.requeue_hold_s + self.costs.queue_wait_s,
+                        queue_wait_s=0.0)
+        return Scenario(nodes=2, gpus_per_node=1, days=self.horizon_s / DAY_S, failures=fm, costs=costs,
+                        checkpoint=self.checkpoint, interval_s=self.interval_s, memory_every_s=self.memory_every_s,
+                        memory_lag_s=self.memory_lag_s, seeds=1)
+
+
+def replay(r: Replay) -> dict[str, float]:
+    """Seconds per bucket and the predicted goodput of a replayed run.
+
+    ``goodput`` is productive over the allocated time, i.e. the window less the simulated queue wait (requeue
+    hold and pending): the definition ``xirang-status --goodput`` measures, which reports queue wait apart
+    from the total. ``goodput_window`` divides by the whole window instead (the simulator's own definition)."""
+    sc = r.scenario()
+    out = simulate(sc, r.policy, fixed_trace(r.faults, r.horizon_s))
+    res = {k: float(out[k][0, 0]) for k in BUCKETS}
+    res["interruptions"] = float(out["interruptions"][0, 0])
+    res["requeues"] = float(out["requeues"][0, 0])
+    alloc = r.horizon_s - res["queue"]
+    res["allocated"] = alloc
+    res["goodput"] = res["productive"] / alloc if alloc > 0 else 0.0
+    res["goodput_window"] = res["productive"] / r.horizon_s
+    return res
