@@ -226,8 +226,12 @@ class Chaos:
             print(f"[{self.policy}] failed: {exc!r}", flush=True)
         finally:
             self.t_end = time.time()
-            if self.job:
+            # A cancelled job's supervisor may requeue it (an unexplained SIGTERM): cancelled until it stays gone.
+            for _ in range(20):
+                if not self.job or self.job not in _sh(["squeue", "-h", "-o", "%i"], self.env).split():
+                    break
                 _sh(["scancel", self.job], self.env)
+                time.sleep(5)
             for node in self.nodes():
                 if _sh(["sinfo", "-h", "-n", node, "-o", "%t"], self.env).strip().startswith("down"):
                     _sh(["scontrol", "update", f"nodename={node}", "state=resume"], self.env)
@@ -252,9 +256,9 @@ def analyze(d: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     sessions = sorted(rec.sessions, key=lambda s: s.proc_start)
     ideal = rec.timeline.ideal_step_s
     w0 = spans[0][0]
-    # The window ends at the run's last record before the benchmark cancelled the job.
-    ends = [s.last_time for s in sessions if s.blocks and s.last_time <= d["t_end"] + 1]
-    w1 = max(ends)
+    # The window ends at the last record of the starts begun before the benchmark cancelled the job (the step in
+    # flight at the cancel included; the save on the stop and a start after it are not).
+    w1 = max(s.last_time for s in sessions if s.blocks and s.proc_start < d["t_end"])
     meas = breakdown(rec.timeline, rec.allocations, w0, w1)
 
     def resume(s: Any) -> float:
