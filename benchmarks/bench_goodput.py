@@ -226,12 +226,15 @@ class Chaos:
             print(f"[{self.policy}] failed: {exc!r}", flush=True)
         finally:
             self.t_end = time.time()
-            # A cancelled job's supervisor may requeue it (an unexplained SIGTERM): cancelled until it stays gone.
+            # A SIGTERM the job cannot explain makes its supervisor requeue it: SIGKILL every step, the batch
+            # step's included, then cancel, until the job stays gone.
             for _ in range(20):
                 if not self.job or self.job not in _sh(["squeue", "-h", "-o", "%i"], self.env).split():
                     break
+                _sh(["scancel", "--signal=KILL", "--full", self.job], self.env)
+                time.sleep(2)
                 _sh(["scancel", self.job], self.env)
-                time.sleep(5)
+                time.sleep(3)
             for node in self.nodes():
                 if _sh(["sinfo", "-h", "-n", node, "-o", "%t"], self.env).strip().startswith("down"):
                     _sh(["scontrol", "update", f"nodename={node}", "state=resume"], self.env)
