@@ -383,6 +383,7 @@ def main() -> None:
         for k in ("every",):
             setattr(a, k, raw["args"][k])
     else:
+        commit = _sh(["git", "rev-parse", "--short", "HEAD"], dict(os.environ)).strip()  # the code that runs
         mix = {k: float(v) for k, v in (x.split("=") for x in a.mix.split(","))}
         plan = schedule(a.seed, a.mtbf_s, mix, a.minutes * 60)
         print(f"fault plan ({len(plan)}): " + ", ".join(f"{t:.0f}s {k}" for t, k in plan), flush=True)
@@ -396,7 +397,7 @@ def main() -> None:
         time.sleep(5)
         runs = [c.to_dict() for c in chaos]
         raw = {"args": vars(a), "plan": plan, "runs": runs,
-               "commit": _sh(["git", "rev-parse", "--short", "HEAD"], dict(os.environ)).strip(),
+               "commit": commit,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         out = Path(a.out or root / "bench_goodput.json")
         out.write_text(json.dumps(raw, indent=1, default=str))
