@@ -365,7 +365,7 @@ def main() -> None:
     ap.add_argument("--slurm-dir", default="/tmp/xirang-slurm-chaos", help="the testbed's XIRANG_SLURM_DIR")
     ap.add_argument("--data", default="data/stdlib-bytes")
     ap.add_argument("--minutes", type=float, default=15.0, help="wall time of each policy's run")
-    ap.add_argument("--mtbf-s", type=float, default=150.0, help="mean time between injected faults")
+    ap.add_argument("--mtbf-s", type=float, default=120.0, help="mean time between injected faults")
     ap.add_argument("--mix", default="kill9=1,sigstop=1,node=1,preempt=1", help="relative weights of the kinds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-s", type=float, default=1.0, help="rank 0's sleep per step (the step time)")
