@@ -22,11 +22,13 @@ from xirang_hpc.planner.goodput_sim import (
     CheckpointCosts,
     FailureModel,
     RecoveryCosts,
+    Replay,
     Scenario,
     draw_trace,
     fixed_trace,
     llama3_405b,
     recommend,
+    replay,
     scan_intervals,
     simulate,
     summarize,
@@ -249,3 +251,58 @@ def test_xirang_plan_goodput_command(tmp_path) -> None:
     assert r.returncode == 2 and "goodput.startup_s" in r.stderr, r.stderr[-2000:]
     r = subprocess.run([str(exe), "goodput.days=3"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "applies to --goodput only" in r.stderr, r.stderr[-2000:]
+
+
+def _replay(policy: str, faults: list[tuple[float, str]]) -> dict[str, float]:
+    """A 1,000 s window: 10 s start-up, 100 s of compute then a 1 s stall per checkpoint (durable at once),
+    in-job restart 20 s (on the one spare node), requeue 15 s + 5 s pending; a planned stop saves 1 + 2 s."""
+    costs = RecoveryCosts(startup_s=10.0, requeue_recovery_s=15.0, requeue_hold_s=0.0, queue_wait_s=5.0,
+                          injob_recovery_s=20.0, memory_restore_s=0.0)
+    ck = CheckpointCosts(snapshot_s=1.0, write_s=2.0, load_s=0.0, synchronous=False)
+    return replay(Replay(policy, 1000.0, faults, costs, ck, interval_s=100.0, memory_every_s=100.0, spares=1))
+
+
+def test_replay_of_a_measured_run_by_hand() -> None:
+    # Software fault at 500 s, in-job: 10 s start-up; 490 s of training = 4 cycles of 101 s + 86 s, the
+    # newest durable checkpoint after 4 x 100 s (86 s lost); 20 s recovery; 480 s = 4 cycles + 76 s kept.
+    r = _replay("in-job", [(500.0, "software")])
+    assert r["productive"] == pytest.approx(876.0)
+    assert r["lost"] == pytest.approx(86.0)
+    assert (r["recovery"], r["startup"], r["stall"], r["queue"]) == pytest.approx((20.0, 10.0, 8.0, 0.0))
+    assert r["goodput"] == pytest.approx(0.876)
+    # The same fault requeued: 15 s recovery, 5 s pending (not allocated), 10 s start-up, then 470 s = 4 cycles
+    # + 66 s. Goodput is over the allocated 995 s, as xirang-status measures it.
+    r = _replay("requeue", [(500.0, "software")])
+    assert r["productive"] == pytest.approx(866.0)
+    assert (r["recovery"], r["startup"], r["queue"]) == pytest.approx((15.0, 20.0, 5.0))
+    assert r["goodput"] == pytest.approx(866.0 / 995.0)
+    assert r["goodput_window"] == pytest.approx(0.866)
+    # A preemption: everything computed is kept (486 s), the save on the signal stalls 1 + 2 s, then the requeue:
+    # 500 + 3 + 15 + 5 + 10 = 533 s, 467 s = 4 cycles + 63 s.
+    r = _replay("in-job", [(500.0, "planned")])
+    assert r["productive"] == pytest.approx(949.0)
+    assert r["lost"] == pytest.approx(0.0)
+    assert r["stall"] == pytest.approx(11.0)
+    assert r["goodput"] == pytest.approx(949.0 / 995.0)
+
+
+def test_replay_restarts_that_take_a_node_use_the_spare_then_requeue() -> None:
+    # This build's in-job driver excludes the culprit's node on every restart: with one spare, the first
+    # software fault restarts in-job on the spare, the second (no spare left, no shrinking) is a requeue.
+    costs = RecoveryCosts(startup_s=10.0, requeue_recovery_s=15.0, requeue_hold_s=0.0, queue_wait_s=5.0,
+                          injob_recovery_s=20.0, memory_restore_s=0.0)
+    ck = CheckpointCosts(snapshot_s=1.0, write_s=0.0, load_s=0.0)
+    faults = [(300.0, "software"), (600.0, "software")]
+    r = replay(Replay("in-job", 1000.0, faults, costs, ck, interval_s=100.0, memory_every_s=100.0, spares=1))
+    # 10 s start-up; 290 s = 2 cycles + 88 s (88 s lost); 20 s in-job; 280 s = 2 cycles + 78 s (78 s lost);
+    # requeue 15 s + 5 s pending + 10 s start-up; 370 s = 3 cycles + 67 s, all kept. Per wall second: the
+    # spare's idle GPU time is not charged.
+    assert (r["requeues"], r["interruptions"]) == (1.0, 2.0)
+    assert r["productive"] == pytest.approx(200 + 200 + 367)
+    assert r["lost"] == pytest.approx(88 + 78)
+    assert (r["recovery"], r["startup"], r["queue"], r["spares"]) == pytest.approx((35.0, 20.0, 5.0, 0.0))
+    assert r["goodput"] == pytest.approx(767.0 / 995.0)
+    # Restarted in place (the simulator's default): both faults in-job, no requeue.
+    r = replay(Replay("in-job", 1000.0, faults, costs, ck, interval_s=100.0, memory_every_s=100.0, spares=1,
+                      exclude_on_restart=False))
+    assert (r["requeues"], r["recovery"], r["queue"]) == (0.0, pytest.approx(40.0), 0.0)

@@ -156,5 +156,7 @@ def test_a_preemption_past_max_requeues_makes_the_job_non_requeueable(tmp_path):
         hook.stop(trainer, "SIGUSR2")
         assert codes == [EXIT_STOPPED] and requeued == [] and pinned == pinned_expected
         assert phases[-1] == "exit"  # the monitor knows the rank is leaving: its teardown is no hang
+        # The save on the stop is a checkpoint phase: the goodput record's block ends at the saved step.
+        assert phases[0] == "checkpoint"
         final = [e for e in read_events(run) if e["kind"] == "exit"]
         assert final[-1]["final"] and final[-1]["status"] == "max_requeues_exceeded", final

@@ -159,6 +159,9 @@ class StopSignalHook(TrainerHook):
         trainer.request_stop()
         t_signal = min((t for _, t in self.received), default=time.time())
         step = trainer.state.step
+        # The save is a checkpoint phase: the goodput record's block ends at the saved step (the steps since the
+        # last record were kept, not spent saving) and the watchdog sees a save, not a stalled step.
+        trainer.phase("checkpoint")
         saved = self.save_fn(trainer) if self.save_fn is not None else None
         t_durable = time.time()
         self._announce(trainer, "comm")
