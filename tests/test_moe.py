@@ -217,3 +217,29 @@ def test_moe_refuses_pipeline_and_tensor_parallel() -> None:
         make_cfg(2, {"pp": 2}, model=model)
     with pytest.raises(ConfigError, match="parallel.tp"):
         make_cfg(2, {"tp": 2}, model=model)
+
+
+@pytest.mark.parametrize("parallel,model,why", [
+    ({"dp": 4, "ep": 2}, {}, "model.moe_experts=0"),  # a dense model
+    ({"dp": 4, "ep": 3}, {"mlp": "swiglu", "moe_experts": 6}, "parallel.dp=4"),  # 3 does not divide dp
+    ({"dp": 4, "ep": 4}, {"mlp": "swiglu", "moe_experts": 6}, "model.moe_experts=6"),  # 4 does not divide 6
+    ({"dp": 4, "ep": 4, "data_parallel": "fsdp", "dp_replicate": 2}, {"mlp": "swiglu", "moe_experts": 4},
+     "dp/dp_replicate=2"),  # HSDP: ep inside one shard group
+])
+def test_bad_expert_parallel_names_the_rule_and_choices(parallel: dict, model: dict, why: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        make_cfg(4, parallel, model=model)
+    msg = str(e.value)
+    assert "parallel.ep" in msg and why in msg, msg
+    if model:  # the rule and the valid choices
+        assert "choose parallel.ep from [1, 2]" in msg, msg
+    if why.startswith("parallel.dp"):
+        assert "efsdp*ep" in msg
+
+
+def test_expert_parallel_refuses_zero1_and_accepts_the_rule() -> None:
+    model = {"mlp": "swiglu", "moe_experts": 4}
+    with pytest.raises(ConfigError, match="parallel.zero"):
+        make_cfg(2, {"dp": 2, "ep": 2, "zero": 1}, model=model)
+    assert make_cfg(4, {"dp": 4, "ep": 2}, model=model).parallel.ep == 2
+    assert make_cfg(4, {"ep": 4}, model=model).parallel.dp == 4  # dp derived first, then the rule checked

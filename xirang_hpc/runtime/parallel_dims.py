@@ -195,7 +195,8 @@ def gather_nodes(topo: Topology) -> list[tuple[int, int]]:
 def format_table(dims: ParallelDims, rows: list[dict[str, int]]) -> str:
     """Human-readable placement table."""
     head = (f"layout pp={dims.pp} dp={dims.dp} (replicate {dims.dp_replicate} x shard {dims.dp_shard}) "
-            f"tp={dims.tp}" + (f" ep={dims.ep} (of the dp ranks)" if dims.ep > 1 else "") + "\n rank  node  local  pp  dp  tp")
+            f"tp={dims.tp}" + (f" ep={dims.ep} (of the dp ranks)" if dims.ep > 1 else "")
+            + "\n rank  node  local  pp  dp  tp")
     lines = [f"{r['rank']:>5} {r['node']:>5} {r['local_rank']:>6} {r['pp']:>3} {r['dp']:>3} {r['tp']:>3}" for r in rows]
     return "\n".join([head, *lines])
 
