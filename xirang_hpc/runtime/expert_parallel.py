@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -56,10 +57,13 @@ class ExpertParallel:
             if p.grad is None:  # e.g. an evaluation-only forward; keep the collectives aligned
                 p.grad = DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, p.placements,
                                             run_check=False)
-            g = p.grad.to_local()  # type: ignore[union-attr]
-            if edp.size() > 1:
-                dist.all_reduce(g, group=edp.get_group())
-            g.div_(self.dp)
+        grads = [p.grad.to_local() for p in self.params]  # type: ignore[union-attr]
+        if edp.size() > 1:  # one message for all experts of all blocks, not one per tensor
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=edp.get_group())
+            for g, v in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                g.copy_(v)
+        torch._foreach_div_(grads, float(self.dp))
 
 
 def moe_blocks(model: nn.Module) -> list[MoE]:
