@@ -176,11 +176,13 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             t.warmup_steps,
             f"must not exceed train.max_steps={t.max_steps}; lower train.warmup_steps",
         )
-    if m.moe_experts and (p.pp > 1 or p.tp > 1):
-        field, value = ("parallel.pp", p.pp) if p.pp > 1 else ("parallel.tp", p.tp)
-        raise ConfigError(field, value, "mixture-of-experts models train data- and expert-parallel only for now "
-                          "(no pipeline stages or tensor parallelism); use parallel.pp=1 parallel.tp=1 and "
-                          "parallel.ep for the experts")
+    if m.moe_experts and p.tp > 1:
+        raise ConfigError("parallel.tp", p.tp, "mixture-of-experts models do not take tensor parallelism yet; use "
+                          "parallel.tp=1 and parallel.ep (expert parallelism) for the experts")
+    if m.moe_experts and p.pp > 1 and m.moe_balance == "aux_loss":
+        raise ConfigError("parallel.pp", p.pp, "the auxiliary load-balancing loss pools every MoE layer's counts "
+                          "before its product, which pipeline stages cannot; use model.moe_balance=bias (or none) "
+                          "with parallel.pp > 1, or parallel.pp=1")
     _check_ep(cfg, dp)
     if m.moe_experts and t.compile:  # the router's data-dependent token routing breaks a whole-block graph
         raise ConfigError("train.compile", True, "mixture-of-experts blocks are not compiled (their token routing "

@@ -301,14 +301,14 @@ class GPT(nn.Module):
     def moe_after_step(self) -> None:
         """After ``optimizer.step()``: the expert-bias update of bias balancing (a no-op otherwise).
 
-        The loads are summed over the data-parallel ranks first (``moe_group``; all ranks when a process
-        group is up and none is set), so every replica takes the same bias step and the replicas stay identical.
+        The loads are summed over the data-parallel ranks first (``moe_group``, set by the runtime when there
+        are several), so every replica takes the same bias step and the replicas stay identical.
         """
         blocks = self.moe_blocks()
         if not blocks or self.cfg.moe_balance != "bias":
             return
         loads = torch.stack([m.load_since_update for m in blocks])  # (n_moe, E)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if self.moe_group is not None:  # not the whole world: pipeline stages hold different blocks
             torch.distributed.all_reduce(loads, group=self.moe_group)
         for m, load in zip(blocks, loads, strict=True):
             m.update_bias(load)
