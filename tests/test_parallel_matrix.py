@@ -85,8 +85,13 @@ SHAPE_CASES = [(4, "dp2xtp2", "gqa"), (4, "tp2xpp2", "gqa"), (4, "fsdp2xtp2", "g
 MOE_BIAS = {**H.MOE, "name": "moe-bias", "moe_balance": "bias", "moe_bias_rate": 0.01}
 MOE_CASES = [(2, "dp2", "aux"), (2, "ep2", "aux"), (4, "ep4", "aux"), (4, "ep2xdp2", "aux"), (4, "ep2xfsdp2", "aux"),
              (4, "ep2xhsdp2x2", "aux"), (2, "ep2", "bias"), (4, "ep2xdp2", "bias"), (4, "ep2xfsdp2", "bias"),
-             (2, "pp2", "bias"), (4, "ep2xpp2", "bias")]
-MOE_MODELS = {"aux": H.MOE, "bias": MOE_BIAS}
+             (2, "pp2", "bias"), (4, "ep2xpp2", "bias"), (2, "ep2", "aux+full"), (2, "ep2", "bias+full")]
+MOE_MODELS = {"aux": H.MOE, "bias": MOE_BIAS}  # "+full": with full recompute (the all-to-alls run again in backward)
+
+
+def _moe_cfg(world: int, layout: str, kind: str):
+    balance, _, recompute = kind.partition("+")
+    return H.with_recompute(H.make_cfg(world, H.LAYOUTS[layout], model=MOE_MODELS[balance]), recompute or "none")
 
 
 @pytest.fixture(scope="module")
@@ -334,8 +339,7 @@ def moe_groups(email_data: Path):
 
     def get(world: int) -> dict:
         if world not in cache:
-            jobs = [(f"{n}/{b}", H.make_cfg(w, H.LAYOUTS[n], model=MOE_MODELS[b])) for w, n, b in MOE_CASES
-                    if w == world]
+            jobs = [(f"{n}/{b}", _moe_cfg(w, n, b)) for w, n, b in MOE_CASES if w == world]
             cache[world] = H.run_group(world, jobs, email_data, steps=10, timeout_s=420)
         return cache[world]
 
@@ -348,7 +352,7 @@ def test_moe_layout_matches_single_process(world: int, layout: str, balance: str
                                            email_data: Path) -> None:
     """A mixture-of-experts model under data and expert parallelism trains like one process (rtol 1e-5), and
     each expert-parallel rank holds E/ep experts (DDP: everything else whole; FSDP2: less)."""
-    model = MOE_MODELS[balance]
+    model = MOE_MODELS[balance.partition("+")[0]]
     ref = H.reference(email_data, model=model)
     assert min(ref["norms"]) > 0.05, "clipping must be active for the grad-norm check to bite"
     per_rank = moe_groups(world)[f"{layout}/{balance}"]
