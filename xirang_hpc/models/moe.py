@@ -174,11 +174,12 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # (N*k,)
         token = order // k  # (N*k,): source token of each sorted slot
         counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
+        # Not a forward without grad (a pipeline stage's shape inference runs one): only the training
+        # forwards' loads may steer the bias, as one process counts them.
+        counting = self.training and torch.is_grad_enabled()
         with torch.no_grad():
             self.tokens_per_expert.copy_(counts)
-            # Not a forward without grad (a pipeline stage's shape inference runs one): only the training
-            # forwards' loads may steer the bias, as one process counts them.
-            if self.training and torch.is_grad_enabled():
+            if counting:
                 self.load_since_update.add_(counts)
         xs = x2[token]  # (N*k, d), expert 0's slots first, then expert 1's, ...
         if self.ep_group is None:
