@@ -13,18 +13,44 @@ Printed per case (experts, top-k): median seconds per iteration over ``--repeats
 tokens/s of each, and the ratio ours/theirs.
 
     python benchmarks/bench_moe.py [--hidden 512 --ffn 256 --tokens 2048 --repeats 5]
+
+``--ep-memory``: peak RSS per rank of one training step of a small MoE GPT on 4 gloo ranks (1 thread each),
+expert parallelism ``ep=4`` against ``ep=1`` (both dense DDP over the 4 ranks), each in fresh processes. Per
+rank, the dense share and the expert share are the training state of those weights at ep=1 (parameters,
+gradients, AdamW's two moments); target: ep=4 peak <= (dense share + expert share / 4) x 1.25 + footprint.
+Two footprints are measured, each in fresh ranks, and the target is checked against both: ``import`` (ranks
+that import, join the group and build nothing) and ``floor`` (the same ep=4 step on a negligible model of one
+block, d_model 16: the runtime's size-independent cost of a step, its kernels' and communicators' first use).
+
+    python benchmarks/bench_moe.py --ep-memory [--layers 4 --hidden 256 --ffn 512 --experts 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
+import sys
 import time
+import traceback
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from xirang_hpc.config.schema import ModelConfig
+from xirang_hpc.config.schema import ClusterConfig, ModelConfig, ParallelConfig, TrainConfig, XirangConfig
+from xirang_hpc.config.validate import validate
+from xirang_hpc.models.gpt import lm_loss
 from xirang_hpc.models.moe import MoE
+from xirang_hpc.runtime.local_ranks import LocalRanks, RankPlace
+from xirang_hpc.runtime.parallel_dims import Layout
+from xirang_hpc.runtime.parallelize import make_optimizer, parallelize
+
+GIB = 1024.0**3
+RANKS = 4
 
 CASES = [(8, 2), (8, 8), (64, 2), (64, 8)]
 
@@ -64,14 +90,129 @@ def _time(block: torch.nn.Module, x: torch.Tensor, repeats: int, warmup: int = 2
     return statistics.median(times)
 
 
+def _vm(field: str) -> float:
+    """A byte count from /proc/self/status (VmHWM: peak resident set; VmRSS: now)."""
+    m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    return float(m.group(1)) * 1024.0 if m else float("nan")
+
+
+def _ep_cfg(a: argparse.Namespace, ep: int, floor: bool = False) -> XirangConfig:
+    """The MoE GPT on 4 ranks (2 virtual nodes), dense DDP over all, experts over ``ep`` of them.
+
+    ``floor``: a negligible model of the same kind (one block, d_model 16, 4 experts of width 16).
+    """
+    layers, hidden, experts, ffn = (1, 16, RANKS, 16) if floor else (a.layers, a.hidden, a.experts, a.ffn)
+    model = ModelConfig(name="bench-moe", n_layer=layers, n_head=8, d_model=hidden, vocab_size=256, seq_len=64,
+                        norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, moe_experts=experts,
+                        moe_top_k=2, moe_ffn_hidden=ffn)
+    cluster = ClusterConfig(name="bench", nodes=2, tasks_per_node=RANKS // 2, backend="gloo")
+    return validate(XirangConfig(model=model, parallel=ParallelConfig(dp=RANKS, ep=ep), cluster=cluster,
+                                 train=TrainConfig(global_batch=2 * RANKS, lr=1e-4)))
+
+
+def _state_bytes(p: torch.Tensor, opt: torch.optim.Optimizer) -> float:
+    """This rank's bytes of a parameter's training state: the weight, its gradient, AdamW's two moments."""
+    def local(t: torch.Tensor | None) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return 0 if t is None else t.numel() * t.element_size()
+    st = opt.state.get(p, {})
+    return float(local(p) + local(p.grad) + local(st.get("exp_avg")) + local(st.get("exp_avg_sq")))
+
+
+def _ep_rank(place: RankPlace, queue: Any, ep: int, a: argparse.Namespace, floor: bool) -> None:
+    torch.set_num_threads(1)
+    try:
+        place.init_process_group("gloo")
+        dist.barrier()
+        out = {"footprint": _vm("VmHWM")}
+        if ep:
+            cfg = _ep_cfg(a, ep, floor)
+            topo = place.topology("bench")
+            layout = Layout.for_job(cfg.parallel, topo)
+            pm = parallelize(cfg, layout, layout.build_mesh(topo))
+            opt = make_optimizer(pm, cfg, layout)
+            g = torch.Generator().manual_seed(place.rank)
+            x = torch.randint(0, 256, (2, cfg.model.seq_len + 1), generator=g)
+            loss = lm_loss(pm.module(x[:, :-1]), x[:, 1:]) + pm.model.moe_aux_loss()  # type: ignore[operator]
+            loss.backward()
+            if pm.expert is not None:
+                pm.expert.reduce_grads()
+            opt.step()
+            dist.barrier()
+            out["peak"] = _vm("VmHWM")
+            experts = {id(getattr(m, n)) for m in pm.model.moe_blocks() for n in ("w1", "w2", "w3")}  # type: ignore[operator]
+            params = list(pm.model.parameters())
+            out["expert"] = sum(_state_bytes(p, opt) for p in params if id(p) in experts)
+            out["dense"] = sum(_state_bytes(p, opt) for p in params if id(p) not in experts)
+        queue.put((place.rank, out))
+    except Exception:
+        queue.put((place.rank, {"error": traceback.format_exc()}))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _ep_phase(ep: int, a: argparse.Namespace, floor: bool = False) -> list[dict[str, float]]:
+    """Fresh ranks for one phase (ep=0: the import footprint; ``floor``: the negligible model); by rank."""
+    res: list[dict[str, float]] = [{} for _ in range(RANKS)]
+    with LocalRanks(_ep_rank, RANKS, (ep, a, floor), nodes=2) as ranks:
+        for _ in range(RANKS):
+            r, out = ranks.get()
+            if "error" in out:
+                sys.exit(f"ep={ep} rank {r} failed:\n{out['error']}")
+            res[r] = out
+    return res
+
+
+def ep_memory(a: argparse.Namespace) -> None:
+    """Peak RSS per rank of one MoE training step at ep=4 vs ep=1, against the target."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # As in bench_meta_init.py: a fixed mmap threshold, so freed large buffers leave the resident set.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    print(f"MoE GPT: {a.layers} layers, d_model {a.hidden}, {a.experts} experts of width {a.ffn}, top-2; one step "
+          f"(2 x 64 tokens per rank) on {RANKS} gloo ranks, dense DDP; torch {torch.__version__}")
+    foot, floor = _ep_phase(0, a), _ep_phase(RANKS, a, floor=True)
+    one, four = _ep_phase(1, a), _ep_phase(RANKS, a)
+    print("peak RSS per rank (GiB); dense/expert share: training state at ep=1; "
+          "target = (dense + expert/4) x 1.25 + footprint (import, or the step's floor)")
+    print("| rank | import | floor | dense share | expert share | ep=1 peak | ep=4 peak | ep=4/ep=1 | "
+          "target (import) | target (floor) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    met = {"import": True, "floor": True}
+    for r in range(RANKS):
+        d, x, peak = one[r]["dense"], one[r]["expert"], four[r]["peak"]
+        cells = []
+        for name, fp in (("import", foot[r]["footprint"]), ("floor", floor[r]["peak"])):
+            target = (d + x / RANKS) * 1.25 + fp
+            met[name] &= peak <= target
+            cells.append(f"{target / GIB:.3f} {'met' if peak <= target else 'MISSED'}")
+        print(f"| {r} | {foot[r]['footprint'] / GIB:.3f} | {floor[r]['peak'] / GIB:.3f} | {d / GIB:.3f} | "
+              f"{x / GIB:.3f} | {one[r]['peak'] / GIB:.3f} | {peak / GIB:.3f} | {peak / one[r]['peak']:.2f}x | "
+              f"{cells[0]} | {cells[1]} |")
+    print(f"expert state per rank at ep=4: {four[0]['expert'] / GIB:.3f} GiB (ep=1: {one[0]['expert'] / GIB:.3f})")
+    for name in ("import", "floor"):
+        print(f"target with the {name} footprint (every rank's ep=4 peak <= (dense + expert/4) x 1.25 + footprint): "
+              f"{'met' if met[name] else 'MISSED'}")
+
+
 def main() -> None:
-    """Run every case and print the side-by-side table."""
+    """Run every case and print the side-by-side table (or, with --ep-memory, the expert-parallel memory)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--ffn", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per iteration (batch 4 x tokens/4)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--ep-memory", action="store_true", help="peak RSS per rank at ep=4 vs ep=1 (4 gloo ranks)")
+    ap.add_argument("--layers", type=int, default=4, help="--ep-memory: transformer blocks, all MoE")
+    ap.add_argument("--experts", type=int, default=16, help="--ep-memory: experts per block")
     a = ap.parse_args()
+    if a.ep_memory:
+        if "--hidden" not in sys.argv:
+            a.hidden = 256
+        if "--ffn" not in sys.argv:
+            a.ffn = 512
+        ep_memory(a)
+        return
     torch.manual_seed(0)
     print(f"MoE block fwd+bwd, fp32 CPU, {torch.get_num_threads()} threads, hidden {a.hidden}, expert ffn {a.ffn}, "
           f"{a.tokens} tokens, median of {a.repeats}, torch {torch.__version__}")

@@ -69,7 +69,17 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "cp2xtp2": {"cp": 2, "tp": 2},
     "fsdp2xcp2": {"dp": 2, "cp": 2, "data_parallel": "fsdp"},
     "cp2acc": {"cp": 2, "microbatches": 2},  # two accumulation steps
+    # Expert parallelism (mixture-of-experts models): ep of the dp ranks hold E/ep experts each.
+    "ep2": {"dp": 2, "ep": 2},
+    "ep4": {"dp": 4, "ep": 4},
+    "ep2xdp2": {"dp": 4, "ep": 2},  # DDP over 4; experts on 2 ranks, replicated twice
+    "ep2xfsdp2": {"dp": 4, "ep": 2, "data_parallel": "fsdp"},  # dense FSDP2 over 4
+    "ep2xhsdp2x2": {"dp": 4, "ep": 2, "data_parallel": "fsdp", "dp_replicate": 2},
 }
+
+#: A small mixture-of-experts model for the layout matrix: 4 SwiGLU experts of width 32, top-2, in every block.
+MOE = {"name": "moe", "mlp": "swiglu", "norm": "rmsnorm", "pos": "rope", "bias": False, "moe_experts": 4,
+       "moe_top_k": 2, "moe_ffn_hidden": 32}
 
 
 def world_of(layout: dict[str, Any]) -> int:

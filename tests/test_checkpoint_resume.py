@@ -250,3 +250,41 @@ def test_moe_exact_resume_20_vs_10_plus_10(stdlib_data, tmp_path, balance, layou
     for k in ("model.layers.0.mlp.w1", "model.layers.0.mlp.gate.weight", *bias):
         assert not torch.equal(a[k], early[k]), f"{k} did not change between steps 10 and 20"
     assert _losses(full) == _losses(split) and sorted(_losses(full)) == [5, 10, 15, 20]
+
+
+@pytest.mark.slow
+def test_moe_expert_parallel_resume_and_reshard_across_ep(stdlib_data, tmp_path):
+    """Expert-parallel checkpoints (each rank saves its experts as shards of the full tensors):
+
+    - ep2 stopped at step 10 and resumed at ep2 ends bitwise where the uninterrupted ep2 run does;
+    - the same step-10 checkpoint resumed at ep1 (each rank loads all experts) continues like the
+      uninterrupted ep2 run to fp32 rounding: steps 11-20 then reduce in another order (the experts'
+      gradients come from a local backward instead of the all-to-all's), so not bitwise.
+    """
+    ep2 = [*TWO_RANKS, *MOE_MODEL, "parallel.ep=2"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    run_job(make_cfg(stdlib_data, full, ep2), full, stdlib_data, world=2)
+    run_job(make_cfg(stdlib_data, split, ep2), split, stdlib_data, world=2, stop_at=10)
+    saved = saved_tensors(split / "checkpoints" / "step_10")
+    assert saved["model.layers.0.mlp.w1"].shape[0] == 4, "the checkpoint holds every expert, whatever the ep"
+    fork = fork_run(split, 10, tmp_path / "fork")
+    run_job(make_cfg(stdlib_data, split, ep2), split, stdlib_data, world=2)
+    a, b = saved_tensors(full / "checkpoints" / "step_20"), saved_tensors(split / "checkpoints" / "step_20")
+    assert a.keys() == b.keys() and "model.layers.0.mlp.w1" in a and any(k.startswith("optim.state.") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after an ep2 resume"
+    assert _losses(full) == _losses(split)
+
+    run_job(make_cfg(stdlib_data, fork, [*TWO_RANKS, *MOE_MODEL, "parallel.ep=1"]), fork, stdlib_data, world=2)
+    m = ckpt_layout.read_manifest(fork / "checkpoints" / "step_20")
+    assert m["layout"]["parallel"]["ep"] == 1
+    assert ckpt_layout.read_manifest(split / "checkpoints" / "step_10")["layout"]["parallel"]["ep"] == 2
+    ref, got = _losses(full), _losses(fork)
+    assert sorted(got) == [5, 10, 15, 20] and got[10] == ref[10]  # step 10 is the checkpoint's own record
+    for step in (15, 20):
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), f"step {step}: {got[step]} vs {ref[step]}"
+    c = saved_tensors(fork / "checkpoints" / "step_20")
+    early = saved_tensors(full / "checkpoints" / "step_10")
+    for k in (k for k in a if k.startswith("model.") and k.endswith("mlp.w1")):
+        torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-5)
+        assert not torch.equal(c[k], early[k]), f"{k} did not train after the reshard"

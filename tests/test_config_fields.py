@@ -207,6 +207,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "parallel.optimizer_sharding": (True, zero_stage, []),  # ZeRO-1 (also under dp2 x pp2)
     "parallel.zero": (2, dims, []),  # ZeRO-2 runs on FSDP2: dp becomes the shard dimension
     "parallel.auto": (True, reads("xirang_hpc.submit.autoplan"), []),
+    "parallel.ep": (2, REFUSED, []),  # the default model is dense: no experts to spread
     # train: what is trained -> identity; the schedule; how the loop runs
     **{f"train.{k}": (v, identity, []) for k, v in {
         "seed": 7, "max_steps": 400, "global_batch": 64, "lr": 1e-3, "min_lr_ratio": 0.5, "warmup_steps": 5,

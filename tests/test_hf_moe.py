@@ -437,3 +437,24 @@ def test_mixtral_run_exports_sharded_with_the_cli_and_serves_what_transformers_g
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=300)
     assert served["text"] == bytes(want).decode("utf-8", "replace")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+def test_expert_parallel_import_reads_only_this_ranks_experts(moe_dirs, name: str) -> None:
+    """``model.init_from`` at ep2 on 2 real gloo ranks: each rank's logits are transformers', and each rank reads
+    exactly the elements it holds: the dense tensors and its own half of the experts, never the other half."""
+    from test_hf_import import TOKENS as IMPORT_TOKENS
+    from test_hf_import import _run
+
+    path, hf = moe_dirs[name]
+    n_experts = MODELS[name][2].get("num_experts") or MODELS[name][2]["num_local_experts"]
+    with torch.no_grad():
+        ref = hf(IMPORT_TOKENS).logits
+    res = _run(2, "ep2", path)
+    for rank, r in enumerate(res):
+        assert (torch.from_numpy(r["logits"]) - ref).abs().max().item() <= TOL
+        assert sum(int(torch.tensor(s).prod()) for _, s, _ in r["requests"]) == r["local_numel"]
+        experts = {int(n.split(".experts.")[1].split(".")[0]) for n, _, _ in r["requests"] if ".experts." in n}
+        half = n_experts // 2
+        assert experts == set(range(rank * half, (rank + 1) * half)), (rank, sorted(experts))

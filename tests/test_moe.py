@@ -213,7 +213,116 @@ def test_bad_moe_settings_name_the_field(kw: dict[str, object], field: str) -> N
 
 def test_moe_refuses_pipeline_and_tensor_parallel() -> None:
     model = {"mlp": "swiglu", "moe_experts": 4}
-    with pytest.raises(ConfigError, match="parallel.pp"):
-        make_cfg(2, {"pp": 2}, model=model)
+    for balance in ("aux_loss", "bias", "none"):
+        with pytest.raises(ConfigError, match="parallel.pp.*use parallel.pp=1"):
+            make_cfg(2, {"pp": 2}, model={**model, "moe_balance": balance})
     with pytest.raises(ConfigError, match="parallel.tp"):
         make_cfg(2, {"tp": 2}, model=model)
+
+
+@pytest.mark.parametrize("parallel,model,why", [
+    ({"dp": 4, "ep": 2}, {}, "model.moe_experts=0"),  # a dense model
+    ({"dp": 4, "ep": 3}, {"mlp": "swiglu", "moe_experts": 6}, "parallel.dp=4"),  # 3 does not divide dp
+    ({"dp": 4, "ep": 4}, {"mlp": "swiglu", "moe_experts": 6}, "model.moe_experts=6"),  # 4 does not divide 6
+    ({"dp": 4, "ep": 4, "data_parallel": "fsdp", "dp_replicate": 2}, {"mlp": "swiglu", "moe_experts": 4},
+     "dp/dp_replicate=2"),  # HSDP: ep inside one shard group
+])
+def test_bad_expert_parallel_names_the_rule_and_choices(parallel: dict, model: dict, why: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        make_cfg(4, parallel, model=model)
+    msg = str(e.value)
+    assert "parallel.ep" in msg and why in msg, msg
+    if model:  # the rule and the valid choices
+        assert "choose parallel.ep from [1, 2]" in msg, msg
+    if why.startswith("parallel.dp"):
+        assert "efsdp*ep" in msg
+
+
+def test_expert_parallel_refuses_zero1_and_accepts_the_rule() -> None:
+    model = {"mlp": "swiglu", "moe_experts": 4}
+    with pytest.raises(ConfigError, match="parallel.zero"):
+        make_cfg(2, {"dp": 2, "ep": 2, "zero": 1}, model=model)
+    assert make_cfg(4, {"dp": 4, "ep": 2}, model=model).parallel.ep == 2
+    assert make_cfg(4, {"ep": 4}, model=model).parallel.dp == 4  # dp derived first, then the rule checked
+
+
+def _ep_block_rank(rank: int, port: int, skew: bool, out: str) -> None:
+    """One rank of the 2-rank expert-parallel block check: its output rows and every gradient it holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xirang_hpc.runtime.expert_parallel import apply_expert_parallel
+    from xirang_hpc.runtime.parallel_dims import ParallelDims
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (1, 2, 1, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        ref, x = _ep_block_and_input(skew)
+        model = torch.nn.Module()
+        with torch.device("meta"):
+            model.moe = MoE(_cfg())
+        ep = apply_expert_parallel(model, mesh, ParallelDims(pp=1, dp_replicate=2, dp_shard=1, tp=1, world_size=2,
+                                                             ep=2))
+        model.moe.to_empty(device="cpu")
+        with torch.no_grad():  # the single process's weights, this rank's experts of them
+            model.moe.gate.weight.copy_(ref.gate.weight)
+            for name in ("w1", "w2", "w3"):
+                getattr(model.moe, name).to_local().copy_(getattr(ref, name)[4 * rank : 4 * rank + 4])
+        xr = x[2 * rank : 2 * rank + 2].clone().requires_grad_(True)  # this rank's half of the batch
+        y = model.moe(xr)
+        y.pow(2).sum().backward()
+        assert ep is not None
+        torch.save({"y": y.detach(), "dx": xr.grad, "gate": model.moe.gate.weight.grad,
+                    **{n: getattr(model.moe, n).grad.to_local() for n in ("w1", "w2", "w3")},
+                    "received": model.moe.tokens_per_expert.clone()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _ep_block_and_input(skew: bool) -> tuple[MoE, torch.Tensor]:
+    """A block of 8 experts and a (4, 16, d) batch; ``skew``: the router sends every token to experts 0-3."""
+    torch.manual_seed(0)
+    ref = MoE(_cfg())
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ref.reset_buffers()
+    x = torch.randn(4, 16, D)
+    if skew:
+        with torch.no_grad():  # only experts 0-3 (rank 0's) read feature 0, which is large and positive: they win
+            ref.gate.weight.zero_()
+            ref.gate.weight[:4, 0] = torch.tensor([1.0, 0.9, 0.8, 0.7])
+            x[..., 0] = x[..., 0].abs() + 5.0
+    return ref, x
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("skew", [False, True], ids=["balanced", "one-rank-gets-nothing"])
+def test_expert_parallel_block_equals_one_process(tmp_path: Path, skew: bool) -> None:
+    """Two real gloo ranks, 4 experts each, all-to-all dispatch: each rank's output rows and input gradients are
+    the single process's, the router gradient sums to it, and each rank's expert gradients are the single
+    process's for its experts; also when every token goes to rank 0's experts (rank 1 computes on zero rows
+    and must still join the backward's exchanges: a missing one would hang the test)."""
+    from ranks import rank_context, run_ranks
+
+    ref, x = _ep_block_and_input(skew)
+    xs = x.clone().requires_grad_(True)
+    y = ref(xs)
+    y.pow(2).sum().backward()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = rank_context()
+    outs = [str(tmp_path / f"r{r}.pt") for r in range(2)]
+    procs = [ctx.Process(target=_ep_block_rank, args=(r, port, skew, outs[r])) for r in range(2)]
+    assert run_ranks(procs, timeout_s=120) == [0, 0]
+    got = [torch.load(o) for o in outs]
+    if skew:
+        assert ref.tokens_per_expert[4:].sum() == 0 and ref.tokens_per_expert[:4].sum() == 2 * 4 * 16
+    for r, g in enumerate(got):
+        torch.testing.assert_close(g["y"], y[2 * r : 2 * r + 2].detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g["dx"], xs.grad[2 * r : 2 * r + 2], rtol=1e-5, atol=1e-6)
+        for n in ("w1", "w2", "w3"):  # sums over both ranks' tokens: the all-to-all's backward brought them
+            torch.testing.assert_close(g[n], getattr(ref, n).grad[4 * r : 4 * r + 4], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0]["gate"] + got[1]["gate"], ref.gate.weight.grad, rtol=1e-5, atol=1e-6)
+    if skew:
+        assert torch.count_nonzero(got[1]["w1"]) == 0

@@ -87,6 +87,22 @@ SHAPE_CASES = [(4, "dp2xtp2", "gqa"), (4, "tp2xpp2", "gqa"), (4, "fsdp2xtp2", "g
                (2, "pp2v2", "uneven"), (2, "cp2", "gqa"), (4, "cp2xtp2", "gqa")]
 
 
+# Mixture-of-experts (H.MOE: 4 experts, top-2) against the single-process MoE run, in process groups of their own:
+# plain data parallelism (the auxiliary loss's statistics summed over the dp ranks), expert parallelism alone
+# (ep2, ep4), beside replicas (ep2xdp2: DDP over 4, experts on 2), beside FSDP2 and HSDP; with the auxiliary
+# loss and with expert-bias balancing, and with full recompute.
+MOE_BIAS = {**H.MOE, "name": "moe-bias", "moe_balance": "bias", "moe_bias_rate": 0.01}
+MOE_CASES = [(2, "dp2", "aux"), (2, "ep2", "aux"), (4, "ep4", "aux"), (4, "ep2xdp2", "aux"), (4, "ep2xfsdp2", "aux"),
+             (4, "ep2xhsdp2x2", "aux"), (2, "ep2", "bias"), (4, "ep2xdp2", "bias"), (4, "ep2xfsdp2", "bias"),
+             (2, "ep2", "aux+full"), (2, "ep2", "bias+full")]
+MOE_MODELS = {"aux": H.MOE, "bias": MOE_BIAS}  # "+full": with full recompute (the all-to-alls run again in backward)
+
+
+def _moe_cfg(world: int, layout: str, kind: str):
+    balance, _, recompute = kind.partition("+")
+    return H.with_recompute(H.make_cfg(world, H.LAYOUTS[layout], model=MOE_MODELS[balance]), recompute or "none")
+
+
 @pytest.fixture(scope="module")
 def ref(email_data: Path) -> dict:
     r = H.reference(email_data)
@@ -342,3 +358,40 @@ def test_chat_layout_matches_single_process(world: int, layout: str, kind: str, 
     assert sorted(params) == sorted(ref["params"])
     for name, want in ref["params"].items():
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def moe_groups(email_data: Path):
+    cache: dict[int, dict] = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            jobs = [(f"{n}/{b}", _moe_cfg(w, n, b)) for w, n, b in MOE_CASES if w == world]
+            cache[world] = H.run_group(world, jobs, email_data, steps=10, timeout_s=420)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout,balance", MOE_CASES, ids=[f"{n}-{b}" for _, n, b in MOE_CASES])
+def test_moe_layout_matches_single_process(world: int, layout: str, balance: str, moe_groups,
+                                           email_data: Path) -> None:
+    """A mixture-of-experts model under data and expert parallelism trains like one process (rtol 1e-5), and
+    each expert-parallel rank holds E/ep experts (DDP: everything else whole; FSDP2: less)."""
+    model = MOE_MODELS[balance.partition("+")[0]]
+    ref = H.reference(email_data, model=model)
+    assert min(ref["norms"]) > 0.05, "clipping must be active for the grad-norm check to bite"
+    per_rank = moe_groups(world)[f"{layout}/{balance}"]
+    _assert_same_curves(per_rank, world, ref)
+    params = H.merged_params(per_rank)
+    assert sorted(params) == sorted(ref["params"]), "expert shards gathered under their full names"
+    for name, want in ref["params"].items():
+        np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
+    ep = H.LAYOUTS[layout].get("ep", 1)
+    total = sum(v.size for v in ref["params"].values())
+    experts = sum(v.size for k, v in ref["params"].items() if k.rsplit(".", 1)[-1] in ("w1", "w2", "w3"))
+    if H.LAYOUTS[layout].get("data_parallel", "ddp") == "ddp":  # dense weights whole, experts 1/ep
+        assert all(r["n_local_params"] == total - experts + experts // ep for r in per_rank)
+    else:
+        assert all(r["n_local_params"] < total - experts + experts // ep for r in per_rank)

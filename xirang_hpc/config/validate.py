@@ -177,10 +177,15 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             t.warmup_steps,
             f"must not exceed train.max_steps={t.max_steps}; lower train.warmup_steps",
         )
-    if m.moe_experts and (p.pp > 1 or p.tp > 1):
-        field, value = ("parallel.pp", p.pp) if p.pp > 1 else ("parallel.tp", p.tp)
-        raise ConfigError(field, value, "mixture-of-experts models train data-parallel only for now (no pipeline "
-                          "stages, tensor or expert parallelism); use parallel.pp=1 parallel.tp=1")
+    if m.moe_experts and p.tp > 1:
+        raise ConfigError("parallel.tp", p.tp, "mixture-of-experts models do not take tensor parallelism yet; use "
+                          "parallel.tp=1 and parallel.ep (expert parallelism) for the experts")
+    if m.moe_experts and p.pp > 1:
+        raise ConfigError("parallel.pp", p.pp, "mixture-of-experts models do not train in pipeline stages yet (the "
+                          "auxiliary loss pools every MoE layer's counts, which no stage sees, and the expert-bias "
+                          "loads are not yet counted per stage as one process counts them); use parallel.pp=1, "
+                          "with parallel.dp and parallel.ep over the ranks")
+    _check_ep(cfg, dp)
     if m.moe_experts and t.compile:  # the router's data-dependent token routing breaks a whole-block graph
         raise ConfigError("train.compile", True, "mixture-of-experts blocks are not compiled (their token routing "
                           "has data-dependent shapes); use train.compile=false for model.moe_experts > 0")
@@ -227,6 +232,33 @@ def _check_cp(cfg: XirangConfig) -> None:
         # Load-balanced causal chunking cuts every sequence into 2*cp equal chunks (rank i takes i and 2cp-1-i).
         raise ConfigError("parallel.cp", p.cp, f"2*cp={2 * p.cp} must divide model.seq_len={m.seq_len} (each "
                           f"sequence is cut into 2*cp equal chunks); choose parallel.cp from {ok}")
+
+
+def _check_ep(cfg: XirangConfig, dp: int) -> None:
+    """``parallel.ep``: experts sharded over ep of the data-parallel ranks (torchtitan's mesh rule).
+
+    torchtitan requires ``dp_shard * cp * tp == efsdp * ep``: the expert-parallel ranks are borrowed from
+    the data-parallel ones. Here (no cp, no tp with experts) that is ``dp == (dp / ep) * ep``: ep divides the
+    data-parallel degree, the experts are replicated (or FSDP-reduced) over the other dp/ep ranks, and the
+    dense part stays data-parallel over all dp ranks. ep must also divide the expert count (E/ep per rank).
+    """
+    m, p = cfg.model, cfg.parallel
+    if p.ep == 1:
+        return
+    if not m.moe_experts:
+        raise ConfigError("parallel.ep", p.ep, "expert parallelism shards mixture-of-experts blocks, but "
+                          "model.moe_experts=0 (a dense model); set model.moe_experts or parallel.ep=1")
+    ok = [d for d in _divisors(m.moe_experts) if dp % d == 0]
+    if m.moe_experts % p.ep or dp % p.ep:
+        raise ConfigError("parallel.ep", p.ep,
+                          f"expert-parallel ranks are taken from the data-parallel ranks (dp == dp/ep x ep, "
+                          f"torchtitan's dp_shard*cp*tp == efsdp*ep rule), so ep must divide parallel.dp={dp} "
+                          f"and model.moe_experts={m.moe_experts}; choose parallel.ep from {ok}")
+    if p.dp_replicate > 1 and (dp // p.dp_replicate) % p.ep:
+        ok = [d for d in ok if (dp // p.dp_replicate) % d == 0]
+        raise ConfigError("parallel.ep", p.ep,
+                          f"with HSDP the expert-parallel ranks are taken from one shard group of "
+                          f"dp/dp_replicate={dp // p.dp_replicate} ranks; choose parallel.ep from {ok}")
 
 
 def tokenizer_file(spec: str) -> Path | None:
@@ -347,6 +379,9 @@ def check_runnable(cfg: XirangConfig) -> None:
                           "data.packing=false")
     c = cfg.cluster
     scheduling_class(c, cfg.train.priority)
+    if p.ep > 1 and p.zero == 1:
+        raise ConfigError("parallel.zero", 1, "ZeRO-1 partitions whole parameters over the dp ranks, which "
+                          "expert-parallel shards are not; with parallel.ep > 1 use parallel.zero=0, 2 or 3")
     if p.dp_replicate > 1 and p.data_parallel != "fsdp":
         raise ConfigError(
             "parallel.dp_replicate",

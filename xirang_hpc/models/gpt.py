@@ -286,6 +286,9 @@ class GPT(nn.Module):
         self.loss_kernel: ChunkKernel | None = None
         # Context parallelism (set by the runtime): inputs are this rank's shard of every sequence.
         self.seq_shards: SequenceShards | None = None
+        # The data-parallel ranks that share a batch (set by the runtime when there are several): MoE token
+        # statistics (the auxiliary loss's counts, the expert-bias loads) are summed over them.
+        self.moe_group: torch.distributed.ProcessGroup | None = None
         if cfg.tie_embeddings:
             # One parameter under two names: the state dict keeps both keys (identical tensors).
             self.head.weight = self.tok_emb.weight
@@ -354,21 +357,22 @@ class GPT(nn.Module):
         if not blocks or self.cfg.moe_balance != "aux_loss":
             return None
         logits = [m.router_logits for m in blocks if m.router_logits is not None]
-        return self.cfg.moe_aux_coef * load_balancing_loss(logits, self.cfg.moe_experts, self.cfg.moe_top_k)
+        return self.cfg.moe_aux_coef * load_balancing_loss(logits, self.cfg.moe_experts, self.cfg.moe_top_k,
+                                                           group=self.moe_group)
 
     @torch.no_grad()
     def moe_after_step(self) -> None:
         """After ``optimizer.step()``: the expert-bias update of bias balancing (a no-op otherwise).
 
-        The loads are summed over all ranks first when a process group is up, so every replica
-        takes the same bias step and the replicas stay identical.
+        The loads are summed over the data-parallel ranks first (``moe_group``, set by the runtime when there
+        are several), so every replica takes the same bias step and the replicas stay identical.
         """
         blocks = self.moe_blocks()
         if not blocks or self.cfg.moe_balance != "bias":
             return
         loads = torch.stack([m.load_since_update for m in blocks])  # (n_moe, E)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(loads)
+        if self.moe_group is not None:  # not the whole world: pipeline stages hold different blocks
+            torch.distributed.all_reduce(loads, group=self.moe_group)
         for m, load in zip(blocks, loads, strict=True):
             m.update_bias(load)
 

@@ -29,8 +29,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from xirang_hpc.config.schema import ModelConfig
 
@@ -49,7 +51,8 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Switch-Transformer auxiliary loss over all layers, as transformers' ``load_balancing_loss_func``.
 
     ``router_logits``: one (N, E) tensor per MoE layer. Counts and probabilities are summed over
@@ -57,6 +60,11 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int,
     Hugging Face does for Mixtral and Qwen-MoE: ``E * sum_e f_e * P_e`` with ``f_e`` the top-k
     assignments of expert e per row and ``P_e`` its mean softmax probability. Only ``P`` carries
     gradient (the counts come from a top-k).
+
+    ``group``: the data-parallel ranks that together hold the batch. The loss is a product of two batch
+    means, so a per-rank loss would not be the batch's; instead the counts and row totals are summed over
+    the group (one all-reduce, no gradient needed) and each rank returns ``n * E * sum_e f_e * P_e(local)``
+    (n ranks): the data-parallel mean of these values, and of their gradients, is the whole batch's loss.
     """
     dev = router_logits[0].device
     counts = torch.zeros(num_experts, dtype=torch.float32, device=dev)
@@ -69,7 +77,40 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int,
         counts = counts + torch.bincount(idx.reshape(-1), minlength=num_experts).float()  # (E,)
         probs = probs + p.sum(dim=0)  # (E,)
         rows += p.shape[0]
-    return num_experts * torch.sum((counts / rows) * (probs / rows))
+    if group is None or dist.get_world_size(group) == 1:
+        return num_experts * torch.sum((counts / rows) * (probs / rows))
+    stats = torch.cat([counts, torch.tensor([float(rows)], device=dev)])  # (E + 1,): counts, then rows
+    dist.all_reduce(stats, group=group)
+    counts, total = stats[:-1], stats[-1]
+    return dist.get_world_size(group) * num_experts * torch.sum((counts / total) * (probs / total))
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits whose backward is the reverse exchange (gloo and nccl).
+
+    Row ``i`` of the output came from some rank's input row; its gradient goes back to that row, which is
+    the same exchange with the split sizes swapped.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))  # (sum(out_splits), d)
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))  # (sum(in_splits), d)
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked weight: the DTensor shard under expert parallelism (autograd-aware)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class MoE(nn.Module):
@@ -98,6 +139,10 @@ class MoE(nn.Module):
         # Assignments summed over the forwards since the last bias update (micro-steps of one step).
         self.register_buffer("load_since_update", torch.zeros(e), persistent=False)
         self.router_logits: torch.Tensor | None = None
+        # Expert parallelism (set by xirang_hpc/runtime/expert_parallel.py): w1/w2/w3 are then DTensors sharded
+        # on the expert dim over ep_size ranks, this rank holding experts [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size).
+        self.ep_group: dist.ProcessGroup | None = None
+        self.ep_size = 1
 
     def reset_buffers(self) -> None:
         """Zero the bias and the counters (after ``to_empty``, whose buffers hold garbage)."""
@@ -129,26 +174,68 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # (N*k,)
         token = order // k  # (N*k,): source token of each sorted slot
         counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
+        # Not a forward without grad (a pipeline stage's shape inference runs one): only the training
+        # forwards' loads may steer the bias, as one process counts them.
+        counting = self.training and torch.is_grad_enabled()
         with torch.no_grad():
             self.tokens_per_expert.copy_(counts)
-            if self.training:
+            if counting:
                 self.load_since_update.add_(counts)
         xs = x2[token]  # (N*k, d), expert 0's slots first, then expert 1's, ...
-        # One host sync for the split sizes; then each expert runs on one contiguous slice.
-        # unbind, not w1[e]: indexing a parameter E times makes E full-size (E, ffn, d) zero gradients in
-        # backward; unbind's backward stacks the per-expert gradients once.
-        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)  # E x (ffn, d), (ffn, d), (d, ffn)
-        outs = []
-        for e, xe in enumerate(torch.split(xs, counts.tolist())):  # xe: (n_e, d)
-            if xe.shape[0] == 0:
-                continue
-            h = F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e])  # (n_e, ffn)
-            outs.append(F.linear(h, w2[e]))  # (n_e, d)
-        ys = torch.cat(outs) * w.reshape(-1)[order].unsqueeze(-1)  # (N*k, d), weighted as Hugging Face: after down
+        if self.ep_group is None:
+            # One host sync for the split sizes; then each expert runs on one contiguous slice.
+            ys = self._experts(xs, counts.tolist(), skip_empty=True)  # (N*k, d)
+        else:
+            ys = self._dispatch_and_combine(xs, counts)  # (N*k, d), the same slots, computed by their experts' ranks
+        ys = ys * w.reshape(-1)[order].unsqueeze(-1)  # (N*k, d), weighted as Hugging Face: after down
         out = torch.zeros_like(x2).index_add_(0, token, ys)  # (N, d): sum of each token's k expert outputs
         if self.shared is not None:
             out = out + self.shared(x2)
         return out.view(shape)  # (B, T, d)
+
+    def _experts(self, xs: torch.Tensor, sizes: list[int], skip_empty: bool) -> torch.Tensor:
+        """Run the experts held here on contiguous slices: xs (sum(sizes), d) -> (sum(sizes), d).
+
+        ``sizes[e]`` rows of ``xs`` belong to this rank's e-th expert, in order. ``skip_empty=False`` runs
+        an expert on zero rows too, so the output always depends on every local weight: under expert
+        parallelism a rank that received no tokens must still run the backward's all-to-alls.
+        """
+        # unbind, not w1[e]: indexing a parameter E times makes E full-size (E, ffn, d) zero gradients in
+        # backward; unbind's backward stacks the per-expert gradients once.
+        w1, w3, w2 = (_local(t).unbind(0) for t in (self.w1, self.w3, self.w2))  # E x (ffn, d), (ffn, d), (d, ffn)
+        outs = []
+        for e, xe in enumerate(torch.split(xs, sizes)):  # xe: (n_e, d)
+            if skip_empty and xe.shape[0] == 0:
+                continue
+            h = F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e])  # (n_e, ffn)
+            outs.append(F.linear(h, w2[e]))  # (n_e, d)
+        return torch.cat(outs) if outs else xs[:0]
+
+    def _dispatch_and_combine(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: send each slot to the rank holding its expert, run, send the result back.
+
+        xs (N*k, d) is sorted by expert, ``counts`` (E,) its slots per expert. Expert e lives on ep rank
+        e // (E/ep), so the slots for one destination are contiguous. The split sizes are exchanged first
+        (an all-to-all of the counts), then the rows; what arrives is ordered (source rank, local expert)
+        and is regrouped to (local expert, source rank) so each local expert runs on one contiguous slice,
+        with its tokens in the order one process would give them (sources are consecutive batch shards).
+        """
+        ep, group = self.ep_size, self.ep_group
+        local_e = self.num_experts // ep
+        send = counts.reshape(ep, local_e)  # (ep, E/ep): my slots for each destination's local experts
+        recv = torch.empty_like(send)  # (ep, E/ep): recv[s, j] slots rank s sends to my expert j
+        dist.all_to_all_single(recv, send.contiguous(), group=group)
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        xr = _AllToAll.apply(xs, out_splits, in_splits, group)  # (sum(recv), d), (source, expert) order
+        sizes = recv.reshape(-1).tolist()  # chunk sizes in (source, expert) order
+        by_expert = [s * local_e + j for j in range(local_e) for s in range(ep)]  # chunk order (expert, source)
+        chunks = torch.split(xr, sizes)
+        xe = torch.cat([chunks[i] for i in by_expert])  # (sum(recv), d), each local expert's rows contiguous
+        ye = self._experts(xe, recv.sum(0).tolist(), skip_empty=False)  # (sum(recv), d)
+        ychunks = torch.split(ye, [sizes[i] for i in by_expert])
+        # back to (source, expert) order: chunk (s, j) sits at position j*ep + s of the expert-major list
+        yr = torch.cat([ychunks[j * ep + s] for s in range(ep) for j in range(local_e)])  # (sum(recv), d)
+        return _AllToAll.apply(yr, in_splits, out_splits, group)  # (N*k, d), my slots in their sorted order
 
     def load_imbalance(self) -> float:
         """max/mean tokens per expert in the last forward (1.0 = perfectly balanced, E/k = all on k experts)."""

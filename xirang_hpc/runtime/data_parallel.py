@@ -31,21 +31,23 @@ from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_cp_mesh, dp_shard_
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_after_forward: bool = True,
-               roots: list[nn.Module] | None = None) -> None:
+               roots: list[nn.Module] | None = None, ignored: set[nn.Parameter] | None = None) -> None:
     """Shard ``model`` (GPT or stage) with FSDP2 over the dp dimensions of ``mesh``, in place.
 
     ``roots``: the modules whose forward is called (default ``[model]``). Interleaved pipelines pass
     their stage chunks, each of which then owns (and unshards) the embedding/head it runs.
+    ``ignored``: parameters FSDP2 must not manage (expert-parallel shards, reduced by their own groups).
     """
     if dims.cp > 1:  # each cp rank holds a shard too (the gradients are reduced over dp x cp: cp saw parts of rows)
         shard_cp = dp_shard_cp_mesh(mesh)
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard_cp
     else:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    kw = {"ignored_params": ignored} if ignored else {}
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
     for root in roots or [model]:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
 
 
 def ddp_bucket_cap_mb(comm: CommConfig) -> float:
@@ -59,7 +61,7 @@ def ddp_bucket_cap_mb(comm: CommConfig) -> float:
     return float(comm.bucket)
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -> DDP:
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float = 25.0, ignore: list[str] | None = None) -> DDP:
     """Wrap ``model`` in DDP over the flattened dp sub-mesh (dp x cp with context parallelism; buckets of
     ``bucket_cap_mb`` MB).
 
@@ -67,9 +69,14 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -
     (``_pre_dp_module_transform``): forward hooks that walk every parameter twice per forward to
     swap DTensors in and out. Without tensor-parallel parameters that is pure overhead (~6% of a
     small model's step here), so DDP then gets the dp mesh's process group instead.
+    ``ignore``: parameter and buffer names DDP neither reduces nor broadcasts (expert-parallel shards,
+    per-rank MoE counters).
     """
     dp = dp_cp_mesh(mesh)
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    skip = set(ignore or ())
+    if skip:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(skip))
+    if any(isinstance(p, DTensor) for n, p in model.named_parameters() if n not in skip):
         return DDP(model, device_mesh=dp, bucket_cap_mb=bucket_cap_mb)
     return DDP(model, process_group=dp.get_group(), bucket_cap_mb=bucket_cap_mb)
 

@@ -53,11 +53,18 @@ class ParallelDims:
     tp: int
     world_size: int
     cp: int = 1  # context parallel: ranks sharing each sequence (mesh dimension only when > 1)
+    ep: int = 1  # expert-parallel degree, taken from the dp ranks (not a mesh dimension of its own)
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp_replicate", "dp_shard", "tp", "cp", "world_size"):
+        for name in ("pp", "dp_replicate", "dp_shard", "tp", "cp", "world_size", "ep"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"parallel degree {name}={getattr(self, name)} must be >= 1")
+        hsdp = self.dp_replicate > 1 and self.dp_shard > 1  # then ep groups must lie inside one shard group
+        if self.dp % self.ep or (hsdp and self.dp_shard % self.ep):
+            raise LayoutError(f"ep={self.ep} must divide the data-parallel degree dp={self.dp} (and, with "
+                              f"replicate groups, dp_shard={self.dp_shard})")
+        if self.ep > 1 and self.cp > 1:  # validation refuses both on a MoE model; the mesh has no place for both
+            raise LayoutError(f"ep={self.ep} with cp={self.cp}: expert and context parallelism do not combine")
         if self.pp * self.dp * self.cp * self.tp != self.world_size:
             cp = f" x cp={self.cp}" if self.cp > 1 else ""
             raise LayoutError(
@@ -80,8 +87,9 @@ class ParallelDims:
             rep = max(1, p.dp_replicate)
             if dp % rep:
                 raise LayoutError(f"parallel.dp_replicate={rep} must divide dp={dp}")
-            return cls(pp=p.pp, dp_replicate=rep, dp_shard=dp // rep, tp=p.tp, world_size=world_size, cp=p.cp)
-        return cls(pp=p.pp, dp_replicate=dp, dp_shard=1, tp=p.tp, world_size=world_size, cp=p.cp)
+            return cls(pp=p.pp, dp_replicate=rep, dp_shard=dp // rep, tp=p.tp, world_size=world_size, cp=p.cp,
+                       ep=p.ep)
+        return cls(pp=p.pp, dp_replicate=dp, dp_shard=1, tp=p.tp, world_size=world_size, cp=p.cp, ep=p.ep)
 
     @property
     def dp(self) -> int:
@@ -220,7 +228,8 @@ def format_table(dims: ParallelDims, rows: list[dict[str, int]]) -> str:
                  f"{r['tp']:>3}" for r in rows]
         return "\n".join([head, *lines])
     head = (f"layout pp={dims.pp} dp={dims.dp} (replicate {dims.dp_replicate} x shard {dims.dp_shard}) "
-            f"tp={dims.tp}\n rank  node  local  pp  dp  tp")
+            f"tp={dims.tp}" + (f" ep={dims.ep} (of the dp ranks)" if dims.ep > 1 else "")
+            + "\n rank  node  local  pp  dp  tp")
     lines = [f"{r['rank']:>5} {r['node']:>5} {r['local_rank']:>6} {r['pp']:>3} {r['dp']:>3} {r['tp']:>3}" for r in rows]
     return "\n".join([head, *lines])
 
@@ -232,6 +241,23 @@ def mesh_coords(dims: ParallelDims, mesh: DeviceMesh | None) -> dict[str, int]:
     c = {"cp": 0} | {name: mesh.get_local_rank(name) for name in dims.dim_names}
     c["dp"] = c["dp_replicate"] * dims.dp_shard + c["dp_shard"]
     return c
+
+
+def expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The 2-D ``("edp", "ep")`` mesh of this rank's expert groups (collective: every rank builds all groups).
+
+    The data-parallel ranks of each (pp, tp) position, in flattened dp order, are cut into blocks of ``ep``
+    consecutive ranks: a block is one expert-parallel group (tokens are exchanged inside it; consecutive dp
+    ranks share a node first, so the all-to-all stays on the fast links when ep fits a node), and the ranks
+    at the same position of every block (``edp``, dp/ep of them) hold the same experts and reduce their
+    gradients together. As torchtitan's, the expert mesh is the dp mesh re-cut, not a dimension of the
+    dense mesh, so FSDP and the dense data parallelism keep their groups.
+    """
+    ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
+    # (pp, tp, dp): dp flattened replicate-major as dp_mesh() flattens it, then cut into (dp/ep, ep) blocks
+    by_dp = ranks.permute(0, 3, 1, 2).reshape(dims.pp, dims.tp, dims.dp // dims.ep, dims.ep)
+    full = DeviceMesh(mesh.device_type, by_dp, mesh_dim_names=("pp", "tp", "edp", "ep"))
+    return full["edp", "ep"]
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

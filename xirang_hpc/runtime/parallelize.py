@@ -30,6 +30,7 @@ from xirang_hpc.runtime import pipeline
 from xirang_hpc.runtime.compile import apply_compile, probe
 from xirang_hpc.runtime.context_parallel import ContextShards, apply_context_parallel
 from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer, ddp_bucket_cap_mb
+from xirang_hpc.runtime.expert_parallel import ExpertParallel, apply_expert_parallel, data_parallel_ignored
 from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims, dp_mesh, mesh_coords
 from xirang_hpc.runtime.precision import apply_autocast, apply_float8
 from xirang_hpc.runtime.recompute import apply_recompute
@@ -54,6 +55,7 @@ class ParallelModel:
     n_microbatches: int = 1
     precision: str = "fp32"  # resolved train.precision: fp32 | bf16 (autocast) | fp8 (autocast + float8 linears)
     seq_shards: ContextShards | None = None  # context parallelism: this rank's shard of every row
+    expert: ExpertParallel | None = None  # parallel.ep > 1: the expert groups; reduces the expert gradients
 
     @property
     def is_first_stage(self) -> bool:
@@ -114,6 +116,9 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
     if dims.tp > 1:
         for c in chunks:  # per chunk: sequence-parallel scatter/gather sits at each stage's boundary
             apply_tensor_parallel(c, mesh["tp"], p.sequence_parallel)
+    # Experts sharded over ep of the dp ranks (still on meta); data parallelism below leaves them alone.
+    expert = apply_expert_parallel(model, mesh, dims)
+    ignored, ignored_names = data_parallel_ignored(model)
     apply_recompute(model, p.recompute)
     if t.compile:  # regional: each block, over its TP plan and recompute wrapper, before FSDP2 wraps it
         apply_compile(model, chunks if chunks_per_rank > 1 else ())
@@ -128,7 +133,7 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
         # 1F1B pipeline runs. FSDP2 with a shard degree of 1 is exactly replication (gradient
         # all-reduce over dp), DTensor- and pipeline-aware, so it stands in for DDP there.
         # ZeRO-2 keeps the gathered weights from forward to backward; ZeRO-3 (and replication) reshards.
-        apply_fsdp(model, mesh, dims, reshard_after_forward=layout.zero != 2, roots=chunks)
+        apply_fsdp(model, mesh, dims, reshard_after_forward=layout.zero != 2, roots=chunks, ignored=ignored)
     if not _full_build:
         model.materialize(device, seed=t.seed)  # this rank's stage/shards only
         for c in chunks:  # stage views hold their own references to the (recomputed) rope tables
@@ -143,11 +148,11 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
     if use_fsdp:
         kind = "fsdp"
     elif dims.dp_cp > 1:
-        module = apply_ddp(model, mesh, ddp_bucket_cap_mb(cfg.comm))
+        module = apply_ddp(model, mesh, ddp_bucket_cap_mb(cfg.comm), ignore=ignored_names)
         kind = "ddp"
     pm = ParallelModel(dims=dims, mesh=mesh, model=model, module=module, data_parallel=kind, zero=layout.zero,
                        coords=coords,
-                       stage_layers=ranges[stages[0]], precision=precision, seq_shards=shards)
+                       stage_layers=ranges[stages[0]], precision=precision, seq_shards=shards, expert=expert)
     if dims.pp > 1:
         pm.n_microbatches = p.microbatches * t.grad_accum
         interleaved = chunks_per_rank > 1

@@ -271,6 +271,7 @@ class Trainer:
         """Plain synchronous DDP: every rank ends the backward with the same full gradients."""
         c = self.cfg.comm
         return (self.pm.data_parallel == "ddp" and self.pm.dims.tp == 1 and self.pm.dims.pp == 1
+                and self.pm.expert is None
                 and c.inter_node_budget == 0 and c.sync_period <= 1)
 
     def train_step(self, step: int, reduce_loss: bool = True) -> tuple[float, float]:
@@ -327,6 +328,9 @@ class Trainer:
                     loss.backward()
                 loss_sum += loss.item()
         self.phase("optimizer")
+        if self.pm.expert is not None:  # expert shards: summed over the ranks holding the same experts
+            with liveness.collective("expert-gradient all-reduce"):
+                self.pm.expert.reduce_grads()
         with liveness.collective("grad-norm / loss all-reduce"):
             mean_loss, gnorm = clip_and_reduce(self.pm, t.grad_clip, loss_sum, self._grads_replicated(), reduce_loss)
         if self.dpo and reduce_loss:  # the logged steps: every rank reduces (the flag is the same on all)

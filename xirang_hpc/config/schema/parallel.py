@@ -33,6 +33,9 @@ class ParallelConfig:
     # 2 = + gradients sharded (FSDP2 keeping weights gathered from forward to backward),
     # 3 = + weights sharded (FSDP2). -1 = derived: 3 for data_parallel=fsdp, 1 for optimizer_sharding, else 0.
     zero: int = -1
+    # Expert parallelism (mixture-of-experts models): each expert lives on one of ep ranks, which are taken
+    # from the data-parallel ranks (ep divides dp); tokens travel to their experts by all-to-all.
+    ep: int = 1
     # parallel=auto: xirang-train runs the planner at launch and fills in the fields above.
     auto: bool = False
 
@@ -52,6 +55,7 @@ class ParallelConfig:
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigError("parallel.recompute", self.recompute, "choose none, selective or full")
         check_positive("parallel", "dp_replicate", self.dp_replicate)
+        check_positive("parallel", "ep", self.ep)
         if self.zero not in (-1, 0, 1, 2, 3):
             raise ConfigError("parallel.zero", self.zero, "choose a ZeRO stage 0, 1, 2 or 3 (or -1 to derive it "
                               "from parallel.data_parallel / parallel.optimizer_sharding)")

@@ -1,0 +1,109 @@
+"""Expert parallelism (``parallel.ep``): each rank holds E/ep experts of every mixture-of-experts block.
+
+The expert-parallel ranks are data-parallel ranks re-cut (:func:`~xirang_hpc.runtime.parallel_dims.expert_mesh`,
+torchtitan's rule ``dp_shard * cp * tp == efsdp * ep`` with cp = tp = 1): blocks of ``ep`` consecutive dp ranks
+exchange tokens, and the ``dp / ep`` ranks at the same position of each block (``edp``) hold the same experts.
+
+- The stacked expert weights ``w1``/``w3``/``w2`` (E, ...) become DTensors sharded on the expert dim over the
+  ``ep`` mesh (``Shard(0)``), on the meta device before materialising, so each rank allocates and initialises
+  only its experts (the layout-independent init gives them the values one process would) and the checkpoint
+  (DCP) sees their global placement: it loads under any other ``ep``, or none.
+- The router, the attention and every dense weight stay data-parallel over all dp ranks (DDP or FSDP2, which
+  are told to leave the expert weights alone); tokens are routed where they are, dispatched to their experts
+  by all-to-all and combined back (``MoE._dispatch_and_combine``, models/moe.py).
+- An expert weight's gradient after the backward already sums the contributions of every token of its ep
+  group (the all-to-all's backward brought them); :meth:`ExpertParallel.reduce_grads` sums it over the
+  ``edp`` ranks and divides by dp, which is the data-parallel mean the dense weights get.
+- The load-balancing statistics are summed over all dp ranks (``GPT.moe_group``), so the auxiliary loss and
+  the expert-bias update are the whole batch's, as in one process; this holds without ep too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from xirang_hpc.models.moe import MoE
+from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh, expert_mesh
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+# Per-rank observations of a MoE block, never synchronised by data parallelism (DDP would broadcast rank 0's).
+LOCAL_BUFFERS = ("tokens_per_expert", "load_since_update")
+
+
+@dataclass
+class ExpertParallel:
+    """The expert groups of one rank and the expert weights it holds (DTensor shards on the ``ep`` mesh)."""
+
+    mesh: DeviceMesh  # ("edp", "ep")
+    dp: int
+    params: list[nn.Parameter]
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """After the backward (all microbatches): expert gradients summed over ``edp``, divided by dp.
+
+        A rank whose experts got no token still has a zero gradient (the experts ran on zero rows), so
+        every rank joins every all-reduce.
+        """
+        edp = self.mesh["edp"]
+        for p in self.params:
+            if p.grad is None:  # e.g. an evaluation-only forward; keep the collectives aligned
+                p.grad = DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, p.placements,
+                                            run_check=False)
+        grads = [p.grad.to_local() for p in self.params]  # type: ignore[union-attr]
+        if edp.size() > 1:  # one message for all experts of all blocks, not one per tensor
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=edp.get_group())
+            for g, v in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                g.copy_(v)
+        torch._foreach_div_(grads, float(self.dp))
+
+
+def moe_blocks(model: nn.Module) -> list[MoE]:
+    """The MoE feed-forwards of ``model`` (a GPT or a stage of it)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims) -> ExpertParallel | None:
+    """Shard the experts over ``dims.ep`` ranks and give the blocks their groups (before materialising).
+
+    Collective when ``mesh`` is set (the expert mesh's groups). Without MoE blocks nothing changes. With
+    several dp ranks the model's token statistics group is set whatever ``ep`` is; the returned object
+    (``ep > 1`` only) reduces the expert gradients.
+    """
+    blocks = moe_blocks(model)
+    if not blocks or mesh is None:
+        return None
+    if dims.dp > 1:
+        model.moe_group = dp_mesh(mesh).get_group()  # type: ignore[assignment]
+    if dims.ep == 1:
+        return None
+    emesh = expert_mesh(mesh, dims)
+    ep_mesh = emesh["ep"]
+    params: list[nn.Parameter] = []
+    for m in blocks:
+        for name in EXPERT_WEIGHTS:
+            full = getattr(m, name)  # (E, ...), meta
+            local = full.new_empty((full.shape[0] // dims.ep, *full.shape[1:]))  # (E/ep, ...), meta
+            shard = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
+                                                    shape=full.shape, stride=full.stride()))
+            setattr(m, name, shard)
+            params.append(shard)
+        m.ep_group, m.ep_size = ep_mesh.get_group(), dims.ep
+    return ExpertParallel(mesh=emesh, dp=dims.dp, params=params)
+
+
+def data_parallel_ignored(model: nn.Module) -> tuple[set[nn.Parameter], list[str]]:
+    """What DDP/FSDP2 must leave alone: the expert-parallel weights, and (names) the per-rank MoE buffers."""
+    experts = {id(getattr(m, name)): getattr(m, name) for m in moe_blocks(model) for name in EXPERT_WEIGHTS}
+    params = {p for i, p in experts.items() if isinstance(p, DTensor)}
+    names = [n for n, p in model.named_parameters() if id(p) in experts and isinstance(p, DTensor)]
+    names += [n for n, _ in model.named_buffers() if n.rsplit(".", 1)[-1] in LOCAL_BUFFERS]
+    return params, names
