@@ -402,3 +402,14 @@ def test_a_deadline_alone_plans_the_most_compute_it_allows() -> None:
     assert 0.8 * 14 * 86400 <= tp.wall_s <= 14 * 86400
     with pytest.raises(ConfigError, match="say how much to train"):
         plan_target(typed_config(compose_cfg([*H100, "target.budget=5000"])))
+
+
+def test_a_resample_whose_coefficients_overflow_is_left_out_not_a_crash() -> None:
+    """A bootstrap resample of a real sweep ran its log-coefficients past exp's range (OverflowError, a traceback
+    from xirang-plan --fit-scaling): such a resample is no law and is dropped; finite ones are kept."""
+    from xirang_hpc.planner.scaling import _finite_law
+
+    assert _finite_law(np.array([800.0, 5.0, 0.5, 0.3, 0.3])) is None
+    assert _finite_law(np.array([5.0, np.nan, 0.5, 0.3, 0.3])) is None
+    e, a, b, alpha, beta = _finite_law(np.array([5.0, 6.0, 0.5, 0.3, 0.35]))
+    assert (a, b, e, alpha, beta) == pytest.approx((np.exp(5.0), np.exp(6.0), np.exp(0.5), 0.3, 0.35))

@@ -314,6 +314,14 @@ def _to_law(row: np.ndarray) -> tuple[float, ...]:
     return (math.exp(e), math.exp(a), math.exp(b), al, be)
 
 
+def _finite_law(row: np.ndarray) -> tuple[float, ...] | None:
+    """:func:`_to_law`, or None for a resample whose optimiser ran off to a coefficient beyond a float
+    (a degenerate resample: e.g. one that repeats a single model size, so A and alpha trade off without bound)."""
+    if not np.isfinite(row).all() or np.abs(row[:3]).max() > 700.0:  # exp(709) is the largest double
+        return None
+    return _to_law(row)
+
+
 def _points_table(points: Sequence[Point]) -> str:
     rows = [f"  N={p.params:.4g} D={p.tokens:.4g} loss={p.loss:.4f}" + (f"  {p.run}" if p.run else "")
             for p in sorted(points, key=lambda p: (p.params, p.tokens))]
@@ -389,8 +397,13 @@ def fit(points: Sequence[Point], bootstrap: int = 200, seed: int = 0, starts: np
         xb, fb = lbfgs(fun_w(w), np.tile(np.stack(warm), (bootstrap, 1)))
         fb = np.where(np.isfinite(fb), fb, np.inf).reshape(bootstrap, k)  # (B, k)
         pick = xb.reshape(bootstrap, k, 5)[np.arange(bootstrap), np.argmin(fb, axis=1)]  # (B, 5)
-        samples = [_to_law(r) for r in pick]
-    e_, a_, b_, al, be = _to_law(best)
+        # Degenerate resamples are left out of the intervals (they are not a law at all).
+        samples = [law for law in map(_finite_law, pick) if law is not None]
+    law = _finite_law(best)
+    if law is None:
+        raise ScalingError("the fit ran off to coefficients beyond a float (the runs do not pin the law down); "
+                           f"add runs of other sizes and token counts. Points:\n{_points_table(points)}")
+    e_, a_, b_, al, be = law
     return ScalingLaw(E=e_, A=a_, B=b_, alpha=al, beta=be, source=source or f"fit of {len(points)} runs",
                       samples=tuple(samples))
 
