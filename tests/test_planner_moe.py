@@ -221,17 +221,15 @@ def test_moe_presets_plan_on_h100_nodes(preset: str) -> None:
     assert all(e.plan.tp == 1 and e.plan.pp == 1 and e.plan.dp % e.plan.ep == 0 for e in res.ranked if e.plan.ep > 1)
 
 
-def test_ep_plans_are_runnable_only_where_the_config_has_parallel_ep() -> None:
-    """parallel=auto and xirang-plan rank only what the runtime runs: ep > 1 needs a ``parallel.ep`` field in the
-    schema (written by apply_plan when it exists), ep = 1 plans stay expressible as before."""
-    from xirang_hpc.planner.auto import _has_ep, apply_plan, expressible
+def test_ep_plans_are_written_into_parallel_ep_and_vetoed_where_the_runtime_refuses_them() -> None:
+    """parallel=auto and xirang-plan rank only what the runtime runs: an ep plan is written into ``parallel.ep``;
+    one the runtime refuses (expert parallelism with tensor parallelism) is vetoed by the config's validation."""
+    from xirang_hpc.planner.auto import apply_plan, expressible, runtime_allows
 
     cfg = load_config(compose_cfg(["model=qwen3-30b-a3b", "parallel=fsdp", "train.global_batch=8"]))
     with_ep = Plan(dp=4, tp=1, pp=1, micro=1, zero=3, ep=4)
-    if _has_ep(cfg):  # a build whose schema has parallel.ep
-        assert expressible(with_ep, cfg) and apply_plan(cfg, with_ep).parallel.ep == 4
-    else:
-        assert not expressible(with_ep, cfg)
-        with pytest.raises(ValueError, match="expert parallelism without parallel.ep"):
-            apply_plan(cfg, with_ep)
+    assert expressible(with_ep, cfg) and apply_plan(cfg, with_ep).parallel.ep == 4
+    allows = runtime_allows(cfg)
+    assert allows(with_ep)
+    assert not allows(Plan(dp=2, tp=2, pp=1, micro=1, zero=3, ep=2))
     assert expressible(dataclasses.replace(with_ep, ep=1), cfg)

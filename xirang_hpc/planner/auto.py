@@ -39,31 +39,25 @@ def problem_of(cfg: XirangConfig) -> Problem:
     return Problem(Shape.from_model(cfg.model), hw, c.nodes, c.tasks_per_node, cfg.train.global_batch)
 
 
-def _has_ep(cfg: XirangConfig | None) -> bool:
-    """Whether this build's ``ParallelConfig`` has an expert parallel degree (``parallel.ep``)."""
-    return cfg is not None and any(f.name == "ep" for f in dataclasses.fields(cfg.parallel))
-
-
 def expressible(plan: Plan, cfg: XirangConfig | None = None) -> bool:
-    """Every ZeRO stage composes with tp and pp (``parallel.zero``); interleaving needs a pipeline; expert
-    parallelism (ep > 1) needs a ``parallel.ep`` field in the config schema."""
-    return (plan.v == 1 or plan.pp > 1) and (plan.ep == 1 or _has_ep(cfg))
+    """Every ZeRO stage composes with tp and pp (``parallel.zero``); interleaving needs a pipeline. What the
+    runtime refuses beyond that (expert parallelism with tp or pp, say) the validation of the written config
+    says (:func:`runtime_allows`)."""
+    return plan.v == 1 or plan.pp > 1
 
 
 def apply_plan(cfg: XirangConfig, plan: Plan) -> XirangConfig:
     """``cfg`` with the plan's degrees written in (not validated)."""
     if not expressible(plan, cfg):
-        raise ValueError(f"plan {plan.label()} cannot be expressed in ParallelConfig (interleaving without pp, "
-                         "or expert parallelism without parallel.ep)")
+        raise ValueError(f"plan {plan.label()} cannot be expressed in ParallelConfig (interleaving without pp)")
     m = cfg.train.global_batch // (plan.dp * plan.micro)
-    extra = {"ep": plan.ep} if _has_ep(cfg) else {}
     par = dataclasses.replace(
         cfg.parallel, dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero=plan.zero,
         data_parallel="fsdp" if plan.zero >= 2 else "ddp", optimizer_sharding=plan.zero >= 1, dp_replicate=1,
         microbatches=m if plan.pp > 1 else 1,
         schedule="interleaved" if plan.v > 1 else ("gpipe" if plan.schedule == "gpipe" else "1f1b"),
         virtual_stages=plan.v if plan.v > 1 else cfg.parallel.virtual_stages, recompute=plan.recompute,
-        sequence_parallel=plan.sp, **extra)
+        sequence_parallel=plan.sp, ep=plan.ep)
     train = dataclasses.replace(cfg.train, grad_accum=1 if plan.pp > 1 else m)
     return dataclasses.replace(cfg, parallel=par, train=train)
 
