@@ -413,3 +413,7 @@ def test_a_resample_whose_coefficients_overflow_is_left_out_not_a_crash() -> Non
     assert _finite_law(np.array([5.0, np.nan, 0.5, 0.3, 0.3])) is None
     e, a, b, alpha, beta = _finite_law(np.array([5.0, 6.0, 0.5, 0.3, 0.35]))
     assert (a, b, e, alpha, beta) == pytest.approx((np.exp(5.0), np.exp(6.0), np.exp(0.5), 0.3, 0.35))
+    # A refit with a large exponent (seen: alpha 34) predicts a finite loss at a large model, no OverflowError
+    # (3.67e6 ** 60 is beyond a float).
+    steep = ScalingLaw(E=1.0, A=1e7, B=20.0, alpha=60.0, beta=0.18)
+    assert steep.loss(3.67e6, 5.8e5) == pytest.approx(1.0 + 20.0 * 5.8e5 ** -0.18)

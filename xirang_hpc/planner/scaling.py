@@ -92,8 +92,12 @@ class ScalingLaw:
     samples: tuple[tuple[float, ...], ...] = field(default=(), repr=False)
 
     def loss(self, n: float, d: float) -> float:
-        """Predicted loss of ``n`` parameters trained on ``d`` tokens."""
-        return self.E + self.A / n**self.alpha + self.B / d**self.beta
+        """Predicted loss of ``n`` parameters trained on ``d`` tokens.
+
+        Written with negative powers: a bootstrap refit can carry a large exponent, and ``n**alpha`` would
+        overflow a float where ``n**-alpha`` only underflows to 0.
+        """
+        return self.E + self.A * n ** -self.alpha + self.B * d ** -self.beta
 
     @property
     def _G(self) -> float:
