@@ -401,8 +401,14 @@ def fit(points: Sequence[Point], bootstrap: int = 200, seed: int = 0, starts: np
         xb, fb = lbfgs(fun_w(w), np.tile(np.stack(warm), (bootstrap, 1)))
         fb = np.where(np.isfinite(fb), fb, np.inf).reshape(bootstrap, k)  # (B, k)
         pick = xb.reshape(bootstrap, k, 5)[np.arange(bootstrap), np.argmin(fb, axis=1)]  # (B, 5)
-        # Degenerate resamples are left out of the intervals (they are not a law at all).
+        # Degenerate resamples are left out of the intervals (they are not a law at all); where most are, the
+        # runs do not determine the law and an extrapolation from it would be a guess.
         samples = [law for law in map(_finite_law, pick) if law is not None]
+        if len(samples) < bootstrap / 2:
+            raise ScalingError(f"{bootstrap - len(samples)} of {bootstrap} bootstrap refits ran off to coefficients "
+                               "beyond a float: the runs do not determine the law (typically: the loss does not fall "
+                               "with model size at a fixed token count); refusing to extrapolate. Train the sweep "
+                               f"longer or with more sizes. Points:\n{_points_table(points)}")
     law = _finite_law(best)
     if law is None:
         raise ScalingError("the fit ran off to coefficients beyond a float (the runs do not pin the law down); "
