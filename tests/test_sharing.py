@@ -82,7 +82,9 @@ def home(users: dict[str, str]) -> Iterator[Path]:
 
 
 def _as(user: str, *argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XIRANG_SHARE", "PYTEST"))}
+    # Not root's: its temporary directory and the compile cache torch exported there (TORCHINDUCTOR_CACHE_DIR).
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("XIRANG_SHARE", "PYTEST", "TORCHINDUCTOR_", "TRITON_")) and k != "TMPDIR"}
     env.update(HOME=str(cwd), PATH=f"{BIN}:{env.get('PATH', '/usr/bin:/bin')}")
     return subprocess.run(["runuser", "-u", user, "--", *argv], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=900)

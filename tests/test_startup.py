@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 
@@ -65,6 +66,20 @@ def test_import_paused_names_the_modules_that_failed_and_imports_the_rest() -> N
     assert [name for name, _ in failed] == ["xirang_hpc_no_such_module"]
     assert isinstance(failed[0][1], ModuleNotFoundError)
     assert "colorsys" in sys.modules and gc.isenabled()
+
+
+def test_a_rank_that_cannot_import_its_stack_says_why_not_what_a_second_import_says(tmp_path) -> None:
+    """torch._dynamo makes its compile cache directory half-way through its import; when that fails (a cache
+    path inherited from another user), the first error is the rank's error, named, and not the unrelated
+    "already registered" of importing the half-imported module again."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = "from xirang_hpc.job.entry import training_stack\ntraining_stack()"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(blocker / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0
+    assert "NotADirectoryError" in out.stderr and f"TORCHINDUCTOR_CACHE_DIR={blocker / 'cache'}" in out.stderr
+    assert "while importing torch._dynamo" in out.stderr and "already registered" not in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("module", ["xirang_hpc.job.entry", "xirang_hpc.local.preload"])

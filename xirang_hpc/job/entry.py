@@ -9,6 +9,7 @@ instead of the seconds torch's import costs), and it imports :func:`training.run
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 from typing import Any
 
@@ -30,7 +31,14 @@ def training_stack() -> ModuleType:
     collector paused and what they made frozen (``runtime/startup.py`` says why)."""
     from xirang_hpc.runtime.startup import TRAINING_STACK, import_paused
 
-    # A module that fails here is imported again below, or where the run needs it, and fails there.
-    import_paused([*TRAINING_STACK, "xirang_hpc.job.training"])
+    # The first failure is the cause: importing a module again after it failed half-way (torch._dynamo
+    # registers its caches before it makes its cache directory) fails with an unrelated error.
+    for name, exc in import_paused([*TRAINING_STACK, "xirang_hpc.job.training"]):
+        cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if isinstance(exc, OSError) and cache and str(exc.filename or "").startswith(cache):
+            exc.add_note(f"TORCHINDUCTOR_CACHE_DIR={cache} (torch's compile cache) cannot be made by this user: "
+                         "unset it or point it at a directory of your own")
+        exc.add_note(f"while importing {name} before the rank's first step")
+        raise exc
     # By name: this module is what the submitting side imports (``.importlinter`` keeps torch out of it).
     return importlib.import_module("xirang_hpc.job.training")

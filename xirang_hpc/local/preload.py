@@ -322,8 +322,11 @@ def serve(path: Path, ntasks: int) -> None:
     # XIRANG_PRELOAD_MODULES (comma-separated) replaces the list, e.g. to add the module of one's own model.
     names = [m for m in os.environ.get("XIRANG_PRELOAD_MODULES", ",".join(PRELOAD)).split(",") if m]
     gc.disable()  # and kept off after the imports: the server makes little; each rank enables it again
-    for name, exc in import_paused(names):  # the rank imports it itself, and reports a real failure
+    failed = import_paused(names)
+    for name, exc in failed:
         print(f"xirang preload: cannot preload {name}: {exc}", file=sys.stderr, flush=True)
+    if failed:  # a forked rank would import a half-imported module again; it starts plainly and says why
+        return
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA: do not serve
         print("xirang preload: CUDA is initialized in the fork server; ranks start plainly", file=sys.stderr)
