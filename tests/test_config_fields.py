@@ -47,7 +47,7 @@ from xirang_hpc.runtime.comm.install import parse_bucket
 from xirang_hpc.runtime.data_parallel import adamw_impl
 from xirang_hpc.runtime.dist import pick_backend, threads_per_rank
 from xirang_hpc.runtime.parallel_dims import Layout, ParallelDims
-from xirang_hpc.runtime.policy import REASONS, decide
+from xirang_hpc.runtime.policy import REASONS, History, decide
 from xirang_hpc.runtime.schedule import lr_at
 from xirang_hpc.serve.run import limits_for
 from xirang_hpc.submit.executors import local_python
@@ -78,7 +78,8 @@ def lr_schedule(cfg: XirangConfig) -> list[float]:
 
 
 def requeue_decisions(cfg: XirangConfig) -> list[Any]:
-    return [decide(r, n, cfg.requeue) for r in [*REASONS, "terminated"] for n in range(7)]
+    spent = History(days=0.5, used={"failures": 6, "preemptions": 6, "timeouts": 6})  # the rates' budgets
+    return [decide(r, n, cfg.requeue, h) for r in [*REASONS, "terminated"] for n in range(7) for h in (None, spent)]
 
 
 def retention(cfg: XirangConfig) -> list[int]:
@@ -251,7 +252,8 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     # requeue: the decisions for every stop reason and restart count
     **{f"requeue.{k}": (v, requeue_decisions, []) for k, v in {
         "enabled": False, "max_requeues": 1, "on_preemption": False, "on_timeout": False, "on_node_failure": False,
-        "on_nonzero_exit": True, "backoff_s": 30, "start_now": True}.items()},
+        "on_nonzero_exit": True, "backoff_s": 30, "start_now": True, "failures_per_day": 5.0,
+        "preemptions_per_day": 0.0, "timeouts_per_day": 0.0, "budget_burst": 20}.items()},
     "requeue.exclude_failed_nodes": (False, reads("xirang_hpc.batch.supervise"), []),
     "requeue.max_restarts_in_job": (3, reads("xirang_hpc.batch.injob"), []),  # the default preset says 2
     "requeue.min_nodes": (1, reads("xirang_hpc.config.elastic"), []),

@@ -230,8 +230,31 @@ def test_plan_cli_goodput_json() -> None:
     assert {r["policy"] for r in out["results"]} == {"requeue", "in-job", "in-job+memory"}
     for r in out["results"]:
         assert sum(r["breakdown_pct"].values()) == pytest.approx(100)
-    # The default requeue budget (5) is far below what 2 days at 16,384 GPUs need: said so.
-    assert any("max_requeues_exceeded" in n for n in out["notes"]), out["notes"]
+    # The default budgets are rates that grow with the run's size: 2 days at 16,384 GPUs stay within them ...
+    assert not any("exceeded" in n for n in out["notes"]), out["notes"]
+    # ... where the deprecated total cap (the old default, 5) ends the run, and a low rate too: each said so.
+    capped = to_typed(compose_cfg(["model=llama3-405b", "cluster=h100-ib", "cluster.nodes=2048",
+                                   "requeue.max_requeues=5", "requeue.failures_per_day=1",
+                                   "requeue.max_restarts_in_job=0"]))
+    notes = json.loads(plan_cli.goodput(capped, {"days": "2", "seeds": "3", "step_s": "8"}, True))["notes"]
+    assert any("max_requeues_exceeded" in n for n in notes), notes
+    assert any("requeue.failures_per_day=" in n and "requeue_budget_exceeded" in n for n in notes), notes
+
+
+def test_the_default_failure_budget_covers_what_the_simulator_says_a_llama3_scale_run_needs() -> None:
+    """Llama 3 405B's setting (16,384 GPUs, 54 days, its interruption rates), every policy: the requeue
+    budget's default rates at 2,048 nodes let through the most requeues of each class over the seeds."""
+    from xirang_hpc.config.schema import RequeueConfig
+    from xirang_hpc.planner.goodput_sim import llama3_405b, recommend
+
+    rec = recommend(llama3_405b(seeds=8), "requeue")
+    budget = RequeueConfig().with_default_rates(nodes=2048, time_min=1440)
+    for r in [*rec.results, rec.configured]:
+        need = r.needed_rates(54.0, budget.budget_burst)
+        assert 0 < need["failures_per_day"] <= budget.failures_per_day, (r.policy, need)
+        assert need["preemptions_per_day"] <= budget.preemptions_per_day, (r.policy, need)
+    # Under the requeue policy every unplanned interruption is a requeue: ~419 in 54 days, ~7.8 a day.
+    assert 6.5 < rec.configured.needed_rates(54.0, 0)["failures_per_day"] < 9.5
 
 
 @pytest.mark.slow

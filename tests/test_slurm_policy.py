@@ -9,7 +9,7 @@ from conftest import compose_cfg
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import RequeueConfig
 from xirang_hpc.config.validate import load_config
-from xirang_hpc.runtime.policy import decide
+from xirang_hpc.runtime.policy import History, budget_left, decide
 from xirang_hpc.slurm import control
 
 # A real `scontrol show job -o` line from the testbed (job preempted by a `high` job), trimmed.
@@ -93,7 +93,53 @@ def test_policy_switches_limits_and_backoff():
 @pytest.mark.parametrize("preset", ["default", "testbed", "never", "site-strict"])
 def test_requeue_presets_compose(preset):
     cfg = load_config(compose_cfg([f"requeue={preset}"]))
-    assert cfg.requeue.max_requeues >= 0
+    assert cfg.requeue.max_requeues is None  # no preset uses the deprecated total cap
+    r = cfg.requeue  # validation sets every rate left at null
+    assert all(v is not None and v >= 0 for v in (r.failures_per_day, r.preemptions_per_day, r.timeouts_per_day))
+
+
+def _requeues(*reasons: str, start: float = 0.0) -> list[dict]:
+    return [{"time": start, "kind": "start", "reason": "launch"}] + [
+        {"time": start + 60.0 * (i + 1), "kind": "requeue", "reason": r} for i, r in enumerate(reasons)]
+
+
+def test_budgets_are_rates_per_class_so_a_long_run_keeps_recovering_and_a_crash_loop_ends():
+    p = RequeueConfig(failures_per_day=1.0, preemptions_per_day=24.0, timeouts_per_day=2.0, budget_burst=5)
+    day = 86400.0
+    # A crash loop: five node failures in five minutes spend the burst; the sixth ends the run, by name.
+    loop = History.of(_requeues(*["node_failure"] * 5), now=360.0)
+    assert loop.used == {"failures": 5, "preemptions": 0, "timeouts": 0}
+    d = decide("infra_failure", 5, p, loop)  # the same class: failures
+    assert not d.requeue and d.final_status == "requeue_budget_exceeded"
+    assert "requeue budget for failures spent: 5 requeue(s)" in d.why and "requeue.failures_per_day=1" in d.why
+    # ... while the other classes keep their own budgets.
+    assert decide("preemption", 5, p, loop).requeue and decide("timeout", 5, p, loop).requeue
+    # Sixty days at the fleet's rate: 60 failures, 120 time limits and 300 preemptions (415 requeues; the old
+    # default ended a run after 5 in all) stay within budget, and the status counts what is left.
+    events = _requeues(*(["node_failure"] * 60 + ["timeout"] * 120 + ["preemption"] * 300))
+    long = History.of(events, now=60 * day)
+    assert round(long.days, 6) == 60.0
+    for reason in ("node_failure", "timeout", "preemption"):
+        assert decide(reason, 480, p, long).requeue, reason
+    left = budget_left(p, long)
+    assert (left["failures"].used, left["failures"].allowed, left["failures"].left) == (60, 65, 5)
+    assert (left["timeouts"].allowed, left["preemptions"].allowed) == (125, 1445)
+    # The deprecated total cap still applies on top when set.
+    assert decide("preemption", 3, RequeueConfig(max_requeues=3), long).final_status == "max_requeues_exceeded"
+
+
+def test_default_rates_follow_the_run_size_and_allocation_length():
+    """null rates are set at validation: failures at 2x Llama 3's unplanned rate for the node count (at least
+    1 a day), time limits at 2x the allocations a day holds; an explicit rate is kept."""
+    small = load_config(compose_cfg([]))
+    assert small.requeue.failures_per_day == 1.0 and small.requeue.preemptions_per_day == 24.0
+    assert small.requeue.timeouts_per_day == round(2 * 1440 / small.cluster.time_min, 2)
+    big = RequeueConfig().with_default_rates(nodes=2048, time_min=1440)
+    assert big.failures_per_day == round(2 * 419 / 54, 2) and big.timeouts_per_day == 2.0  # 15.52: 2x 7.76 a day
+    assert RequeueConfig(failures_per_day=0.5).with_default_rates(2048, 60).failures_per_day == 0.5
+    for bad in ("requeue.failures_per_day=-1", "requeue.budget_burst=-1", "requeue.timeouts_per_day=nan"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(compose_cfg([bad]))
 
 
 def test_missing_scontrol_is_a_clear_error(monkeypatch):
@@ -320,3 +366,36 @@ def test_exclusion_adds_failed_nodes_to_earlier_ones_but_never_strands_the_job(m
         raise control.SlurmCommandError("scontrol failed")
     monkeypatch.setattr(control, "run_scontrol", broken)
     assert exclusion("7", ["n1"], 1, "low") == []  # no exclusion; the requeue still happens
+
+
+def test_status_says_how_much_requeue_budget_is_left(tmp_path):
+    """``xirang-status RUN`` counts each class's requeues against its budget as the run's policy sets it."""
+    import dataclasses
+    import json
+    import time
+
+    from xirang_hpc.runs.render import render_run
+    from xirang_hpc.runs.status import run_status
+
+    cfg = load_config(compose_cfg(["requeue.failures_per_day=2", "requeue.budget_burst=3"]))
+    (tmp_path / "config.json").write_text(json.dumps({"config": dataclasses.asdict(cfg)}))
+    now = time.time()
+    rows = _requeues("node_failure", "oom", "preemption", start=now - 86400.0)  # started a day ago
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = run_status(tmp_path, now=now, run=lambda *a, **k: "")
+    b = s["requeue_budget"]["classes"]
+    assert (b["failures"]["used"], b["failures"]["allowed"], b["failures"]["left"]) == (2, 5, 3)  # 3 + 2 x 1 day
+    assert (b["preemptions"]["used"], b["timeouts"]["used"]) == (1, 0)
+    text = render_run(s)
+    assert "failures 2 used, 3 left (3 + 2/day)" in text and "preemptions 1 used" in text, text
+    (tmp_path / "config.json").write_text(json.dumps({"config": {**dataclasses.asdict(cfg),
+                                                                  "requeue": {"enabled": False}}}))
+    assert run_status(tmp_path, now=now, run=lambda *a, **k: "")["requeue_budget"] is None
+
+
+def test_the_deprecated_total_cap_warns_at_launch():
+    from xirang_hpc.cli.train import deprecation_notes
+
+    assert deprecation_notes(load_config(compose_cfg([]))) == []
+    (note,) = deprecation_notes(load_config(compose_cfg(["requeue.max_requeues=4"])))
+    assert "requeue.max_requeues=4 is deprecated" in note and "requeue.failures_per_day" in note

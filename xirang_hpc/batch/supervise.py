@@ -30,7 +30,7 @@ from xirang_hpc.config.schema import RequeueConfig
 from xirang_hpc.monitor import audit
 from xirang_hpc.monitor.events import append_event, failed_nodes, read_events, storage_failure
 from xirang_hpc.runtime.markers import missing_ranks
-from xirang_hpc.runtime.policy import decide
+from xirang_hpc.runtime.policy import History, decide
 from xirang_hpc.slurm import control
 from xirang_hpc.slurm.commands import call
 from xirang_hpc.slurm.jobs import oom_step_nodes
@@ -244,7 +244,7 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = N
             append_event(run_dir, "failure", reason, job=job_id, restart=restart, srun_rc=rc,
                          ranks=[r for r, _ in lost], nodes=oom or nodes, node=(oom or nodes or [None])[0],
                          **({"detail": detail} if detail else {}))
-    verdict = decide(reason, restart, policy)
+    verdict = decide(reason, restart, policy, History.of(read_events(run_dir), time.time()))
     if not verdict.requeue:
         why = verdict.why
         if reason == "save_failed" and storage is not None:

@@ -239,10 +239,17 @@ def goodput(cfg: XirangConfig, sim: dict[str, str], as_json: bool) -> str:
         rec.notes.append(f"as configured, an allocation needs up to {conf.restarts_in_job_max} in-job restarts "
                          f"but requeue.max_restarts_in_job={cfg.requeue.max_restarts_in_job}: the rest become "
                          "requeues (the row assumes no limit)")
-    if conf is not None and cfg.requeue.enabled and conf.requeues_max > cfg.requeue.max_requeues:
+    r = cfg.requeue.with_default_rates(cfg.cluster.nodes + cfg.cluster.spare_nodes, cfg.cluster.time_min)
+    if conf is not None and r.enabled and r.max_requeues is not None and conf.requeues_max > r.max_requeues:
         rec.notes.append(f"as configured, the run needs up to {conf.requeues_max} requeues over "
-                         f"{sc.days:g} days but requeue.max_requeues={cfg.requeue.max_requeues}: it would end "
+                         f"{sc.days:g} days but requeue.max_requeues={r.max_requeues} (deprecated): it would end "
                          "max_requeues_exceeded first (the row assumes no limit)")
+    if conf is not None and r.enabled:
+        for field, need in conf.needed_rates(sc.days, r.budget_burst).items():
+            if need > getattr(r, field):
+                rec.notes.append(f"as configured, the run needs requeue.{field}={need:g} over {sc.days:g} days but "
+                                 f"it is {getattr(r, field):g}: it would end requeue_budget_exceeded first "
+                                 "(the row assumes no limit)")
     if as_json:
         return json.dumps(dict(rec.to_dict(), step_s=step), indent=2, default=str)
     return render(rec, step)

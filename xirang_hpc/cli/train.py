@@ -182,12 +182,25 @@ def _print_summary(s: dict[str, Any]) -> None:
     print("=" * 72, flush=True)
 
 
+def deprecation_notes(cfg: XirangConfig) -> list[str]:
+    """Warnings for deprecated fields the config still sets (they keep working for one release)."""
+    notes = []
+    if cfg.requeue.max_requeues is not None:
+        notes.append(f"xirang-train: warning: requeue.max_requeues={cfg.requeue.max_requeues} is deprecated: it "
+                     "caps all requeues together and ends a long run after that many faults; the budgets are "
+                     "rates per class now (requeue.failures_per_day, preemptions_per_day, timeouts_per_day, "
+                     "budget_burst). It still applies on top of them.")
+    return notes
+
+
 def launch(cfg: XirangConfig) -> dict[str, Any] | None:
     """Submit the training job for a validated config; follow it when ``train.wait``.
 
     Nothing is written or started when :func:`preflight` refuses (``PreflightError``) or finds the
     run already complete (then it says so and returns None).
     """
+    for note in deprecation_notes(cfg):
+        print(note, file=sys.stderr, flush=True)
     status = preflight(cfg)
     if status.complete:
         print(complete_message(cfg, status), flush=True)

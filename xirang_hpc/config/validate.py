@@ -92,7 +92,9 @@ def resolve_zero(p: ParallelConfig) -> ParallelConfig:
 
 def validate(cfg: XirangConfig) -> XirangConfig:
     """Check relations between groups and resolve derived values (``parallel.dp=-1``, ``parallel.zero=-1``)."""
-    cfg = dataclasses.replace(cfg, parallel=resolve_zero(cfg.parallel))
+    c = cfg.cluster
+    cfg = dataclasses.replace(cfg, parallel=resolve_zero(cfg.parallel),
+                              requeue=cfg.requeue.with_default_rates(c.nodes + c.spare_nodes, c.time_min))
     m, p, c, t = cfg.model, cfg.parallel, cfg.cluster, cfg.train
     world = c.world_size
 

@@ -121,3 +121,7 @@ class EventLog:
     def count(self, kind: str) -> int:
         """How many events of ``kind`` the log holds."""
         return sum(1 for e in read_events(self.run_dir) if e.get("kind") == kind)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every event of ``<run>/events.jsonl``, oldest first."""
+        return read_events(self.run_dir)

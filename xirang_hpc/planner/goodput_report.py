@@ -5,6 +5,8 @@ The simulation (:mod:`xirang_hpc.planner.goodput_sim`) computes; this module onl
 
 from __future__ import annotations
 
+from xirang_hpc.config.schema import RequeueConfig
+from xirang_hpc.config.schema.checkpoint import MIN_FAILURES_PER_DAY, PREEMPTIONS_PER_DAY
 from xirang_hpc.planner.goodput_sim import Recommendation
 
 # Table columns: bucket -> header.
@@ -70,7 +72,11 @@ def policy_overrides(rec: Recommendation, step_s: float | None = None) -> list[s
            "in-job": [f"requeue.max_restarts_in_job={max(1, r.restarts_in_job_max)}", "checkpoint.in_memory=false"],
            "in-job+memory": [f"requeue.max_restarts_in_job={max(1, r.restarts_in_job_max)}",
                              "checkpoint.in_memory=true", "checkpoint.memory_every_steps=1"]}[rec.policy]
-    out += [f"requeue.max_requeues={r.requeues_max}", f"cluster.spare_nodes={rec.spares}"]
+    # The requeue budget's rates this run needs, never below the defaults' floor (config/schema/checkpoint.py).
+    need = r.needed_rates(float(rec.scenario["days"]), RequeueConfig.budget_burst)
+    out += [f"requeue.failures_per_day={max(MIN_FAILURES_PER_DAY, need['failures_per_day']):g}",
+            f"requeue.preemptions_per_day={max(PREEMPTIONS_PER_DAY, need['preemptions_per_day']):g}",
+            f"cluster.spare_nodes={rec.spares}"]
     if rec.policy != "requeue" and not rec.shrink_nodes:
         out.append(f"requeue.min_nodes={rec.scenario['nodes']}")  # requeue rather than shrink
     if step_s:

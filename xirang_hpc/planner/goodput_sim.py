@@ -47,30 +47,21 @@ import numpy as np
 
 from xirang_hpc.checkpoint.tuner import daly_interval
 from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.fleet import (  # noqa: F401 - re-exported for the simulator's users
+    LLAMA3_COUNTS,
+    LLAMA3_DAYS,
+    LLAMA3_GPUS,
+    LLAMA3_GPUS_PER_NODE,
+    LLAMA3_SOURCE,
+    LLAMA3_STORAGE_GBPS,
+)
 
 POLICIES = ("requeue", "in-job", "in-job+memory")
 CLASSES = ("hardware", "network", "software", "planned")
 BUCKETS = ("productive", "lost", "recovery", "startup", "stall", "queue", "shrunk", "spares")
 DAY_S = 86400.0
 
-# Llama 3 405B's interruptions ("The Llama 3 Herd of Models", Meta 2024, Sec. 3.3.4 and Table 5): 466 job
-# interruptions in a 54-day snapshot of pre-training on 16,384 H100 GPUs (2,048 nodes of 8), 47 planned
-# (automated maintenance such as firmware upgrades, operator-initiated configuration or dataset updates) and
-# 419 unexpected, which the paper puts at 78% confirmed or suspected hardware. Table 5's rows grouped into
-# this simulator's classes (the counts add up to 419; the table's percentages do not all match its counts,
-# the counts are used):
-# - hardware 314: faulty GPU 148, GPU HBM3 72, GPU SRAM 19, GPU system processor 17, silent data corruption 6,
-#   GPU thermal interface and sensor 6, host maintenance (unplanned) 32, SSD 3, power supply 3, server
-#   chassis 2, IO expansion board 2, CPU 2, system memory 2;
-# - network 42: network switch or cable 35, NIC 7;
-# - software 63: software bug 54, NCCL watchdog timeouts 7, dependency 2;
-# - planned 47.
-LLAMA3_COUNTS = {"hardware": 314, "network": 42, "software": 63, "planned": 47}
-LLAMA3_GPUS, LLAMA3_GPUS_PER_NODE, LLAMA3_DAYS = 16384, 8, 54.0
-LLAMA3_SOURCE = ("Llama 3 405B pre-training (The Llama 3 Herd of Models, Meta 2024, Sec. 3.3.4, Table 5): "
-                 "466 interruptions in 54 days on 16,384 H100 GPUs, 47 planned, 419 unexpected")
-# Tectonic, the file system Llama 3 checkpointed to (same paper, Sec. 3.3.1): 2 TB/s sustained, 7 TB/s peak.
-LLAMA3_STORAGE_GBPS = 2000.0
+# Llama 3 405B's published interruption breakdown and storage (config/fleet.py says where each figure is from).
 
 
 @dataclass(frozen=True)
@@ -334,7 +325,7 @@ def simulate(sc: Scenario, policy: str, trace: Trace, intervals: np.ndarray | No
     spare0 = sp[:, None] * np.ones(shape)
 
     b = {k: np.zeros(shape) for k in BUCKETS}
-    interruptions, requeues = np.zeros(shape), np.zeros(shape)
+    interruptions, requeues, planned_requeues = np.zeros(shape), np.zeros(shape), np.zeros(shape)
     t = np.zeros(shape)
     pend_stall, pend_rec, pend_queue = np.zeros(shape), np.zeros(shape), np.full(shape, float(co.queue_wait_s))
     over_rec, over_start = np.zeros(shape), np.full(shape, float(co.startup_s))
@@ -426,6 +417,7 @@ def simulate(sc: Scenario, policy: str, trace: Trace, intervals: np.ndarray | No
         b["productive"] += np.where(failed, kept, 0.0)
         b["lost"] += np.where(failed, comp - kept, 0.0)
         requeues += req
+        planned_requeues += req & planned
         pend_stall += np.where(planned, ck.snapshot_s + ck.write_s, 0.0)
         pend_rec += np.where(req, co.requeue_recovery_s, 0.0)
         pend_queue += np.where(req, hold + co.queue_wait_s, 0.0)
@@ -440,6 +432,7 @@ def simulate(sc: Scenario, policy: str, trace: Trace, intervals: np.ndarray | No
     out["spares"] = h * (1 - 1 / alloc)
     out["goodput"] = out["productive"] / h
     out["interruptions"], out["requeues"], out["injob_max"] = interruptions, requeues, injob_max
+    out["planned_requeues"] = planned_requeues
     return out
 
 
@@ -462,11 +455,23 @@ class PolicyResult:
     breakdown_pct: dict[str, float]
     interruptions: float
     requeues: float
-    # The budgets this run needs (the most over the seeds): today's requeue.max_requeues counts every
-    # requeue, planned ones too, and requeue.max_restarts_in_job the in-job restarts of one allocation.
+    # The budgets this run needs (the most over the seeds): every requeue (the deprecated requeue.max_requeues
+    # counts them all), and requeue.max_restarts_in_job the in-job restarts of one allocation.
     requeues_max: int
     restarts_in_job_max: int
     shrink_nodes: int = 0  # > 0: with no spare left a lost node's replica is dropped; 0: a requeue
+    # The requeue budget's rates this run needs (requeue.failures_per_day, requeue.preemptions_per_day): the
+    # most requeues of each class over the seeds, less requeue.budget_burst, per day (``needed_rates``).
+    failure_requeues_max: int = 0
+    planned_requeues_max: int = 0
+
+    def needed_rates(self, days: float, burst: int) -> dict[str, float]:
+        """The rates ``requeue.failures_per_day`` and ``preemptions_per_day`` that let the run's most requeues of
+        each class (over the seeds) through by its end, on top of ``burst`` (rounded up to 0.01 a day)."""
+        def rate(n: int) -> float:
+            return math.ceil(max(0, n - burst) / days * 100) / 100
+        return {"failures_per_day": rate(self.failure_requeues_max),
+                "preemptions_per_day": rate(self.planned_requeues_max)}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
@@ -481,7 +486,9 @@ def summarize(sc: Scenario, policy: str, res: dict[str, np.ndarray], row: int, i
     brk = {k: float(np.mean(res[k][row])) / h * 100 for k in BUCKETS}
     return PolicyResult(policy, interval_s, spares, g, ci, brk, float(res["interruptions"][row].mean()),
                         float(res["requeues"][row].mean()), int(res["requeues"][row].max()),
-                        int(res["injob_max"][row].max()), 0 if policy == "requeue" else sc.shrink_nodes)
+                        int(res["injob_max"][row].max()), 0 if policy == "requeue" else sc.shrink_nodes,
+                        int((res["requeues"][row] - res["planned_requeues"][row]).max()),
+                        int(res["planned_requeues"][row].max()))
 
 
 INTERVAL_FACTORS = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)

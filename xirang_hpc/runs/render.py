@@ -47,6 +47,19 @@ def progress(step: int, total: int, tty: bool, width: int = 30) -> str:
     return f"step {step}/{total} ({100 * frac:.1f}%)"
 
 
+def budget_text(b: dict[str, Any]) -> str:
+    """The requeue budget per fault class: ``failures 1 used, 4 left (5 + 1/day)``."""
+    names = {"failures": "failures", "preemptions": "preemptions", "timeouts": "time limits"}
+    parts = []
+    for cls, c in b["classes"].items():
+        if c["left"] is None:
+            parts.append(f"{names[cls]} {c['used']} used, no limit")
+        else:
+            parts.append(f"{names[cls]} {c['used']} used, {c['left']} left ({c['burst']} + {c['per_day']:g}/day)")
+    cap = f"  | max_requeues {b['max_requeues']} (deprecated)" if b.get("max_requeues") is not None else ""
+    return "requeues: " + "; ".join(parts) + f" over {b['days']:.1f} day(s)" + cap
+
+
 def render_run(s: dict[str, Any], tty: bool = False) -> str:
     """The multi-line view of one run."""
     mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
@@ -56,6 +69,7 @@ def render_run(s: dict[str, Any], tty: bool = False) -> str:
         f"job       {_or(s['job_id'])} [{_or(s['executor'])}]  {s['state']}"
         + (f" ({s['state_reason']})" if s.get("state_reason") not in (None, "", "None") else "")
         + f"  | requeues {s['requeues']}",
+        *([f"budget    {budget_text(s['requeue_budget'])}"] if s.get("requeue_budget") else []),
         f"progress  {progress(s['step'], s['total_steps'], tty)}",
         f"loss      {_num(s['loss'], '.4f')}  (val {_num(s['val_loss'], '.4f')} @ step {s['val_step']})"
         f"  | {_num(s['tokens_per_s'], ',.0f')} tok/s  | {_num(s['tflops'], '.3f')} TFLOP/s  | MFU {mfu}"

@@ -8,6 +8,7 @@ executor, squeue/sacct/scontrol for Slurm). :func:`run_status` returns a JSON-re
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import socket
@@ -17,10 +18,12 @@ from typing import Any
 
 from xirang_hpc.checkpoint.layout import newest_good
 from xirang_hpc.checkpoint.naming import committed_steps, step_dir_name
+from xirang_hpc.config.schema import RequeueConfig
 from xirang_hpc.monitor.events import FAULT_KINDS, read_events, read_jsonl
 from xirang_hpc.monitor.flops import mfu, peak_for_device
 from xirang_hpc.monitor.heartbeat import HEARTBEAT_DIR, SESSION_FILE, SESSIONS_LOG, read_heartbeats, read_json
 from xirang_hpc.runs.chain import PIPELINE_FILE, chain_status, eval_dir
+from xirang_hpc.runtime.policy import History, budget_left
 from xirang_hpc.runtime.process_identity import is_running
 from xirang_hpc.slurm.jobs import Runner, run_cmd, slurm_state
 
@@ -246,11 +249,13 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
                                  f"command to train it again from "
                                  f"{'step ' + str(good) if good is not None else 'step 0'}"}
     job_id = who.get("job_id") or _log_job_id(run_dir)
+    budget = requeue_budget(cfg, events, now)
     evals = eval_dir(run_dir)  # a pipeline with a preference stage evaluates its DPO run
     return {
         "run_dir": str(run_dir), "job_id": job_id, "executor": who.get("source"),
         "state": job["state"], "state_source": job.get("source"), "state_reason": job.get("reason"),
-        "requeues": requeues, "sessions": len(sessions), "world_size": session.get("world_size"),
+        "requeues": requeues, "requeue_budget": budget, "sessions": len(sessions),
+        "world_size": session.get("world_size"),
         "num_nodes": session.get("num_nodes"), "model": session.get("model") or cfg.get("model", {}).get("name"),
         "step": step, "total_steps": total, "loss": last.get("loss"),
         "val_loss": val[-1]["val_loss"] if val else None, "val_step": val[-1]["step"] if val else None,
@@ -261,6 +266,24 @@ def run_status(run_dir: Path | str, now: float | None = None, run: Runner = run_
         "eval_run": str(evals) if evals.resolve() != run_dir.resolve() else None,
         "harness": read_json(evals / "harness.json"), "pipeline": _pipeline(run_dir),
     }
+
+
+def requeue_budget(cfg: dict[str, Any], events: list[dict[str, Any]], now: float) -> dict[str, Any] | None:
+    """Each fault class's requeue budget as the run's policy (its ``config.json``) and events stand now: used,
+    allowed by now, left and the rate; None when requeues are off or the config is not recorded."""
+    req, cluster = cfg.get("requeue"), cfg.get("cluster") or {}
+    if not isinstance(req, dict) or not req.get("enabled", True):
+        return None
+    known = {f.name for f in dataclasses.fields(RequeueConfig)}
+    try:
+        policy = RequeueConfig(**{k: v for k, v in req.items() if k in known}).with_default_rates(
+            int(cluster.get("nodes", 1)) + int(cluster.get("spare_nodes", 0)), int(cluster.get("time_min", 60)))
+    except (TypeError, ValueError):  # a config.json written by hand or by another version
+        return None
+    history = History.of(events, now)
+    return {"days": history.days, "max_requeues": policy.max_requeues,
+            "classes": {c: {"used": b.used, "allowed": b.allowed, "left": b.left, "per_day": b.per_day,
+                            "burst": b.burst} for c, b in budget_left(policy, history).items()}}
 
 
 def _pipeline(run_dir: Path) -> dict[str, Any] | None:

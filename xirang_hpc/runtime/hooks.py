@@ -104,6 +104,10 @@ class EventSink(Protocol):
         """How many events of ``kind`` were recorded so far."""
         ...
 
+    def rows(self) -> list[dict[str, Any]]:
+        """Every event recorded so far, oldest first."""
+        ...
+
 
 class NullEventSink:
     """An event sink that records nothing (unit tests, tools that run the loop without a run log)."""
@@ -115,3 +119,7 @@ class NullEventSink:
     def count(self, kind: str) -> int:
         """Nothing was recorded."""
         return 0
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Nothing was recorded."""
+        return []

@@ -37,7 +37,7 @@ from xirang_hpc.config.schema import XirangConfig
 from xirang_hpc.runtime.early_signals import _early, capture_early  # noqa: F401 - capture_early re-exported
 from xirang_hpc.runtime.hooks import EventSink, Loop, NullEventSink, TrainerHook
 from xirang_hpc.runtime.markers import mark_start, read_stop_cause
-from xirang_hpc.runtime.policy import decide
+from xirang_hpc.runtime.policy import History, decide
 from xirang_hpc.runtime.topology import Topology
 from xirang_hpc.slurm import control
 
@@ -197,7 +197,7 @@ class StopSignalHook(TrainerHook):
                 target, cause = self.topo.job_id, control.StopCause(
                     "preemption" if signame == "SIGUSR2" else "terminated", f"{signame} outside Slurm")
             self._event("stop", cause.reason, detail=cause.detail, **stop)
-            verdict = decide(cause.reason, self.restarts, self.cfg.requeue)
+            verdict = decide(cause.reason, self.restarts, self.cfg.requeue, History.of(self.events.rows(), time.time()))
             if not verdict.requeue:
                 if in_slurm and cause.reason == "preemption":
                     # The run ends here: if its ranks are still leaving when the grace time ends, Slurm's

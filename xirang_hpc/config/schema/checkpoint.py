@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from xirang_hpc.config.errors import ConfigError
+from xirang_hpc.config.fleet import unplanned_per_node_day
 from xirang_hpc.config.schema._checks import check_finite, check_positive
 
 # HDF5 filters for checkpoint shards (zstd through hdf5plugin); checkpoint/storage.py uses the same list.
@@ -61,12 +63,33 @@ class CheckpointConfig:
                               "use an absolute path on a node-local tmpfs (e.g. /dev/shm), or '' for /dev/shm")
 
 
+# The requeue budget's defaults (RequeueConfig.with_default_rates): failures at FAILURE_MARGIN x the fleet's
+# unplanned rate (over the days of a run, Poisson counts at twice their mean do not happen), never below one a
+# day; preemptions as many as one an hour; time limits TIMEOUT_MARGIN x the allocations a day of
+# cluster.time_min holds.
+FAILURE_MARGIN, MIN_FAILURES_PER_DAY, PREEMPTIONS_PER_DAY, TIMEOUT_MARGIN = 2.0, 1.0, 24.0, 2.0
+
+
 @dataclass
 class RequeueConfig:
     """Sysadmin requeue policy (applied inside the job on a stop signal and by the supervisor after a failure)."""
 
     enabled: bool = True
-    max_requeues: int = 5
+    # Budgets as rates: after a fault of one class the run is requeued while that class's requeues so far stay
+    # within ``budget_burst`` + its rate x the days since the run started, so a run of any length keeps
+    # recovering from faults at the fleet's rate and a crash loop (a fault every few minutes) still ends.
+    # Classes: failures (node, infrastructure, non-zero exit, out of memory), preemptions, time limits.
+    # null = the default for this run, set when the config is validated (runtime/policy.py
+    # ``resolve_budget``): failures 2x the unplanned interruptions Llama 3's fleet had at this node count
+    # (config/fleet.py), at least 1 a day; preemptions 24 a day; time limits 2x the allocations of
+    # cluster.time_min a day fits.
+    failures_per_day: float | None = None
+    preemptions_per_day: float | None = None
+    timeouts_per_day: float | None = None
+    budget_burst: int = 5
+    # Deprecated (one release): a cap on all requeues together, whatever their class, which ends a long run
+    # after a fixed number of faults. Set, it still applies on top of the rates, with a warning at launch.
+    max_requeues: int | None = None
     on_preemption: bool = True
     on_timeout: bool = True
     on_node_failure: bool = True
@@ -84,8 +107,27 @@ class RequeueConfig:
 
     def __post_init__(self) -> None:
         check_finite("requeue", self)
-        if self.max_requeues < 0:
-            raise ConfigError("requeue.max_requeues", self.max_requeues, "use 0 or more")
+        if self.max_requeues is not None and self.max_requeues < 0:
+            raise ConfigError("requeue.max_requeues", self.max_requeues, "use 0 or more (deprecated: prefer the "
+                              "rates requeue.failures_per_day, preemptions_per_day, timeouts_per_day)")
+        for name in ("failures_per_day", "preemptions_per_day", "timeouts_per_day"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0:
+                raise ConfigError(f"requeue.{name}", v, "use a rate >= 0 (requeues per day of the run, on top of "
+                                  "requeue.budget_burst), or null for the default")
+        if self.budget_burst < 0:
+            raise ConfigError("requeue.budget_burst", self.budget_burst,
+                              "use 0 or more (requeues of each class allowed at any time, on top of the rate)")
+
+    def with_default_rates(self, nodes: int, time_min: int) -> RequeueConfig:
+        """This policy with each rate left at null set to its default for a run of ``nodes`` nodes (spares
+        included) whose allocations last ``time_min`` minutes; rates that are set stay as they are."""
+        defaults = {
+            "failures_per_day": max(MIN_FAILURES_PER_DAY, round(FAILURE_MARGIN * unplanned_per_node_day() * nodes, 2)),
+            "preemptions_per_day": PREEMPTIONS_PER_DAY,
+            "timeouts_per_day": round(TIMEOUT_MARGIN * 1440.0 / max(1, time_min), 2),
+        }
+        return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
         if self.max_restarts_in_job < 0:
             raise ConfigError("requeue.max_restarts_in_job", self.max_restarts_in_job, "use 0 (off) or more")
         if self.min_nodes < 0:
