@@ -374,6 +374,37 @@ def test_max_requeues_exceeded_gives_final_status(slurm, stdlib_data, tmp_path):
     assert "max_requeues" in summary
 
 
+def test_a_class_past_its_requeue_budget_ends_the_run_by_name(slurm, stdlib_data, tmp_path):
+    """The budget is a rate per fault class: with no preemption allowed (burst 0, rate 0) the first preemption
+    ends the run with requeue_budget_exceeded, naming the class, while failures keep their own budget."""
+    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "requeue.budget_burst=0",
+                        "requeue.preemptions_per_day=0", "train.max_steps=400", "train.priority=exploratory"])
+    _training(run, None)
+    _preempt("-N2", "--ntasks-per-node=8")
+    final = _final(run, timeout=600)
+    assert final["status"] == "requeue_budget_exceeded", final
+    assert "requeue budget for preemptions spent: 0 requeue(s)" in final["why"], final
+    assert "requeue.preemptions_per_day=0" in final["why"] and not _ev(run, "requeue")
+
+
+def test_a_users_scancel_ends_the_run_and_it_does_not_come_back(slurm, stdlib_data, tmp_path):
+    """``scancel JOB`` is the user's decision, not a fault: the ranks save, the run ends stopped_terminated
+    under a policy that requeues everything else, and Slurm keeps the job cancelled."""
+    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "train.max_steps=400"])
+    _training(run, None)
+    subprocess.run(["scancel", job], check=True)
+    final = _final(run, timeout=300)
+    assert final["status"] == "stopped_terminated", final
+    state = _wait(lambda: (s := subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                                               text=True).stdout) and re.search(r"JobState=CANCELLED", s)
+                  and s, 300, "CANCELLED")
+    assert "Restarts=0" in state, state
+    time.sleep(10)  # a requeue, had one been made, would show by now: still cancelled, no second start
+    again = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    assert not again or "JobState=CANCELLED" in again, again
+    assert not _ev(run, "requeue") and not _ev(run, "start", 1)
+
+
 def test_wait_blocks_until_the_job_ends(slurm, stdlib_data, tmp_path):
     out = subprocess.run(TRAIN + [*_base(stdlib_data, tmp_path / "runs"), "cluster.nodes=1", "cluster.tasks_per_node=1",
                                   "train.max_steps=5", "--wait"], capture_output=True, text=True, timeout=300)

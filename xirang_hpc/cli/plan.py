@@ -146,6 +146,8 @@ GOODPUT_KEYS: dict[str, str] = {
     "snapshot_s": "the stall per checkpoint, instead of the scaled one",
     "write_s": "the write until durable, instead of the scaled one",
     "load_s": "the checkpoint load, instead of the scaled one",
+    "exclude_on_restart": "1 = every in-job restart leaves the culprit's node, software faults too, as this "
+                          "build's driver does (default 1); 0 = a software fault restarts on the same nodes",
 }
 
 
@@ -222,7 +224,7 @@ def goodput_inputs(cfg: XirangConfig, sim: dict[str, str]) -> tuple[Any, float]:
                   checkpoint=ck, interval_s=v.get("interval_s", cfg.checkpoint.every_steps * step),
                   memory_every_s=v.get("memory_every_s", mem_steps * step), spares=int(v.get("spares", c.spare_nodes)),
                   seeds=int(v.get("seeds", 32)), seed=int(v.get("seed", 0)), shrink_nodes=int(shrink),
-                  min_nodes=max(1, cfg.requeue.min_nodes))
+                  min_nodes=max(1, cfg.requeue.min_nodes), exclude_on_restart=bool(v.get("exclude_on_restart", 1.0)))
     return sc, step
 
 
