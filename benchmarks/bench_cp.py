@@ -26,13 +26,7 @@ import statistics
 import time
 from typing import Any
 
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+from _common import rss_mib
 
 
 def _worker(place: Any, queue: Any, args: dict[str, Any]) -> None:
@@ -67,7 +61,7 @@ def _worker(place: Any, queue: Any, args: dict[str, Any]) -> None:
         pm.model.zero_grad(set_to_none=True)
 
     step()  # warm-up: allocator, DDP's first-iteration bookkeeping
-    base = _rss_mib()
+    base = rss_mib()
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ the trace replayed is the one applied, with its real times.
 
 Measured, from each run's own records (``xirang-status RUN --goodput``'s computation, over the window from
 the first allocation's start to the run's last record): goodput and its breakdown. Predicted: the goodput
-simulator (``planner.goodput_sim.replay``) fed with the same faults and the costs measured in the same run:
+simulator (``planner.goodput_replay.replay``) fed with the same faults and the costs measured in the same run:
 start-up (allocation start -> productive steps), each policy's recovery (fault -> productive steps again,
 the requeued job's pending time apart), the checkpoint stall per step and the background write, the step
 time. Everything else (lost progress, stalls, exposure) is the model's.
@@ -61,7 +61,8 @@ import psutil
 
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.monitor.goodput import breakdown, load_run
-from xirang_hpc.planner.goodput_sim import CheckpointCosts, RecoveryCosts, Replay, replay
+from xirang_hpc.planner.goodput_replay import Replay, replay
+from xirang_hpc.planner.goodput_sim import CheckpointCosts, RecoveryCosts
 
 # policy -> (the testbed cluster it runs on, its overrides)
 POLICIES: dict[str, tuple[str, list[str]]] = {

@@ -25,13 +25,7 @@ import subprocess
 import sys
 import time
 
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+from _common import rss_mib
 
 
 def _child(variant: str, vocab: int, tokens: int, hidden: int, chunk: int, repeats: int) -> None:
@@ -50,7 +44,7 @@ def _child(variant: str, vocab: int, tokens: int, hidden: int, chunk: int, repea
     for i in range(repeats):
         h.grad = w.grad = None
         if i == 0:
-            base = _rss_mib()  # inputs and weights allocated, nothing of the loss yet
+            base = rss_mib()  # inputs and weights allocated, nothing of the loss yet
         t0 = time.perf_counter()
         loss = lm_loss(F.linear(h, w), y) if variant == "plain" else chunked_lm_loss(h, w, y, chunk)
         loss.backward()

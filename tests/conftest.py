@@ -6,6 +6,7 @@ import contextlib
 import copy
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -167,6 +168,24 @@ def committed_stub(step_dir: Path) -> Path:
     step_dir.mkdir(parents=True, exist_ok=True)
     (step_dir / "manifest.json").write_text('{"files": {}, "refs": []}')
     return step_dir
+
+
+def fake_slurm_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str,
+                   commands: tuple[str, ...] = ("sbatch", "scontrol", "squeue", "sacct", "srun")) -> Path:
+    """A ``fake-bin/`` under ``tmp_path`` first on PATH, each of ``commands`` an executable copy of ``script``
+    (a Python script template whose ``{python}`` is this interpreter; it tells the commands apart by the name
+    it runs as). The scripts append their calls to the log named by ``FAKE_SLURM_LOG``; returns that log.
+    submitit looks for ``srun`` before it submits."""
+    bin_dir, log = tmp_path / "fake-bin", tmp_path / "slurm-calls.jsonl"
+    bin_dir.mkdir()
+    for cmd in commands:
+        exe = bin_dir / cmd
+        exe.write_text(script.format(python=sys.executable))
+        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_LOG", str(log))
+    log.touch()
+    return log
 
 
 def compose_cfg(overrides: list[str] | None = None) -> DictConfig:

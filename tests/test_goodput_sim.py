@@ -13,6 +13,7 @@ from xirang_hpc.cli import plan as plan_cli
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.validate import to_typed
 from xirang_hpc.planner.formulas import model_params
+from xirang_hpc.planner.goodput_replay import Replay, replay
 from xirang_hpc.planner.goodput_report import render
 from xirang_hpc.planner.goodput_sim import (
     BUCKETS,
@@ -22,13 +23,11 @@ from xirang_hpc.planner.goodput_sim import (
     CheckpointCosts,
     FailureModel,
     RecoveryCosts,
-    Replay,
     Scenario,
     draw_trace,
     fixed_trace,
     llama3_405b,
     recommend,
-    replay,
     scan_intervals,
     simulate,
     summarize,

@@ -29,6 +29,7 @@ loss, and chat rows packed (per-sample positions and the block-diagonal mask acr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -110,29 +111,37 @@ def ref(email_data: Path) -> dict:
     return r
 
 
-@pytest.fixture(scope="module")
-def groups(email_data: Path):
+def _groups_per_world(jobs_for: Callable[[int], list], data: Path) -> Callable[[int], dict]:
+    """For a module-scoped fixture: ``world -> {job name: per-rank results}``, each world size's jobs
+    (``jobs_for(world)``: name, config) run in one group of ``world`` real processes on first use, then kept."""
     cache: dict[int, dict] = {}
 
     def get(world: int) -> dict:
         if world not in cache:
-            jobs = [(f"{n}/{r}", H.with_recompute(H.make_cfg(world, H.LAYOUTS[n]), r)) for n, r in GROUPS[world]]
-            jobs += [(k, H.make_cfg(w, H.LAYOUTS[n], train=tr)) for k, (w, n, tr) in EXTRA.items() if w == world]
-            jobs += [(f"{n}/{m}", H.make_cfg(w, H.LAYOUTS[n], model=MODELS[m]))
-                     for w, n, m in SHAPE_CASES if w == world]
-            jobs += [(f"{n}/chunked", H.make_cfg(w, H.LAYOUTS[n], train={"loss_chunk_tokens": 24}))
-                     for w, n in CHUNKED if w == world]
-            jobs += [(f"{n}/{r}/compiled", H.with_recompute(H.make_cfg(w, H.LAYOUTS[n], train={"compile": True}), r))
-                     for w, n, r in COMPILED if w == world]
-            jobs += [(f"{n}/chunked/compiled", H.make_cfg(w, H.LAYOUTS[n], train={"compile": True,
-                                                                                  "loss_chunk_tokens": 24}))
-                     for w, n in COMPILED_CHUNKED if w == world]
-            jobs += [(f"{n}/{o}", H.make_cfg(w, H.LAYOUTS[n], train={"optimizer_impl": o}))
-                     for w, n, o in OPTIMIZER_CASES if w == world]
-            cache[world] = H.run_group(world, jobs, email_data, steps=10, timeout_s=420)
+            cache[world] = H.run_group(world, jobs_for(world), data, steps=10, timeout_s=420)
         return cache[world]
 
     return get
+
+
+def _matrix_jobs(world: int) -> list:
+    jobs = [(f"{n}/{r}", H.with_recompute(H.make_cfg(world, H.LAYOUTS[n]), r)) for n, r in GROUPS[world]]
+    jobs += [(k, H.make_cfg(w, H.LAYOUTS[n], train=tr)) for k, (w, n, tr) in EXTRA.items() if w == world]
+    jobs += [(f"{n}/{m}", H.make_cfg(w, H.LAYOUTS[n], model=MODELS[m])) for w, n, m in SHAPE_CASES if w == world]
+    jobs += [(f"{n}/chunked", H.make_cfg(w, H.LAYOUTS[n], train={"loss_chunk_tokens": 24}))
+             for w, n in CHUNKED if w == world]
+    jobs += [(f"{n}/{r}/compiled", H.with_recompute(H.make_cfg(w, H.LAYOUTS[n], train={"compile": True}), r))
+             for w, n, r in COMPILED if w == world]
+    jobs += [(f"{n}/chunked/compiled", H.make_cfg(w, H.LAYOUTS[n], train={"compile": True, "loss_chunk_tokens": 24}))
+             for w, n in COMPILED_CHUNKED if w == world]
+    jobs += [(f"{n}/{o}", H.make_cfg(w, H.LAYOUTS[n], train={"optimizer_impl": o}))
+             for w, n, o in OPTIMIZER_CASES if w == world]
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def groups(email_data: Path):
+    return _groups_per_world(_matrix_jobs, email_data)
 
 
 @pytest.mark.slow
@@ -271,15 +280,8 @@ def test_optimizer_impl_layout_matches_single_process(world: int, layout: str, i
 
 @pytest.fixture(scope="module")
 def lora_groups(email_data: Path):
-    cache: dict[int, dict] = {}
-
-    def get(world: int) -> dict:
-        if world not in cache:
-            jobs = [(f"{n}/lora", H.make_cfg(w, H.LAYOUTS[n], finetune=H.LORA)) for w, n in LORA_CASES if w == world]
-            cache[world] = H.run_group(world, jobs, email_data, steps=10, timeout_s=420)
-        return cache[world]
-
-    return get
+    return _groups_per_world(lambda world: [(f"{n}/lora", H.make_cfg(w, H.LAYOUTS[n], finetune=H.LORA))
+                                            for w, n in LORA_CASES if w == world], email_data)
 
 
 @pytest.mark.slow
@@ -334,15 +336,8 @@ def chat_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def chat_groups(chat_data: Path):
-    cache: dict[int, dict] = {}
-
-    def get(world: int) -> dict:
-        if world not in cache:
-            jobs = [(f"{n}/{k}", _chat_cfg(w, n, k)) for w, n, k in CHAT_CASES if w == world]
-            cache[world] = H.run_group(world, jobs, chat_data, steps=10, timeout_s=420)
-        return cache[world]
-
-    return get
+    return _groups_per_world(lambda world: [(f"{n}/{k}", _chat_cfg(w, n, k))
+                                            for w, n, k in CHAT_CASES if w == world], chat_data)
 
 
 @pytest.mark.slow
@@ -362,15 +357,8 @@ def test_chat_layout_matches_single_process(world: int, layout: str, kind: str, 
 
 @pytest.fixture(scope="module")
 def moe_groups(email_data: Path):
-    cache: dict[int, dict] = {}
-
-    def get(world: int) -> dict:
-        if world not in cache:
-            jobs = [(f"{n}/{b}", _moe_cfg(w, n, b)) for w, n, b in MOE_CASES if w == world]
-            cache[world] = H.run_group(world, jobs, email_data, steps=10, timeout_s=420)
-        return cache[world]
-
-    return get
+    return _groups_per_world(lambda world: [(f"{n}/{b}", _moe_cfg(w, n, b))
+                                            for w, n, b in MOE_CASES if w == world], email_data)
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import random
-import stat
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_cfg
+from conftest import compose_cfg, fake_slurm_bin
 from omegaconf import OmegaConf
 
 from xirang_hpc.config.errors import ConfigError
@@ -178,16 +177,7 @@ with open(log, "a") as f:
 
 @pytest.fixture
 def fake_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    bin_dir, log = tmp_path / "fake-bin", tmp_path / "slurm-calls.jsonl"
-    bin_dir.mkdir()
-    for cmd in ("sbatch", "scontrol", "squeue", "sacct", "srun"):
-        exe = bin_dir / cmd
-        exe.write_text(FAKE_SBATCH.format(python=sys.executable))
-        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_SLURM_LOG", str(log))
-    log.touch()
-    return log
+    return fake_slurm_bin(tmp_path, monkeypatch, FAKE_SBATCH)
 
 
 def test_on_slurm_the_chain_is_six_dependent_jobs(fake_sbatch: Path, tmp_path: Path,

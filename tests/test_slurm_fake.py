@@ -9,7 +9,6 @@ tests (tests/test_slurm_e2e.py, tier ``slurm``).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import stat
 import subprocess
@@ -17,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import committed_stub, compose_cfg
+from conftest import committed_stub, compose_cfg, fake_slurm_bin
 
 from xirang_hpc.batch.supervise import supervise
 from xirang_hpc.config.validate import check_runnable, load_config
@@ -62,16 +61,7 @@ def _sigterm_restored():
 @pytest.fixture
 def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A bin/ with fake Slurm client commands first on PATH; returns the call log."""
-    bin_dir, log = tmp_path / "fake-bin", tmp_path / "slurm-calls.jsonl"
-    bin_dir.mkdir()
-    for cmd in ("sbatch", "scontrol", "squeue", "sacct", "srun"):  # submitit looks for srun
-        exe = bin_dir / cmd
-        exe.write_text(FAKE.format(python=sys.executable))
-        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_SLURM_LOG", str(log))
-    log.touch()
-    return log
+    return fake_slurm_bin(tmp_path, monkeypatch, FAKE)
 
 
 def _calls(log: Path, cmd: str | None = None) -> list[dict]:

@@ -5,13 +5,10 @@ clients (``sbatch --test-only`` answers like Slurm 22.05 on the two-cluster test
 from __future__ import annotations
 
 import json
-import os
-import stat
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose_cfg
+from conftest import compose_cfg, fake_slurm_bin
 
 from xirang_hpc.config.validate import check_runnable, load_config
 from xirang_hpc.monitor.events import read_events
@@ -46,17 +43,9 @@ elif name == "sacctmgr":
 
 @pytest.fixture
 def fake_sites(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    bin_dir, log = tmp_path / "fake-bin", tmp_path / "slurm-calls.jsonl"
-    bin_dir.mkdir()
-    for cmd in ("sbatch", "scontrol", "squeue", "sacct", "srun", "sacctmgr", "sinfo", "sshare"):
-        exe = bin_dir / cmd
-        exe.write_text(FAKE.format(python=sys.executable))
-        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_SLURM_LOG", str(log))
     monkeypatch.setenv("FAKE_WAITS", json.dumps({"alpha": 1200, "beta": 0}))  # alpha full, beta idle
-    log.touch()
-    return log
+    return fake_slurm_bin(tmp_path, monkeypatch, FAKE, commands=("sbatch", "scontrol", "squeue", "sacct", "srun",
+                                                                  "sacctmgr", "sinfo", "sshare"))
 
 
 def _calls(log: Path) -> list[dict]:

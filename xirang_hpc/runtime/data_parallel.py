@@ -61,6 +61,21 @@ def ddp_bucket_cap_mb(comm: CommConfig) -> float:
     return float(comm.bucket)
 
 
+def ddp_ignore(model: nn.Module, names: list[str]) -> None:
+    """Mark the parameters and buffers ``names`` (their names in ``model``) for a DDP wrapped around ``model``
+    after this call to leave alone: neither broadcast from rank 0 when it is built (nor, buffers, before each
+    forward) nor all-reduced in the backward. Each rank keeps its own values and gradients.
+
+    torch has no public API for this. DDP's constructor reads the module attribute
+    ``_ddp_params_and_buffers_to_ignore``, which the private ``_set_params_and_buffers_to_ignore_for_model``
+    sets, together with the ``_ddp_ignored`` flag on each tensor that torch's DDP-aware code (the reducer's
+    parameter lists, Dynamo's DDP optimizer, comm hooks) checks; setting the attribute alone would miss the
+    flags. The public ``delay_all_reduce_named_params`` argument still all-reduces what it names (after the
+    backward), so it is no substitute. The one private call is kept here so that it changes in one place.
+    """
+    DDP._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float = 25.0, ignore: list[str] | None = None) -> DDP:
     """Wrap ``model`` in DDP over the flattened dp sub-mesh (dp x cp with context parallelism; buckets of
     ``bucket_cap_mb`` MB).
@@ -75,7 +90,7 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float = 25.0, i
     dp = dp_cp_mesh(mesh)
     skip = set(ignore or ())
     if skip:
-        DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(skip))
+        ddp_ignore(model, sorted(skip))
     if any(isinstance(p, DTensor) for n, p in model.named_parameters() if n not in skip):
         return DDP(model, device_mesh=dp, bucket_cap_mb=bucket_cap_mb)
     return DDP(model, process_group=dp.get_group(), bucket_cap_mb=bucket_cap_mb)

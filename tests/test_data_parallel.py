@@ -1,0 +1,76 @@
+"""DDP over the dp mesh (``runtime/data_parallel.py``) with names to ignore: two real gloo ranks (fork server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from ranks import rank_context
+from torch import nn
+
+from xirang_hpc.runtime.local_ranks import LocalRanks, RankPlace
+
+
+class _TwoLinears(nn.Module):
+    """``shared`` replicated by DDP; ``local`` and the ``counts`` buffer per rank (as expert shards and MoE
+    counters are)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(rank)  # different values on each rank: a broadcast would show
+        self.shared, self.local = nn.Linear(4, 4, bias=False), nn.Linear(4, 1, bias=False)
+        self.register_buffer("counts", torch.full((3,), float(rank)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.local(torch.tanh(self.shared(x)))
+
+
+def _numpy(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {k: v.detach().numpy().copy() for k, v in tensors.items()}
+
+
+def _ddp_rank(place: RankPlace, queue: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xirang_hpc.runtime.data_parallel import apply_ddp
+
+    dist.init_process_group("gloo")
+    try:
+        model = _TwoLinears(place.rank)
+        start = _numpy(model.state_dict())
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+        ddp = apply_ddp(model, mesh, ignore=["local.weight", "counts"])
+        built = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 + place.rank))
+        ddp(x).pow(2).sum().backward()
+        own = _TwoLinears(place.rank)  # this rank's own gradients of the same weights, without DDP
+        own.load_state_dict(built)
+        own(x).pow(2).sum().backward()
+        # numpy, not tensors: a tensor sent through the queue lives in this rank's shared memory, gone with it
+        queue.put({"rank": place.rank, "start": start, "built": _numpy(built),
+                   "after_forward": _numpy(model.state_dict()),
+                   "grads": _numpy({n: p.grad for n, p in model.named_parameters()}),
+                   "own_grads": _numpy({n: p.grad for n, p in own.named_parameters()})})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_leaves_ignored_params_and_buffers_unsynced() -> None:
+    """What ``ignore`` names keeps each rank's values (no broadcast at construction, none of the buffer before
+    the forward) and each rank's own gradient (no all-reduce); the rest is rank 0's and averaged."""
+    with LocalRanks(_ddp_rank, 2, ctx=rank_context(), timeout_s=120) as ranks:
+        r0, r1 = sorted((ranks.get() for _ in range(2)), key=lambda r: r["rank"])
+    for r in (r0, r1):
+        np.testing.assert_allclose(r["built"]["shared.weight"], r0["start"]["shared.weight"], rtol=0, atol=0)
+        for name in ("local.weight", "counts"):  # not broadcast: still this rank's own
+            np.testing.assert_allclose(r["built"][name], r["start"][name], rtol=0, atol=0)
+        np.testing.assert_allclose(r["after_forward"]["counts"], r["start"]["counts"], rtol=0, atol=0)
+        # not all-reduced: this rank's own gradient
+        np.testing.assert_allclose(r["grads"]["local.weight"], r["own_grads"]["local.weight"], rtol=1e-6)
+    assert not np.array_equal(r0["start"]["local.weight"], r1["start"]["local.weight"])
+    assert not np.array_equal(r0["own_grads"]["local.weight"], r1["own_grads"]["local.weight"])
+    mean = (r0["own_grads"]["shared.weight"] + r1["own_grads"]["shared.weight"]) / 2
+    for r in (r0, r1):  # the replicated weight's gradient is the ranks' mean
+        np.testing.assert_allclose(r["grads"]["shared.weight"], mean, rtol=1e-5, atol=1e-7)
