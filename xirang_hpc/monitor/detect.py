@@ -97,7 +97,8 @@ TICKING_PHASES = {"checkpoint": "saving", "eval": "eval"}
 COLLECTIVE_OF = {"data": "start", "forward": "forward (DDP buffer broadcast / FSDP all-gather)",
                  "backward": "gradient all-reduce", "optimizer": "grad-norm / loss all-reduce",
                  "comm": "stop-signal consensus all-reduce", "eval": "evaluation all-reduce",
-                 "checkpoint": "checkpoint save collective", "start": "start-up collective"}
+                 "checkpoint": "checkpoint save collective", "start": "start-up collective",
+                 "restore": "checkpoint restore collective"}
 
 
 def bound_phase(hb: dict[str, Any], th: Thresholds) -> str:
