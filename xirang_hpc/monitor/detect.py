@@ -25,6 +25,9 @@ about the ranks on this host, into findings:
                 evaluation before any timed step)
   ============  =====================================================  ==========================
 
+  Start-up is covered from before the weight import and the checkpoint restore: the ranks heartbeat
+  from there (phase ``start``, then ``restore`` while a checkpoint loads, ticking per tensor read).
+
   Defaults (``MonitorConfig``): hang_k=20, hang_min_s=10 s, hang_s=300 s, so a hang inside
   training is named after max(10 s, 20 x the step time). Requiring *every* rank to be still is
   what keeps a slow-but-moving job quiet: while one rank crawls through its phases (throttled,
