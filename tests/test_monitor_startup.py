@@ -98,12 +98,12 @@ def test_a_rank_stopped_in_the_checkpoint_restore_is_named_in_seconds(launch, tm
 
 
 def test_a_slow_restore_that_reads_is_no_hang(launch) -> None:
-    # hang_s=12 bounds a still start-up; every tensor read takes 0.5 s more (a tick each), so the restore
+    # hang_s=12 bounds a still start-up; every tensor read takes 0.25 s more (a tick each), so the restore
     # lasts well beyond hang_s on every rank while it moves.
     hang_s = 12.0
     first = _trained(launch)
     run = launch(*COMMON, f"monitor.hang_s={hang_s}", "train.extend_to=8", steps=4, run_dir=first.run_dir,
-                 env={"XIRANG_TESTPOINT_SLOW": "load_s=0.5"})
+                 env={"XIRANG_TESTPOINT_SLOW": "load_s=0.25"})
     with Observer(run.run_dir) as obs:
         run.wait_end(1200)
     run.beats()
