@@ -161,7 +161,7 @@ def test_a_memory_copy_that_fails_its_checksum_falls_back_with_the_file_named(tm
 
 
 class _FreshTrainer:
-    """What the checkpoint hook reads of a trainer at fit start: a model, its AdamW, a log."""
+    """What the checkpoint hook reads of a trainer at fit start: a model, its AdamW, a log, the phase."""
 
     def __init__(self, run_dir) -> None:
         torch.manual_seed(0)
@@ -172,6 +172,9 @@ class _FreshTrainer:
 
     def log(self, msg: str) -> None:
         self.lines.append(msg)
+
+    def phase(self, phase: str) -> None:
+        """The loop's phase announcement (the hook announces its restore): nothing to record here."""
 
 
 @pytest.mark.parametrize("in_memory", [False, True])

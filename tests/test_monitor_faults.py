@@ -92,10 +92,13 @@ class Run:
 def launch(tmp_path: Path, stdlib_data: Path) -> Iterator:
     runs: list[Run] = []
 
-    def _launch(*overrides: str, steps: int = 400, env: dict[str, str] | None = None) -> Run:
-        """Submit the job; ``env`` adds to the environment it starts with (e.g. ``XIRANG_TESTPOINT_SLOW``)."""
+    def _launch(*overrides: str, steps: int = 400, env: dict[str, str] | None = None,
+                run_dir: Path | None = None) -> Run:
+        """Submit the job; ``env`` adds to the environment it starts with (e.g. ``XIRANG_TESTPOINT_SLOW``);
+        ``run_dir``: an earlier run's directory, to resume it."""
+        run_dir = tmp_path / f"run{len(runs)}" if run_dir is None else run_dir
         cfg = load_config(compose_cfg([
-            f"train.max_steps={steps}", f"train.run_dir={tmp_path / f'run{len(runs)}'}", f"data.out_dir={stdlib_data}",
+            f"train.max_steps={steps}", f"train.run_dir={run_dir}", f"data.out_dir={stdlib_data}",
             "train.log_every=5", "train.eval_batches=2", "monitor.stale_s=4", "cluster.time_min=5", *overrides]))
         run_dir = make_private_dir(run_dir_for(cfg))
         ex = make_executor(cfg.cluster, run_dir / "submitit")

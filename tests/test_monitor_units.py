@@ -27,6 +27,7 @@ from xirang_hpc.monitor.heartbeat import (
     Heartbeat,
     heartbeat_dir,
     read_heartbeats,
+    read_json,
 )
 from xirang_hpc.runs.plot import plot_run
 from xirang_hpc.runs.status import run_status
@@ -523,3 +524,50 @@ def test_event_tail_reads_each_appended_event_once_and_waits_for_a_torn_line(tmp
     append_event(tmp_path, "requeue", "y")
     assert [e["kind"] for e in tail.read()] == ["requeue"]
     assert [e["kind"] for e in read_events(tmp_path)] == ["start", "dead", "abort", "requeue"]
+
+
+def test_heartbeats_start_before_the_restore_and_the_session_takes_the_step_restored(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    import atexit
+    import faulthandler
+
+    from conftest import FakeLoop, compose_cfg
+
+    from xirang_hpc.config.validate import load_config
+    from xirang_hpc.monitor import trainer_hook
+    from xirang_hpc.runtime import liveness
+    from xirang_hpc.runtime.topology import Topology
+
+    # This process is the rank: no watchdog process, no stack-dump handler or exit hook left in it.
+    monkeypatch.setattr(trainer_hook, "spawn", lambda *a: 4242)
+    monkeypatch.setattr(faulthandler, "register", lambda *a, **k: None)
+    monkeypatch.setattr(atexit, "register", lambda *a, **k: None)
+    topo = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_id=0, num_nodes=1,
+                    node_name="n1", master_addr="127.0.0.1", master_port=0, job_id="local", source="single")
+    mon = trainer_hook.MonitorHook(load_config(compose_cfg([])), topo, tmp_path)
+    hdir = tmp_path / "heartbeats"
+    loop = FakeLoop(0)
+    mon.start_hook().on_fit_start(loop)  # registered before the weight import and the restore
+    try:
+        hb = read_json(hdir / "rank-0.json")
+        assert hb is not None and (hb["phase"], hb["step"], hb["watchdog_pid"]) == ("start", 0, 4242), hb
+        first = read_json(hdir / "session.json")
+        assert first is not None and first["session"] == hb["session"] and first["restoring"], first
+        assert "start_step" not in first and not (hdir / "sessions.jsonl").exists()
+        assert run_status(tmp_path)["nodes"][0]["ranks"] == [0]  # xirang-status reads this start meanwhile
+        mon.on_phase(loop, "restore")  # the checkpoint hook announces its load
+        liveness.tick("checkpoint read")
+        mon.hb.write()
+        hb = read_json(hdir / "rank-0.json")
+        assert hb["phase"] == "restore" and hb["activity"] == "checkpoint read", hb
+        loop.state.step = 40  # the restore reached step 40
+        mon.on_fit_start(loop)  # registered after the restore: the same session, the step restored
+        mon.hb.write()
+        hb = read_json(hdir / "rank-0.json")
+        assert (hb["phase"], hb["step"], hb["session"]) == ("start", 40, first["session"]), hb
+        final = read_json(hdir / "session.json")
+        assert final["start_step"] == 40 and "restoring" not in final and final["started"] == first["started"]
+        rows = (hdir / "sessions.jsonl").read_text().splitlines()
+        assert [json.loads(r)["start_step"] for r in rows] == [40]
+    finally:
+        mon.on_fit_end(loop, {})

@@ -129,8 +129,9 @@ def test_slow_testpoint_parses_once_and_sleeps_only_where_it_says():
 
 
 def test_testpoint_pauses_only_at_its_stage_restart_and_arrival(tmp_path, monkeypatch):
-    assert testpoint.parse("load@1=60, save@0#2=0.5,rendezvous=3") == {
-        ("load", 1): (0, 60.0), ("save", 0): (2, 0.5), ("rendezvous", 0): (0, 3.0)}
+    assert testpoint.parse("load@1=60, save@0#2=0.5,rendezvous=3,load@2/3=7") == {
+        ("load", 1): (0, 60.0, -1), ("save", 0): (2, 0.5, -1), ("rendezvous", 0): (0, 3.0, -1),
+        ("load", 2): (0, 7.0, 3)}
     monkeypatch.setattr(testpoint, "_arrivals", {})
     env = {testpoint.ENV: "save@0#2=0.2,load@1=0.2", testpoint.DIR_ENV: str(tmp_path), "SLURM_RESTART_COUNT": "0"}
     assert testpoint.pause("save", {}) == 0.0  # unset: nothing
@@ -140,6 +141,10 @@ def test_testpoint_pauses_only_at_its_stage_restart_and_arrival(tmp_path, monkey
     assert testpoint.pause("save", env) == 0.2 and time.monotonic() - t0 >= 0.2
     assert [p.name for p in tmp_path.iterdir()] == [f"save@0.{os.getpid()}"]
     assert testpoint.pause("save", env) == 0.0
+    # ``/RANK``: that rank only (the stage passes its rank)
+    ranked = {testpoint.ENV: "load@0/3=0.05", "SLURM_RESTART_COUNT": "0"}
+    assert testpoint.pause("load", ranked, rank=2) == 0.0 and testpoint.pause("load", ranked) == 0.0
+    assert testpoint.pause("load", ranked, rank=3) == 0.05
 
 
 @pytest.mark.slow

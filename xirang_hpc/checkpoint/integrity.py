@@ -55,6 +55,7 @@ def checksum_file(path: Path, algo: str = "xxh3_128", bufsize: int = 1 << 20) ->
         view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])
+            liveness.tick("checkpoint checksum")
     return h.hexdigest()
 
 

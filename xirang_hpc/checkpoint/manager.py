@@ -404,7 +404,7 @@ class CheckpointManager(GroupCollectives):
                     "Train this config in a new run directory (drop train.run_dir), or move that "
                     "checkpoint away if it does not belong to this run")
             if problem is None:
-                testpoint.pause("load")  # tests only: a restart in the middle of its checkpoint load
+                testpoint.pause("load", rank=self.rank)  # tests only: a restart in the middle of its checkpoint load
                 try:
                     sums = ckpt_layout.expected_checksums(d) if self.verify_checksums else None
                     dcp.load(tensors, storage_reader=HDF5StorageReader(d, sums), process_group=self.group)

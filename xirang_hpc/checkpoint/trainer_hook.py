@@ -124,6 +124,8 @@ class CheckpointHook(TrainerHook):
         fs_steps = self.mgr.candidates()
         if self.memory is None and not fs_steps:
             return None, {}, []
+        # The monitor's heartbeat says so: a rank stopped or blocked in the load is named in the restore.
+        trainer.phase("restore")
         built: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
 
         def template() -> dict[str, Any]:

@@ -95,7 +95,7 @@ def _removed(full_key: str, value: Any) -> str:
         shown = str(value or "").strip().strip("[]").replace(",", "+").replace(" ", "")
     return (f"config field {full_key} no longer exists: the test-only slow-downs are set with the "
             f"environment variable XIRANG_TESTPOINT_SLOW (here XIRANG_TESTPOINT_SLOW={REMOVED[full_key][1]}="
-            f"{shown or '...'}; its keys are rank, s, steps, phases, save_s, eval_s; see "
+            f"{shown or '...'}; its keys are rank, s, steps, phases, save_s, eval_s, load_s; see "
             f"xirang_hpc/runtime/testpoint.py)")
 
 

@@ -48,12 +48,16 @@ def _say(msg: str) -> None:
 
 
 def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[TrainerHook]:
-    """The trainer's hooks, in order: goodput's timing, weight import, comm, checkpoint, monitoring, stop signals.
+    """The trainer's hooks, in order: goodput's timing, heartbeats, weight import, comm, checkpoint, monitoring,
+    stop signals.
 
     Each feature adds its hook here (one line each) so the loop itself stays small.
     """
     # Goodput's record first: it times the restore the hooks below do, and closes each step before the save.
     hooks: list[TrainerHook] = [GoodputHook(topo, run_dir)]
+    monitor = MonitorHook(cfg, topo, run_dir) if cfg.monitor.enabled else None
+    if monitor is not None:  # heartbeats, stack dumps and the node watchdog from here on: the weight import and
+        hooks.append(monitor.start_hook())  # the restore below are watched like a training step
     if cfg.model.init_from:  # exported weights first, so a checkpoint restore (next hooks) wins
         hooks.append(InitFromHook(cfg.model.init_from))
     if cfg.finetune.method == "dpo":  # the reference = the start: after the weight import, before any restore
@@ -63,8 +67,8 @@ def build_hooks(cfg: XirangConfig, topo: Topology, run_dir: Path) -> list[Traine
     hooks.append(CommTrainerHook(cfg.comm))
     if cfg.checkpoint.enabled:  # restore, periodic async save, final save
         hooks.append(CheckpointHook(cfg, topo, run_dir, events=EventLog(run_dir)))
-    if cfg.monitor.enabled:  # heartbeats + node watchdog
-        hooks.append(MonitorHook(cfg, topo, run_dir))
+    if monitor is not None:  # phases and steps into the heartbeat; the session record with the step restored
+        hooks.append(monitor)
     # config.json, TFLOP/s / MFU / memory in the metrics rows, train.loggers (TensorBoard, MLflow). After the
     # checkpoint hook: it resolves a train.resume_from fork and rewinds metrics.jsonl before this one reads it.
     hooks.append(TrackingHook(cfg, topo, run_dir))

@@ -25,6 +25,9 @@ about the ranks on this host, into findings:
                 evaluation before any timed step)
   ============  =====================================================  ==========================
 
+  Start-up is covered from before the weight import and the checkpoint restore: the ranks heartbeat
+  from there (phase ``start``, then ``restore`` while a checkpoint loads, ticking per tensor read).
+
   Defaults (``MonitorConfig``): hang_k=20, hang_min_s=10 s, hang_s=300 s, so a hang inside
   training is named after max(10 s, 20 x the step time). Requiring *every* rank to be still is
   what keeps a slow-but-moving job quiet: while one rank crawls through its phases (throttled,
@@ -97,7 +100,8 @@ TICKING_PHASES = {"checkpoint": "saving", "eval": "eval"}
 COLLECTIVE_OF = {"data": "start", "forward": "forward (DDP buffer broadcast / FSDP all-gather)",
                  "backward": "gradient all-reduce", "optimizer": "grad-norm / loss all-reduce",
                  "comm": "stop-signal consensus all-reduce", "eval": "evaluation all-reduce",
-                 "checkpoint": "checkpoint save collective", "start": "start-up collective"}
+                 "checkpoint": "checkpoint save collective", "start": "start-up collective",
+                 "restore": "checkpoint restore collective"}
 
 
 def bound_phase(hb: dict[str, Any], th: Thresholds) -> str:

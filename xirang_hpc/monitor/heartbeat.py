@@ -7,7 +7,7 @@ progressing; a stopped or lost process stops both; a dead one also loses its pid
 
 Two more fields serve hang detection (:mod:`xirang_hpc.monitor.detect`): ``active`` is the time
 of the last liveness tick (:mod:`xirang_hpc.runtime.liveness`: a checkpoint save that wrote
-another tensor, an evaluation that finished another batch), so a long phase that still moves is
+another tensor, a restore that read one, an evaluation that finished another batch), so a long phase that still moves is
 not a stall; ``coll_seq`` counts the collectives the rank has issued, so the rank that did not
 arrive at a collective has a lower count than the ranks waiting in it.
 

@@ -5,6 +5,14 @@ the watchdog ignores heartbeat files left by an earlier attempt; rank 0 records 
 (job id, requeue count, FLOPs per token) for ``xirang-status``; each node's local rank 0 starts
 the node's watchdog process (:mod:`xirang_hpc.monitor.watchdog`).
 
+Two hooks, one monitor: :meth:`MonitorHook.start_hook` is registered before the weight import and the
+checkpoint restore, so heartbeats (with collective progress), the stack dump and the watchdog cover the
+whole start-up: a rank stopped or blocked while it loads a checkpoint is named like one in a training
+step (phase ``start``, then ``restore`` while the checkpoint loads; ``hang_s`` bounds a still rank
+there, the collective rule names a frozen one after ``monitor.collective_timeout_s``). The
+:class:`MonitorHook` itself comes after the restore: it records the session with the step the run
+resumes from and sets the heartbeat's step to it.
+
 Stack dumps: ``faulthandler.register(monitor.stack_signal)`` (SIGQUIT by default; SIGUSR2 and
 SIGTERM belong to the requeue path) appends every thread's Python stack to
 ``run_dir/stacks/rank-N.txt``; faulthandler writes from its C signal handler, so it works while
@@ -61,6 +69,8 @@ class MonitorHook(TrainerHook):
     def __init__(self, cfg: XirangConfig, topo: Topology, run_dir: Path) -> None:
         self.cfg, self.m, self.topo, self.run_dir = cfg, cfg.monitor, topo, run_dir
         self.hb: Heartbeat | None = None
+        self.session: str | None = None
+        self._started: float | None = None  # when this start's session record was first written
         self._stack_file: IO[str] | None = None
 
     def _register_stacks(self, session: str) -> None:
@@ -73,7 +83,10 @@ class MonitorHook(TrainerHook):
         faulthandler.register(getattr(signal, self.m.stack_signal), file=f, all_threads=True, chain=False)
         self._stack_file = f
 
-    def _record_session(self, trainer: Loop, session: str) -> None:
+    def _record_session(self, trainer: Loop, session: str, final: bool = True) -> None:
+        """Rank 0: ``session.json`` for ``xirang-status``. Before the restore (``final=False``) it names the start
+        (``restoring``: ``start_step`` not known yet); after it, the step resumed from, also appended to
+        ``sessions.jsonl`` (one row per start)."""
         c, t = self.cfg, self.topo
         row: dict[str, Any] = {
             "session": session, "job_id": t.job_id, "source": t.source, "started": time.time(),
@@ -86,18 +99,35 @@ class MonitorHook(TrainerHook):
         }
         if t.source == "local" and str(t.job_id).isdigit():  # the local job's id is its controller's pid
             row["job_start_ticks"] = start_ticks(int(t.job_id))
+        if not final:
+            del row["start_step"]
+            row["restoring"] = True
+        elif self._started is not None:  # the record written before the restore: the same start
+            row["started"] = self._started
+        self._started = row["started"]
         hdir = heartbeat_dir(self.run_dir)
         write_json_atomic(hdir / SESSION_FILE, row)
-        with (hdir / SESSIONS_LOG).open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        if final:
+            with (hdir / SESSIONS_LOG).open("a") as f:
+                f.write(json.dumps(row) + "\n")
 
-    def on_fit_start(self, trainer: Loop) -> None:
-        """Agree on the session, register the stack dump, start heartbeating and the watchdog."""
+    def start_hook(self) -> TrainerHook:
+        """The hook that starts heartbeating: register it before the weight import and the checkpoint restore."""
+        return _StartHook(self)
+
+    def begin(self, trainer: Loop) -> None:
+        """Agree on the session, register the stack dump, start heartbeating and the watchdog (once).
+
+        Rank 0 writes a first session record at once, so ``xirang-status`` reads this start's heartbeats
+        while it restores; :meth:`on_fit_start` completes it with the step the restore reached.
+        """
+        if self.hb is not None:
+            return
         t = self.topo
-        session = _session_id(t)
+        self.session = session = _session_id(t)
         hdir = heartbeat_dir(self.run_dir)
         if t.rank == 0:
-            self._record_session(trainer, session)
+            self._record_session(trainer, session, final=False)
         self._register_stacks(session)
         ident = {"rank": t.rank, "world_size": t.world_size, "local_rank": t.local_rank, "node": t.node_name,
                  "node_id": t.node_id, "pid": os.getpid(), "host": socket.gethostname(), "session": session,
@@ -112,8 +142,17 @@ class MonitorHook(TrainerHook):
                             inside_fn=liveness.inside if track else None)
         self.hb.step = trainer.state.step
         self.hb.start()
-        liveness.set_sink(self.hb.tick)  # saves and evaluations report that they still move
+        liveness.set_sink(self.hb.tick)  # restores, saves and evaluations report that they still move
         atexit.register(self._on_exit)
+
+    def on_fit_start(self, trainer: Loop) -> None:
+        """After the restore: the heartbeat's step and the session record hold the step the run resumes from."""
+        self.begin(trainer)  # no start hook registered: heartbeats start here
+        assert self.hb is not None and self.session is not None
+        self.hb.step = trainer.state.step
+        self.hb.mark_phase("start")  # the restore is over; the rest of the start-up until the first step
+        if self.topo.rank == 0:
+            self._record_session(trainer, self.session, final=True)
 
     def on_phase(self, trainer: Loop, phase: str) -> None:
         """Record the phase; a test's straggler (``XIRANG_TESTPOINT_SLOW``) sleeps on entering its slow phases."""
@@ -143,6 +182,17 @@ class MonitorHook(TrainerHook):
                 self.hb.stop()
             except OSError:
                 pass
+
+
+class _StartHook(TrainerHook):
+    """:meth:`MonitorHook.begin` at fit start, ahead of the hooks that import weights and restore checkpoints."""
+
+    def __init__(self, monitor: MonitorHook) -> None:
+        self.monitor = monitor
+
+    def on_fit_start(self, trainer: Loop) -> None:
+        """Start heartbeating (phase ``start``)."""
+        self.monitor.begin(trainer)
 
 
 def _progress() -> dict[str, tuple[int, list[int]]]:

@@ -11,12 +11,14 @@ kills them, so the job ends and the requeue policy can exclude the failed node.
 Hang bounds (:mod:`xirang_hpc.monitor.detect` has the table): ``monitor.hang_k`` = 20 x the median
 step time, at least ``monitor.hang_min_s`` = 10 s, inside a timed training step and between the
 liveness ticks of a checkpoint save or an evaluation; ``monitor.hang_s`` = 300 s for the first
-step and start-up. A hang needs every rank to be still; the event names the rank that did not
+step and start-up (watched from before the weight import and the checkpoint restore: the ranks
+heartbeat from there). A hang needs every rank to be still; the event names the rank that did not
 reach the collective or step the others wait in (``rank 3 (node n1, pid 4242) did not reach ...``).
 
 Before that rule, the collective rule (``monitor.collective_timeout_s``, 10 s): a rank that has not
 entered a collective its peers entered that long ago and is stopped, silent or still is named, with the
-ranks waiting for it, whatever the step time (the module doc of :mod:`xirang_hpc.monitor.detect`).
+ranks waiting for it, whatever the step time and whatever the phase: a rank stopped in the checkpoint
+restore is named like one stopped in a step (the module doc of :mod:`xirang_hpc.monitor.detect`).
 
 A watchdog exits when its node's ranks are gone. Limit: a rank frozen on *another* host cannot
 be signalled from here; its node's own watchdog does that.

@@ -1,7 +1,8 @@
 """Liveness ticks and collective progress: how long-running work tells the hang watchdog it still moves.
 
 A phase that legitimately lasts much longer than a training step (a checkpoint save writing
-tensor after tensor, an evaluation batch after batch) calls :func:`tick` as it advances; the
+tensor after tensor, a restore or a weight import reading them, an evaluation batch after batch)
+calls :func:`tick` as it advances; the
 monitor's heartbeat records the time of the last tick, and the watchdog measures a stall from
 the later of that and the last phase change. So a save or an evaluation that keeps moving is
 never a hang, while one that stops moving is named within the same bound as a training step.

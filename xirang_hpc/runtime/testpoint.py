@@ -1,8 +1,10 @@
 """Test points: a pause at a named stage of the job, so an end-to-end test can preempt it exactly there.
 
 Only tests set ``XIRANG_TESTPOINT``; unset (every real run) :func:`pause` is one dictionary lookup.
-Format: comma-separated ``STAGE@RESTART[#N]=SECONDS`` -- pause ``SECONDS`` at the ``N``-th (default:
-every) arrival at ``STAGE`` in a process of the run's ``RESTART``-th start (``SLURM_RESTART_COUNT``).
+Format: comma-separated ``STAGE@RESTART[#N][/RANK]=SECONDS`` -- pause ``SECONDS`` at the ``N``-th (default:
+every) arrival at ``STAGE`` in a process of the run's ``RESTART``-th start (``SLURM_RESTART_COUNT``); with
+``/RANK``, only global rank ``RANK`` pauses (at the stages that know their rank: ``load``), e.g. a rank the
+test stops in the middle of a restore while its peers go on into the load's collectives.
 On arrival the process first touches ``$XIRANG_TESTPOINT_DIR/STAGE@RESTART.<pid>``, so the test knows
 the job is there. Stages: ``rendezvous`` (ranks > 0 before checking in: rank 0 waits in the
 rendezvous), ``load`` (before a checkpoint's tensors are read), ``save`` (in the background save,
@@ -17,12 +19,13 @@ a list's items joined by ``+``:
   straggler) sleeps ``SECONDS`` on entering each of ``phases`` (default ``data``) of the training steps
   ``steps`` (default every step; ``steps=0``: a slow first step);
 - ``save_s=SECONDS``: every rank's checkpoint writer sleeps this long per tensor written (a slow filesystem);
+- ``load_s=SECONDS``: every rank sleeps this long per tensor it reads in a checkpoint restore (slow storage);
 - ``eval_s=SECONDS``: every rank sleeps this long per evaluation batch (a long evaluation).
 
 E.g. ``rank=3,s=6,steps=8+9,phases=data+forward+backward+optimizer``, ``rank=all,s=60,phases=forward``
-(60-s steps) or ``save_s=0.6,eval_s=1.0``.
-The sleeps happen where the job reports that it still moves (a phase begins, a tensor is written, an
-evaluation batch is done), so they look to the watchdog exactly like slow work. A spec is parsed once.
+(60-s steps), ``rank=3,s=20,phases=restore`` (a rank late into the restore) or ``save_s=0.6,eval_s=1.0,load_s=0.5``.
+The sleeps happen where the job reports that it still moves (a phase begins, a tensor is written or read,
+an evaluation batch is done), so they look to the watchdog exactly like slow work. A spec is parsed once.
 """
 
 from __future__ import annotations
@@ -42,26 +45,32 @@ _arrivals: dict[str, int] = {}
 ALL_RANKS = -2  # ``rank=all`` in XIRANG_TESTPOINT_SLOW
 
 
-def parse(spec: str) -> dict[tuple[str, int], tuple[int, float]]:
-    """``"load@1=60,save@0#2=90"`` -> {(stage, restart): (nth or 0 for every, seconds)}."""
-    out: dict[tuple[str, int], tuple[int, float]] = {}
+ANY_RANK = -1  # a pause without ``/RANK``
+
+
+def parse(spec: str) -> dict[tuple[str, int], tuple[int, float, int]]:
+    """``"load@1=60,save@0#2=90,load@0/3=30"`` -> {(stage, restart): (nth or 0 for every, seconds, rank or
+    ANY_RANK)}."""
+    out: dict[tuple[str, int], tuple[int, float, int]] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         where, seconds = item.split("=", 1)
         stage, _, rest = where.partition("@")
+        rest, _, rank = rest.partition("/")
         restart, _, nth = rest.partition("#")
-        out[(stage, int(restart or 0))] = (int(nth or 0), float(seconds))
+        out[(stage, int(restart or 0))] = (int(nth or 0), float(seconds), int(rank) if rank else ANY_RANK)
     return out
 
 
-def pause(stage: str, env: Mapping[str, str] | None = None) -> float:
-    """Sleep when ``XIRANG_TESTPOINT`` names ``stage`` for this restart; returns the seconds slept."""
+def pause(stage: str, env: Mapping[str, str] | None = None, rank: int | None = None) -> float:
+    """Sleep when ``XIRANG_TESTPOINT`` names ``stage`` for this restart (and ``rank``, when it names one);
+    returns the seconds slept."""
     env = os.environ if env is None else env
     spec = env.get(ENV)
     if not spec:
         return 0.0
     restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-    nth, seconds = parse(spec).get((stage, restart), (-1, 0.0))
-    if nth < 0:
+    nth, seconds, only = parse(spec).get((stage, restart), (-1, 0.0, ANY_RANK))
+    if nth < 0 or (only != ANY_RANK and rank != only):
         return 0.0
     _arrivals[stage] = _arrivals.get(stage, 0) + 1
     if nth and _arrivals[stage] != nth:
@@ -82,6 +91,7 @@ class Slow:
     phases: tuple[str, ...] = ("data",)
     save_s: float = 0.0
     eval_s: float = 0.0
+    load_s: float = 0.0
 
 
 @functools.lru_cache(maxsize=8)  # keyed by the spec itself: a test that changes the variable gets the new one
@@ -122,9 +132,10 @@ def slow_phase(rank: int, phase: str, step: int, env: Mapping[str, str] | None =
 
 
 def slow_item(kind: str, env: Mapping[str, str] | None = None) -> float:
-    """Sleep ``save_s`` per tensor written (``kind="save"``) or ``eval_s`` per evaluation batch (``"eval"``)."""
+    """Sleep ``save_s`` per tensor written (``kind="save"``), ``load_s`` per tensor read in a restore (``"load"``)
+    or ``eval_s`` per evaluation batch (``"eval"``)."""
     slow = _slow(env)
-    seconds = 0.0 if slow is None else {"save": slow.save_s, "eval": slow.eval_s}[kind]
+    seconds = 0.0 if slow is None else {"save": slow.save_s, "eval": slow.eval_s, "load": slow.load_s}[kind]
     if seconds > 0:
         time.sleep(seconds)
     return seconds

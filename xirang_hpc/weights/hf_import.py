@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from xirang_hpc.config.hf import hf_family, read_hf_config
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.lora import is_lora_param
+from xirang_hpc.runtime import liveness
 from xirang_hpc.weights.errors import WeightsError
 from xirang_hpc.weights.hf import IGNORED_HF_SUFFIXES, Src, expected_hf_shapes, hf_rows_for, tensor_map
 
@@ -216,6 +217,7 @@ def init_model_from_hf(model: nn.Module, path: str | Path, cfg: ModelConfig) -> 
                     continue
                 region = read_region(ckpt, tmap[name], full[name], offset, shape)
                 local.copy_(region.to(local.dtype))
+                liveness.tick("weight import")  # a long import that still reads is no hang
         return len(params)
     finally:
         ckpt.close()

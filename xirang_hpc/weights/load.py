@@ -30,6 +30,7 @@ from xirang_hpc.config.schema.finetune import trains_adapters
 from xirang_hpc.data.tokenizer import ByteTokenizer, Tokenizer, load_run_tokenizer, load_tokenizer
 from xirang_hpc.models.gpt import GPT
 from xirang_hpc.models.lora import is_lora_param
+from xirang_hpc.runtime import liveness
 from xirang_hpc.runtime.device import Device
 from xirang_hpc.runtime.device import decide as decide_device
 from xirang_hpc.runtime.hooks import Loop, TrainerHook
@@ -239,6 +240,7 @@ def init_model_from(model: nn.Module, path: str | Path) -> int:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     tensors, _ = load_safetensors(path)
+    liveness.tick("weight import")  # read; an import that still moves is no hang
     # Full (unsharded) shapes of this rank's parameters; a pipeline stage holds a subset of names.
     ours = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     adapters = {k for k in ours if is_lora_param(k) and k not in tensors}  # LoRA on a base: adapters start fresh

@@ -18,6 +18,7 @@ import torch
 from xirang_hpc.config.hf import PEFT_WEIGHTS, base_model_dir
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.config.schema.finetune import LORA_TARGETS, LoraConfig, trains_adapters
+from xirang_hpc.runtime import liveness
 from xirang_hpc.weights.hf import Src, hf_rows_for, tensor_map
 
 PEFT_PREFIX = "base_model.model."
@@ -150,4 +151,5 @@ def init_adapters_from_peft(model: torch.nn.Module, path: str | Path, cfg: Model
             if local.numel():
                 region = ours[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
                 local.copy_(region.to(local.dtype))
+                liveness.tick("weight import")  # a long import that still reads is no hang
     return len(params)
