@@ -120,3 +120,34 @@ def test_a_slow_restore_that_reads_is_no_hang(launch) -> None:
     assert session is not None and session["start_step"] == 4 and "restoring" not in session, session
     print(f"\nslow restore: {obs.longest(obs.phase_age, 'restore'):.1f}s in the restore phase (hang_s={hang_s}), "
           f"at most {obs.longest(obs.idle, 'restore'):.1f}s between ticks")
+
+
+def test_a_rank_stopped_in_the_model_build_is_named_in_seconds(launch, tmp_path, capsys) -> None:
+    """A fresh start: rank 3 is held after the rendezvous, before its model is built, and stopped there, while its
+    peers go on into the build's collectives (the weights' broadcast, DDP's set-up): named in seconds."""
+    collective_s, margin_s = 10.0, 5.0
+    points = tmp_path / "testpoints"
+    points.mkdir()
+    run = launch(*COMMON, steps=4, env={"XIRANG_TESTPOINT": "build@0/3=120", "XIRANG_TESTPOINT_DIR": str(points)})
+    deadline = time.time() + 900
+    arrived: list[Path] = []
+    while time.time() < deadline and not arrived:
+        assert not run.job.done(), "the job ended before its build"
+        arrived = list(points.glob("build@0.*"))
+        time.sleep(0.05)
+    assert arrived, "rank 3 never reached the build"
+    pid3 = int(arrived[0].name.rsplit(".", 1)[1])
+    t_stop = time.time()
+    os.kill(pid3, signal.SIGSTOP)
+    ev = run.wait_event("hang", 200)
+    latency = ev["time"] - t_stop
+    run.beats()
+    run.wait_end()
+    assert (ev["rank"], ev["node"], ev["pid"], ev["detector"]) == (3, "vnode1", pid3, "collective"), ev
+    assert ev["bound_phase"] == "start" and "process is stopped" in ev["cause"], ev
+    assert latency <= collective_s + margin_s, (latency, ev)
+    text = (run.run_dir / "stacks" / "rank-3.txt").read_text()
+    assert "trainer.py" in text and "testpoint.py" in text, text[-2000:]  # its stack: in the build
+    _assert_all_gone(run)
+    with capsys.disabled():
+        print(f"\nrank 3 stopped in the model build: named {latency:.1f}s after SIGSTOP: {ev['cause']}")

@@ -185,10 +185,15 @@ class MonitorHook(TrainerHook):
 
 
 class _StartHook(TrainerHook):
-    """:meth:`MonitorHook.begin` at fit start, ahead of the hooks that import weights and restore checkpoints."""
+    """:meth:`MonitorHook.begin` before the model is built, so the build, the weight import and the checkpoint
+    restore (the hooks after this one) are watched."""
 
     def __init__(self, monitor: MonitorHook) -> None:
         self.monitor = monitor
+
+    def on_build_start(self, trainer: Loop) -> None:
+        """Start heartbeating (phase ``start``) before the model, its layout and the data are built."""
+        self.monitor.begin(trainer)
 
     def on_fit_start(self, trainer: Loop) -> None:
         """Start heartbeating (phase ``start``)."""

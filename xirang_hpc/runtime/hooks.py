@@ -70,6 +70,10 @@ class TrainerHook:
     to end the loop cleanly at the next step boundary.
     """
 
+    def on_build_start(self, trainer: Loop) -> None:
+        """After the rendezvous, before the model, its layout and the data are built: only ``cfg``, ``topo``,
+        ``run_dir`` and ``state`` (step 0) are set yet. For what must watch the build (the monitor)."""
+
     def on_fit_start(self, trainer: Loop) -> None:
         """Before the initial evaluation and the first step."""
 

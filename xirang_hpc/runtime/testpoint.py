@@ -3,11 +3,12 @@
 Only tests set ``XIRANG_TESTPOINT``; unset (every real run) :func:`pause` is one dictionary lookup.
 Format: comma-separated ``STAGE@RESTART[#N][/RANK]=SECONDS`` -- pause ``SECONDS`` at the ``N``-th (default:
 every) arrival at ``STAGE`` in a process of the run's ``RESTART``-th start (``SLURM_RESTART_COUNT``); with
-``/RANK``, only global rank ``RANK`` pauses (at the stages that know their rank: ``load``), e.g. a rank the
+``/RANK``, only global rank ``RANK`` pauses (at the stages that know their rank: ``build``, ``load``), e.g. a rank the
 test stops in the middle of a restore while its peers go on into the load's collectives.
 On arrival the process first touches ``$XIRANG_TESTPOINT_DIR/STAGE@RESTART.<pid>``, so the test knows
 the job is there. Stages: ``rendezvous`` (ranks > 0 before checking in: rank 0 waits in the
-rendezvous), ``load`` (before a checkpoint's tensors are read), ``save`` (in the background save,
+rendezvous), ``build`` (after the rendezvous, before the model is built), ``load`` (before a checkpoint's
+tensors are read), ``save`` (in the background save,
 files written but the step not yet committed), ``step`` (after each training step and its hooks:
 a run that lasts long without more work, e.g. one that must meet its time limit).
 

@@ -71,6 +71,12 @@ class Trainer:
         # Per-rank state owned by hooks (name -> object with state_dict()/load_state_dict()), saved and
         # restored by the checkpoint hook for every rank (e.g. "comm": the local-SGD averaging state).
         self.extra_state: dict[str, Any] = {}
+        self.state = RunState()
+        # The build below runs collectives (the mesh, the weights' broadcast, FSDP's and DDP's set-up): the
+        # hooks that watch the ranks (heartbeats, the watchdog) start first, so a rank that hangs here is named.
+        for h in self.hooks:
+            h.on_build_start(self)
+        testpoint.pause("build", rank=topo.rank)  # tests only: a rank held in the build while its peers go on
         t = cfg.train
         # One layout object (degrees + the placement, gathered once), passed explicitly to everything
         # that builds or reduces over the parallel model; the mesh is built from the real topology.
@@ -117,7 +123,6 @@ class Trainer:
         else:
             self.train_data = TokenWindows(data_dir, "train", cfg.model.seq_len)
             self.val_data = TokenWindows(data_dir, "val", cfg.model.seq_len)
-        self.state = RunState()
         # Accumulation steps without a pipeline (under pp, microbatches go to the schedule).
         self.accum = 1 if self.dims.pp > 1 else t.grad_accum * self.layout.parallel.microbatches
         self.micro = t.global_batch // (self.dp_size * self.accum)
