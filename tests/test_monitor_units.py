@@ -571,3 +571,30 @@ def test_heartbeats_start_before_the_restore_and_the_session_takes_the_step_rest
         assert [json.loads(r)["start_step"] for r in rows] == [40]
     finally:
         mon.on_fit_end(loop, {})
+
+
+def test_a_rank_that_exited_with_an_error_at_start_up_names_the_error_from_its_log(tmp_path) -> None:
+    """The watchdog sees a rank leave with an error (a refused checkpoint in the restore) and records only that;
+    the status adds the exception from the job's log, which says what to do."""
+    import json as _json
+    import time as _time
+
+    from xirang_hpc.runs.status import run_status
+
+    started = _time.time() - 60
+    hdir = tmp_path / "heartbeats"
+    hdir.mkdir()
+    (hdir / "session.json").write_text(_json.dumps({"session": "s1", "job_id": "999999999", "source": "local",
+                                                     "host": "elsewhere", "started": started, "restoring": True}))
+    dead = {"time": started + 5, "kind": "dead", "rank": 0,
+            "reason": "rank 0 on vnode0 (restore, step 0): dead: process exited with an error before finishing "
+                      "(see its log)"}
+    (tmp_path / "events.jsonl").write_text(_json.dumps(dead) + "\n")
+    (tmp_path / "submitit").mkdir()
+    (tmp_path / "submitit" / "999999999_0_log.err").write_text(
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        "xirang_hpc.checkpoint.integrity.CheckpointCorruptError: no checkpoint under runs/x/checkpoints is usable\n")
+    s = run_status(tmp_path, run=lambda *a, **k: "")
+    assert s["state"] == "FAILED", s
+    assert s["state_reason"].startswith("rank 0 on vnode0 (restore, step 0): dead: process exited with an error"), s
+    assert s["state_reason"].endswith("CheckpointCorruptError: no checkpoint under runs/x/checkpoints is usable"), s

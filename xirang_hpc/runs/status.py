@@ -156,7 +156,12 @@ def _derived_state(session: dict[str, Any], beats: dict[int, dict[str, Any]], ev
 
 
 def _with_cause(job: dict[str, Any], run_dir: Path, has_session: bool) -> dict[str, Any]:
-    """A failed run names its cause: the job log's exception when the run's own files give none."""
+    """A failed run names its cause: the job log's exception when the run's own files give none, or when they
+    say only that a rank exited with an error (the watchdog saw the exit, the log has the error)."""
+    if job["state"] == "FAILED" and "exited with an error" in str(job.get("reason") or ""):
+        found = log_cause(run_dir)
+        if found:
+            return {**job, "reason": f"{job['reason']}: {found['cause']}", "log": found["log"]}
     if (job["state"] == "FAILED" and job.get("source") == "heartbeats") or job["state"] == "UNKNOWN":
         found = log_cause(run_dir)
         if found:
