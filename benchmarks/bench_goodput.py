@@ -117,7 +117,7 @@ class Chaos:
                "train.priority=exploratory", "train.max_steps=1000000", "train.warmup_steps=2",
                "train.log_every=10", "train.eval_every=1000000", "train.eval_batches=1", "parallel.pp=1",
                "parallel.tp=1", "monitor.enabled=true", f"monitor.hang_s={a.hang_s}",
-               f"checkpoint.every_steps={a.every}", "requeue.max_requeues=1000",
+               f"checkpoint.every_steps={a.every}", "requeue.budget_burst=1000",
                "requeue.exclude_failed_nodes=false", "requeue.min_nodes=2",
                f"data.out_dir={Path(a.data).absolute()}", f"train.runs_root={self.runs}", *self.overrides]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=self.env).stdout

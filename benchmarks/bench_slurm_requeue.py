@@ -47,7 +47,7 @@ def main() -> None:
     a = ap.parse_args()
     runs = Path(tempfile.mkdtemp(prefix="bench-slurm-"))
     cmd = [sys.executable, "-c", "from xirang_hpc.cli.train import main; main()", "cluster=testbed",
-           "requeue=testbed", f"requeue.max_requeues={a.preemptions + 1}", "train.priority=exploratory",
+           "requeue=testbed", f"requeue.budget_burst={a.preemptions + 1}", "train.priority=exploratory",
            f"train.max_steps={a.steps}", "train.warmup_steps=2", "train.log_every=1", "train.eval_batches=2",
            "parallel.pp=1",
            f"checkpoint.every_steps={a.every}", f"requeue.start_now={not a.no_start_now}",
