@@ -387,11 +387,13 @@ def test_docs_mixture_of_experts_fine_tune_round_trip(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_mixtral_run_exports_sharded_with_the_cli_and_serves_what_transformers_generates(moe_dirs,
+@pytest.mark.parametrize("layout", ["ddp", "ep2"])
+def test_mixtral_run_exports_sharded_with_the_cli_and_serves_what_transformers_generates(moe_dirs, layout: str,
                                                                                           tmp_path: Path) -> None:
-    """A Mixtral directory fine-tuned on 2 DDP ranks -> ``xirang-ckpt export --format hf`` (sharded) -> a fresh
-    transformers process loads MixtralForCausalLM: equal logits, greedy tokens equal to our engine's, and a real
-    ``xirang-serve`` of the exported directory answers with the text of transformers' greedy tokens."""
+    """A Mixtral directory fine-tuned on 2 ranks (DDP, or expert parallel: each rank holds half the experts) ->
+    ``xirang-ckpt export --format hf`` (sharded) -> a fresh transformers process loads MixtralForCausalLM: equal
+    logits, greedy tokens equal to our engine's, and a real ``xirang-serve`` of the exported directory answers
+    with the text of transformers' greedy tokens."""
     import subprocess
 
     from test_hf_roundtrip import BIN, ROOT, hf_side
@@ -403,9 +405,11 @@ def test_mixtral_run_exports_sharded_with_the_cli_and_serves_what_transformers_g
                         "cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.pp=1", "parallel.tp=1",
                         "train.max_steps=3", "train.warmup_steps=1", "train.global_batch=8", "train.eval_batches=1",
                         f"data.corpus={ROOT / 'xirang_hpc'}", "data.val_fraction=0.05", f"data.out_dir={tmp_path}/data",
-                        f"train.run_dir={tmp_path}/run"],
+                        f"train.run_dir={tmp_path}/run", *(["parallel.ep=2"] if layout == "ep2" else [])],
                        cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    trained = json.loads((tmp_path / "run" / "config.json").read_text())["config"]["parallel"]
+    assert trained["ep"] == (2 if layout == "ep2" else 1), trained
     out = tmp_path / "exp"
     e = subprocess.run([str(BIN / "xirang-ckpt"), "export", str(tmp_path / "run"), "--format", "hf", "--out", str(out),
                         "--max-shard-mb", "0.05"], capture_output=True, text=True, timeout=600)
