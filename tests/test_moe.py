@@ -126,6 +126,24 @@ def test_bias_balancing_in_a_model_updates_after_step() -> None:
     assert m.moe_aux_loss() is None
 
 
+def test_bias_loads_count_only_training_forwards_with_grad() -> None:
+    """A forward without grad, in eval mode, or with ``counting`` off (a pipeline stage's metadata inference)
+    adds nothing to the loads; a training forward adds its N*k assignments."""
+    m = MoE(_cfg(moe_balance="bias", moe_experts=4))
+    x = torch.randn(2, 8, D)
+    with torch.no_grad():
+        m(x)
+    m.eval()
+    m(x)
+    m.train()
+    m.counting = False
+    m(x)
+    assert m.load_since_update.sum() == 0
+    m.counting = True
+    m(x)
+    assert m.load_since_update.sum() == 2 * 8 * m.top_k
+
+
 def test_backward_reaches_selected_experts_and_the_gate() -> None:
     torch.manual_seed(5)
     m = MoE(_cfg(moe_experts=8, moe_top_k=1))
