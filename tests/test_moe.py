@@ -126,6 +126,24 @@ def test_bias_balancing_in_a_model_updates_after_step() -> None:
     assert m.moe_aux_loss() is None
 
 
+def test_bias_loads_count_only_training_forwards_with_grad() -> None:
+    """A forward without grad, in eval mode, or with ``counting`` off (a pipeline stage's metadata inference)
+    adds nothing to the loads; a training forward adds its N*k assignments."""
+    m = MoE(_cfg(moe_balance="bias", moe_experts=4))
+    x = torch.randn(2, 8, D)
+    with torch.no_grad():
+        m(x)
+    m.eval()
+    m(x)
+    m.train()
+    m.counting = False
+    m(x)
+    assert m.load_since_update.sum() == 0
+    m.counting = True
+    m(x)
+    assert m.load_since_update.sum() == 2 * 8 * m.top_k
+
+
 def test_backward_reaches_selected_experts_and_the_gate() -> None:
     torch.manual_seed(5)
     m = MoE(_cfg(moe_experts=8, moe_top_k=1))
@@ -211,11 +229,12 @@ def test_bad_moe_settings_name_the_field(kw: dict[str, object], field: str) -> N
     assert field in str(e.value)
 
 
-def test_moe_refuses_pipeline_and_tensor_parallel() -> None:
+def test_moe_in_pipeline_stages_only_without_the_auxiliary_loss() -> None:
     model = {"mlp": "swiglu", "moe_experts": 4}
-    for balance in ("aux_loss", "bias", "none"):
-        with pytest.raises(ConfigError, match="parallel.pp.*use parallel.pp=1"):
-            make_cfg(2, {"pp": 2}, model={**model, "moe_balance": balance})
+    with pytest.raises(ConfigError, match="model.moe_balance.*moe_balance=bias"):  # the auxiliary loss pools all layers
+        make_cfg(2, {"pp": 2}, model=model)
+    for balance in ("bias", "none"):
+        assert make_cfg(2, {"pp": 2}, model={**model, "moe_balance": balance}).parallel.pp == 2
     with pytest.raises(ConfigError, match="parallel.tp"):
         make_cfg(2, {"tp": 2}, model=model)
 

@@ -182,11 +182,11 @@ def validate(cfg: XirangConfig) -> XirangConfig:
     if m.moe_experts and p.tp > 1:
         raise ConfigError("parallel.tp", p.tp, "mixture-of-experts models do not take tensor parallelism yet; use "
                           "parallel.tp=1 and parallel.ep (expert parallelism) for the experts")
-    if m.moe_experts and p.pp > 1:
-        raise ConfigError("parallel.pp", p.pp, "mixture-of-experts models do not train in pipeline stages yet (the "
-                          "auxiliary loss pools every MoE layer's counts, which no stage sees, and the expert-bias "
-                          "loads are not yet counted per stage as one process counts them); use parallel.pp=1, "
-                          "with parallel.dp and parallel.ep over the ranks")
+    if m.moe_experts and p.pp > 1 and m.moe_balance == "aux_loss":
+        raise ConfigError("model.moe_balance", m.moe_balance, "the auxiliary load-balancing loss pools every MoE "
+                          "layer's counts over the whole batch before its product, which pipeline stages do not "
+                          "see (each holds some layers, and 1F1B runs a microbatch's backward before the next "
+                          "one's forward); use model.moe_balance=bias (or none) with parallel.pp > 1, or parallel.pp=1")
     _check_ep(cfg, dp)
     if m.moe_experts and t.compile:  # the router's data-dependent token routing breaks a whole-block graph
         raise ConfigError("train.compile", True, "mixture-of-experts blocks are not compiled (their token routing "

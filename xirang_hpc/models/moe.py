@@ -139,6 +139,9 @@ class MoE(nn.Module):
         # Assignments summed over the forwards since the last bias update (micro-steps of one step).
         self.register_buffer("load_since_update", torch.zeros(e), persistent=False)
         self.router_logits: torch.Tensor | None = None
+        # False while a forward is not a training step's (a pipeline stage's metadata inference): its
+        # assignments are not added to ``load_since_update``.
+        self.counting = True
         # Expert parallelism (set by xirang_hpc/runtime/expert_parallel.py): w1/w2/w3 are then DTensors sharded
         # on the expert dim over ep_size ranks, this rank holding experts [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size).
         self.ep_group: dist.ProcessGroup | None = None
@@ -174,9 +177,10 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # (N*k,)
         token = order // k  # (N*k,): source token of each sorted slot
         counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
-        # Not a forward without grad (a pipeline stage's shape inference runs one): only the training
-        # forwards' loads may steer the bias, as one process counts them.
-        counting = self.training and torch.is_grad_enabled()
+        # Only the training forwards' loads steer the bias, as one process counts them: not a forward
+        # without grad, nor a pipeline stage's metadata inference (``counting`` off, runtime/pipeline.py),
+        # which runs the stage once with grad on the first microbatch or on placeholder activations.
+        counting = self.training and self.counting and torch.is_grad_enabled()
         with torch.no_grad():
             self.tokens_per_expert.copy_(counts)
             if counting:

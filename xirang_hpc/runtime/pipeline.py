@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.gpt import GPT, lm_loss
+from xirang_hpc.models.moe import MoE
 
 # Schedule names -> torch.distributed.pipelining's classes, imported when a pipeline is built: the
 # package costs every rank ~0.5 s of CPU at start-up, which a job without pipeline parallelism never needs.
@@ -135,6 +136,29 @@ def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output.squeeze(0)
 
 
+def _metadata_stage(pipelining: object) -> type:
+    """``PipelineStage`` whose metadata inference leaves the MoE token counts alone.
+
+    Before its first step a stage runs its module once to learn the shapes it sends (on the first
+    microbatch, or on placeholder activations, with grad when a backward follows): that forward's
+    expert assignments are no training tokens, so the expert-bias loads must not count them.
+    """
+    base = pipelining.PipelineStage  # type: ignore[attr-defined]
+
+    class Stage(base):  # type: ignore[misc, valid-type]
+        def _compute_outputs(self, *args: object, module: nn.Module, **kwargs: object) -> object:
+            blocks = [m for m in module.modules() if isinstance(m, MoE)]
+            for m in blocks:
+                m.counting = False
+            try:
+                return super()._compute_outputs(*args, module=module, **kwargs)
+            finally:
+                for m in blocks:
+                    m.counting = True
+
+    return Stage
+
+
 def build_schedule(module: nn.Module | list[nn.Module], stage: int | list[int], n_stages: int,
                    pp_mesh: DeviceMesh, n_microbatches: int, schedule: str, device: torch.device,
                    loss_in_stage: bool = False) -> object:
@@ -156,11 +180,12 @@ def build_schedule(module: nn.Module | list[nn.Module], stage: int | list[int], 
     from torch.distributed import pipelining
 
     group = pp_mesh.get_group()
+    stage_cls = _metadata_stage(pipelining)
     if schedule in MULTI_SCHEDULES:
         assert isinstance(module, list) and isinstance(stage, list)
-        pstages = [pipelining.PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(module, stage)]
+        pstages = [stage_cls(m, s, n_stages, device, group=group) for m, s in zip(module, stage)]
         return getattr(pipelining, MULTI_SCHEDULES[schedule])(pstages, n_microbatches=n_microbatches,
                                                               loss_fn=loss_fn, scale_grads=True)
-    pstage = pipelining.PipelineStage(module, stage, n_stages, device, group=group)
+    pstage = stage_cls(module, stage, n_stages, device, group=group)
     return getattr(pipelining, SCHEDULES[schedule])(pstage, n_microbatches=n_microbatches, loss_fn=loss_fn,
                                                     scale_grads=True)
