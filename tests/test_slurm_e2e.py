@@ -378,7 +378,7 @@ def test_a_class_past_its_requeue_budget_ends_the_run_by_name(slurm, stdlib_data
     """The budget is a rate per fault class: with no preemption allowed (burst 0, rate 0) the first preemption
     ends the run with requeue_budget_exceeded, naming the class, while failures keep their own budget."""
     job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "requeue.budget_burst=0",
-                        "requeue.preemptions_per_day=0", "train.max_steps=400", "train.priority=exploratory"])
+                        "requeue.preemptions_per_day=0", "train.max_steps=1000000", "train.priority=exploratory"])
     _training(run, None)
     _preempt("-N2", "--ntasks-per-node=8")
     final = _final(run, timeout=600)
@@ -390,7 +390,7 @@ def test_a_class_past_its_requeue_budget_ends_the_run_by_name(slurm, stdlib_data
 def test_a_users_scancel_ends_the_run_and_it_does_not_come_back(slurm, stdlib_data, tmp_path):
     """``scancel JOB`` is the user's decision, not a fault: the ranks save, the run ends stopped_terminated
     under a policy that requeues everything else, and Slurm keeps the job cancelled."""
-    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "train.max_steps=400"])
+    job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), "train.max_steps=1000000"])  # never done first
     _training(run, None)
     subprocess.run(["scancel", job], check=True)
     final = _final(run, timeout=300)
