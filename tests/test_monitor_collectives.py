@@ -113,6 +113,35 @@ def test_the_chain_is_followed_to_the_rank_nobody_waits_for() -> None:
     assert sorted(f.rank for f in fs) == [2, 3]
 
 
+def test_a_rank_blocked_in_a_transfer_of_its_own_waits_and_is_not_named() -> None:
+    """Pipeline stages: rank 3 lags in the world group but is blocked in its stage's send/receive with a slow
+    neighbour (a wait the groups' counts do not see, marked ``coll_in``): it waits, it is not the hang. Stopped
+    there, it is named all the same."""
+    probes = {r: ALIVE for r in range(4)}
+    waits = waiting_on_3(30, busy=NOW - 30, coll_in={"what": "pipeline stage send/receive", "since": NOW - 25})
+    assert collective_findings(waits, probes, NOW, TH) == []
+    fs = collective_findings(waits, {**probes, 3: STOPPED}, NOW, TH)
+    assert [f.rank for f in fs] == [3] and "process is stopped" in fs[0].cause
+
+
+def test_pipeline_schedules_mark_their_transfer_waits() -> None:
+    """The schedules' wait for a stage's sends and receives runs inside ``liveness.collective``."""
+    from torch.distributed.pipelining import schedules
+
+    from xirang_hpc.runtime.pipeline import _mark_stage_waits
+
+    _mark_stage_waits()
+    _mark_stage_waits()  # once: not wrapped twice
+    seen = []
+    wrapped = schedules._wait_batch_p2p
+    assert wrapped.marks_liveness
+    inner = wrapped.__closure__[0].cell_contents if wrapped.__closure__ else None
+    assert not getattr(inner, "marks_liveness", False)
+    fake = type("W", (), {"wait": lambda self: seen.append(liveness.inside())})
+    wrapped([fake()])
+    assert seen and seen[0][0] == "pipeline stage send/receive" and liveness.inside() is None
+
+
 def test_a_member_not_reporting_the_group_is_no_evidence() -> None:
     beats = waiting_on_3(50)
     del beats[3]["colls"]

@@ -52,10 +52,12 @@ about the ranks on this host, into findings:
   but no phase change, liveness tick, CPU use of its training thread or collective issued for its
   bound: ``collective_s`` in a timed step, a save or an evaluation; ``hang_s`` at start-up and in the
   first step, where a rank may wait without CPU for compilation workers or storage). It is the culprit;
-  the others are named as waiting, with what they wait in. A still rank that itself leads a group
-  whose laggards it waits for is a waiter, not a culprit (the chain is followed to its end); a frozen
-  one is a culprit wherever it is. A rank that computes, however long its step, is busy and never a
-  culprit here: a slow step, a straggler that still works, a save or an evaluation that ticks stay quiet.
+  the others are named as waiting, with what they wait in. A still rank inside a collective or a pipeline
+  stage transfer of its own (``coll_in``: a wait the groups' counts do not show) waits too. A still rank
+  that itself leads a group whose laggards it waits for is a waiter, not a culprit (the chain is followed
+  to its end); a frozen one is a culprit wherever it is. A rank that computes, however long its step, is
+  busy and never a culprit here: a slow step, a straggler that still works, a save or an evaluation that
+  ticks stay quiet.
 - ``straggler``: a rank whose local work per step (its data phase, before any collective) exceeds
   ``k`` x the median over ranks, and by at least ``min_s``. Report only. Limit: slowness inside
   forward/backward is invisible here (every rank waits at DDP's collectives for the slowest).
@@ -342,7 +344,8 @@ def collective_findings(beats: dict[int, dict[str, Any]], probes: dict[int, str 
         why = _frozen(hb, probes.get(y), now, th)
         if why is None:
             still = now - last_motion(hb)
-            if y in waiting or still < still_bound(hb, th):
+            # Inside a collective or a pipeline transfer of its own (``coll_in``), it waits for another rank too.
+            if y in waiting or hb.get("coll_in") or still < still_bound(hb, th):
                 continue  # it works, or it waits for another rank itself: the chain goes on from there
             why = (f"alive but still for {still:.0f}s (no phase change, liveness tick, CPU use of its training "
                    f"thread or collective issued): blocked in local work (I/O, a lock, a sleep) before the "

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from xirang_hpc.config.schema import ModelConfig
 from xirang_hpc.models.gpt import GPT, lm_loss
 from xirang_hpc.models.moe import MoE
+from xirang_hpc.runtime import liveness
 
 # Schedule names -> torch.distributed.pipelining's classes, imported when a pipeline is built: the
 # package costs every rank ~0.5 s of CPU at start-up, which a job without pipeline parallelism never needs.
@@ -159,6 +160,29 @@ def _metadata_stage(pipelining: object) -> type:
     return Stage
 
 
+def _mark_stage_waits() -> None:
+    """Make the schedules' waits for a stage's sends and receives visible to the watchdog, once per process.
+
+    torch's schedules wait for their point-to-point transfers in ``schedules._wait_batch_p2p``, a call the
+    process group's collective counts do not see: a stage blocked there on a slow neighbour (a straggler) would
+    look still, and a peer that waits for it in a collective would name it as the hang. Inside this wait it is
+    marked as inside a collective (``runtime.liveness``), so it counts as waiting. Where a torch has no such
+    function nothing is marked and the rule keeps its plain form.
+    """
+    from torch.distributed.pipelining import schedules
+
+    wait = getattr(schedules, "_wait_batch_p2p", None)
+    if wait is None or getattr(wait, "marks_liveness", False):
+        return
+
+    def marked(*args: object, **kwargs: object) -> object:
+        with liveness.collective("pipeline stage send/receive"):
+            return wait(*args, **kwargs)
+
+    marked.marks_liveness = True  # type: ignore[attr-defined]
+    schedules._wait_batch_p2p = marked
+
+
 def build_schedule(module: nn.Module | list[nn.Module], stage: int | list[int], n_stages: int,
                    pp_mesh: DeviceMesh, n_microbatches: int, schedule: str, device: torch.device,
                    loss_in_stage: bool = False) -> object:
@@ -180,6 +204,7 @@ def build_schedule(module: nn.Module | list[nn.Module], stage: int | list[int], 
     from torch.distributed import pipelining
 
     group = pp_mesh.get_group()
+    _mark_stage_waits()
     stage_cls = _metadata_stage(pipelining)
     if schedule in MULTI_SCHEDULES:
         assert isinstance(module, list) and isinstance(stage, list)
