@@ -213,7 +213,10 @@ def test_sixty_second_steps_a_stopped_rank_is_named_by_collective_progress(launc
     abort = run.wait_event("abort", 120)
     assert abort["rank"] == 3
     text = (run.run_dir / "stacks" / "rank-3.txt").read_text()
-    assert "most recent call first" in text and "testpoint.py" in text, text[-2000:]  # its stack: in the sleep
+    # Its training thread's stack, inside the step where it was stopped: the forward's 60-s sleep, or just past
+    # it in the stage's transfer when a loaded machine delays the stop by the last few seconds of the sleep.
+    assert "most recent call first" in text and "train_step" in text, text[-2000:]
+    assert "testpoint.py" in text or "pipelining/schedules.py" in text, text[-2000:]
     _assert_all_gone(run)
     with capsys.disabled():
         print(f"\n60-s steps: rank 3 named {after_sampled:.1f}s after its peers entered collective #{ev['seq']} (as "
