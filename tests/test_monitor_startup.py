@@ -36,6 +36,18 @@ def _sessions(run: Run) -> int:
     return len((run.run_dir / HEARTBEAT_DIR / SESSIONS_LOG).read_text().splitlines())
 
 
+def _held(run: Run, points: Path, stage: str, what: str) -> int:
+    """The pid of the rank the test point holds at ``stage`` (its arrival file), once it is there."""
+    deadline = time.time() + 900
+    arrived: list[Path] = []
+    while time.time() < deadline and not arrived:
+        assert not run.job.done(), f"the job ended before {what}"
+        arrived = list(points.glob(f"{stage}@0.*"))
+        time.sleep(0.05)
+    assert arrived, f"rank 3 never reached {what}"
+    return int(arrived[0].name.rsplit(".", 1)[1])
+
+
 def _trained(launch, steps: int = 4) -> Run:
     """A run that trained ``steps`` steps and saved the last one (its final save)."""
     run = launch(*COMMON, steps=steps)
@@ -54,14 +66,7 @@ def test_a_rank_stopped_in_the_checkpoint_restore_is_named_in_seconds(launch, tm
     # Rank 3 alone waits in the load (120 s, far beyond what the test waits); the test stops it there.
     run = launch(*COMMON, "train.extend_to=400", steps=4, run_dir=first.run_dir,
                  env={"XIRANG_TESTPOINT": "load@0/3=120", "XIRANG_TESTPOINT_DIR": str(points)})
-    deadline = time.time() + 900
-    arrived: list[Path] = []
-    while time.time() < deadline and not arrived:
-        assert not run.job.done(), "the resumed job ended before its restore"
-        arrived = list(points.glob("load@0.*"))
-        time.sleep(0.05)
-    assert arrived, "rank 3 never reached the checkpoint load"
-    pid3 = int(arrived[0].name.rsplit(".", 1)[1])
+    pid3 = _held(run, points, "load", "the checkpoint load")
     # Already watched: this start's heartbeats (rank 3's in the restore) and the session record name it.
     session = read_json(run.run_dir / HEARTBEAT_DIR / SESSION_FILE)
     assert session is not None and session.get("restoring") and "start_step" not in session, session
@@ -129,14 +134,7 @@ def test_a_rank_stopped_in_the_model_build_is_named_in_seconds(launch, tmp_path,
     points = tmp_path / "testpoints"
     points.mkdir()
     run = launch(*COMMON, steps=4, env={"XIRANG_TESTPOINT": "build@0/3=120", "XIRANG_TESTPOINT_DIR": str(points)})
-    deadline = time.time() + 900
-    arrived: list[Path] = []
-    while time.time() < deadline and not arrived:
-        assert not run.job.done(), "the job ended before its build"
-        arrived = list(points.glob("build@0.*"))
-        time.sleep(0.05)
-    assert arrived, "rank 3 never reached the build"
-    pid3 = int(arrived[0].name.rsplit(".", 1)[1])
+    pid3 = _held(run, points, "build", "the build")
     t_stop = time.time()
     os.kill(pid3, signal.SIGSTOP)
     ev = run.wait_event("hang", 200)
