@@ -76,6 +76,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ep2xfsdp2": {"dp": 4, "ep": 2, "data_parallel": "fsdp"},  # dense FSDP2 over 4
     "ep2xhsdp2x2": {"dp": 4, "ep": 2, "data_parallel": "fsdp", "dp_replicate": 2},
     "ep2xpp2": {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2},  # each stage's experts over its 2 dp ranks
+    "ep2xtp2": {"dp": 2, "ep": 2, "tp": 2},  # attention over tp; each tp position's experts over its 2 dp ranks
 }
 
 #: A small mixture-of-experts model for the layout matrix: 4 SwiGLU experts of width 32, top-2, in every block.

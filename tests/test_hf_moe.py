@@ -285,12 +285,14 @@ def test_a_bias_balanced_run_imports_from_a_qwen3_moe_directory(moe_dirs) -> Non
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,layout,world", [("qwen3moe", "fsdp4", 4), ("qwen3moe-step2", "zero3dp2", 2),
-                                               ("mixtral", "dp2", 2), ("mixtral", "dp2zero", 2)])
+                                               ("mixtral", "dp2", 2), ("mixtral", "dp2zero", 2),
+                                               ("qwen3moe", "dp2xtp2", 4)])
 def test_ranks_read_only_their_experts_and_match_transformers(moe_dirs, name: str, layout: str, world: int) -> None:
-    """MoE trains data-parallel (DDP, ZeRO 1-2, or FSDP2 = ZeRO-3; no tp/pp). FSDP2 shards every stacked expert
-    tensor along its expert dimension: each of 4 ranks holds 2 of the 8 experts (of 2 ranks, 2 of 4) and opens
-    only those experts' tensors, reading exactly the elements it holds. Under DDP and ZeRO-1 (optimizer state
-    sharded, weights whole) every rank reads every expert once."""
+    """MoE imported data-parallel (DDP, ZeRO 1-2, or FSDP2 = ZeRO-3) and beside tensor parallelism. FSDP2
+    shards every stacked expert tensor along its expert dimension: each of 4 ranks holds 2 of the 8 experts (of
+    2 ranks, 2 of 4) and opens only those experts' tensors, reading exactly the elements it holds. Under DDP and
+    ZeRO-1 (optimizer state sharded, weights whole), and under tp (the attention split, every expert whole on
+    each tp rank), every rank reads every expert once."""
     from test_hf_import import TOKENS as WORKER_TOKENS
     from test_hf_import import _run
 

@@ -93,12 +93,14 @@ SHAPE_CASES = [(4, "dp2xtp2", "gqa"), (4, "tp2xpp2", "gqa"), (4, "fsdp2xtp2", "g
 # (ep2, ep4), beside replicas (ep2xdp2: DDP over 4, experts on 2), beside FSDP2 and HSDP; with the auxiliary
 # loss and with expert-bias balancing, and with full recompute; pipeline stages (1F1B and interleaved, 2
 # microbatches) with expert-bias balancing, alone and beside expert parallelism (each stage's loads summed over
-# its dp ranks).
+# its dp ranks); tensor parallelism of the attention (experts whole on every tp rank), with sequence parallelism
+# and beside expert parallelism.
 MOE_BIAS = {**H.MOE, "name": "moe-bias", "moe_balance": "bias", "moe_bias_rate": 0.01}
 MOE_CASES = [(2, "dp2", "aux"), (2, "ep2", "aux"), (4, "ep4", "aux"), (4, "ep2xdp2", "aux"), (4, "ep2xfsdp2", "aux"),
              (4, "ep2xhsdp2x2", "aux"), (2, "ep2", "bias"), (4, "ep2xdp2", "bias"), (4, "ep2xfsdp2", "bias"),
              (2, "ep2", "aux+full"), (2, "ep2", "bias+full"), (2, "pp2", "bias"), (2, "pp2v2", "bias"),
-             (4, "ep2xpp2", "bias")]
+             (4, "ep2xpp2", "bias"), (2, "tp2", "aux"), (2, "tp2sp", "bias"), (4, "ep2xtp2", "aux"),
+             (4, "ep2xtp2", "bias")]
 MOE_MODELS = {"aux": H.MOE, "bias": MOE_BIAS}  # "+full": with full recompute (the all-to-alls run again in backward)
 
 
@@ -382,8 +384,8 @@ def test_moe_layout_matches_single_process(world: int, layout: str, balance: str
     ep = H.LAYOUTS[layout].get("ep", 1)
     total = sum(v.size for v in ref["params"].values())
     experts = sum(v.size for k, v in ref["params"].items() if k.rsplit(".", 1)[-1] in ("w1", "w2", "w3"))
-    if "pp" in H.LAYOUTS[layout]:  # a stage's share
-        assert all(r["n_local_params"] < total - experts + experts // ep for r in per_rank)
+    if "pp" in H.LAYOUTS[layout] or "tp" in H.LAYOUTS[layout]:  # a stage's share; the attention split over tp
+        assert all(experts // ep < r["n_local_params"] < total - experts + experts // ep for r in per_rank)
     elif H.LAYOUTS[layout].get("data_parallel", "ddp") == "ddp":  # dense weights whole, experts 1/ep
         assert all(r["n_local_params"] == total - experts + experts // ep for r in per_rank)
     else:

@@ -223,7 +223,9 @@ def test_moe_presets_plan_on_h100_nodes(preset: str) -> None:
 
 def test_ep_plans_are_written_into_parallel_ep_and_vetoed_where_the_runtime_refuses_them() -> None:
     """parallel=auto and xirang-plan rank only what the runtime runs: an ep plan is written into ``parallel.ep``;
-    one the runtime refuses (expert parallelism with tensor parallelism) is vetoed by the config's validation."""
+    one the runtime refuses is vetoed by the config's validation, and a MoE plan with tensor parallelism (which
+    the runtime runs with the experts whole on every tp rank, a layout the cost model does not price) is not
+    proposed."""
     from xirang_hpc.planner.auto import apply_plan, expressible, runtime_allows
 
     cfg = load_config(compose_cfg(["model=qwen3-30b-a3b", "parallel=fsdp", "train.global_batch=8"]))
@@ -232,4 +234,6 @@ def test_ep_plans_are_written_into_parallel_ep_and_vetoed_where_the_runtime_refu
     allows = runtime_allows(cfg)
     assert allows(with_ep)
     assert not allows(Plan(dp=2, tp=2, pp=1, micro=1, zero=3, ep=2))
+    assert not allows(Plan(dp=2, tp=2, pp=1, micro=1, zero=3, ep=1))
+    assert not allows(dataclasses.replace(with_ep, ep=3))  # refused by validation: 3 does not divide dp=4
     assert expressible(dataclasses.replace(with_ep, ep=1), cfg)

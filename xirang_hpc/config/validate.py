@@ -179,9 +179,6 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             t.warmup_steps,
             f"must not exceed train.max_steps={t.max_steps}; lower train.warmup_steps",
         )
-    if m.moe_experts and p.tp > 1:
-        raise ConfigError("parallel.tp", p.tp, "mixture-of-experts models do not take tensor parallelism yet; use "
-                          "parallel.tp=1 and parallel.ep (expert parallelism) for the experts")
     if m.moe_experts and p.pp > 1 and m.moe_balance == "aux_loss":
         raise ConfigError("model.moe_balance", m.moe_balance, "the auxiliary load-balancing loss pools every MoE "
                           "layer's counts over the whole batch before its product, which pipeline stages do not "
@@ -240,9 +237,10 @@ def _check_ep(cfg: XirangConfig, dp: int) -> None:
     """``parallel.ep``: experts sharded over ep of the data-parallel ranks (torchtitan's mesh rule).
 
     torchtitan requires ``dp_shard * cp * tp == efsdp * ep``: the expert-parallel ranks are borrowed from
-    the data-parallel ones. Here (no cp, no tp with experts) that is ``dp == (dp / ep) * ep``: ep divides the
-    data-parallel degree, the experts are replicated (or FSDP-reduced) over the other dp/ep ranks, and the
-    dense part stays data-parallel over all dp ranks. ep must also divide the expert count (E/ep per rank).
+    the data-parallel ones. Here (no cp; experts whole over tp, each tp position with its own expert groups)
+    that is ``dp == (dp / ep) * ep``: ep divides the data-parallel degree, the experts are replicated (or
+    FSDP-reduced) over the other dp/ep ranks, and the dense part stays data-parallel over all dp ranks. ep
+    must also divide the expert count (E/ep per rank).
     """
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:

@@ -71,6 +71,11 @@ def runtime_allows(cfg: XirangConfig) -> Callable[[Plan], bool]:
             return False
         if plan.pp > 1 and cfg.train.global_batch // (plan.dp * plan.micro) < plan.pp:
             return False  # torch's 1F1B needs at least as many microbatches as stages
+        if plan.tp > 1 and cfg.model.moe_experts:
+            # The runtime keeps every expert whole on each tp rank (only the attention is split); the cost
+            # model splits experts over tp or draws ep from tp*dp ranks (Megatron-Core), so such a plan
+            # would be priced as another layout than the one that runs. Not proposed.
+            return False
         key = (plan.dp, plan.cp, plan.tp, plan.pp, plan.ep, plan.v, plan.zero, plan.sp,
                ("none", "selective", "full").index(plan.recompute))
         if key not in cache:

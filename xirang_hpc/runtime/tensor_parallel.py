@@ -13,6 +13,12 @@ replicated and ``B`` is split by the same rows, so each rank adds the update of 
 beside a row-parallel ``W`` (columns split), ``A`` is split by the same input columns and ``B`` is
 replicated, and the update's partial sums are reduced together with the base's, in the same all-reduce.
 
+A mixture-of-experts feed-forward (``models/moe.py``) stays whole on every tp rank: its router, experts and
+shared expert run on the full (replicated) activations, so each tp rank routes and computes the same tokens
+and gets the same gradients, as the replicated norms do (Megatron-Core's expert tensor parallelism of 1).
+Only the attention is split. The experts' memory is shared out by expert parallelism instead
+(``parallel.ep``, over the data-parallel ranks of each tp position; ``runtime/expert_parallel.py``).
+
 Optional sequence parallelism (Korthikanti et al. 2022): between the two sublayers the residual
 stream is split along the sequence dimension, norms run on the local slice, and the all-reduces
 become all-gather + reduce-scatter. The stage boundary (first/last owned block) gathers the
@@ -29,6 +35,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard, distribute_mod
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -36,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from xirang_hpc.models.lora import LoRALinear
+from xirang_hpc.models.moe import MoE
 
 
 def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src_data_rank: int) -> None:
@@ -77,8 +85,10 @@ class RowwiseLoRA(RowwiseParallel):
                                  partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
-def block_plan(swiglu: bool, sequence_parallel: bool, adapted: frozenset[str] = frozenset()) -> dict[str, object]:
-    """The per-block plan: module FQN (relative to the block) -> parallel style (``adapted``: the LoRA targets)."""
+def block_plan(swiglu: bool, sequence_parallel: bool, adapted: frozenset[str] = frozenset(),
+               moe: bool = False) -> dict[str, object]:
+    """The per-block plan: module FQN (relative to the block) -> parallel style (``adapted``: the LoRA targets;
+    ``moe``: the block's feed-forward is a mixture of experts, whose weights stay whole on every tp rank)."""
     sp_in, sp_out = (Shard(1), Shard(1)) if sequence_parallel else (None, None)
 
     def col(name: str) -> object:
@@ -88,9 +98,18 @@ def block_plan(swiglu: bool, sequence_parallel: bool, adapted: frozenset[str] = 
         return (RowwiseLoRA if name in adapted else RowwiseParallel)(output_layouts=sp_out)
 
     plan: dict[str, object] = {"attn.q": col("attn.q"), "attn.k": col("attn.k"), "attn.v": col("attn.v"),
-                               "attn.o": row("attn.o"), "mlp.up": col("mlp.up"), "mlp.down": row("mlp.down")}
-    if swiglu:
-        plan["mlp.gate"] = col("mlp.gate")
+                               "attn.o": row("attn.o")}
+    if moe:
+        if sequence_parallel:
+            # The experts see the whole sequence on every tp rank (gathered in, this rank's slice out; the
+            # slice's backward gathers the gradient), as the dense MLP's column-parallel input would.
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+    else:
+        plan |= {"mlp.up": col("mlp.up"), "mlp.down": row("mlp.down")}
+        if swiglu:
+            plan["mlp.gate"] = col("mlp.gate")
     if sequence_parallel:
         plan["attn_norm"] = SequenceParallel()
         plan["mlp_norm"] = SequenceParallel()
@@ -102,7 +121,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     blocks = list(model.layers.values())
     for block in blocks:
         adapted = frozenset(n for n, m in block.named_modules() if isinstance(m, LoRALinear))
-        plan = block_plan(model.cfg.mlp == "swiglu", sequence_parallel, adapted)
+        plan = block_plan(model.cfg.mlp == "swiglu", sequence_parallel, adapted, moe=isinstance(block.mlp, MoE))
         parallelize_module(block, tp_mesh, plan)  # type: ignore[arg-type]
     if sequence_parallel and blocks:
         # Scatter the sequence entering this stage's first block, gather it leaving the last.
