@@ -95,7 +95,7 @@ def test_cp_degree_errors_name_the_valid_degrees(parallel: dict, model: dict, wo
     ({"cp": 2, "tp": 2, "sequence_parallel": True}, {}, "parallel.sequence_parallel"),
     ({"cp": 2, "dp": 2, "zero": 1}, {}, "parallel.zero"),
     ({"cp": 2}, {"train": {"compile": True}}, "train.compile"),
-    ({"cp": 2}, {"model": {"moe_experts": 4, "mlp": "swiglu"}}, "model.moe_experts"),
+    ({"cp": 2, "dp": 2, "ep": 2}, {"model": {"moe_experts": 4, "mlp": "swiglu"}}, "parallel.ep"),
     ({"cp": 2}, {"finetune": H.LORA}, "finetune.method"),
 ])
 def test_cp_refuses_what_it_does_not_run_by_name(parallel: dict, kw: dict, field: str) -> None:

@@ -400,7 +400,7 @@ def check_runnable(cfg: XirangConfig) -> None:
 
 def _check_cp_runnable(cfg: XirangConfig) -> None:
     """Context parallelism composes with dp (DDP, FSDP2), tp, packed or padded rows; the rest is refused by name."""
-    p, m, t = cfg.parallel, cfg.model, cfg.train
+    p, t = cfg.parallel, cfg.train
     if p.cp == 1:
         return
     why = f"parallel.cp={p.cp} runs without it so far"
@@ -410,8 +410,8 @@ def _check_cp_runnable(cfg: XirangConfig) -> None:
         ("parallel.sequence_parallel", True, p.sequence_parallel, f"{why}; set parallel.sequence_parallel=false "
          "(tensor parallelism itself composes with cp)"),
         ("parallel.zero", 1, p.zero == 1, f"{why} (ZeRO-1 shards over dp only); use parallel.zero=0, 2 or 3"),
-        ("model.moe_experts", m.moe_experts, m.moe_experts > 0, f"{why} (routing and its balancing loss see one "
-         "shard of the sequence); use parallel.cp=1 for mixture-of-experts models"),
+        ("parallel.ep", p.ep, p.ep > 1, f"{why} (the expert groups are cut from the dp ranks only); use "
+         "parallel.ep=1 with parallel.cp, or parallel.cp=1"),
         ("finetune.method", cfg.finetune.method, cfg.finetune.method != "full", f"{why}; use finetune.method=full "
          "or parallel.cp=1"),
         ("train.compile", True, t.compile, f"{why} (the K/V all-gather sits inside each block); set "

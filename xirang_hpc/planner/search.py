@@ -108,7 +108,7 @@ def _cp_options(pb: Problem, sp_: Space, t: int, p: int) -> list[int]:
     """Context-parallel degrees for (tp, pp): 1, and for long sequences of a dense model without pipeline stages
     every cp that divides world/(tp*pp) with 2*cp dividing the sequence (the runtime's load-balanced chunks)."""
     seq, rest = pb.shape.seq, pb.world // (t * p)
-    if pb.shape.experts:  # the runtime runs mixture-of-experts models without cp
+    if pb.shape.experts:  # cp runs MoE models at ep=1 only; the cost model's MoE terms have no cp (not proposed)
         return [1]
     if sp_.cp is not None:
         return [c for c in sp_.cp if rest % c == 0 and seq % (2 * c) == 0 and (c == 1 or p == 1)]

@@ -15,7 +15,9 @@ exchange tokens, and the ``dp / ep`` ranks at the same position of each block (`
   group (the all-to-all's backward brought them); :meth:`ExpertParallel.reduce_grads` sums it over the
   ``edp`` ranks and divides by dp, which is the data-parallel mean the dense weights get.
 - The load-balancing statistics are summed over all dp ranks (``GPT.moe_group``), so the auxiliary loss and
-  the expert-bias update are the whole batch's, as in one process; this holds without ep too.
+  the expert-bias update are the whole batch's, as in one process; this holds without ep too, and under
+  context parallelism (``parallel.cp``, with ep=1), where the group is dp x cp: each cp rank routes the tokens
+  of its sequence shard (routing is per token), and the shards' counts add up to the rows'.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from xirang_hpc.models.moe import MoE
-from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_mesh, expert_mesh
+from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_cp_mesh, expert_mesh
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 # Per-rank observations of a MoE block, never synchronised by data parallelism (DDP would broadcast rank 0's).
@@ -81,8 +83,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, dims: Paral
     blocks = moe_blocks(model)
     if not blocks or mesh is None:
         return None
-    if dims.dp > 1:
-        model.moe_group = dp_mesh(mesh).get_group()  # type: ignore[assignment]
+    if dims.dp_cp > 1:  # every rank holding part of the batch: its rows (dp), or its rows' sequence shards (cp)
+        model.moe_group = dp_cp_mesh(mesh).get_group()  # type: ignore[assignment]
     if dims.ep == 1:
         return None
     emesh = expert_mesh(mesh, dims)
