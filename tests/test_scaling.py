@@ -3,6 +3,7 @@ points read from run directories, and ``xirang-plan target.*`` from a target to 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shlex
@@ -62,14 +63,40 @@ def synthetic(law: ScalingLaw = TRUTH, noise: float = 0.0, seed: int = 1) -> lis
 def test_compute_optimal_split_is_hoffmanns_closed_form_by_hand() -> None:
     # Hoffmann et al. eq. (4) with E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28 at Gopher's 5.76e23 FLOPs:
     # G = (0.34*406.4 / (0.28*410.7))^(1/0.62) = 1.2016^1.6129 = 1.3447; N = G * (9.6e22)^(0.28/0.62).
+    # (A fitted law splits so; the default carries Approach 1's split instead, below.)
+    eq10 = dataclasses.replace(CHINCHILLA, tokens_per_param=0.0)
     g = (0.34 * 406.4 / (0.28 * 410.7)) ** (1 / 0.62)
     assert g == pytest.approx(1.3447, rel=1e-4)
-    n, d = CHINCHILLA.optimal(5.76e23)
+    n, d = eq10.optimal(5.76e23)
     assert n == pytest.approx(g * 9.6e22 ** (0.28 / 0.62), rel=1e-12)
     assert n == pytest.approx(3.22e10, rel=2e-3) and 6 * n * d == pytest.approx(5.76e23)
     # The optimum: a small move of N along the same budget only raises the loss.
     for f in (0.9, 1.1):
-        assert CHINCHILLA.loss(n * f, 5.76e23 / (6 * n * f)) > CHINCHILLA.loss(n, d)
+        assert eq10.loss(n * f, 5.76e23 / (6 * n * f)) > eq10.loss(n, d)
+
+
+# Hoffmann et al. 2022, Table 3 (Approach 1): (parameters, FLOPs, tokens).
+TABLE3 = [(400e6, 1.92e19, 8.0e9), (1e9, 1.21e20, 20.2e9), (10e9, 1.23e22, 205.1e9), (67e9, 5.76e23, 1.5e12),
+          (175e9, 3.85e24, 3.7e12), (280e9, 9.90e24, 5.9e12), (520e9, 3.43e25, 11.0e12), (1e12, 1.27e26, 21.2e12),
+          (10e12, 1.30e28, 216.2e12)]
+
+
+def test_default_split_is_chinchillas_and_reproduces_table_3() -> None:
+    # Gopher's budget, 5.76e23 FLOPs, at 20 tokens per parameter: N = sqrt(5.76e23 / 120) = 6.93e10, D = 1.39e12
+    # (Chinchilla: 70B on 1.4T tokens).
+    n, d = CHINCHILLA.optimal(5.76e23)
+    assert n == pytest.approx(math.sqrt(5.76e23 / 120), rel=1e-12) and n == pytest.approx(6.93e10, rel=1e-3)
+    assert d == pytest.approx(20 * n) and 6 * n * d == pytest.approx(5.76e23)
+    # Every Table 3 budget within 10% in parameters and tokens (the closed form of eq. (10) is 23-70% off).
+    for params, flops, tokens in TABLE3:
+        n, d = CHINCHILLA.optimal(flops)
+        assert abs(n / params - 1) < 0.10 and abs(d / tokens - 1) < 0.10, (flops, n, d)
+    eq10 = dataclasses.replace(CHINCHILLA, tokens_per_param=0.0)
+    assert eq10.optimal(1.30e28)[0] / 10e12 - 1 < -0.6
+    # The inverse for a token count, and the frontier's loss, follow the same split.
+    n2, c2 = CHINCHILLA.optimal_for_tokens(d)
+    assert n2 == pytest.approx(n) and c2 == pytest.approx(1.30e28)
+    assert CHINCHILLA.optimal_loss(1e22) == pytest.approx(CHINCHILLA.loss(*CHINCHILLA.optimal(1e22)))
 
 
 def test_compute_for_loss_and_tokens_invert_the_frontier() -> None:

@@ -24,7 +24,14 @@ Minimising L at fixed C gives (Hoffmann et al., eq. (4))
     G = (alpha A / (beta B))^(1/(alpha+beta)).
 
 Without a fit of the user's own runs, :data:`CHINCHILLA` (the published coefficients) is used; it
-describes their data (MassiveText) and tokenizer, and callers say so.
+describes their data (MassiveText) and tokenizer, and callers say so. Its compute-optimal split is not the
+closed form above but the paper's Approach 1 allocation (Hoffmann et al., Table 2: N_opt and D_opt both
+~ C^0.50; Chinchilla itself, 70B parameters on 1.4T tokens, sets the constant: 20 tokens per parameter), which
+its Table 3 tabulates. The eq. (10) coefficients give a = beta/(alpha+beta) = 0.45, and Besiroglu et al.
+("Chinchilla Scaling: A replication attempt", 2024, arXiv:2404.10102) show that this exponent comes from a
+fit stopped before convergence and rounded coefficients: their refit of the same data has a = 0.513,
+consistent with Approaches 1 and 2. Over Table 3's nine decades of compute that difference in the exponent
+alone moves N_opt by 23-70% (eq. (10)) or up to 23% (the refit); the loss itself is still eq. (10)'s.
 
 Batch size and learning rate for a budget follow DeepSeek-AI's fitted power laws ("DeepSeek LLM:
 Scaling Open-Source Language Models with Longtermism", 2024, arXiv:2401.02954, Sec. 3.1, eq. (1)):
@@ -55,7 +62,8 @@ FIT_FILE = "scaling_fit.json"  # beside the data's index.json
 MIN_POINTS = 8  # 5 parameters: fewer points than this and the bootstrap intervals mean little
 MIN_DISTINCT = 3  # distinct model sizes and distinct token counts: each exponent needs a trend of its own
 CHINCHILLA_SOURCE = ("Hoffmann et al., 'Training Compute-Optimal Large Language Models', NeurIPS 2022 "
-                     "(arXiv:2203.15556), Sec. 3.3, eq. (10): E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28")
+                     "(arXiv:2203.15556), Sec. 3.3, eq. (10): E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28; "
+                     "compute-optimal split of Approach 1, 20 tokens per parameter")
 _PARAMS = ("E", "A", "B", "alpha", "beta")
 
 
@@ -90,6 +98,9 @@ class ScalingLaw:
     default: bool = False  # the published coefficients, not a fit of the user's runs
     # Bootstrap refits, one row (E, A, B, alpha, beta) each: every interval is computed from these.
     samples: tuple[tuple[float, ...], ...] = field(default=(), repr=False)
+    # A published compute-optimal split used instead of the law's own minimum: D_opt = tokens_per_param x N_opt
+    # with C = 6 N D (Hoffmann et al.'s Approach 1: both exponents 0.50). 0: the law's closed form, eq. (4).
+    tokens_per_param: float = 0.0
 
     def loss(self, n: float, d: float) -> float:
         """Predicted loss of ``n`` parameters trained on ``d`` tokens.
@@ -104,7 +115,11 @@ class ScalingLaw:
         return (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / (self.alpha + self.beta))
 
     def optimal(self, compute: float) -> tuple[float, float]:
-        """Compute-optimal (N, D) for ``compute`` FLOPs (C = 6ND; Hoffmann et al. eq. (4))."""
+        """Compute-optimal (N, D) for ``compute`` FLOPs (C = 6ND; Hoffmann et al. eq. (4), or the fixed
+        tokens-per-parameter allocation when the law carries one)."""
+        if self.tokens_per_param:
+            n = math.sqrt(compute / (6.0 * self.tokens_per_param))  # C = 6 N (r N)
+            return n, self.tokens_per_param * n
         a = self.beta / (self.alpha + self.beta)
         n = self._G * (compute / 6.0) ** a
         return n, compute / (6.0 * n)
@@ -137,8 +152,11 @@ class ScalingLaw:
     def optimal_for_tokens(self, tokens: float) -> tuple[float, float]:
         """(N, C): the model that ``tokens`` training tokens are compute-optimal for, and its compute.
 
-        Inverts D_opt(C) = G^-1 (C/6)^(alpha/(alpha+beta)).
+        Inverts D_opt(C) = G^-1 (C/6)^(alpha/(alpha+beta)), or D = r N for a fixed allocation.
         """
+        if self.tokens_per_param:
+            n = tokens / self.tokens_per_param
+            return n, 6.0 * n * tokens
         c6 = (tokens * self._G) ** ((self.alpha + self.beta) / self.alpha)
         return 6.0 * c6 / (6.0 * tokens), 6.0 * c6
 
@@ -153,7 +171,7 @@ class ScalingLaw:
 
     def sample_laws(self) -> list[ScalingLaw]:
         """One law per bootstrap sample (for intervals of derived quantities)."""
-        return [ScalingLaw(*row) for row in self.samples]
+        return [ScalingLaw(*row, tokens_per_param=self.tokens_per_param) for row in self.samples]
 
     def spread(self, fn: Any, level: float = 0.95) -> tuple[float, float] | None:
         """Bootstrap percentile interval of ``fn(law)`` over the samples (None without samples); samples
@@ -178,7 +196,9 @@ class ScalingLaw:
             v = getattr(self, name)
             iv = self.interval(name)
             parts.append(f"{name}={v:.4g}" + (f" [{iv[0]:.4g}, {iv[1]:.4g}]" if iv else ""))
-        return "L(N,D) = E + A/N^alpha + B/D^beta with " + ", ".join(parts)
+        split = (f"; compute-optimal split D = {self.tokens_per_param:g} N (Hoffmann et al. Approach 1)"
+                 if self.tokens_per_param else "")
+        return "L(N,D) = E + A/N^alpha + B/D^beta with " + ", ".join(parts) + split
 
     def _below_e(self, target: float) -> str:
         iv = self.interval("E")
@@ -199,7 +219,11 @@ class ScalingLaw:
         return cls(**{**d, "samples": tuple(tuple(float(x) for x in r) for r in d.get("samples", ()))})
 
 
-CHINCHILLA = ScalingLaw(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28, source=CHINCHILLA_SOURCE, default=True)
+# Chinchilla: 70B parameters trained on 1.4T tokens as the compute-optimal model of Gopher's budget (Hoffmann et
+# al., Sec. 4): 20 tokens per parameter, Approach 1's split (Table 2: a = b = 0.50), which Table 3 tabulates.
+CHINCHILLA_TOKENS_PER_PARAM = 1.4e12 / 70e9
+CHINCHILLA = ScalingLaw(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28, source=CHINCHILLA_SOURCE, default=True,
+                        tokens_per_param=CHINCHILLA_TOKENS_PER_PARAM)
 
 
 def default_warning() -> str:
