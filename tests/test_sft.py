@@ -209,7 +209,8 @@ def _samples(n: int, seed: int, vocab: int, lo: int = 3, hi: int = 14) -> list[t
 
 def _write_chat_dir(out: Path, samples: list[tuple[np.ndarray, np.ndarray]]) -> Path:
     """A prepared chat directory holding exactly ``samples`` (the same layout prepare writes)."""
-    from xirang_hpc.data.prepare import _ChatShardWriter, _write_index
+    from xirang_hpc.data.prepare import _write_index
+    from xirang_hpc.data.prepare_chat import _ChatShardWriter
 
     out.mkdir(parents=True, exist_ok=True)
     splits = {}
@@ -476,7 +477,7 @@ def test_text_runs_keep_the_simple_chat_prompt(tmp_path: Path) -> None:
 def test_a_window_no_sample_can_learn_in_is_refused_at_launch(tmp_path: Path, overlong: str) -> None:
     """The launch applies the ranks' rule before any queue wait: a window every sample overflows, with nothing
     to learn in what is left (drop, or a cut before the reply), is refused naming model.seq_len."""
-    from xirang_hpc.data.prepare import check_chat_window
+    from xirang_hpc.data.prepare_chat import check_chat_window
 
     long_replies = []
     for ids, _ in _samples(6, 7, 64, lo=40, hi=50):

@@ -23,7 +23,8 @@ from omegaconf import DictConfig
 from xirang_hpc.cli.help import maybe_print_help, setup_logging
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.config.schema import XirangConfig
-from xirang_hpc.data.prepare import CorpusError, check_chat_window, ensure_prepared
+from xirang_hpc.data.prepare import CorpusError, ensure_prepared
+from xirang_hpc.data.prepare_chat import check_chat_window
 from xirang_hpc.job.entry import train_job
 from xirang_hpc.monitor import audit
 from xirang_hpc.submit.autoplan import record_measured

@@ -18,7 +18,8 @@ import h5py
 import numpy as np
 import torch
 
-from xirang_hpc.data.prepare import CorpusError, load_index, no_learnable_sample
+from xirang_hpc.data.prepare import CorpusError, load_index
+from xirang_hpc.data.prepare_chat import no_learnable_sample
 
 _SPLIT_TAG = {"train": 0, "val": 1}
 # Shards up to this many tokens are read into memory once; larger ones are sliced from disk.
