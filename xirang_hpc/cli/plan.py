@@ -230,8 +230,8 @@ def goodput_inputs(cfg: XirangConfig, sim: dict[str, str]) -> tuple[Any, float]:
 
 def goodput(cfg: XirangConfig, sim: dict[str, str], as_json: bool) -> str:
     """``--goodput``: the simulated effective training time per recovery policy and the recommendation."""
+    from xirang_hpc.planner.goodput_advice import recommend
     from xirang_hpc.planner.goodput_report import render
-    from xirang_hpc.planner.goodput_sim import recommend
 
     sc, step = goodput_inputs(cfg, sim)
     rec = recommend(sc, configured_policy(cfg))

@@ -1,13 +1,14 @@
 """The goodput report of ``xirang-plan --goodput``: the simulated recommendation as a table and as overrides.
 
-The simulation (:mod:`xirang_hpc.planner.goodput_sim`) computes; this module only words its result.
+The simulation (:mod:`xirang_hpc.planner.goodput_sim`, its advice in :mod:`xirang_hpc.planner.goodput_advice`)
+computes; this module only words its result.
 """
 
 from __future__ import annotations
 
 from xirang_hpc.config.schema import RequeueConfig
 from xirang_hpc.config.schema.checkpoint import MIN_FAILURES_PER_DAY, PREEMPTIONS_PER_DAY
-from xirang_hpc.planner.goodput_sim import Recommendation
+from xirang_hpc.planner.goodput_advice import Recommendation
 
 # Table columns: bucket -> header.
 _HEADERS = {"productive": "productive", "lost": "lost progress", "recovery": "recovery", "startup": "start-up",
