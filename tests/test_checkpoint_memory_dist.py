@@ -167,8 +167,18 @@ def _job(cfg: dict, run_dir: Path, data_dir: Path, kill_at: int = 0) -> list[int
     return [p.exitcode for p in procs]
 
 
+# The layouts of the kill-and-restart-from-memory case: tensor parallelism; and a mixture-of-experts model with
+# expert parallelism and bias balancing (its expert shards, router and persistent expert bias come back from memory).
+MEMORY_LAYOUTS = {
+    "tp2": ["parallel.tp=2", "parallel.pp=1", "parallel.microbatches=1"],
+    "moe-ep2": ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1", "parallel.ep=2", "model.mlp=swiglu",
+                "model.moe_experts=4", "model.moe_top_k=2", "model.moe_balance=bias", "model.moe_bias_rate=0.01"],
+}
+
+
 @pytest.mark.slow
-def test_job_killed_restarts_from_memory_of_the_last_step_bitwise(tmp_path, stdlib_data):
+@pytest.mark.parametrize("layout", list(MEMORY_LAYOUTS))
+def test_job_killed_restarts_from_memory_of_the_last_step_bitwise(tmp_path, stdlib_data, layout):
     import dataclasses
     import json
 
@@ -183,7 +193,7 @@ def test_job_killed_restarts_from_memory_of_the_last_step_bitwise(tmp_path, stdl
                 "train.eval_batches=1", "train.log_every=1", "checkpoint.every_steps=10", "checkpoint.keep_last=10",
                 "checkpoint.in_memory=true", "checkpoint.memory_every_steps=1",
                 f"checkpoint.memory_dir={tmp_path / 'shm'}", "monitor.enabled=false", f"data.out_dir={stdlib_data}",
-                f"train.run_dir={run}", "parallel.tp=2", "parallel.pp=1", "parallel.microbatches=1"]
+                f"train.run_dir={run}", *MEMORY_LAYOUTS[layout]]
         return dataclasses.asdict(load_config(compose_cfg(over)))
 
     full, split = tmp_path / "full", tmp_path / "split"
@@ -197,6 +207,9 @@ def test_job_killed_restarts_from_memory_of_the_last_step_bitwise(tmp_path, stdl
         a, b = full / "checkpoints" / f"step_{s}", split / "checkpoints" / f"step_{s}"
         ta, tb = _saved(a), _saved(b)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), s
+        if layout.startswith("moe"):
+            bias = [k for k in ta if k.endswith("mlp.expert_bias")]
+            assert bias and any(ta[k].abs().sum() > 0 for k in bias), "the expert bias trained and was restored"
     rows = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines() if x.strip()]
     ref = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [(r["step"], r["loss"]) for r in rows if "loss" in r] == [(r["step"], r["loss"]) for r in ref if "loss" in r]
