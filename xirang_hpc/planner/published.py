@@ -129,6 +129,8 @@ class PublishedRun:
     # 1 where the row's MoE token dispatcher is DeepEP (``--moe-token-dispatcher-type flex``), which sends a token
     # once per target node (hardware.a2a_node_dedup); 0 = the stack's plain all-to-all.
     a2a_node_dedup: float = 0.0
+    # The embedding and the output head each take a block's place in the pipeline split (Plan.ends_as_layers).
+    ends_as_layers: bool = False
 
     @property
     def global_batch(self) -> int:
@@ -141,8 +143,9 @@ def _gpt(layers: int, hidden: int, heads: int) -> Shape:
 
 
 def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int) -> Shape:
+    # Llama has no dropout (Meta's reference model.py; Shape.dropout): no masks among its activations.
     return Shape(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, ffn=ffn, swiglu=True, bias=False,
-                 learned_pos=False, kv_heads=kv, tied=False)
+                 learned_pos=False, kv_heads=kv, tied=False, dropout=False)
 
 
 _MPT = {"70b": (80, 8192, 64), "125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12),
@@ -320,7 +323,7 @@ _MOE_ZOO_SRC = "Megatron-MoE-ModelZoo Qwen3 readme (Megatron-Core, H100, BF16)"
 # Qwen3-235B-A22B (HF config of Qwen/Qwen3-235B-A22B; conf/model/qwen3-235b-a22b.yaml).
 _QWEN3_235B = Shape(layers=94, hidden=4096, heads=64, seq=4096, vocab=151936, ffn=12288, swiglu=True, bias=False,
                     learned_pos=False, kv_heads=4, tied=False, head_dim=128, qk_norm=True, experts=128, top_k=8,
-                    expert_ffn=1536)
+                    expert_ffn=1536, dropout=False)  # Qwen3's attention_dropout 0.0, no other dropout
 # (label, TP, EP, PP, VPP, DP, FSDP, MBS, recompute, step seconds, excluded). "norm, act" recomputes only the
 # norms and the activation functions (``--recompute-modules layernorm moe_act``): no GEMM re-runs, so "none".
 _MOE_ZOO_ROWS = [
@@ -426,7 +429,7 @@ _LLAMA3_SRC = "Llama 3 Herd of Models, Table 4 (Meta, 405B, H100-80GB)"
 _LLAMA3_405B = _llama(126, 16384, 128, 8, 53248, 128256, 8192)
 LLAMA3 = [
     PublishedRun(_LLAMA3_SRC, f"Llama 3 405B tp=8 pp=16 dp={dp}", _LLAMA3_405B, gpus, 1, per_dp, "none", 2, 8, 16,
-                 "model_tflops", value, gpu="h100", stack="llama3", sp=True, free_knobs=True)
+                 "model_tflops", value, gpu="h100", stack="llama3", sp=True, free_knobs=True, v=8, ends_as_layers=True)
     for gpus, dp, per_dp, value in ((8192, 64, 32, 430), (16384, 128, 16, 400))
 ]
 
@@ -536,14 +539,16 @@ def _free_plans(run: PublishedRun, dp: int) -> list[Plan]:
         m = per_dp // micro
         if run.pp > 1 and m < run.pp:
             continue
-        per_stage = run.shape.layers // run.pp
-        # Megatron interleaves only from 3 stages up, with m a multiple of pp.
+        per_stage = (run.shape.layers + (2 if run.ends_as_layers else 0)) // run.pp
+        # Megatron interleaves only from 3 stages up, with m a multiple of pp; a published v is kept.
         vs = [1] if run.pp <= 2 else [v for v in range(1, per_stage + 1)
                                       if per_stage % v == 0 and (v == 1 or m % run.pp == 0)]
+        if run.v > 1:
+            vs = [run.v] if m % run.pp == 0 else []
         for v in vs:
             for rc in (run.recompute,) if run.fixed_recompute else ("none", "selective", "full"):
                 plans.append(Plan(dp=dp, tp=run.tp, pp=run.pp, micro=micro, v=v, zero=run.zero, recompute=rc,
-                                  sp=run.sp, ep=run.ep))
+                                  sp=run.sp, ep=run.ep, ends_as_layers=run.ends_as_layers))
     return plans
 
 
@@ -554,7 +559,7 @@ def plan_for(run: PublishedRun, hw: Hardware | None = None) -> Plan:
     dp = run.gpus // (run.tp * run.pp)
     if not run.free_knobs:
         return Plan(dp=dp, tp=run.tp, pp=run.pp, micro=run.micro, v=run.v, zero=run.zero, recompute=run.recompute,
-                    sp=run.sp, ep=run.ep)
+                    sp=run.sp, ep=run.ep, ends_as_layers=run.ends_as_layers)
     pb = _problem(run, hw)
     ests = [estimate(pb, pl) for pl in _free_plans(run, dp)]
     return min(ests, key=lambda e: (not e.fits, e.step_time)).plan
