@@ -80,9 +80,11 @@ Sources (read 2026-11):
   comparison had charged the cross-node row a plain all-to-all, -32%). Expert tensor parallelism is 1 in every
   row (the ETP column), as the planner's ep > 1. Of the table's five Qwen3-235B rows, the "+1f1b overlap" row
   (the all-to-all of one microbatch hidden behind another's compute, which the cost model does not have) is
-  reported apart, and the A2A-dispatcher row is left out: its 32 stages x 3 virtual stages = 96 exceed the 94
-  blocks (Megatron counts the embedding and the loss as pipeline layers), which the planner's split does not
-  express.
+  reported apart. Every row ran with ``--account-for-embedding-in-pipeline-split`` and
+  ``--account-for-loss-in-pipeline-split`` (``model_configs/benchmarking/Qwen3-235B-A22B.yaml`` of that commit):
+  the embedding and the loss each take a block's place in the split (``Plan.ends_as_layers``), which is how the
+  A2A-dispatcher row's 32 stages x 3 virtual stages = 96 places hold the 94 blocks; that row's dispatcher is
+  Megatron's plain all-to-all (``--moe-token-dispatcher-type alltoall``), not DeepEP's.
 """
 
 from __future__ import annotations
@@ -324,24 +326,25 @@ _MOE_ZOO_SRC = "Megatron-MoE-ModelZoo Qwen3 readme (Megatron-Core, H100, BF16)"
 _QWEN3_235B = Shape(layers=94, hidden=4096, heads=64, seq=4096, vocab=151936, ffn=12288, swiglu=True, bias=False,
                     learned_pos=False, kv_heads=4, tied=False, head_dim=128, qk_norm=True, experts=128, top_k=8,
                     expert_ffn=1536, dropout=False)  # Qwen3's attention_dropout 0.0, no other dropout
-# (label, TP, EP, PP, VPP, DP, FSDP, MBS, recompute, step seconds, excluded). "norm, act" recomputes only the
-# norms and the activation functions (``--recompute-modules layernorm moe_act``): no GEMM re-runs, so "none".
+# (label, TP, EP, PP, VPP, DP, FSDP, MBS, recompute, step seconds, excluded, DeepEP). "norm, act" recomputes only
+# the norms and the activation functions (``--recompute-modules layernorm moe_act``): no GEMM re-runs, so "none".
 _MOE_ZOO_ROWS = [
-    ("cross-node EP, DeepEP", 2, 32, 8, 4, 16, False, 1, "none", 19.7, ""),
+    ("cross-node EP, DeepEP", 2, 32, 8, 4, 16, False, 1, "none", 19.7, "", True),
     ("cross-node EP, DeepEP, 1F1B A2A overlap", 2, 32, 8, 4, 16, False, 1, "none", 17.6,
-     "all-to-all overlapped with another microbatch's compute (1F1B A2A overlap); not modelled"),
-    ("intra-node EP, DeepEP, FSDP", 2, 8, 1, 1, 128, True, 4, "full", 17.6, ""),
-    ("intra-node EP, DeepEP", 4, 8, 8, 4, 8, False, 1, "none", 29.0, ""),
+     "all-to-all overlapped with another microbatch's compute (1F1B A2A overlap); not modelled", True),
+    ("intra-node EP, DeepEP, FSDP", 2, 8, 1, 1, 128, True, 4, "full", 17.6, "", True),
+    ("intra-node EP, A2A", 2, 8, 32, 3, 4, False, 1, "none", 24.2, "", False),
+    ("intra-node EP, DeepEP", 4, 8, 8, 4, 8, False, 1, "none", 29.0, "", True),
 ]
 
 
 def _moe_zoo_run(label: str, t: int, ep: int, p: int, v: int, d: int, fsdp: bool, micro: int, rc: str,
-                 step: float, excluded: str) -> PublishedRun:
+                 step: float, excluded: str, deepep: bool) -> PublishedRun:
     gpus, batch = t * p * d, 2048
     return PublishedRun(_MOE_ZOO_SRC, f"Qwen3-235B-A22B {label} tp={t} ep={ep} pp={p} v={v} dp={d}", _QWEN3_235B,
                         gpus, micro, batch // (d * micro), rc, 3 if fsdp else 1, t, p, "tokens_per_gpu",
                         round(batch * 4096 / (step * gpus), 1), "held-out", "h100", "megatron-core", sp=t > 1,
-                        excluded=excluded, v=v, ep=ep, a2a_node_dedup=1.0)
+                        excluded=excluded, v=v, ep=ep, a2a_node_dedup=1.0 if deepep else 0.0, ends_as_layers=True)
 
 
 # Kept out of :data:`ALL` (from which every fit draws its rows): no fit can see them.
