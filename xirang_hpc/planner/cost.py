@@ -22,7 +22,10 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   sequence parallelism for MoE with tp > 1), (ep-1)/ep of them off the rank: inside a node when the ep
   group fits in one (ranks are ordered tp fastest, then dp, so a group of ep consecutive ranks), else partly
   across nodes (``comm.all_to_all``). Routing is taken as balanced (every expert gets top_k/E of the tokens);
-  the all-to-all is exposed (not overlapped with compute).
+  the all-to-all is exposed (not overlapped with compute). This is Megatron-Core's layout (the published MoE
+  rows); this runtime takes the ep ranks from the dp ranks only and refuses ep with tp > 1
+  (``auto.runtime_allows``), so the plans it is given (tp = 1 where ep > 1) have the same experts per rank and
+  the same edp = dp/ep.
 - TP: 4 all-reduces of b*s*h activations per layer (2 forward, 2 backward; +2 under full recompute),
   a ring inside the node (Narayanan et al. SC21 Sec. 3.2); sequence parallelism swaps each for a
   reduce-scatter + all-gather of the same volume; a stack that overlaps them with the GEMMs

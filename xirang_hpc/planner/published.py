@@ -118,7 +118,8 @@ class PublishedRun:
     stack: str = "megatron2021"  # software stack (STACKS): megatron2021 | torchtitan | composer | megatron-core |
     # deepspeed | metaseq
     sp: bool = False  # sequence parallelism (tp > 1)
-    free_knobs: bool = False  # micro-batch, interleaving and recomputation unpublished: the planner's fastest
+    # micro-batch, interleaving and recomputation unpublished: the planner's fastest (a v > 1 given below is kept)
+    free_knobs: bool = False
     excluded: str = ""  # why a held-out row is reported apart from the held-out statistics ("" = counted)
     reduce_bytes: int = 0  # bytes per gradient element reduced, where the row differs from its stack (0 = the stack's)
     # The row's own network where its paper states one unlike the preset's (0 = the preset's): achieved bandwidth
@@ -424,11 +425,15 @@ _LLAMA3_SRC = "Llama 3 Herd of Models, Table 4 (Meta, 405B, H100-80GB)"
 # model FLOPs (Chowdhery et al.'s count: 6N + 12 l h s per token, :func:`formulas.model_flops`). Sec. 3.3.2: FSDP
 # shards optimizer and gradients but does not reshard the weights after the forward (ZeRO-2 as this runtime runs
 # it under a pipeline), gradients accumulated and reduce-scattered in fp32, an interleaved schedule whose first
-# and last stages hold one layer fewer; 8K-token pre-training "without activation checkpointing". Micro-batch and
-# interleaving are not published, and the planner's memory model does not fit the run without recomputation (its
-# first chunk holds a layer where Llama 3's holds only the embedding; benchmarks/RESULTS.md): each row is
-# predicted with the planner's fastest fitting choice of the three (``free_knobs``). The shape is
-# bench_planner.py's (Table 3). The context-parallel third stage (131,072 tokens) is not modelled.
+# and last stages hold one layer fewer, "the first model chunk on the first stage has only the embedding, and the
+# last model chunk on the last stage has only output projection and loss calculation": 126 layers + 2 on 16 x 8
+# one-layer chunks (v = 8, ``ends_as_layers``); 8K-token pre-training "without activation checkpointing". The
+# micro-batch is not published, nor the schedule's group of microbatches per chunk (Sec. 3.3.2: tunable; the
+# planner takes Megatron's, pp). The planner's memory model does not fit the published layout without
+# recomputation (its rank 1 holds 141 one-layer chunk-microbatches at dp 64; benchmarks/RESULTS.md): each row is
+# predicted with the planner's fastest fitting choice of micro-batch and recomputation at the published split
+# (``free_knobs``). The shape is bench_planner.py's (Table 3). The context-parallel third stage (131,072 tokens)
+# is not modelled.
 _LLAMA3_405B = _llama(126, 16384, 128, 8, 53248, 128256, 8192)
 LLAMA3 = [
     PublishedRun(_LLAMA3_SRC, f"Llama 3 405B tp=8 pp=16 dp={dp}", _LLAMA3_405B, gpus, 1, per_dp, "none", 2, 8, 16,
