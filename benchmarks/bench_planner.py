@@ -91,9 +91,10 @@ def main() -> None:
     moe_report(1)
     print()
     gpt3 = Shape(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, ffn=4 * 12288)
-    # Llama 3.1 405B (Meta 2024, table 3): GQA with 8 kv heads, SwiGLU 53248, untied 128256 vocab, 8K context.
+    # Llama 3.1 405B (Meta 2024, table 3): GQA with 8 kv heads, SwiGLU 53248, untied 128256 vocab, 8K context, no
+    # dropout.
     llama = Shape(layers=126, hidden=16384, heads=128, seq=8192, vocab=128256, ffn=53248, swiglu=True, bias=False,
-                  learned_pos=False, kv_heads=8, tied=False)
+                  learned_pos=False, kv_heads=8, tied=False, dropout=False)
     print("| model | GPUs | global batch | plans evaluated | median search time | target |")
     print("|---|---|---|---|---|---|")
     cases = [("GPT-3 175B", gpt3, hw, 1024, 1536, 1.0), ("GPT-3 175B", gpt3, hw, 16384, 1536, 10.0),

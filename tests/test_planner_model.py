@@ -30,6 +30,41 @@ def test_korthikanti_activation_bytes() -> None:
     assert layer_activation_bytes(SH, 2, 1, False, "full", 4) == pytest.approx(2 * 2 * 2 * sbh)
 
 
+def test_activation_bytes_without_dropout_drop_the_masks() -> None:
+    """Korthikanti et al. Sec. 4.1 by hand, without dropout: of the 34 bytes per s*b*h element the attention
+    output's and the MLP output's 1-byte masks go (32; the replicated 10 under tensor parallelism becomes 8), and
+    of the 5*a*s/h per score only the softmax output's 2 bytes stay (no mask, no dropout output)."""
+    import dataclasses
+
+    s, b, h, a = 2048, 1, 12288, 96
+    sbh = s * b * h
+    no = dataclasses.replace(SH, dropout=False)
+    assert layer_activation_bytes(no, 1, 1, False, "none", 2) == pytest.approx(sbh * (32 + 2 * a * s / h))
+    assert layer_activation_bytes(no, 1, 8, False, "none", 2) == pytest.approx(sbh * (8 + 24 / 8 + 2 * a * s / (h * 8)))
+    assert layer_activation_bytes(no, 1, 8, True, "selective", 2) == pytest.approx(sbh * 32 / 8)
+    assert layer_activation_bytes(no, 1, 8, True, "none", 2, flash=True) == pytest.approx(sbh * 32 / 8)
+    assert layer_activation_bytes(no, 1, 8, True, "full", 2) == layer_activation_bytes(SH, 1, 8, True, "full", 2)
+    # The override keeps the masks for a model without dropout (cost.py's traffic proxy).
+    assert layer_activation_bytes(no, 1, 1, False, "none", 2, dropout=True) == layer_activation_bytes(
+        SH, 1, 1, False, "none", 2)
+
+
+def test_llama3_405b_layer_activations_by_hand() -> None:
+    """Llama 3 405B (h 16,384, 8 KV heads of 128, SwiGLU 53,248, no dropout) at tp 8 with sequence parallelism and
+    a fused attention kernel, tensor by tensor, in bytes per s*b*h element before the 1/t: the two RMSNorms' inputs
+    2 + 2, the QKV and MLP inputs 2 + 2, Q 2, K and V 2 * 1,024/16,384 each, the attention output (the output
+    projection's input) 2, the gate, up and product tensors 3 * 2 * 53,248/16,384 = 19.5: 31.75."""
+    from xirang_hpc.planner.published import LLAMA3
+
+    sh = LLAMA3[0].shape
+    assert not sh.dropout and sh.kv_width == 1024
+    per = 2 + 2 + 2 + 2 + 2 + 2 * 2 * 1024 / 16384 + 2 + 3 * 2 * 53248 / 16384
+    assert per == 31.75
+    got = layer_activation_bytes(sh, 1, 8, True, "none", 2, flash=True)
+    assert got == pytest.approx(8192 * 16384 * per / 8)
+    assert got / GiB == pytest.approx(0.496, abs=5e-4)
+
+
 def test_zero_stages_match_rajbhandari() -> None:
     nd = 8
     assert sum(state_bytes_per_param(0, nd, 2, 2, 12)) == 16

@@ -224,3 +224,43 @@ def test_plan_cli_layout_flag(tmp_path: Path) -> None:
     bad = subprocess.run([str(exe), "--layout", "tp=3", "model=llama3-8b", "cluster=h100-ib"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "tp=3 must divide" in bad.stderr
+
+
+def test_inflight_layers_follow_the_1f1b_warm_up_by_hand() -> None:
+    """Without interleaving rank r holds min(m, p - r) microbatches of its blocks. Interleaved (Megatron-Core's
+    and torch's schedule) rank r runs 2*(p - r - 1) + (v - 1)*p chunk forwards before its first backward, so it
+    holds one more than that at its peak: on rank 0 with even chunks Korthikanti's p*(1 + (p-1)/(p*v))
+    microbatches of its blocks, and every later rank only 2 chunk-microbatches fewer than the one before (not
+    p - r); capped by the m*v forwards of the step."""
+    from xirang_hpc.planner.formulas import inflight_layers
+
+    assert inflight_layers((7,), 32, 16, 0) == 7 * 16
+    assert inflight_layers((7,), 32, 16, 5) == 7 * 11
+    assert inflight_layers((7,), 4, 16, 0) == 7 * 4
+    p, v, m = 4, 2, 8
+    assert inflight_layers((3, 3), m, p, 0) == pytest.approx(6 * p * (1 + (p - 1) / (p * v)))  # 33 = 11 chunks x 3
+    assert [inflight_layers((3, 3), m, p, r) for r in range(p)] == [3 * (2 * (p - r - 1) + (v - 1) * p + 1)
+                                                                     for r in range(p)]
+    # m = p: rank 0's warm-up (10 chunk forwards) exceeds the step's 8, so it runs every forward first.
+    assert inflight_layers((3, 3), 4, 4, 0) == 3 * 8
+    # Uneven chunks are counted by their own blocks: an empty first chunk on rank 0 (16 stages, 8 chunks of one
+    # block): its warm-up is 2*15 + 7*16 = 142 forwards, 31 of them (then one more) through the empty chunk.
+    assert inflight_layers((0, 1, 1, 1, 1, 1, 1, 1), 32, 16, 0) == 7 * 16
+    assert inflight_layers((1,) * 8, 32, 16, 1) == 2 * 14 + 7 * 16 + 1
+    assert inflight_layers((1,) * 8, 16, 16, 1) == 16 * 8  # 140 warm-up forwards > the step's 128
+
+
+def test_ends_as_layers_split_llama3_405b_as_published() -> None:
+    """Llama 3 405B's 126 blocks on 16 stages x 8 chunks with the embedding and the head each in a block's place:
+    the first chunk holds only the embedding and the last only the head (Sec. 3.3.2); the first and last ranks 7
+    blocks, the others 8."""
+    from xirang_hpc.planner.cost import rank_chunks
+    from xirang_hpc.planner.formulas import chunk_split
+    from xirang_hpc.planner.published import LLAMA3
+
+    assert chunk_split(126, 128, 0.0, 0.0, ends_as_layers=True) == (0,) + (1,) * 126 + (0,)
+    sh = LLAMA3[0].shape
+    assert rank_layers(sh, 16, 8, True) == (7,) + (8,) * 14 + (7,)
+    chunks = rank_chunks(sh, 16, 8, True)
+    assert chunks[0] == (0,) + (1,) * 7 and chunks[15] == (1,) * 7 + (0,)
+    assert rank_layers(sh, 16, 1, True) == (7,) + (8,) * 14 + (7,)

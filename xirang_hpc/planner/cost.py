@@ -22,7 +22,10 @@ Step time = pipeline (compute + TP communication per microbatch, stretched by th
   sequence parallelism for MoE with tp > 1), (ep-1)/ep of them off the rank: inside a node when the ep
   group fits in one (ranks are ordered tp fastest, then dp, so a group of ep consecutive ranks), else partly
   across nodes (``comm.all_to_all``). Routing is taken as balanced (every expert gets top_k/E of the tokens);
-  the all-to-all is exposed (not overlapped with compute).
+  the all-to-all is exposed (not overlapped with compute). This is Megatron-Core's layout (the published MoE
+  rows); this runtime takes the ep ranks from the dp ranks only and refuses ep with tp > 1
+  (``auto.runtime_allows``), so the plans it is given (tp = 1 where ep > 1) have the same experts per rank and
+  the same edp = dp/ep.
 - TP: 4 all-reduces of b*s*h activations per layer (2 forward, 2 backward; +2 under full recompute),
   a ring inside the node (Narayanan et al. SC21 Sec. 3.2); sequence parallelism swaps each for a
   reduce-scatter + all-gather of the same volume; a stack that overlaps them with the GEMMs
@@ -80,7 +83,9 @@ from xirang_hpc.planner import comm
 from xirang_hpc.planner.formulas import (
     Shape,
     causal_fraction,
+    chunk_split,
     embedding_params,
+    inflight_layers,
     iteration_flops,
     layer_activation_bytes,
     layer_expert_params,
@@ -89,7 +94,6 @@ from xirang_hpc.planner.formulas import (
     logits_flops,
     mlp_down_flops,
     model_flops,
-    pipeline_split,
     recompute_extra,
     stage_tensors,
     state_bytes_per_param,
@@ -115,6 +119,10 @@ class Plan:
     schedule: str = "1f1b"  # 1f1b | gpipe
     ep: int = 1  # expert parallel degree (MoE): E/ep experts per rank, ep dividing tp*dp
     cp: int = 1  # context parallel: ranks sharing each sequence
+    # The embedding and the output head each take a block's place in the pipeline split (formulas.chunk_split:
+    # Llama 3's layout, Megatron-Core's --account-for-{embedding,loss}-in-pipeline-split). Published runs only:
+    # the search does not emit it (this runtime splits by cost, runtime/pipeline.py).
+    ends_as_layers: bool = False
 
     @property
     def grad_ranks(self) -> int:
@@ -140,6 +148,7 @@ class Plan:
         extra += ["sp"] if self.sp else []
         extra += [f"rc={self.recompute}"] if self.recompute != "none" else []
         extra += [self.schedule] if self.schedule != "1f1b" else []
+        extra += ["ends-as-layers"] if self.ends_as_layers else []
         ep = f"ep={self.ep} " if self.ep > 1 else ""
         return f"dp={self.dp} tp={self.tp} pp={self.pp} {ep}b={self.micro} " + " ".join(extra)
 
@@ -174,7 +183,8 @@ class Estimate:
         return {
             "plan": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch": p.micro, "microbatches": self.microbatches,
                      "interleave": p.v, "zero": p.zero, "recompute": p.recompute, "sequence_parallel": p.sp,
-                     "schedule": p.schedule, "ep": p.ep, "cp": p.cp},
+                     "schedule": p.schedule, "ep": p.ep, "cp": p.cp,
+                     "ends_as_layers": p.ends_as_layers},
             "label": p.label(),
             "fits": self.fits,
             "memory_gib": {k: v / GiB for k, v in self.memory.items()},
@@ -203,11 +213,23 @@ class Problem:
 
 
 @lru_cache(maxsize=4096)
-def rank_layers(sh: Shape, p: int, v: int) -> tuple[int, ...]:
-    """Blocks each of the ``p`` pipeline ranks holds (``v`` interleaved stages each, loop placement)."""
+def rank_chunks(sh: Shape, p: int, v: int, ends_as_layers: bool = False) -> tuple[tuple[int, ...], ...]:
+    """Blocks of each of the ``v`` model chunks of each of the ``p`` pipeline ranks (loop placement: chunk c
+    on rank c mod p), the head weighed by its FLOPs against a block's (formulas.chunk_split)."""
     dense, attn = layer_forward_flops(sh, 1)
-    counts = pipeline_split(sh.layers, p * v, 0.0, logits_flops(sh, 1) / (dense + attn))
-    return tuple(sum(counts[r + k * p] for k in range(v)) for r in range(p))
+    counts = chunk_split(sh.layers, p * v, 0.0, logits_flops(sh, 1) / (dense + attn), ends_as_layers)
+    return tuple(tuple(counts[r + k * p] for k in range(v)) for r in range(p))
+
+
+@lru_cache(maxsize=4096)
+def rank_layers(sh: Shape, p: int, v: int, ends_as_layers: bool = False) -> tuple[int, ...]:
+    """Blocks each of the ``p`` pipeline ranks holds (``v`` interleaved stages each, loop placement)."""
+    return tuple(sum(c) for c in rank_chunks(sh, p, v, ends_as_layers))
+
+
+@lru_cache(maxsize=65536)
+def _inflight(chunks: tuple[int, ...], m: int, p: int, r: int) -> float:
+    return inflight_layers(chunks, m, p, r)
 
 
 def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str, float]:
@@ -244,21 +266,19 @@ def _memory(pb: Problem, pl: Plan, m: int, counts: tuple[int, ...]) -> dict[str,
     head = 0.0 if (sh.tied and p == 1) else sh.vocab * sh.hidden / t
     logits = 2.0 * sh.seq * b * sh.vocab / t * 4 / cp  # fp32 logits and their gradient (the rank's tokens)
     stages = []
-    # Per block count, only the earliest rank matters (it has the most microbatches in flight), plus the
-    # first and last ranks (embedding, head).
-    firsts: dict[int, int] = {}
-    for r, n in enumerate(counts):
-        firsts.setdefault(n, r)
+    chunks = rank_chunks(sh, p, pl.v, pl.ends_as_layers)
+    # Per chunk layout, only the earliest rank matters (it runs the most warm-up forwards), plus the first
+    # and last ranks (embedding, head).
+    firsts: dict[tuple[int, ...], int] = {}
+    for r, c in enumerate(chunks):
+        firsts.setdefault(c, r)
     for r in sorted(set(firsts.values()) | {0, p - 1}):
         n = counts[r]
-        # Korthikanti et al.: 1F1B stage r holds p - r microbatches in flight (the first p),
-        # x(1 + (p-1)/(p*v)) interleaved; GPipe holds all m.
-        if pl.schedule == "gpipe":
-            inflight = float(m)
-        else:
-            inflight = min(m, p - r) * (1 + (p - 1) / (p * pl.v) if pl.v > 1 else 1)
+        # Layer-microbatches in flight at the rank's peak: the 1F1B warm-up by its chunks
+        # (formulas.inflight_layers); GPipe holds all m.
+        held = float(m * n) if pl.schedule == "gpipe" else _inflight(chunks[r], m, p, r)
         params = n * ld / t + (embedding_params(sh) / t if r == 0 else 0.0) + (head if r == p - 1 else 0.0)
-        acts = n * act * inflight + working + (logits if r == p - 1 else 0.0)
+        acts = held * act + working + (logits if r == p - 1 else 0.0)
         stages.append((params, n * le * e_share, acts))
     params, experts, acts = max(stages, key=lambda x: x[0] * (w + g + o) + x[1] * (we + ge + oe) + x[2])
     buffers = hw.reserved_gb * GiB
@@ -293,7 +313,7 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     # This rank's tokens of the microbatch; layer_forward_flops pairs them with all sh.seq keys.
     tokens = b * sh.seq // cp
     flash = hw.flash_attention > 0
-    counts = rank_layers(sh, p, v)
+    counts = rank_layers(sh, p, v, pl.ends_as_layers)
     layers = max(counts)  # the rank holding the most blocks (parameters, per-layer costs)
 
     # Compute per microbatch on each pipeline rank; the last one also runs the output layer.
@@ -309,9 +329,12 @@ def estimate(pb: Problem, pl: Plan) -> Estimate:
     causal = causal_fraction(sh.seq, flash)
     passes = 4.0 if pl.recompute == "full" else 3.0
     # Softmax, dropout, norms, GeLU are memory-bound: they stream the layer's activations
-    # (Korthikanti et al.'s per-layer bytes, no recompute) through device memory on every pass.
-    act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes, flash) / cp
-    score_bytes = act_stream - layer_activation_bytes(sh, b, t, pl.sp, "selective", hw.act_bytes, flash) / cp
+    # (Korthikanti et al.'s per-layer bytes, no recompute) through device memory on every pass. This traffic
+    # proxy keeps the dropout masks' bytes whatever the model (``dropout=True``): ``elementwise_traffic`` was
+    # fitted as a multiple of that count, on rows with and without dropout alike; only memory drops them.
+    act_stream = layer_activation_bytes(sh, b, t, pl.sp, "none", hw.act_bytes, flash, dropout=True) / cp
+    score_bytes = act_stream - layer_activation_bytes(sh, b, t, pl.sp, "selective", hw.act_bytes, flash,
+                                                      dropout=True) / cp
     # Training = 3 forward passes + recomputation; the attention products run at the attention
     # kernel's rate, the rest at the GEMM rate.
     dense_extra = dense - skipped if pl.recompute == "full" else 0.0

@@ -6,7 +6,11 @@ Sources (see /work/shared/anchors.md):
   P = 12*l*h^2*(1 + 13/(12h) + (V+s)/(12*l*h));
   F = 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) with full recomputation, factor 72 without.
 - Activation bytes per layer: Korthikanti et al., "Reducing Activation Recomputation in Large
-  Transformer Models", 2022, Table 2 (16-bit activations).
+  Transformer Models", 2022, Sec. 4.1 and Table 2 (16-bit activations), less the dropout masks where the
+  model has no dropout (:attr:`Shape.dropout`).
+- Activations in flight under a pipeline: Korthikanti et al. Sec. 4.2.3 for the first stage; per rank and
+  per model chunk, the warm-up of the interleaved 1F1B schedule as Megatron-Core and torch run it
+  (:func:`inflight_layers`).
 - Optimizer/gradient/parameter bytes per ZeRO stage: Rajbhandari et al., ZeRO, SC20.
 - Grouped-query attention (Ainslie et al., "GQA", EMNLP 2023): k and v project to n_kv_head heads,
   so their weights, FLOPs and stored activations shrink by n_kv_head/n_head; the score and value
@@ -65,6 +69,11 @@ class Shape:
     expert_ffn: int = 0
     shared_ffn: int = 0
     moe_layers: int = 0
+    # Dropout on the attention probabilities and on the attention and MLP outputs (GPT-2/GPT-3, Megatron's GPT:
+    # ``--attention-dropout`` and ``--hidden-dropout`` 0.1 by default; OPT 0.1). Its masks are activations the
+    # backward keeps (Korthikanti et al. Sec. 4.1). Llama (Touvron et al. 2023; Meta's reference ``model.py``
+    # has no dropout layer) and Qwen (``attention_dropout`` 0.0) train without it, as this runtime's models do.
+    dropout: bool = True
 
     @classmethod
     def from_model(cls, m: ModelConfig) -> Shape:
@@ -74,7 +83,7 @@ class Shape:
                    kv_heads=m.n_kv_head, tied=m.tie_embeddings, head_dim=m.d_head, qkv_bias=m.attn_qkv_bias,
                    qk_norm=m.qk_norm, experts=m.moe_experts, top_k=m.moe_top_k if m.moe_experts else 0,
                    expert_ffn=m.moe_ffn_dim if m.moe_experts else 0, shared_ffn=m.moe_shared_ffn_hidden,
-                   moe_layers=len(m.moe_layers))
+                   moe_layers=len(m.moe_layers), dropout=False)  # the runtime's GPT has no dropout layer
 
     @property
     def n_moe(self) -> int:
@@ -321,7 +330,7 @@ def narayanan_flops(sh: Shape, batch: int, recompute: bool = True) -> float:
 
 
 def layer_activation_bytes(sh: Shape, micro: int, tp: int, sp: bool, recompute: str, act_bytes: int,
-                           flash: bool = False) -> float:
+                           flash: bool = False, dropout: bool | None = None) -> float:
     """Activation bytes one layer keeps for backward, per microbatch (Korthikanti et al. Table 2).
 
     16-bit activations, per layer: no parallelism s*b*h*(34 + 5*a*s/h); tensor parallel
@@ -332,22 +341,65 @@ def layer_activation_bytes(sh: Shape, micro: int, tp: int, sp: bool, recompute: 
     the attention's 11, K and V take 2 each: GQA scales those 4 by kv_width/h. A fused attention
     kernel (``flash``) stores no scores: the 5*a*s/h term goes, as under selective recompute.
     A MoE block's feed-forward keeps :func:`moe_activation_share` instead of the MLP's share.
+
+    Without dropout (``dropout``, default the shape's :attr:`Shape.dropout`) the masks are not kept
+    (Korthikanti et al. Sec. 4.1 counts them one byte per element): the attention output's and the MLP
+    output's, s*b*h each, 2 of the 34 and 2 of the "10" that tensor parallelism replicates (without sequence
+    parallelism); and the attention-probability mask a*s^2*b with the dropout output 2*a*s^2*b, 3 of the
+    5*a*s/h: what remains is the softmax output 2*a*s^2*b, which its backward and the product with V read.
     """
     s, b, h, a, t = sh.seq, micro, sh.hidden, sh.heads, tp
+    drop = sh.dropout if dropout is None else dropout
     scale = act_bytes / 2.0
+    masks = 2.0 if drop else 0.0  # attention-output and MLP-output dropout masks, 1 byte per s*b*h element each
     dense_mlp = 16.0 * (sh.ffn / (4.0 * h)) * (1.5 if sh.swiglu else 1.0)  # MLP share of the 34
     mlp = _per_block(dense_mlp, moe_activation_share(sh), sh)
-    base = 18.0 - 4.0 * (1.0 - sh.kv_width / h) + mlp  # = 34 for GELU 4h without GQA
+    # = 34 for GELU 4h without GQA: attention 11 (9 + the mask), two norms' inputs 4, MLP input 2 + the mask
+    base = 16.0 + masks - 4.0 * (1.0 - sh.kv_width / h) + mlp
     if recompute == "full":
         return scale * 2.0 * s * b * h / (t if sp else 1)
-    score = 0.0 if (recompute == "selective" or flash) else 5.0 * a * s / (h * t)
+    score_bytes = 5.0 if drop else 2.0  # per a*s^2*b: softmax output 2 (+ dropout mask 1 and output 2)
+    score = 0.0 if (recompute == "selective" or flash) else score_bytes * a * s / (h * t)
+    replicated = 8.0 + masks  # Korthikanti's 10: two norms' inputs 4, QKV and MLP inputs 2 each, the masks
     if t == 1:
         per = base + score
     elif sp:
         per = base / t + score
     else:
-        per = 10.0 + (base - 10.0) / t + score
+        per = replicated + (base - replicated) / t + score
     return scale * s * b * h * per
+
+
+def inflight_layers(chunks: tuple[float, ...], m: int, p: int, r: int) -> float:
+    """Peak layer-microbatches whose activations pipeline rank ``r`` of ``p`` holds at once under 1F1B.
+
+    ``chunks`` are the blocks of the rank's model chunks in order (one entry without interleaving), ``m`` the
+    microbatches per step. Without interleaving rank r runs p - r - 1 warm-up forwards before its first
+    backward (Narayanan et al. SC21 Sec. 2.2; Korthikanti et al. Sec. 4.2.3: the first stage holds p
+    microbatches): min(m, p - r) microbatches of all its blocks. Interleaved, the warm-up is
+    2*(p - r - 1) + (v - 1)*p chunk forwards, capped at the m*v of the step (Megatron-LM
+    ``core/pipeline_parallel/schedules.py``, ``forward_backward_pipelining_with_interleaving``, with its default
+    group of p microbatches per chunk; torch ``ScheduleInterleaved1F1B``'s ``get_rank_warmup_ops`` alike); the
+    forwards take chunk (k mod p*v) // p of each group of p microbatches, the backwards the chunks in reverse,
+    one forward then one backward in the steady state. On rank 0 with even chunks that peak is Korthikanti's
+    p*(1 + (p-1)/(p*v)) microbatches; later ranks hold almost as many (2 chunk forwards fewer per rank), not
+    p - r. Chunks of different sizes (an embedding-only or head-only chunk: :func:`chunk_split`) are counted
+    by their own blocks, so the peak is found by following the schedule: the steady state repeats every
+    p*v steps with no net change, so one period after the warm-up is enough.
+    """
+    v = len(chunks)
+    if v == 1:
+        return chunks[0] * min(m, p - r)
+    total = m * v
+    group = p * v
+    warm = min(total, 2 * (p - r - 1) + (v - 1) * p)
+    held = float(sum(chunks[(k % group) // p] for k in range(warm)))
+    peak = held
+    for i in range(min(total - warm, group)):
+        held += chunks[((warm + i) % group) // p]  # the steady state's forward ...
+        peak = max(peak, held)
+        held -= chunks[v - 1 - (i % group) // p]  # ... then the oldest backward, last chunk first
+    return peak
 
 
 def moe_activation_share(sh: Shape) -> float:
@@ -414,4 +466,24 @@ def pipeline_split(layers: int, stages: int, emb_layers: float, head_layers: flo
             counts[r] -= 1
             surplus -= 1
         i += 1
+    return tuple(counts)
+
+
+def chunk_split(layers: int, chunks: int, emb_layers: float, head_layers: float,
+                ends_as_layers: bool = False) -> tuple[int, ...]:
+    """Blocks per model chunk, the ``chunks`` = p*v of them in pipeline order (chunk c on rank c mod p).
+
+    By default :func:`pipeline_split`'s balanced split. ``ends_as_layers``: the embedding and the output head
+    each take one block's place, as Llama 3 405B was split (Llama 3 Herd of Models, Sec. 3.3.2: one Transformer
+    layer fewer on the first and on the last stage, so that "the first model chunk on the first stage has only
+    the embedding, and the last model chunk on the last stage has only output projection and loss
+    calculation"; Megatron-Core's ``--account-for-embedding-in-pipeline-split`` and
+    ``--account-for-loss-in-pipeline-split``): ``layers`` + 2 places split evenly, and the first and the last
+    chunk each give one back, so that they may hold no block at all.
+    """
+    if not ends_as_layers:
+        return pipeline_split(layers, chunks, emb_layers, head_layers)
+    counts = list(pipeline_split(layers + 2, chunks, 0.0, 0.0))
+    counts[0] -= 1
+    counts[-1] -= 1
     return tuple(counts)

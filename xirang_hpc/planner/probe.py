@@ -238,7 +238,8 @@ def fit_layers(hw: Hardware, points: list[tuple[dict[str, Any], float, float]]) 
         w = sh.hidden
         at_peak = 3 * (dense + attn) * (w + hw.gemm_half_width) / w / (hw.peak_tflops * 1e12)
         scores = 3 * PROBE_BATCH * sh.heads * sh.seq**2 * 1e-9
-        stream = 3 * layer_activation_bytes(sh, PROBE_BATCH, 1, False, "none", hw.act_bytes) / (hw.mem_bw_gbs * 1e9)
+        stream = 3 * layer_activation_bytes(sh, PROBE_BATCH, 1, False, "none", hw.act_bytes,
+                                        dropout=True) / (hw.mem_bw_gbs * 1e9)  # cost.py's traffic proxy
         target = per_layer - hw.elementwise_traffic * stream
         rows.append((3e-6 / per_layer, at_peak / per_layer, scores / per_layer, target / per_layer))
     kernel_us, inv_eff, score_ns = nnls(rows)

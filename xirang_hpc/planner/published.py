@@ -80,9 +80,11 @@ Sources (read 2026-11):
   comparison had charged the cross-node row a plain all-to-all, -32%). Expert tensor parallelism is 1 in every
   row (the ETP column), as the planner's ep > 1. Of the table's five Qwen3-235B rows, the "+1f1b overlap" row
   (the all-to-all of one microbatch hidden behind another's compute, which the cost model does not have) is
-  reported apart, and the A2A-dispatcher row is left out: its 32 stages x 3 virtual stages = 96 exceed the 94
-  blocks (Megatron counts the embedding and the loss as pipeline layers), which the planner's split does not
-  express.
+  reported apart. Every row ran with ``--account-for-embedding-in-pipeline-split`` and
+  ``--account-for-loss-in-pipeline-split`` (``model_configs/benchmarking/Qwen3-235B-A22B.yaml`` of that commit):
+  the embedding and the loss each take a block's place in the split (``Plan.ends_as_layers``), which is how the
+  A2A-dispatcher row's 32 stages x 3 virtual stages = 96 places hold the 94 blocks; that row's dispatcher is
+  Megatron's plain all-to-all (``--moe-token-dispatcher-type alltoall``), not DeepEP's.
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ class PublishedRun:
     stack: str = "megatron2021"  # software stack (STACKS): megatron2021 | torchtitan | composer | megatron-core |
     # deepspeed | metaseq
     sp: bool = False  # sequence parallelism (tp > 1)
-    free_knobs: bool = False  # micro-batch, interleaving and recomputation unpublished: the planner's fastest
+    # micro-batch, interleaving and recomputation unpublished: the planner's fastest (a v > 1 given below is kept)
+    free_knobs: bool = False
     excluded: str = ""  # why a held-out row is reported apart from the held-out statistics ("" = counted)
     reduce_bytes: int = 0  # bytes per gradient element reduced, where the row differs from its stack (0 = the stack's)
     # The row's own network where its paper states one unlike the preset's (0 = the preset's): achieved bandwidth
@@ -129,6 +132,8 @@ class PublishedRun:
     # 1 where the row's MoE token dispatcher is DeepEP (``--moe-token-dispatcher-type flex``), which sends a token
     # once per target node (hardware.a2a_node_dedup); 0 = the stack's plain all-to-all.
     a2a_node_dedup: float = 0.0
+    # The embedding and the output head each take a block's place in the pipeline split (Plan.ends_as_layers).
+    ends_as_layers: bool = False
 
     @property
     def global_batch(self) -> int:
@@ -141,8 +146,9 @@ def _gpt(layers: int, hidden: int, heads: int) -> Shape:
 
 
 def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int) -> Shape:
+    # Llama has no dropout (Meta's reference model.py; Shape.dropout): no masks among its activations.
     return Shape(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, ffn=ffn, swiglu=True, bias=False,
-                 learned_pos=False, kv_heads=kv, tied=False)
+                 learned_pos=False, kv_heads=kv, tied=False, dropout=False)
 
 
 _MPT = {"70b": (80, 8192, 64), "125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12),
@@ -320,25 +326,26 @@ _MOE_ZOO_SRC = "Megatron-MoE-ModelZoo Qwen3 readme (Megatron-Core, H100, BF16)"
 # Qwen3-235B-A22B (HF config of Qwen/Qwen3-235B-A22B; conf/model/qwen3-235b-a22b.yaml).
 _QWEN3_235B = Shape(layers=94, hidden=4096, heads=64, seq=4096, vocab=151936, ffn=12288, swiglu=True, bias=False,
                     learned_pos=False, kv_heads=4, tied=False, head_dim=128, qk_norm=True, experts=128, top_k=8,
-                    expert_ffn=1536)
-# (label, TP, EP, PP, VPP, DP, FSDP, MBS, recompute, step seconds, excluded). "norm, act" recomputes only the
-# norms and the activation functions (``--recompute-modules layernorm moe_act``): no GEMM re-runs, so "none".
+                    expert_ffn=1536, dropout=False)  # Qwen3's attention_dropout 0.0, no other dropout
+# (label, TP, EP, PP, VPP, DP, FSDP, MBS, recompute, step seconds, excluded, DeepEP). "norm, act" recomputes only
+# the norms and the activation functions (``--recompute-modules layernorm moe_act``): no GEMM re-runs, so "none".
 _MOE_ZOO_ROWS = [
-    ("cross-node EP, DeepEP", 2, 32, 8, 4, 16, False, 1, "none", 19.7, ""),
+    ("cross-node EP, DeepEP", 2, 32, 8, 4, 16, False, 1, "none", 19.7, "", True),
     ("cross-node EP, DeepEP, 1F1B A2A overlap", 2, 32, 8, 4, 16, False, 1, "none", 17.6,
-     "all-to-all overlapped with another microbatch's compute (1F1B A2A overlap); not modelled"),
-    ("intra-node EP, DeepEP, FSDP", 2, 8, 1, 1, 128, True, 4, "full", 17.6, ""),
-    ("intra-node EP, DeepEP", 4, 8, 8, 4, 8, False, 1, "none", 29.0, ""),
+     "all-to-all overlapped with another microbatch's compute (1F1B A2A overlap); not modelled", True),
+    ("intra-node EP, DeepEP, FSDP", 2, 8, 1, 1, 128, True, 4, "full", 17.6, "", True),
+    ("intra-node EP, A2A", 2, 8, 32, 3, 4, False, 1, "none", 24.2, "", False),
+    ("intra-node EP, DeepEP", 4, 8, 8, 4, 8, False, 1, "none", 29.0, "", True),
 ]
 
 
 def _moe_zoo_run(label: str, t: int, ep: int, p: int, v: int, d: int, fsdp: bool, micro: int, rc: str,
-                 step: float, excluded: str) -> PublishedRun:
+                 step: float, excluded: str, deepep: bool) -> PublishedRun:
     gpus, batch = t * p * d, 2048
     return PublishedRun(_MOE_ZOO_SRC, f"Qwen3-235B-A22B {label} tp={t} ep={ep} pp={p} v={v} dp={d}", _QWEN3_235B,
                         gpus, micro, batch // (d * micro), rc, 3 if fsdp else 1, t, p, "tokens_per_gpu",
                         round(batch * 4096 / (step * gpus), 1), "held-out", "h100", "megatron-core", sp=t > 1,
-                        excluded=excluded, v=v, ep=ep, a2a_node_dedup=1.0)
+                        excluded=excluded, v=v, ep=ep, a2a_node_dedup=1.0 if deepep else 0.0, ends_as_layers=True)
 
 
 # Kept out of :data:`ALL` (from which every fit draws its rows): no fit can see them.
@@ -418,15 +425,19 @@ _LLAMA3_SRC = "Llama 3 Herd of Models, Table 4 (Meta, 405B, H100-80GB)"
 # model FLOPs (Chowdhery et al.'s count: 6N + 12 l h s per token, :func:`formulas.model_flops`). Sec. 3.3.2: FSDP
 # shards optimizer and gradients but does not reshard the weights after the forward (ZeRO-2 as this runtime runs
 # it under a pipeline), gradients accumulated and reduce-scattered in fp32, an interleaved schedule whose first
-# and last stages hold one layer fewer; 8K-token pre-training "without activation checkpointing". Micro-batch and
-# interleaving are not published, and the planner's memory model does not fit the run without recomputation (its
-# first chunk holds a layer where Llama 3's holds only the embedding; benchmarks/RESULTS.md): each row is
-# predicted with the planner's fastest fitting choice of the three (``free_knobs``). The shape is
-# bench_planner.py's (Table 3). The context-parallel third stage (131,072 tokens) is not modelled.
+# and last stages hold one layer fewer, "the first model chunk on the first stage has only the embedding, and the
+# last model chunk on the last stage has only output projection and loss calculation": 126 layers + 2 on 16 x 8
+# one-layer chunks (v = 8, ``ends_as_layers``); 8K-token pre-training "without activation checkpointing". The
+# micro-batch is not published, nor the schedule's group of microbatches per chunk (Sec. 3.3.2: tunable; the
+# planner takes Megatron's, pp). The planner's memory model does not fit the published layout without
+# recomputation (its rank 1 holds 141 one-layer chunk-microbatches at dp 64; benchmarks/RESULTS.md): each row is
+# predicted with the planner's fastest fitting choice of micro-batch and recomputation at the published split
+# (``free_knobs``). The shape is bench_planner.py's (Table 3). The context-parallel third stage (131,072 tokens)
+# is not modelled.
 _LLAMA3_405B = _llama(126, 16384, 128, 8, 53248, 128256, 8192)
 LLAMA3 = [
     PublishedRun(_LLAMA3_SRC, f"Llama 3 405B tp=8 pp=16 dp={dp}", _LLAMA3_405B, gpus, 1, per_dp, "none", 2, 8, 16,
-                 "model_tflops", value, gpu="h100", stack="llama3", sp=True, free_knobs=True)
+                 "model_tflops", value, gpu="h100", stack="llama3", sp=True, free_knobs=True, v=8, ends_as_layers=True)
     for gpus, dp, per_dp, value in ((8192, 64, 32, 430), (16384, 128, 16, 400))
 ]
 
@@ -536,14 +547,16 @@ def _free_plans(run: PublishedRun, dp: int) -> list[Plan]:
         m = per_dp // micro
         if run.pp > 1 and m < run.pp:
             continue
-        per_stage = run.shape.layers // run.pp
-        # Megatron interleaves only from 3 stages up, with m a multiple of pp.
+        per_stage = (run.shape.layers + (2 if run.ends_as_layers else 0)) // run.pp
+        # Megatron interleaves only from 3 stages up, with m a multiple of pp; a published v is kept.
         vs = [1] if run.pp <= 2 else [v for v in range(1, per_stage + 1)
                                       if per_stage % v == 0 and (v == 1 or m % run.pp == 0)]
+        if run.v > 1:
+            vs = [run.v] if m % run.pp == 0 else []
         for v in vs:
             for rc in (run.recompute,) if run.fixed_recompute else ("none", "selective", "full"):
                 plans.append(Plan(dp=dp, tp=run.tp, pp=run.pp, micro=micro, v=v, zero=run.zero, recompute=rc,
-                                  sp=run.sp, ep=run.ep))
+                                  sp=run.sp, ep=run.ep, ends_as_layers=run.ends_as_layers))
     return plans
 
 
@@ -554,7 +567,7 @@ def plan_for(run: PublishedRun, hw: Hardware | None = None) -> Plan:
     dp = run.gpus // (run.tp * run.pp)
     if not run.free_knobs:
         return Plan(dp=dp, tp=run.tp, pp=run.pp, micro=run.micro, v=run.v, zero=run.zero, recompute=run.recompute,
-                    sp=run.sp, ep=run.ep)
+                    sp=run.sp, ep=run.ep, ends_as_layers=run.ends_as_layers)
     pb = _problem(run, hw)
     ests = [estimate(pb, pl) for pl in _free_plans(run, dp)]
     return min(ests, key=lambda e: (not e.fits, e.step_time)).plan
