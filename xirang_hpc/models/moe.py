@@ -192,10 +192,13 @@ class MoE(nn.Module):
         else:
             ys = self._dispatch_and_combine(xs, counts)  # (N*k, d), the same slots, computed by their experts' ranks
         ys = ys * w.reshape(-1)[order].unsqueeze(-1)  # (N*k, d), weighted as Hugging Face: after down
-        out = torch.zeros_like(x2).index_add_(0, token, ys)  # (N, d): sum of each token's k expert outputs
+        # (B, T, d), each token's k expert outputs summed in place through its (N, d) view: the block returns
+        # a tensor of its own, not a view, on which FSDP2 (experts sharded over edp) hooks its backward.
+        out = torch.zeros_like(x)
+        out.view(-1, shape[-1]).index_add_(0, token, ys)
         if self.shared is not None:
-            out = out + self.shared(x2)
-        return out.view(shape)  # (B, T, d)
+            out = out + self.shared(x2).view(shape)
+        return out  # (B, T, d)
 
     def _experts(self, xs: torch.Tensor, sizes: list[int], skip_empty: bool) -> torch.Tensor:
         """Run the experts held here on contiguous slices: xs (sum(sizes), d) -> (sum(sizes), d).

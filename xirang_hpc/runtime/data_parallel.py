@@ -30,6 +30,14 @@ from xirang_hpc.config.schema import CommConfig, TrainConfig
 from xirang_hpc.runtime.parallel_dims import ParallelDims, dp_cp_mesh, dp_shard_cp_mesh
 
 
+def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """FSDP2's mesh for the dense weights: ``dp_shard`` (x cp), 2-D with ``dp_replicate`` first under HSDP."""
+    if dims.cp > 1:  # each cp rank holds a shard too (the gradients are reduced over dp x cp: cp saw parts of rows)
+        shard_cp = dp_shard_cp_mesh(mesh)
+        return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard_cp
+    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_after_forward: bool = True,
                roots: list[nn.Module] | None = None, ignored: set[nn.Parameter] | None = None) -> None:
     """Shard ``model`` (GPT or stage) with FSDP2 over the dp dimensions of ``mesh``, in place.
@@ -38,11 +46,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_a
     their stage chunks, each of which then owns (and unshards) the embedding/head it runs.
     ``ignored``: parameters FSDP2 must not manage (expert-parallel shards, reduced by their own groups).
     """
-    if dims.cp > 1:  # each cp rank holds a shard too (the gradients are reduced over dp x cp: cp saw parts of rows)
-        shard_cp = dp_shard_cp_mesh(mesh)
-        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard_cp
-    else:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    dp_mesh = fsdp_mesh(mesh, dims)
     kw = {"ignored_params": ignored} if ignored else {}
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from xirang_hpc.models.moe import MoE
@@ -46,14 +47,19 @@ class ExpertParallel:
     mesh: DeviceMesh  # ("edp", "ep")
     dp: int
     params: list[nn.Parameter]
+    # efsdp: FSDP2 also shards the expert weights over ``edp`` and reduce-scatters their gradients itself.
+    sharded: bool = False
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
         """After the backward (all microbatches): expert gradients summed over ``edp``, divided by dp.
 
         A rank whose experts got no token still has a zero gradient (the experts ran on zero rows), so
-        every rank joins every all-reduce.
+        every rank joins every all-reduce. Nothing to do when FSDP2 shards the experts over ``edp``
+        (:func:`apply_expert_fsdp`): its reduce-scatter already summed them and divided by dp.
         """
+        if self.sharded:
+            return
         edp = self.mesh["edp"]
         for p in self.params:
             if p.grad is None:  # e.g. an evaluation-only forward; keep the collectives aligned
@@ -100,6 +106,46 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, dims: Paral
             params.append(shard)
         m.ep_group, m.ep_size = ep_mesh.get_group(), dims.ep
     return ExpertParallel(mesh=emesh, dp=dims.dp, params=params)
+
+
+def shards_over_edp(dims: ParallelDims) -> bool:
+    """Whether the expert weights are FSDP2-sharded over ``edp`` too (torchtitan's efsdp).
+
+    When FSDP2 shards the dense weights over all dp ranks (``dp_shard == dp``: ZeRO-2/3 without HSDP's
+    replicate groups; ``dp_shard > 1`` only under FSDP2), ``ep > 1`` and an ``edp`` group has more than one
+    rank. HSDP and DDP layouts keep the experts replicated over ``edp`` (:meth:`ExpertParallel.reduce_grads`).
+    """
+    return dims.ep > 1 and dims.dp_replicate == 1 and dims.dp_shard // dims.ep > 1
+
+
+def apply_expert_fsdp(model: nn.Module, expert: ExpertParallel, dense_mesh: DeviceMesh,
+                      reshard_after_forward: bool) -> None:
+    """Shard every MoE block's expert weights over ``edp`` with FSDP2 (before the dense ``fully_shard``).
+
+    Each block's ``fully_shard`` on the ``edp`` mesh manages only its ``w1``/``w2``/``w3``: the router and the
+    shared expert get ``fully_shard`` groups of their own over ``dense_mesh`` first (FSDP2 leaves a module that
+    already has one to it), so they stay sharded over all dp ranks. The expert weights are DTensors
+    ``Shard(0)`` on ``ep`` (:func:`apply_expert_parallel`); FSDP2 shards each rank's E/ep experts again on
+    dim 0 over ``edp``, so a rank holds E/(ep*edp) experts' elements (a DTensor on the 2-D ``("edp", "ep")``
+    mesh, ``(_StridedShard(0), Shard(0))``), and gathers its E/ep experts for the forward and backward. The
+    checkpoint still sees the global (E, ...) placement.
+
+    Gradients: the all-to-all's backward already summed each expert's contributions over its ep group; the
+    reduce-scatter over ``edp`` sums them and divides by dp (not by ``edp``, FSDP2's default), the
+    data-parallel mean the dense weights get. The division runs after a plain sum (gloo has no pre-scaled sum).
+    """
+    edp = expert.mesh["edp"]
+    blocks = moe_blocks(model)
+    for m in blocks:
+        for dense in (m.gate, m.shared):  # dense: over every dp rank, as the rest of the block
+            if dense is not None:
+                fully_shard(dense, mesh=dense_mesh, reshard_after_forward=reshard_after_forward)
+        fsdp_experts = fully_shard(m, mesh=edp, reshard_after_forward=reshard_after_forward)
+        fsdp_experts.set_gradient_divide_factor(float(expert.dp))
+        fsdp_experts.set_force_sum_reduction_for_comms(True)
+    # FSDP2 swapped in its own (E/(ep*edp), ...) parameters
+    expert.params = [getattr(m, name) for m in blocks for name in EXPERT_WEIGHTS]
+    expert.sharded = True
 
 
 def data_parallel_ignored(model: nn.Module) -> tuple[set[nn.Parameter], list[str]]:
