@@ -32,6 +32,7 @@ from xirang_hpc.config.schema import (
     XirangConfig,
 )
 from xirang_hpc.config.validate import check_runnable, validate
+from xirang_hpc.runtime.expert_parallel import EXPERT_WEIGHTS
 from xirang_hpc.runtime.local_ranks import LocalRanks, RankPlace, free_port  # noqa: F401 - free_port: the tests take it from here
 from xirang_hpc.runtime.topology import Topology
 from xirang_hpc.runtime.trainer import Trainer
@@ -73,7 +74,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ep2": {"dp": 2, "ep": 2},
     "ep4": {"dp": 4, "ep": 4},
     "ep2xdp2": {"dp": 4, "ep": 2},  # DDP over 4; experts on 2 ranks, replicated twice
-    "ep2xfsdp2": {"dp": 4, "ep": 2, "data_parallel": "fsdp"},  # dense FSDP2 over 4
+    "ep2xfsdp2": {"dp": 4, "ep": 2, "data_parallel": "fsdp"},  # FSDP2: dense over 4, experts over edp 2 (efsdp)
+    # ZeRO-2 (weights kept from forward to backward) with efsdp; reduce-scatters in each of 2 accumulation steps
+    "ep2xzero2x2": {"dp": 4, "ep": 2, "zero": 2, "microbatches": 2},
     "ep2xhsdp2x2": {"dp": 4, "ep": 2, "data_parallel": "fsdp", "dp_replicate": 2},
     "ep2xpp2": {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2},  # each stage's experts over its 2 dp ranks
     "ep2xtp2": {"dp": 2, "ep": 2, "tp": 2},  # attention over tp; each tp position's experts over its 2 dp ranks
@@ -156,7 +159,10 @@ def run_layout(cfg: XirangConfig, topo: Topology, data_dir: Path, steps: int, wa
                # tokens of each row this rank holds (a context-parallel shard: seq_len / cp)
                "seq_tokens": tr.pm.seq_shards.index.numel() if tr.pm.seq_shards is not None else cfg.model.seq_len,
                "n_opt_state": opt_state, "n_local_params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
-                                     for p in tr.model.parameters())}
+                                     for p in tr.model.parameters()),
+               # the stacked expert weights (mixture of experts) this rank stores: name -> local shape
+               "expert_shapes": {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+                                 for n, p in tr.model.named_parameters() if n.rsplit(".", 1)[-1] in EXPERT_WEIGHTS}}
         del tr
         if dist.is_initialized():
             dist.barrier()

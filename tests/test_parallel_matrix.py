@@ -90,18 +90,22 @@ SHAPE_CASES = [(4, "dp2xtp2", "gqa"), (4, "tp2xpp2", "gqa"), (4, "fsdp2xtp2", "g
 
 # Mixture-of-experts (H.MOE: 4 experts, top-2) against the single-process MoE run, in process groups of their own:
 # plain data parallelism (the auxiliary loss's statistics summed over the dp ranks), expert parallelism alone
-# (ep2, ep4), beside replicas (ep2xdp2: DDP over 4, experts on 2), beside FSDP2 and HSDP; with the auxiliary
-# loss and with expert-bias balancing, and with full recompute; pipeline stages (1F1B and interleaved, 2
-# microbatches) with expert-bias balancing, alone and beside expert parallelism (each stage's loads summed over
-# its dp ranks); tensor parallelism of the attention (experts whole on every tp rank), with sequence parallelism
-# and beside expert parallelism; context parallelism (each cp rank routes its sequence shard's tokens, the
-# balancing statistics summed over dp x cp).
+# (ep2, ep4), beside replicas (ep2xdp2: DDP over 4, experts on 2), beside FSDP2 (ep2xfsdp2: the experts sharded
+# over edp=2 too, efsdp; also with full recompute, and ZeRO-2 over 2 accumulation steps) and HSDP (experts
+# replicated over edp); with the auxiliary loss and with expert-bias balancing, and with full recompute; pipeline
+# stages (1F1B and interleaved, 2 microbatches) with expert-bias balancing, alone and beside expert parallelism
+# (each stage's loads summed over its dp ranks); tensor parallelism of the attention (experts whole on every tp
+# rank), with sequence parallelism and beside expert parallelism; context parallelism (each cp rank routes its
+# sequence shard's tokens, the balancing statistics summed over dp x cp). Accumulation is tested with bias
+# balancing only: the auxiliary loss of each microbatch is not the whole batch's (a product of two batch means),
+# as in one process.
 MOE_BIAS = {**H.MOE, "name": "moe-bias", "moe_balance": "bias", "moe_bias_rate": 0.01}
 MOE_CASES = [(2, "dp2", "aux"), (2, "ep2", "aux"), (4, "ep4", "aux"), (4, "ep2xdp2", "aux"), (4, "ep2xfsdp2", "aux"),
              (4, "ep2xhsdp2x2", "aux"), (2, "ep2", "bias"), (4, "ep2xdp2", "bias"), (4, "ep2xfsdp2", "bias"),
-             (2, "ep2", "aux+full"), (2, "ep2", "bias+full"), (2, "pp2", "bias"), (2, "pp2v2", "bias"),
-             (4, "ep2xpp2", "bias"), (2, "tp2", "aux"), (2, "tp2sp", "bias"), (4, "ep2xtp2", "aux"),
-             (4, "ep2xtp2", "bias"), (2, "cp2", "aux"), (2, "cp2", "bias"), (4, "cp2xdp2", "aux")]
+             (2, "ep2", "aux+full"), (2, "ep2", "bias+full"), (4, "ep2xfsdp2", "aux+full"),
+             (4, "ep2xzero2x2", "bias"), (2, "pp2", "bias"), (2, "pp2v2", "bias"), (4, "ep2xpp2", "bias"),
+             (2, "tp2", "aux"), (2, "tp2sp", "bias"), (4, "ep2xtp2", "aux"), (4, "ep2xtp2", "bias"), (2, "cp2", "aux"),
+             (2, "cp2", "bias"), (4, "cp2xdp2", "aux")]
 MOE_MODELS = {"aux": H.MOE, "bias": MOE_BIAS}  # "+full": with full recompute (the all-to-alls run again in backward)
 
 
@@ -372,7 +376,8 @@ def moe_groups(email_data: Path):
 def test_moe_layout_matches_single_process(world: int, layout: str, balance: str, moe_groups,
                                            email_data: Path) -> None:
     """A mixture-of-experts model under data and expert parallelism trains like one process (rtol 1e-5), and
-    each expert-parallel rank holds E/ep experts (DDP: everything else whole; FSDP2: less)."""
+    each expert-parallel rank holds E/ep experts (DDP: everything else whole; FSDP2: less), E/(ep*edp) where
+    FSDP2 shards them over the edp ranks too (efsdp)."""
     model = MOE_MODELS[balance.partition("+")[0]]
     ref = H.reference(email_data, model=model)
     assert min(ref["norms"]) > 0.05, "clipping must be active for the grad-norm check to bite"
@@ -382,12 +387,22 @@ def test_moe_layout_matches_single_process(world: int, layout: str, balance: str
     assert sorted(params) == sorted(ref["params"]), "expert shards gathered under their full names"
     for name, want in ref["params"].items():
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
-    ep = H.LAYOUTS[layout].get("ep", 1)
+    par = H.make_cfg(world, H.LAYOUTS[layout], model=model).parallel  # resolved: data_parallel, zero
+    ep = par.ep
     total = sum(v.size for v in ref["params"].values())
     experts = sum(v.size for k, v in ref["params"].items() if k.rsplit(".", 1)[-1] in ("w1", "w2", "w3"))
-    if "pp" in H.LAYOUTS[layout] or "tp" in H.LAYOUTS[layout]:  # a stage's share; the attention split over tp
+    if par.pp > 1 or par.tp > 1:  # a stage's share; the attention split over tp
         assert all(experts // ep < r["n_local_params"] < total - experts + experts // ep for r in per_rank)
-    elif H.LAYOUTS[layout].get("data_parallel", "ddp") == "ddp":  # dense weights whole, experts 1/ep
+    elif par.data_parallel == "ddp":  # dense weights whole, experts 1/ep
         assert all(r["n_local_params"] == total - experts + experts // ep for r in per_rank)
     else:
         assert all(r["n_local_params"] < total - experts + experts // ep for r in per_rank)
+    # Each rank's expert weights: E/ep experts, or E/(ep*edp) under efsdp (FSDP2 without replicate groups, so
+    # dp_shard == dp); every other dim whole. Layouts without ep hold all E.
+    e, edp = model["moe_experts"], par.dp // ep
+    efsdp = ep > 1 and edp > 1 and par.data_parallel == "fsdp" and par.dp_replicate <= 1
+    rows = e // (ep * edp) if efsdp else e // ep
+    for r in per_rank:
+        for name, shape in r["expert_shapes"].items():
+            assert shape == (rows, *ref["params"][name].shape[1:]), (name, shape, rows)
+        assert r["expert_shapes"], "each rank holds expert weights"
