@@ -253,6 +253,47 @@ def test_moe_exact_resume_20_vs_10_plus_10(stdlib_data, tmp_path, balance, layou
 
 
 @pytest.mark.slow
+def test_moe_efsdp_resume_and_reshard_to_ep2_ddp(stdlib_data, tmp_path):
+    """Experts sharded over ep=2 and, by FSDP2, over the edp=2 ranks too (ep2 x fsdp on 4 ranks, efsdp): each
+    rank saves a quarter of the experts and of their optimizer state, as shards of the full tensors.
+
+    - stopped at step 10 and resumed under the same layout, it ends bitwise where the uninterrupted run does;
+    - the checkpoint holds the full (E, ...) expert weights and AdamW moments;
+    - the same step-10 checkpoint resumed on 2 ranks at ep2 under DDP (experts E/2 a rank, no edp) continues
+      like the uninterrupted run to fp32 rounding (another reduction order, so not bitwise).
+    """
+    efsdp = ["cluster.nodes=2", "cluster.tasks_per_node=2", "parallel.tp=1", "parallel.pp=1",
+             "parallel.microbatches=1", *MOE_MODEL, "parallel.ep=2", "parallel.data_parallel=fsdp"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    run_job(make_cfg(stdlib_data, full, efsdp), full, stdlib_data, world=4)
+    run_job(make_cfg(stdlib_data, split, efsdp), split, stdlib_data, world=4, stop_at=10)
+    saved = saved_tensors(split / "checkpoints" / "step_10")
+    w1 = saved["model.layers.0.mlp.w1"]
+    assert w1.shape[0] == 4 and all(w1[e].abs().sum() > 0 for e in range(4)), "every expert saved, whatever the layout"
+    moments = [saved[f"optim.state.layers.0.mlp.w1.{m}"] for m in ("exp_avg", "exp_avg_sq")]
+    assert all(v.shape == w1.shape and all(v[e].abs().sum() > 0 for e in range(4)) for v in moments)
+    fork = fork_run(split, 10, tmp_path / "fork")
+    run_job(make_cfg(stdlib_data, split, efsdp), split, stdlib_data, world=4)
+    a, b = saved_tensors(full / "checkpoints" / "step_20"), saved_tensors(split / "checkpoints" / "step_20")
+    assert a.keys() == b.keys() and "model.layers.0.mlp.w1" in a
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after an efsdp resume"
+    assert _losses(full) == _losses(split)
+
+    run_job(make_cfg(stdlib_data, fork, [*TWO_RANKS, *MOE_MODEL, "parallel.ep=2"]), fork, stdlib_data, world=2)
+    assert ckpt_layout.read_manifest(fork / "checkpoints" / "step_20")["layout"]["parallel"]["data_parallel"] == "ddp"
+    ref, got = _losses(full), _losses(fork)
+    assert sorted(got) == [5, 10, 15, 20] and got[10] == ref[10]
+    for step in (15, 20):
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), f"step {step}: {got[step]} vs {ref[step]}"
+    c = saved_tensors(fork / "checkpoints" / "step_20")
+    early = saved_tensors(full / "checkpoints" / "step_10")
+    for k in (k for k in a if k.startswith("model.") and k.endswith("mlp.w1")):
+        torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-5)
+        assert not torch.equal(c[k], early[k]), f"{k} did not train after the reshard"
+
+
+@pytest.mark.slow
 def test_moe_expert_parallel_resume_and_reshard_across_ep(stdlib_data, tmp_path):
     """Expert-parallel checkpoints (each rank saves its experts as shards of the full tensors):
 
