@@ -238,9 +238,10 @@ def _check_ep(cfg: XirangConfig, dp: int) -> None:
 
     torchtitan requires ``dp_shard * cp * tp == efsdp * ep``: the expert-parallel ranks are borrowed from
     the data-parallel ones. Here (no cp; experts whole over tp, each tp position with its own expert groups)
-    that is ``dp == (dp / ep) * ep``: ep divides the data-parallel degree, the experts are replicated (or
-    FSDP-reduced) over the other dp/ep ranks, and the dense part stays data-parallel over all dp ranks. ep
-    must also divide the expert count (E/ep per rank).
+    that is ``dp == (dp / ep) * ep``: ep divides the data-parallel degree, the experts are replicated over the
+    other dp/ep ranks (DDP, HSDP) or FSDP2-sharded over them (FSDP2 without replicate groups: torchtitan's
+    efsdp, E/dp experts' elements per rank), and the dense part stays data-parallel over all dp ranks. ep must
+    also divide the expert count (E/ep per rank).
     """
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:

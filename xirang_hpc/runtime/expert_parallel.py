@@ -2,7 +2,8 @@
 
 The expert-parallel ranks are data-parallel ranks re-cut (:func:`~xirang_hpc.runtime.parallel_dims.expert_mesh`,
 torchtitan's rule ``dp_shard * cp * tp == efsdp * ep`` with cp = tp = 1): blocks of ``ep`` consecutive dp ranks
-exchange tokens, and the ``dp / ep`` ranks at the same position of each block (``edp``) hold the same experts.
+exchange tokens, and the ``dp / ep`` ranks at the same position of each block (``edp``) hold the same experts:
+as replicas under DDP and HSDP, as FSDP2 shards of them under FSDP2 without replicate groups (``efsdp``).
 
 - The stacked expert weights ``w1``/``w3``/``w2`` (E, ...) become DTensors sharded on the expert dim over the
   ``ep`` mesh (``Shard(0)``), on the meta device before materialising, so each rank allocates and initialises
@@ -11,9 +12,15 @@ exchange tokens, and the ``dp / ep`` ranks at the same position of each block (`
 - The router, the attention and every dense weight stay data-parallel over all dp ranks (DDP or FSDP2, which
   are told to leave the expert weights alone); tokens are routed where they are, dispatched to their experts
   by all-to-all and combined back (``MoE._dispatch_and_combine``, models/moe.py).
+- efsdp (torchtitan's name): where FSDP2 shards the dense weights over all dp ranks (ZeRO-2/3, no HSDP) and
+  ``edp > 1``, :func:`apply_expert_fsdp` gives each MoE block's experts a ``fully_shard`` of their own on the
+  ``edp`` mesh: a rank then stores E/(ep*edp) = E/dp experts' weights, gradients and AdamW state (a DTensor
+  on the 2-D ``("edp", "ep")`` mesh, still the global (E, ...) tensor to the checkpoint) and gathers its E/ep
+  experts over ``edp`` for the forward and backward.
 - An expert weight's gradient after the backward already sums the contributions of every token of its ep
   group (the all-to-all's backward brought them); :meth:`ExpertParallel.reduce_grads` sums it over the
-  ``edp`` ranks and divides by dp, which is the data-parallel mean the dense weights get.
+  ``edp`` ranks and divides by dp, which is the data-parallel mean the dense weights get. Under efsdp FSDP2's
+  reduce-scatter over ``edp`` does the same: it sums and divides by dp (its divide factor), not by ``edp``.
 - The load-balancing statistics are summed over all dp ranks (``GPT.moe_group``), so the auxiliary loss and
   the expert-bias update are the whole batch's, as in one process; this holds without ep too, and under
   context parallelism (``parallel.cp``, with ep=1), where the group is dp x cp: each cp rank routes the tokens

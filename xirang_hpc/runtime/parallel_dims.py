@@ -249,9 +249,10 @@ def expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     The data-parallel ranks of each (pp, tp) position, in flattened dp order, are cut into blocks of ``ep``
     consecutive ranks: a block is one expert-parallel group (tokens are exchanged inside it; consecutive dp
     ranks share a node first, so the all-to-all stays on the fast links when ep fits a node), and the ranks
-    at the same position of every block (``edp``, dp/ep of them) hold the same experts and reduce their
-    gradients together. As torchtitan's, the expert mesh is the dp mesh re-cut, not a dimension of the
-    dense mesh, so FSDP and the dense data parallelism keep their groups.
+    at the same position of every block (``edp``, dp/ep of them) hold the same experts (replicas, or FSDP2
+    shards of them under efsdp) and reduce their gradients together. As torchtitan's, the expert mesh is the
+    dp mesh re-cut, not a dimension of the dense mesh, so FSDP and the dense data parallelism keep their
+    groups; ``edp`` and ``ep`` share one root mesh, which FSDP2 needs to shard the ``ep`` DTensors over ``edp``.
     """
     ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
     # (pp, tp, dp): dp flattened replicate-major as dp_mesh() flattens it, then cut into (dp/ep, ep) blocks
