@@ -23,6 +23,13 @@ that import, join the group and build nothing) and ``floor`` (the same ep=4 step
 block, d_model 16: the runtime's size-independent cost of a step, its kernels' and communicators' first use).
 
     python benchmarks/bench_moe.py --ep-memory [--layers 4 --hidden 256 --ffn 512 --experts 16]
+
+``--ep-memory --fsdp``: the same with FSDP2 (ZeRO-3) over the 4 ranks instead of DDP, ``ep=2`` against ``ep=1``.
+At ep=1 FSDP2 already shards every weight, experts included, over the 4 ranks; at ep=2 the experts are sharded
+over the 2 ranks of each expert group and, by FSDP2, over the other 2 (efsdp), so the target keeps the expert
+share whole: ep=2 peak <= (dense share + expert share) x 1.25 + footprint.
+
+    python benchmarks/bench_moe.py --ep-memory --fsdp [--layers 4 --hidden 256 --ffn 512 --experts 16]
 """
 
 from __future__ import annotations
@@ -97,7 +104,7 @@ def _vm(field: str) -> float:
 
 
 def _ep_cfg(a: argparse.Namespace, ep: int, floor: bool = False) -> XirangConfig:
-    """The MoE GPT on 4 ranks (2 virtual nodes), dense DDP over all, experts over ``ep`` of them.
+    """The MoE GPT on 4 ranks (2 virtual nodes), dense DDP (``a.fsdp``: FSDP2) over all, experts over ``ep`` of them.
 
     ``floor``: a negligible model of the same kind (one block, d_model 16, 4 experts of width 16).
     """
@@ -106,7 +113,8 @@ def _ep_cfg(a: argparse.Namespace, ep: int, floor: bool = False) -> XirangConfig
                         norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, moe_experts=experts,
                         moe_top_k=2, moe_ffn_hidden=ffn)
     cluster = ClusterConfig(name="bench", nodes=2, tasks_per_node=RANKS // 2, backend="gloo")
-    return validate(XirangConfig(model=model, parallel=ParallelConfig(dp=RANKS, ep=ep), cluster=cluster,
+    parallel = ParallelConfig(dp=RANKS, ep=ep, data_parallel="fsdp" if a.fsdp else "ddp")
+    return validate(XirangConfig(model=model, parallel=parallel, cluster=cluster,
                                  train=TrainConfig(global_batch=2 * RANKS, lr=1e-4)))
 
 
@@ -165,34 +173,38 @@ def _ep_phase(ep: int, a: argparse.Namespace, floor: bool = False) -> list[dict[
 
 
 def ep_memory(a: argparse.Namespace) -> None:
-    """Peak RSS per rank of one MoE training step at ep=4 vs ep=1, against the target."""
+    """Peak RSS per rank of one MoE training step at ep=4 (FSDP2: ep=2) vs ep=1, against the target."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # As in bench_meta_init.py: a fixed mmap threshold, so freed large buffers leave the resident set.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    # DDP: each rank's expert state shrinks by ep. FSDP2 shards it over all 4 ranks already at ep=1; ep=2
+    # keeps that share (E/(ep*edp) = E/4 experts a rank, efsdp) while the experts need no gather over 4.
+    ep, shrink, dense = (2, 1, "FSDP2 (ZeRO-3)") if a.fsdp else (RANKS, RANKS, "dense DDP")
     print(f"MoE GPT: {a.layers} layers, d_model {a.hidden}, {a.experts} experts of width {a.ffn}, top-2; one step "
-          f"(2 x 64 tokens per rank) on {RANKS} gloo ranks, dense DDP; torch {torch.__version__}")
-    foot, floor = _ep_phase(0, a), _ep_phase(RANKS, a, floor=True)
-    one, four = _ep_phase(1, a), _ep_phase(RANKS, a)
-    print("peak RSS per rank (GiB); dense/expert share: training state at ep=1; "
-          "target = (dense + expert/4) x 1.25 + footprint (import, or the step's floor)")
-    print("| rank | import | floor | dense share | expert share | ep=1 peak | ep=4 peak | ep=4/ep=1 | "
+          f"(2 x 64 tokens per rank) on {RANKS} gloo ranks, {dense}; torch {torch.__version__}")
+    foot, floor = _ep_phase(0, a), _ep_phase(ep, a, floor=True)
+    one, many = _ep_phase(1, a), _ep_phase(ep, a)
+    share = f"expert/{shrink}" if shrink > 1 else "expert"
+    print(f"peak RSS per rank (GiB); dense/expert share: training state at ep=1; "
+          f"target = (dense + {share}) x 1.25 + footprint (import, or the step's floor)")
+    print(f"| rank | import | floor | dense share | expert share | ep=1 peak | ep={ep} peak | ep={ep}/ep=1 | "
           "target (import) | target (floor) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     met = {"import": True, "floor": True}
     for r in range(RANKS):
-        d, x, peak = one[r]["dense"], one[r]["expert"], four[r]["peak"]
+        d, x, peak = one[r]["dense"], one[r]["expert"], many[r]["peak"]
         cells = []
         for name, fp in (("import", foot[r]["footprint"]), ("floor", floor[r]["peak"])):
-            target = (d + x / RANKS) * 1.25 + fp
+            target = (d + x / shrink) * 1.25 + fp
             met[name] &= peak <= target
             cells.append(f"{target / GIB:.3f} {'met' if peak <= target else 'MISSED'}")
         print(f"| {r} | {foot[r]['footprint'] / GIB:.3f} | {floor[r]['peak'] / GIB:.3f} | {d / GIB:.3f} | "
               f"{x / GIB:.3f} | {one[r]['peak'] / GIB:.3f} | {peak / GIB:.3f} | {peak / one[r]['peak']:.2f}x | "
               f"{cells[0]} | {cells[1]} |")
-    print(f"expert state per rank at ep=4: {four[0]['expert'] / GIB:.3f} GiB (ep=1: {one[0]['expert'] / GIB:.3f})")
+    print(f"expert state per rank at ep={ep}: {many[0]['expert'] / GIB:.3f} GiB (ep=1: {one[0]['expert'] / GIB:.3f})")
     for name in ("import", "floor"):
-        print(f"target with the {name} footprint (every rank's ep=4 peak <= (dense + expert/4) x 1.25 + footprint): "
-              f"{'met' if met[name] else 'MISSED'}")
+        print(f"target with the {name} footprint (every rank's ep={ep} peak <= (dense + {share}) x 1.25 + "
+              f"footprint): {'met' if met[name] else 'MISSED'}")
 
 
 def main() -> None:
@@ -205,6 +217,7 @@ def main() -> None:
     ap.add_argument("--ep-memory", action="store_true", help="peak RSS per rank at ep=4 vs ep=1 (4 gloo ranks)")
     ap.add_argument("--layers", type=int, default=4, help="--ep-memory: transformer blocks, all MoE")
     ap.add_argument("--experts", type=int, default=16, help="--ep-memory: experts per block")
+    ap.add_argument("--fsdp", action="store_true", help="--ep-memory: FSDP2 over the 4 ranks, ep=2 vs ep=1")
     a = ap.parse_args()
     if a.ep_memory:
         if "--hidden" not in sys.argv:
