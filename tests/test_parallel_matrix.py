@@ -391,7 +391,9 @@ def test_moe_layout_matches_single_process(world: int, layout: str, balance: str
     ep = par.ep
     total = sum(v.size for v in ref["params"].values())
     experts = sum(v.size for k, v in ref["params"].items() if k.rsplit(".", 1)[-1] in ("w1", "w2", "w3"))
-    if par.pp > 1 or par.tp > 1:  # a stage's share; the attention split over tp
+    if par.pp > 1:  # a stage's share
+        assert all(r["n_local_params"] < total - experts + experts // ep for r in per_rank)
+    elif par.tp > 1:  # the attention split over tp, the experts whole: E/ep of them and part of the rest
         assert all(experts // ep < r["n_local_params"] < total - experts + experts // ep for r in per_rank)
     elif par.data_parallel == "ddp":  # dense weights whole, experts 1/ep
         assert all(r["n_local_params"] == total - experts + experts // ep for r in per_rank)
