@@ -168,11 +168,14 @@ def _job(cfg: dict, run_dir: Path, data_dir: Path, kill_at: int = 0) -> list[int
 
 
 # The layouts of the kill-and-restart-from-memory case: tensor parallelism; and a mixture-of-experts model with
-# expert parallelism and bias balancing (its expert shards, router and persistent expert bias come back from memory).
+# expert parallelism and bias balancing (its expert shards, router and persistent expert bias come back from memory),
+# under DDP and under FSDP2 (efsdp: the experts sharded over the 2 edp ranks too).
+MOE_EP2 = ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1", "parallel.ep=2", "model.mlp=swiglu",
+           "model.moe_experts=4", "model.moe_top_k=2", "model.moe_balance=bias", "model.moe_bias_rate=0.01"]
 MEMORY_LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.pp=1", "parallel.microbatches=1"],
-    "moe-ep2": ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1", "parallel.ep=2", "model.mlp=swiglu",
-                "model.moe_experts=4", "model.moe_top_k=2", "model.moe_balance=bias", "model.moe_bias_rate=0.01"],
+    "moe-ep2": MOE_EP2,
+    "moe-efsdp": [*MOE_EP2, "parallel.data_parallel=fsdp"],
 }
 
 
