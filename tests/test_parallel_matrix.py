@@ -91,21 +91,22 @@ SHAPE_CASES = [(4, "dp2xtp2", "gqa"), (4, "tp2xpp2", "gqa"), (4, "fsdp2xtp2", "g
 # Mixture-of-experts (H.MOE: 4 experts, top-2) against the single-process MoE run, in process groups of their own:
 # plain data parallelism (the auxiliary loss's statistics summed over the dp ranks), expert parallelism alone
 # (ep2, ep4), beside replicas (ep2xdp2: DDP over 4, experts on 2), beside FSDP2 (ep2xfsdp2: the experts sharded
-# over edp=2 too, efsdp; also with full recompute, ZeRO-2 over 2 accumulation steps, and beside tp2) and HSDP (experts
-# replicated over edp); with the auxiliary loss and with expert-bias balancing, and with full recompute; pipeline
-# stages (1F1B and interleaved, 2 microbatches) with expert-bias balancing, alone and beside expert parallelism
-# (each stage's loads summed over its dp ranks); tensor parallelism of the attention (experts whole on every tp
-# rank), with sequence parallelism and beside expert parallelism; context parallelism (each cp rank routes its
-# sequence shard's tokens, the balancing statistics summed over dp x cp). Accumulation is tested with bias
-# balancing only: the auxiliary loss of each microbatch is not the whole batch's (a product of two batch means),
-# as in one process.
+# over edp=2 too, efsdp; also with full recompute, ZeRO-2 over 2 accumulation steps, beside tp2 and in pp2
+# stages) and HSDP (experts replicated over edp); with the auxiliary loss and with expert-bias balancing, and with
+# full recompute; pipeline stages (1F1B and interleaved, 2 microbatches) with expert-bias balancing, alone and
+# beside expert parallelism (each stage's loads summed over its dp ranks); tensor parallelism of the attention
+# (experts whole on every tp rank), with sequence parallelism and beside expert parallelism; context parallelism
+# (each cp rank routes its sequence shard's tokens, the balancing statistics summed over dp x cp). Accumulation
+# is tested with bias balancing only: the auxiliary loss of each microbatch is not the whole batch's (a product
+# of two batch means), as in one process.
 MOE_BIAS = {**H.MOE, "name": "moe-bias", "moe_balance": "bias", "moe_bias_rate": 0.01}
 MOE_CASES = [(2, "dp2", "aux"), (2, "ep2", "aux"), (4, "ep4", "aux"), (4, "ep2xdp2", "aux"), (4, "ep2xfsdp2", "aux"),
              (4, "ep2xhsdp2x2", "aux"), (2, "ep2", "bias"), (4, "ep2xdp2", "bias"), (4, "ep2xfsdp2", "bias"),
              (2, "ep2", "aux+full"), (2, "ep2", "bias+full"), (4, "ep2xfsdp2", "aux+full"),
              (4, "ep2xzero2x2", "bias"), (2, "pp2", "bias"), (2, "pp2v2", "bias"), (4, "ep2xpp2", "bias"),
              (2, "tp2", "aux"), (2, "tp2sp", "bias"), (4, "ep2xtp2", "aux"), (4, "ep2xtp2", "bias"), (2, "cp2", "aux"),
-             (2, "cp2", "bias"), (4, "cp2xdp2", "aux"), (8, "ep2xfsdp2xtp2", "aux")]
+             (2, "cp2", "bias"), (4, "cp2xdp2", "aux"), (8, "ep2xfsdp2xtp2", "aux"),
+             (8, "ep2xfsdp2xpp2", "bias")]
 MOE_MODELS = {"aux": H.MOE, "bias": MOE_BIAS}  # "+full": with full recompute (the all-to-alls run again in backward)
 
 
