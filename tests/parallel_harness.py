@@ -79,6 +79,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ep2xzero2x2": {"dp": 4, "ep": 2, "zero": 2, "microbatches": 2},
     "ep2xfsdp2xtp2": {"dp": 4, "ep": 2, "tp": 2, "data_parallel": "fsdp"},  # efsdp beside tensor parallelism
     "ep2xfsdp2xpp2": {"dp": 4, "ep": 2, "pp": 2, "microbatches": 2, "data_parallel": "fsdp"},  # efsdp in each stage
+    # efsdp over 4 ranks with 2 experts per group (H.MOE): each expert split on dim 1 instead
+    "ep2xfsdp4": {"dp": 8, "ep": 2, "data_parallel": "fsdp"},
     "ep2xhsdp2x2": {"dp": 4, "ep": 2, "data_parallel": "fsdp", "dp_replicate": 2},
     "ep2xpp2": {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2},  # each stage's experts over its 2 dp ranks
     "ep2xtp2": {"dp": 2, "ep": 2, "tp": 2},  # attention over tp; each tp position's experts over its 2 dp ranks

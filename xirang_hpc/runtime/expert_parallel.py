@@ -135,7 +135,10 @@ def apply_expert_fsdp(model: nn.Module, expert: ExpertParallel, dense_mesh: Devi
     ``Shard(0)`` on ``ep`` (:func:`apply_expert_parallel`); FSDP2 shards each rank's E/ep experts again on
     dim 0 over ``edp``, so a rank holds E/(ep*edp) experts' elements (a DTensor on the 2-D ``("edp", "ep")``
     mesh, ``(_StridedShard(0), Shard(0))``), and gathers its E/ep experts for the forward and backward. The
-    checkpoint still sees the global (E, ...) placement.
+    checkpoint still sees the global (E, ...) placement. When ``edp`` does not divide E/ep (fewer experts per
+    group than edp ranks), dim 0 would leave ranks empty and others a whole expert; as torchtitan does, every
+    expert is then split on dim 1 (``(Shard(1), Shard(0))``: the ffn rows of ``w1``/``w3``, the d rows of
+    ``w2``) where ``edp`` divides it, so each rank still holds 1/(ep*edp) of the elements.
 
     Gradients: the all-to-all's backward already summed each expert's contributions over its ep group; the
     reduce-scatter over ``edp`` sums them and divides by dp (not by ``edp``, FSDP2's default), the
@@ -147,7 +150,10 @@ def apply_expert_fsdp(model: nn.Module, expert: ExpertParallel, dense_mesh: Devi
         for dense in (m.gate, m.shared):  # dense: over every dp rank, as the rest of the block
             if dense is not None:
                 fully_shard(dense, mesh=dense_mesh, reshard_after_forward=reshard_after_forward)
-        fsdp_experts = fully_shard(m, mesh=edp, reshard_after_forward=reshard_after_forward)
+        local = [getattr(m, name).to_local() for name in EXPERT_WEIGHTS]  # (E/ep, ...) each, meta
+        on_dim1 = local[0].shape[0] % edp.size() != 0 and all(t.shape[1] % edp.size() == 0 for t in local)
+        fsdp_experts = fully_shard(m, mesh=edp, reshard_after_forward=reshard_after_forward,
+                                   shard_placement_fn=(lambda _: Shard(1)) if on_dim1 else None)
         fsdp_experts.set_gradient_divide_factor(float(expert.dp))
         fsdp_experts.set_force_sum_reduction_for_comms(True)
     # FSDP2 swapped in its own (E/(ep*edp), ...) parameters
