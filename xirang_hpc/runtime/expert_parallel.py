@@ -1,9 +1,10 @@
 """Expert parallelism (``parallel.ep``): each rank holds E/ep experts of every mixture-of-experts block.
 
 The expert-parallel ranks are data-parallel ranks re-cut (:func:`~xirang_hpc.runtime.parallel_dims.expert_mesh`,
-torchtitan's rule ``dp_shard * cp * tp == efsdp * ep`` with cp = tp = 1): blocks of ``ep`` consecutive dp ranks
-exchange tokens, and the ``dp / ep`` ranks at the same position of each block (``edp``) hold the same experts:
-as replicas under DDP and HSDP, as FSDP2 shards of them under FSDP2 without replicate groups (``efsdp``).
+torchtitan's rule ``dp_shard * cp * tp == efsdp * ep`` with the experts whole over tp and no cp with ep; each tp
+position (and pipeline stage) has expert groups of its own): blocks of ``ep`` consecutive dp ranks exchange
+tokens, and the ``dp / ep`` ranks at the same position of each block (``edp``) hold the same experts: as
+replicas under DDP and HSDP, as FSDP2 shards of them under FSDP2 without replicate groups (``efsdp``).
 
 - The stacked expert weights ``w1``/``w3``/``w2`` (E, ...) become DTensors sharded on the expert dim over the
   ``ep`` mesh (``Shard(0)``), on the meta device before materialising, so each rank allocates and initialises
