@@ -245,11 +245,12 @@ def _rank_worker(place: Any, queue: Any, kind: str, layout: str, compile_: bool,
         cfg = _rank_cfg(place.world_size, layout, compile_, steps, model)
         t = cfg.train
         times: list[float] = []
+        norms: list[Any] = []  # the global gradient norm of every step (a float, or the plain loop's tensor)
         t_build = time.perf_counter()
         with tempfile.TemporaryDirectory() as run_dir:
             if kind == "trainer":
                 tr = Trainer(cfg, place.topology("bench"), Path(run_dir), Path(data), log=lambda s: None)
-                step = lambda s: tr.train_step(s, reduce_loss=False)  # noqa: E731 - as Trainer.fit's unlogged steps
+                step = lambda s: tr.train_step(s, reduce_loss=False)[1]  # noqa: E731 - as Trainer.fit's unlogged steps
                 n_params = sum(_local_numel(p) for p in tr.model.parameters())
             else:
                 net, opt, loss_fn, dp_rank, dp_size = _plain_parallel(cfg, layout, compile_, place.rank)
@@ -257,22 +258,24 @@ def _rank_worker(place: Any, queue: Any, kind: str, layout: str, compile_: bool,
                 params = list(net.parameters())
                 n_params = sum(_local_numel(p) for p in params)
 
-                def step(s: int) -> None:
+                def step(s: int) -> Any:
                     x, y = windows.batch(t.seed, s, t.global_batch, dp_rank, dp_size)
                     for g in opt.param_groups:
                         g["lr"] = lr_at(s, t)
                     loss = loss_fn(net(x), y)
                     loss.backward()
-                    _clip_global(params, t.grad_clip)
+                    norm = _clip_global(params, t.grad_clip)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
+                    return norm
             build_s = time.perf_counter() - t_build
             for s in range(steps):
                 t0 = time.perf_counter()
-                step(s)
+                norms.append(step(s))
                 times.append(time.perf_counter() - t0)
             dist.barrier()
-        queue.put((place.rank, {"times": times, "build_s": build_s, "n_params_rank": n_params}))
+        queue.put((place.rank, {"times": times, "build_s": build_s, "n_params_rank": n_params,
+                                "norms": [float(n) for n in norms]}))
     except Exception:  # report the failure to the parent instead of hanging it
         queue.put((place.rank, {"error": traceback.format_exc()}))
     finally:
@@ -384,6 +387,9 @@ def main_ranks(a: argparse.Namespace) -> None:
     for lay in layouts:
         print(f"\n[{lay}] parameters per rank: trainer {res[lay]['trainer-eager'][0][0]['n_params_rank']:,}, "
               f"plain {res[lay]['plain-eager'][0][0]['n_params_rank']:,}")
+        # The same init, batches and optimizer: the two loops' global gradient norms agree step for step.
+        print(f"{lay} gradient norm of steps 0-2 (rank 0, round 0): " + "; ".join(
+            f"{k} " + " ".join(f"{v:.6f}" for v in res[lay][k][0][0]["norms"][:3]) for k in runs))
         for k in runs:
             print(f"{lay} {k:18s} {med(lay, k):>9,.1f} tok/s  step {med(lay, k, step_s):6.2f} s  "
                   f"start-up beyond steady steps {med(lay, k, to_steady):6.1f} s")
