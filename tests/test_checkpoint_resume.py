@@ -252,6 +252,21 @@ def test_moe_exact_resume_20_vs_10_plus_10(stdlib_data, tmp_path, balance, layou
     assert _losses(full) == _losses(split) and sorted(_losses(full)) == [5, 10, 15, 20]
 
 
+def _assert_continues_to_rounding(full: Path, fork: Path, final: dict[str, torch.Tensor]) -> None:
+    """A step-10 checkpoint resumed under another expert layout (``fork``) continues like the uninterrupted run
+    (``full``, whose step-20 tensors are ``final``) to fp32 rounding: losses at 15 and 20 within rel 1e-5 (step 10
+    is the checkpoint's own record), the experts' weights within 1e-5, and trained after the reshard."""
+    ref, got = _losses(full), _losses(fork)
+    assert sorted(got) == [5, 10, 15, 20] and got[10] == ref[10]
+    for step in (15, 20):
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), f"step {step}: {got[step]} vs {ref[step]}"
+    c = saved_tensors(fork / "checkpoints" / "step_20")
+    early = saved_tensors(full / "checkpoints" / "step_10")
+    for k in (k for k in final if k.startswith("model.") and k.endswith("mlp.w1")):
+        torch.testing.assert_close(c[k], final[k], rtol=0, atol=1e-5)
+        assert not torch.equal(c[k], early[k]), f"{k} did not train after the reshard"
+
+
 @pytest.mark.slow
 def test_moe_efsdp_resume_and_reshard_to_ep2_ddp(stdlib_data, tmp_path):
     """Experts sharded over ep=2 and, by FSDP2, over the edp=2 ranks too (ep2 x fsdp on 4 ranks, efsdp): each
@@ -282,15 +297,7 @@ def test_moe_efsdp_resume_and_reshard_to_ep2_ddp(stdlib_data, tmp_path):
 
     run_job(make_cfg(stdlib_data, fork, [*TWO_RANKS, *MOE_MODEL, "parallel.ep=2"]), fork, stdlib_data, world=2)
     assert ckpt_layout.read_manifest(fork / "checkpoints" / "step_20")["layout"]["parallel"]["data_parallel"] == "ddp"
-    ref, got = _losses(full), _losses(fork)
-    assert sorted(got) == [5, 10, 15, 20] and got[10] == ref[10]
-    for step in (15, 20):
-        assert got[step] == pytest.approx(ref[step], rel=1e-5), f"step {step}: {got[step]} vs {ref[step]}"
-    c = saved_tensors(fork / "checkpoints" / "step_20")
-    early = saved_tensors(full / "checkpoints" / "step_10")
-    for k in (k for k in a if k.startswith("model.") and k.endswith("mlp.w1")):
-        torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-5)
-        assert not torch.equal(c[k], early[k]), f"{k} did not train after the reshard"
+    _assert_continues_to_rounding(full, fork, a)
 
 
 @pytest.mark.slow
@@ -320,12 +327,4 @@ def test_moe_expert_parallel_resume_and_reshard_across_ep(stdlib_data, tmp_path)
     m = ckpt_layout.read_manifest(fork / "checkpoints" / "step_20")
     assert m["layout"]["parallel"]["ep"] == 1
     assert ckpt_layout.read_manifest(split / "checkpoints" / "step_10")["layout"]["parallel"]["ep"] == 2
-    ref, got = _losses(full), _losses(fork)
-    assert sorted(got) == [5, 10, 15, 20] and got[10] == ref[10]  # step 10 is the checkpoint's own record
-    for step in (15, 20):
-        assert got[step] == pytest.approx(ref[step], rel=1e-5), f"step {step}: {got[step]} vs {ref[step]}"
-    c = saved_tensors(fork / "checkpoints" / "step_20")
-    early = saved_tensors(full / "checkpoints" / "step_10")
-    for k in (k for k in a if k.startswith("model.") and k.endswith("mlp.w1")):
-        torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-5)
-        assert not torch.equal(c[k], early[k]), f"{k} did not train after the reshard"
+    _assert_continues_to_rounding(full, fork, a)
