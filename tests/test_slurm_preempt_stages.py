@@ -110,8 +110,10 @@ def test_preempted_during_rendezvous(reference, stdlib_data, tmp_path):
 
 def test_preempted_during_the_checkpoint_load_of_a_restart(reference, stdlib_data, tmp_path):
     """Preempted once while training (the job saves and requeues itself), then again while the restart
-    reads that checkpoint; the third start loads it and finishes."""
-    job, run, marks = _submit_paused(stdlib_data, tmp_path, "load@1=120")
+    reads that checkpoint; the third start loads it and finishes. The first start pauses 1 s after each step: its
+    40 steps take about half a second on a quiet machine, less than a loaded one may need to preempt it (it
+    would then finish instead of being preempted)."""
+    job, run, marks = _submit_paused(stdlib_data, tmp_path, "step@0=1,load@1=120")
     _wait(lambda: [e for e in _ev(run, "checkpoint") if e["step"] >= 10], 600, "a committed checkpoint")
     _preempt("-N2", "--ntasks-per-node=8")
     _wait(lambda: _ev(run, "requeue", 0), 600, "the first requeue")
