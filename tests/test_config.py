@@ -63,7 +63,8 @@ def test_big_model_presets_validate_on_a_slurm_cluster(model: str) -> None:
         (["parallel.recompute=sometimes"], "parallel.recompute", ["none, selective or full"]),
         (["checkpoint.keep_last=0"], "checkpoint.keep_last", ["at least 1"]),
         (["data.val_fraction=0.9"], "data.val_fraction", ["(0, 0.5)"]),
-        (["train.warmup_steps=500"], "train.warmup_steps", ["max_steps"]),
+        (["train.warmup_steps=500"], "train.warmup_steps", ["max_steps", "train.warmup_frac"]),
+        (["train.warmup_frac=1.5"], "train.warmup_frac", ["[0, 1)", "0.2"]),
     ],
 )
 def test_bad_config_names_field_value_and_fix(overrides: list[str], field: str, words: list[str]) -> None:

@@ -212,6 +212,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     # train: what is trained -> identity; the schedule; how the loop runs
     **{f"train.{k}": (v, identity, []) for k, v in {
         "seed": 7, "max_steps": 400, "global_batch": 64, "lr": 1e-3, "min_lr_ratio": 0.5, "warmup_steps": 5,
+        "warmup_frac": 0.25,
         "weight_decay": 0.0, "beta1": 0.8, "beta2": 0.99, "grad_clip": 0.5, "precision": "bf16"}.items()},
     "train.name": ("other", identity, []),
     "train.runs_root": ("elsewhere", identity, []),
@@ -414,5 +415,20 @@ def test_non_finite_floats_are_refused_with_the_field_named(key: str, bad: str) 
 def test_lr_schedule_observer_sees_the_schedule_fields() -> None:
     """The schedule fields also reach the learning rate itself (not only the run identity)."""
     base = _load([])
-    for over in ("train.lr=1e-3", "train.min_lr_ratio=0.5", "train.warmup_steps=5", "train.max_steps=400"):
+    for over in ("train.lr=1e-3", "train.min_lr_ratio=0.5", "train.warmup_steps=5", "train.max_steps=400",
+                 "train.warmup_frac=0.25"):
         assert lr_schedule(_load([over])) != lr_schedule(base), over
+
+
+def test_warmup_frac_is_a_share_of_each_runs_steps() -> None:
+    """``train.warmup_frac`` replaces ``train.warmup_steps``: the LR peaks at the same share of every run, and
+    a warm-up longer than the run is no error then (the fraction decides)."""
+    from xirang_hpc.runtime.schedule import lr_at
+
+    for steps in (40, 400):
+        t = _load(["train.warmup_frac=0.25", f"train.max_steps={steps}", "train.warmup_steps=300"]).train
+        assert t.warmup == steps // 4
+        lrs = [lr_at(s, t) for s in range(steps)]
+        assert max(range(steps), key=lrs.__getitem__) == steps // 4 - 1 and lrs[steps // 4 - 1] == t.lr
+        assert all(a < b for a, b in zip(lrs[: steps // 4 - 1], lrs[1: steps // 4]))
+    assert _load([]).train.warmup == 20  # unset: train.warmup_steps

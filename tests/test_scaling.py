@@ -369,7 +369,14 @@ def test_sweep_commands_compose_and_cover_the_isoflop_grid() -> None:
         cfg = load_config(compose_cfg([*args, f"train.max_steps={steps[0]}"]))
         d = int(steps[1]) * cfg.train.global_batch * cfg.model.seq_len
         assert 6 * model_params(cfg.model) * d == pytest.approx(3e12, rel=0.05)
+        for s in steps:  # every run warms up over a fifth of its own steps
+            assert load_config(compose_cfg([*args, f"train.max_steps={s}"])).train.warmup == round(0.2 * int(s))
     assert shlex.join(cmds[0]).startswith("xirang-train -m train.name=scaling ")
+    # A fixed warm-up the user gave is left out (it would be a different share of each run); a fraction is kept.
+    own = sweep_commands(typed_config(compose_cfg()), ["train.warmup_steps=50"], budgets=(1e12,), sizes=(1e5,))[0]
+    assert "train.warmup_frac=0.2" in own and not any(a.startswith("train.warmup_steps") for a in own)
+    own = sweep_commands(typed_config(compose_cfg()), ["train.warmup_frac=0.1"], budgets=(1e12,), sizes=(1e5,))[0]
+    assert [a for a in own if a.startswith("train.warmup_frac")] == ["train.warmup_frac=0.1"]
 
 
 # ---- the docs' commands, as written -------------------------------------------------------------------

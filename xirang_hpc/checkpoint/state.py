@@ -239,7 +239,7 @@ def run_state_json(trainer: Loop, lr: float, history: MetricsHistory | None = No
         "data_position": {"seed": trainer.cfg.train.seed, "next_step": s.step,
                           "global_batch": trainer.cfg.train.global_batch},
         "lr_schedule": {"kind": "warmup_cosine", "lr_at_step": lr, "lr": trainer.cfg.train.lr,
-                        "warmup_steps": trainer.cfg.train.warmup_steps, "max_steps": trainer.cfg.train.max_steps,
+                        "warmup_steps": trainer.cfg.train.warmup, "max_steps": trainer.cfg.train.max_steps,
                         "min_lr_ratio": trainer.cfg.train.min_lr_ratio},
         "config": dataclasses.asdict(trainer.cfg),
         "metrics": metrics,

@@ -173,11 +173,12 @@ def validate(cfg: XirangConfig) -> XirangConfig:
             f"must be divisible by dp*train.grad_accum*parallel.microbatches={dp}*{t.grad_accum}*{p.microbatches}"
             f"={per_step}; use a multiple of {per_step} or change train.grad_accum / parallel.microbatches",
         )
-    if t.warmup_steps > t.max_steps:
+    if not t.warmup_frac and t.warmup_steps > t.max_steps:
         raise ConfigError(
             "train.warmup_steps",
             t.warmup_steps,
-            f"must not exceed train.max_steps={t.max_steps}; lower train.warmup_steps",
+            f"must not exceed train.max_steps={t.max_steps}; lower train.warmup_steps (or set train.warmup_frac, "
+            "a fraction of the steps)",
         )
     if m.moe_experts and p.pp > 1 and m.moe_balance == "aux_loss":
         raise ConfigError("model.moe_balance", m.moe_balance, "the auxiliary load-balancing loss pools every MoE "

@@ -13,8 +13,9 @@ def lr_at(step: int, t: TrainConfig) -> float:
     Steps past ``max_steps`` (a run extended with ``train.extend_to``) stay at the final, minimum LR:
     the schedule the run was trained under is not re-stretched, so no LR jump follows the resume.
     """
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.max_steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
+    warmup = t.warmup  # train.warmup_steps, or train.warmup_frac of max_steps
+    if step < warmup:
+        return t.lr * (step + 1) / warmup
+    span = max(1, t.max_steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))

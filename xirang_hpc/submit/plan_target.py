@@ -169,8 +169,9 @@ def _tokens_for(cfg: XirangConfig, law: ScalingLaw, n: float, d_opt: float) -> f
 
 
 def _configured(cfg: XirangConfig, model: ModelConfig, nodes: int, batch: int, steps: int, lr: float) -> XirangConfig:
-    # The configured warmup when it is a small part of the run, else a tenth of the steps.
-    warmup = cfg.train.warmup_steps if steps > 10 * cfg.train.warmup_steps else steps // 10
+    # The configured warmup when it is a small part of the run (or a fraction of it), else a tenth of the steps.
+    ws = cfg.train.warmup_steps
+    warmup = ws if cfg.train.warmup_frac or steps > 10 * ws else steps // 10
     train = dataclasses.replace(cfg.train, global_batch=batch, max_steps=steps, lr=lr, warmup_steps=warmup,
                                 grad_accum=1)
     return dataclasses.replace(cfg, model=model, train=train, cluster=dataclasses.replace(cfg.cluster, nodes=nodes),
@@ -408,15 +409,20 @@ def sweep_commands(cfg: XirangConfig, overrides: Sequence[str] = (),
     """The IsoFLOP sweep as ``xirang-train -m`` commands, one per model size, each a Hydra multirun (one array
     job on Slurm) over the step counts of the budgets: ``budgets`` x ``sizes`` runs (default
     :data:`~xirang_hpc.planner.scaling.SWEEP_BUDGETS` x :data:`~xirang_hpc.planner.scaling.SWEEP_SIZES`), on
-    the configured data, tokenizer, batch and model style. Every run evaluates at its last step."""
-    from xirang_hpc.planner.scaling import SWEEP_BUDGETS, SWEEP_SIZES, isoflop_grid
+    the configured data, tokenizer, batch and model style. Every run evaluates at its last step and warms up
+    over :data:`~xirang_hpc.planner.scaling.SWEEP_WARMUP_FRAC` of its steps (the user's ``train.warmup_frac``
+    when given; a fixed ``train.warmup_steps`` is left out: it would be a different share of each run)."""
+    from xirang_hpc.planner.scaling import SWEEP_BUDGETS, SWEEP_SIZES, SWEEP_WARMUP_FRAC, isoflop_grid
 
     budgets = tuple(budgets or SWEEP_BUDGETS)
     sizes = tuple(sizes or SWEEP_SIZES)
     template = _template(cfg)
     batch, seq = cfg.train.global_batch, template.seq_len
     keep = [o for o in overrides if not o.partition("=")[0].lstrip("+~").startswith(("target", "model.", "train.name",
-                                                                                      "train.max_steps"))]
+                                                                                      "train.max_steps",
+                                                                                      "train.warmup_steps"))]
+    if not any(o.partition("=")[0].lstrip("+~") == "train.warmup_frac" for o in keep):
+        keep.append(f"train.warmup_frac={SWEEP_WARMUP_FRAC}")
     out = []
     grid = isoflop_grid(budgets, len(sizes), min(sizes), max(sizes))
     for n in sorted({round(r[1]) for r in grid}):

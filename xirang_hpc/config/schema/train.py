@@ -40,6 +40,9 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
+    # The warm-up as a fraction of max_steps (0 < f < 1); when set it replaces warmup_steps, so one multirun over
+    # train.max_steps (a scaling sweep) keeps every run's warm-up in the same proportion. 0: use warmup_steps.
+    warmup_frac: float = 0.0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -101,6 +104,9 @@ class TrainConfig:
                               "train.loggers=[jsonl,tensorboard]")
         if self.warmup_steps < 0:
             raise ConfigError("train.warmup_steps", self.warmup_steps, "use 0 or more")
+        if not 0 <= self.warmup_frac < 1:
+            raise ConfigError("train.warmup_frac", self.warmup_frac,
+                              "use a fraction of train.max_steps in [0, 1), e.g. 0.2; 0 uses train.warmup_steps")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("train.min_lr_ratio", self.min_lr_ratio, "use a ratio in [0, 1]")
         if self.loss_chunk_tokens < 0:
@@ -118,6 +124,11 @@ class TrainConfig:
         if self.extend_to and self.extend_to <= self.max_steps:
             raise ConfigError("train.extend_to", self.extend_to,
                               f"must exceed train.max_steps={self.max_steps} (or be 0: no extension)")
+
+    @property
+    def warmup(self) -> int:
+        """The warm-up in steps: ``warmup_frac`` of ``max_steps`` (rounded) when set, else ``warmup_steps``."""
+        return round(self.warmup_frac * self.max_steps) if self.warmup_frac else self.warmup_steps
 
     @property
     def end_step(self) -> int:
