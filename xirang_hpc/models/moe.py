@@ -185,17 +185,21 @@ class MoE(nn.Module):
             self.tokens_per_expert.copy_(counts)
             if counting:
                 self.load_since_update.add_(counts)
-        xs = x2[token]  # (N*k, d), expert 0's slots first, then expert 1's, ...
+        # index_select, not x2[token]: its backward is one index_add_, where indexing's is an accumulating
+        # index_put_ (several times slower on CPU).
+        xs = x2.index_select(0, token)  # (N*k, d), expert 0's slots first, then expert 1's, ...
         if self.ep_group is None:
             # One host sync for the split sizes; then each expert runs on one contiguous slice.
             ys = self._experts(xs, counts.tolist(), skip_empty=True)  # (N*k, d)
         else:
             ys = self._dispatch_and_combine(xs, counts)  # (N*k, d), the same slots, computed by their experts' ranks
-        ys = ys * w.reshape(-1)[order].unsqueeze(-1)  # (N*k, d), weighted as Hugging Face: after down
-        # (B, T, d), each token's k expert outputs summed in place through its (N, d) view: the block returns
-        # a tensor of its own, not a view, on which FSDP2 (experts sharded over edp) hooks its backward.
-        out = torch.zeros_like(x)
-        out.view(-1, shape[-1]).index_add_(0, token, ys)
+        # Back to slot order through the inverse permutation (a gather, whose backward is a gather too: no
+        # scatter-add of rows), then each token's k outputs weighted as Hugging Face (after down) and summed.
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        y = ys.index_select(0, inv).view(*shape[:-1], k, shape[-1])  # (B, T, k, d)
+        # (B, T, d): a tensor of its own, not a view, on which FSDP2 (experts sharded over edp) hooks its backward.
+        out = (y * w.view(*shape[:-1], k, 1)).sum(dim=-2)
         if self.shared is not None:
             out = out + self.shared(x2).view(shape)
         return out  # (B, T, d)
