@@ -4,8 +4,9 @@ Both blocks hold the same weights (ours copied from transformers'), run in this 
 same torch threads, fp32 on CPU, on the same random input; one iteration is forward, a sum-of-squares
 loss and backward (input and all weights get gradients). Outputs are checked equal first.
 
-- ours: one argsort of the flat top-k expert ids groups the (token, choice) slots by expert, each
-  expert runs on its contiguous slice, one index_add scatters the weighted outputs back;
+- ours: one argsort of the flat top-k expert ids groups the (token, choice) slots by expert; each
+  expert gathers its slots' rows (index_select) and adds its weighted output into the result (index_add_;
+  a token picks an expert once, so no row is added twice in one call);
 - transformers: a one-hot expert mask and, per hit expert, a ``torch.where`` over it, a gather
   and an index_add (its default "eager" experts implementation).
 
@@ -48,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from xirang_hpc.config.schema import ClusterConfig, ModelConfig, ParallelConfig, TrainConfig, XirangConfig
@@ -100,16 +102,19 @@ def _time(block: torch.nn.Module, x: torch.Tensor, repeats: int, warmup: int = 2
 
 
 def _floor(ours: MoE, x: torch.Tensor, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of forward+backward of the expert GEMMs alone: ``ours``'s experts on input already grouped
-    by expert, each expert's slot count as the router chose on ``x`` (see the module docstring)."""
+    """Median seconds of forward+backward of the expert GEMMs alone: ``ours``'s experts, each on its own input of
+    the slot count the router chose on ``x``, nothing gathered, concatenated or combined (module docstring)."""
     with torch.no_grad():
         _, _, idx = ours.route(x.reshape(-1, x.shape[-1]))
     sizes = torch.bincount(idx.reshape(-1), minlength=ours.num_experts).tolist()
     times = []
     for i in range(warmup + repeats):
-        xs = torch.randn(sum(sizes), x.shape[-1], requires_grad=True)
+        xs = [torch.randn(n, x.shape[-1], requires_grad=True) for n in sizes]
         t0 = time.perf_counter()
-        ours._experts(xs, sizes, skip_empty=True).pow(2).sum().backward()
+        w1, w3, w2 = ours.w1.unbind(0), ours.w3.unbind(0), ours.w2.unbind(0)
+        loss = sum(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]).pow(2).sum()
+                   for e, xe in enumerate(xs))
+        loss.backward()  # type: ignore[union-attr]
         dt = time.perf_counter() - t0
         ours.zero_grad(set_to_none=True)
         if i >= warmup:

@@ -185,24 +185,41 @@ class MoE(nn.Module):
             self.tokens_per_expert.copy_(counts)
             if counting:
                 self.load_since_update.add_(counts)
-        # index_select, not x2[token]: its backward is one index_add_, where indexing's is an accumulating
-        # index_put_ (several times slower on CPU).
-        xs = x2.index_select(0, token)  # (N*k, d), expert 0's slots first, then expert 1's, ...
+        ws = w.reshape(-1).index_select(0, order)  # (N*k,) each sorted slot's routing weight
+        # (N, d): each token's k weighted expert outputs added in place into a tensor of its own (in-place adds
+        # through a view would each copy the whole gradient in backward).
+        out = torch.zeros_like(x2)
         if self.ep_group is None:
-            # One host sync for the split sizes; then each expert runs on one contiguous slice.
-            ys = self._experts(xs, counts.tolist(), skip_empty=True)  # (N*k, d)
+            self._local_experts(x2, token, ws, counts.tolist(), out)
         else:
+            # index_select, not x2[token]: its backward is one index_add_, where indexing's is an accumulating
+            # index_put_ (several times slower on CPU).
+            xs = x2.index_select(0, token)  # (N*k, d), expert 0's slots first, then expert 1's, ...
             ys = self._dispatch_and_combine(xs, counts)  # (N*k, d), the same slots, computed by their experts' ranks
-        # Back to slot order through the inverse permutation (a gather, whose backward is a gather too: no
-        # scatter-add of rows), then each token's k outputs weighted as Hugging Face (after down) and summed.
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=order.device)
-        y = ys.index_select(0, inv).view(*shape[:-1], k, shape[-1])  # (B, T, k, d)
-        # (B, T, d): a tensor of its own, not a view, on which FSDP2 (experts sharded over edp) hooks its backward.
-        out = (y * w.view(*shape[:-1], k, 1)).sum(dim=-2)
+            out.index_add_(0, token, ys * ws.unsqueeze(-1))  # weighted as HF: after down
+        # (B, T, d). The block returns a tensor of its own, not a view, on which FSDP2 (experts sharded over edp)
+        # hooks its backward: the shared expert's sum is one, else a copy (N x d, small beside the experts).
         if self.shared is not None:
-            out = out + self.shared(x2).view(shape)
-        return out  # (B, T, d)
+            return out.view(shape) + self.shared(x2).view(shape)
+        return out.view(shape).clone()
+
+    def _local_experts(self, x2: torch.Tensor, token: torch.Tensor, ws: torch.Tensor, sizes: list[int],
+                       out: torch.Tensor) -> None:
+        """Every expert here (no expert parallelism): adds each token's k weighted expert outputs into ``out`` (N, d).
+
+        x2 (N, d) the tokens; ``token``/``ws`` (N*k,) the sorted slots' source tokens and routing weights,
+        ``sizes[e]`` of them expert e's. Each expert gathers its own rows and adds its weighted output straight
+        into ``out`` (a token picks an expert once, so no row is added twice in one call): no (N*k, d)
+        concatenation of the outputs and no permutation back to the tokens' order, which on CPU cost as much as
+        the dispatch itself (bench_moe: 8 experts top-8, 0.20 s -> 0.16 s a forward+backward).
+        """
+        w1, w3, w2 = (_local(t).unbind(0) for t in (self.w1, self.w3, self.w2))  # E x (ffn, d), (ffn, d), (d, ffn)
+        for e, (te, we) in enumerate(zip(torch.split(token, sizes), torch.split(ws, sizes), strict=True)):
+            if te.numel() == 0:
+                continue
+            xe = x2.index_select(0, te)  # (n_e, d)
+            h = F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e])  # (n_e, ffn)
+            out.index_add_(0, te, F.linear(h, w2[e]) * we.unsqueeze(-1))  # weighted as HF: after down
 
     def _experts(self, xs: torch.Tensor, sizes: list[int], skip_empty: bool) -> torch.Tensor:
         """Run the experts held here on contiguous slices: xs (sum(sizes), d) -> (sum(sizes), d).
