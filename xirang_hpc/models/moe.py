@@ -186,47 +186,35 @@ class MoE(nn.Module):
             if counting:
                 self.load_since_update.add_(counts)
         ws = w.reshape(-1).index_select(0, order)  # (N*k,) each sorted slot's routing weight
-        # (N, d): each token's k weighted expert outputs added in place into a tensor of its own (in-place adds
-        # through a view would each copy the whole gradient in backward).
-        out = torch.zeros_like(x2)
+        # index_select, not x2[token]: its backward is one index_add_, where indexing's is an accumulating
+        # index_put_ (several times slower on CPU). One gather for all experts: one gradient for x2 in backward.
+        xs = x2.index_select(0, token)  # (N*k, d), expert 0's slots first, then expert 1's, ...
+        sizes = counts.tolist()  # one host sync for the split sizes
         if self.ep_group is None:
-            self._local_experts(x2, token, ws, counts.tolist(), out)
+            ys = self._experts(xs, sizes, skip_empty=True)  # E x (n_e, d)
         else:
-            # index_select, not x2[token]: its backward is one index_add_, where indexing's is an accumulating
-            # index_put_ (several times slower on CPU).
-            xs = x2.index_select(0, token)  # (N*k, d), expert 0's slots first, then expert 1's, ...
-            ys = self._dispatch_and_combine(xs, counts)  # (N*k, d), the same slots, computed by their experts' ranks
-            out.index_add_(0, token, ys * ws.unsqueeze(-1))  # weighted as HF: after down
+            # (N*k, d): the same slots, computed by their experts' ranks
+            ys = torch.split(self._dispatch_and_combine(xs, counts), sizes)
+        # (N, d): each expert's weighted outputs (as Hugging Face: after down) added into a tensor of its own, in
+        # place, one expert at a time (a token picks an expert once: no row added twice in one call), so the
+        # outputs are never concatenated nor permuted back to the tokens' order.
+        out = torch.zeros_like(x2)
+        for ye, te, we in zip(ys, torch.split(token, sizes), torch.split(ws, sizes), strict=True):
+            if te.numel():
+                out.index_add_(0, te, ye * we.unsqueeze(-1))
         # (B, T, d). The block returns a tensor of its own, not a view, on which FSDP2 (experts sharded over edp)
         # hooks its backward: the shared expert's sum is one, else a copy (N x d, small beside the experts).
         if self.shared is not None:
             return out.view(shape) + self.shared(x2).view(shape)
         return out.view(shape).clone()
 
-    def _local_experts(self, x2: torch.Tensor, token: torch.Tensor, ws: torch.Tensor, sizes: list[int],
-                       out: torch.Tensor) -> None:
-        """Every expert here (no expert parallelism): adds each token's k weighted expert outputs into ``out`` (N, d).
-
-        x2 (N, d) the tokens; ``token``/``ws`` (N*k,) the sorted slots' source tokens and routing weights,
-        ``sizes[e]`` of them expert e's. Each expert gathers its own rows and adds its weighted output straight
-        into ``out`` (a token picks an expert once, so no row is added twice in one call): no (N*k, d)
-        concatenation of the outputs and no permutation back to the tokens' order, which on CPU cost as much as
-        the dispatch itself (bench_moe: 8 experts top-8, 0.20 s -> 0.16 s a forward+backward).
-        """
-        w1, w3, w2 = (_local(t).unbind(0) for t in (self.w1, self.w3, self.w2))  # E x (ffn, d), (ffn, d), (d, ffn)
-        for e, (te, we) in enumerate(zip(torch.split(token, sizes), torch.split(ws, sizes), strict=True)):
-            if te.numel() == 0:
-                continue
-            xe = x2.index_select(0, te)  # (n_e, d)
-            h = F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e])  # (n_e, ffn)
-            out.index_add_(0, te, F.linear(h, w2[e]) * we.unsqueeze(-1))  # weighted as HF: after down
-
-    def _experts(self, xs: torch.Tensor, sizes: list[int], skip_empty: bool) -> torch.Tensor:
-        """Run the experts held here on contiguous slices: xs (sum(sizes), d) -> (sum(sizes), d).
+    def _experts(self, xs: torch.Tensor, sizes: list[int], skip_empty: bool) -> list[torch.Tensor]:
+        """Run the experts held here on contiguous slices: xs (sum(sizes), d) -> one (n_e, d) output per expert.
 
         ``sizes[e]`` rows of ``xs`` belong to this rank's e-th expert, in order. ``skip_empty=False`` runs
         an expert on zero rows too, so the output always depends on every local weight: under expert
         parallelism a rank that received no tokens must still run the backward's all-to-alls.
+        A skipped expert's output is its empty (0, d) input slice.
         """
         # unbind, not w1[e]: indexing a parameter E times makes E full-size (E, ffn, d) zero gradients in
         # backward; unbind's backward stacks the per-expert gradients once.
@@ -234,10 +222,11 @@ class MoE(nn.Module):
         outs = []
         for e, xe in enumerate(torch.split(xs, sizes)):  # xe: (n_e, d)
             if skip_empty and xe.shape[0] == 0:
+                outs.append(xe)
                 continue
             h = F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e])  # (n_e, ffn)
             outs.append(F.linear(h, w2[e]))  # (n_e, d)
-        return torch.cat(outs) if outs else xs[:0]
+        return outs
 
     def _dispatch_and_combine(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert parallelism: send each slot to the rank holding its expert, run, send the result back.
@@ -259,7 +248,7 @@ class MoE(nn.Module):
         by_expert = [s * local_e + j for j in range(local_e) for s in range(ep)]  # chunk order (expert, source)
         chunks = torch.split(xr, sizes)
         xe = torch.cat([chunks[i] for i in by_expert])  # (sum(recv), d), each local expert's rows contiguous
-        ye = self._experts(xe, recv.sum(0).tolist(), skip_empty=False)  # (sum(recv), d)
+        ye = torch.cat(self._experts(xe, recv.sum(0).tolist(), skip_empty=False))  # (sum(recv), d)
         ychunks = torch.split(ye, [sizes[i] for i in by_expert])
         # back to (source, expert) order: chunk (s, j) sits at position j*ep + s of the expert-major list
         yr = torch.cat([ychunks[j * ep + s] for s in range(ep) for j in range(local_e)])  # (sum(recv), d)
