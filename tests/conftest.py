@@ -196,10 +196,43 @@ def compose_cfg(overrides: list[str] | None = None) -> DictConfig:
     copy, so a test that changes its config changes nobody else's."""
     key = tuple(overrides or ())
     if key not in _COMPOSED:
-        register_configs()
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            _COMPOSED[key] = compose(config_name="config", overrides=list(key))
+        _COMPOSED[key] = _values_over_base(key)
+        if _COMPOSED[key] is None:
+            register_configs()
+            with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+                _COMPOSED[key] = compose(config_name="config", overrides=list(key))
     return copy.deepcopy(_COMPOSED[key])
+
+
+def _values_over_base(overrides: tuple[str, ...]) -> DictConfig | None:
+    """``overrides`` applied to the composed defaults, when each only sets an existing value (``train.lr=1e-3``,
+    ``train.loggers=[jsonl,mlflow]``): what Hydra's compose gives for them (it applies value overrides after
+    the defaults, each parsed by the same parser), without re-reading every YAML group. None for anything else
+    (a group choice, ``+``/``~``, a sweep, a dict, a key or value the schema refuses): then Hydra composes, and
+    refuses as it does."""
+    if not overrides:
+        return None
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:
+        return None
+    base = compose_cfg()
+    missing = object()
+    for o in parsed:
+        if (o.is_add() or o.is_delete() or o.is_force_add() or o.is_sweep_override() or o.package is not None
+                or "." not in o.key_or_group or OmegaConf.select(base, o.key_or_group, default=missing) is missing):
+            return None
+        value = o.value()
+        if isinstance(value, dict) or isinstance(OmegaConf.select(base, o.key_or_group), DictConfig):
+            return None
+        try:
+            OmegaConf.update(base, o.key_or_group, value, merge=False)
+        except Exception:
+            return None
+    return base
 
 
 @pytest.fixture

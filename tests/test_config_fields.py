@@ -21,6 +21,7 @@ A new schema field without an entry fails ``test_every_field_is_covered``.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import importlib
 import inspect
@@ -335,10 +336,17 @@ def _value(v: Any) -> str:
     return str(v)
 
 
-def _load(overrides: list[str]) -> XirangConfig:
-    cfg = load_config(compose_cfg(overrides))
+@cache
+def _loaded(overrides: tuple[str, ...]) -> XirangConfig:
+    cfg = load_config(compose_cfg(list(overrides)))
     check_runnable(cfg)
     return cfg
+
+
+def _load(overrides: list[str]) -> XirangConfig:
+    """The validated config of ``overrides``, loaded once per test process (most tests share the same base);
+    each call gets its own copy. A refused one raises again on every call (exceptions are not cached)."""
+    return copy.deepcopy(_loaded(tuple(overrides)))
 
 
 @cache
