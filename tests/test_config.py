@@ -100,3 +100,33 @@ def test_cli_prints_composed_config(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     for key in ("model:", "cluster:", "parallel:", "train:", "checkpoint:", "requeue:", "data:", "name: tiny"):
         assert key in r.stdout
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.lr=1e-3"], ["train.loggers=[jsonl,tensorboard]"], ["train.wait=true"], ["train.mlflow_uri=file:/tmp/m"],
+    ["checkpoint.pinned=[5]"], ["model.n_layer=6", "train.seed=7"],
+    ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    ["train.wait=null"], ["model.moe_experts=4", "model.mlp=swiglu"], ["serve.duration_s=1.5"],
+])
+def test_value_overrides_on_the_composed_defaults_equal_hydras_compose(overrides: list[str]) -> None:
+    """The tests' shortcut for value-only overrides (conftest._values_over_base) gives what Hydra composes."""
+    from conftest import CONF_DIR, _values_over_base
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from xirang_hpc.submit.hydra_setup import register_configs
+
+    fast = _values_over_base(tuple(overrides))
+    assert fast is not None, "not a value-only override list"
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        ref = compose(config_name="config", overrides=overrides)
+    assert OmegaConf.to_yaml(fast) == OmegaConf.to_yaml(ref)
+
+
+@pytest.mark.parametrize("overrides", [["model=tiny"], ["+train.stepz=3"], ["~train.seed"], ["train.lr=1e-3,2e-3"],
+                                       ["train.stepz=3"], ["train.lr=abc"]])
+def test_group_choices_additions_sweeps_and_bad_values_are_left_to_hydra(overrides: list[str]) -> None:
+    from conftest import _values_over_base
+
+    assert _values_over_base(tuple(overrides)) is None
