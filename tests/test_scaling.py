@@ -177,6 +177,13 @@ def _law(row: np.ndarray) -> tuple[float, ...]:
     return (math.exp(e), math.exp(a), math.exp(b), al, be)
 
 
+def test_the_fit_does_not_depend_on_the_order_the_runs_were_found_in() -> None:
+    pts = synthetic(noise=0.003)
+    a = fit(pts, bootstrap=20, starts=COARSE, seed=3)
+    b = fit(list(reversed(pts)), bootstrap=20, starts=COARSE, seed=3)
+    assert (a.E, a.A, a.B, a.alpha, a.beta) == (b.E, b.A, b.B, b.alpha, b.beta) and a.samples == b.samples
+
+
 def test_fit_recovers_a_known_law_and_its_interval_covers_the_truth() -> None:
     law = fit(synthetic(noise=0.003), bootstrap=40, starts=COARSE, seed=3)
     for name in ("alpha", "beta"):

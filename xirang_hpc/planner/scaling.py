@@ -393,6 +393,10 @@ def fit(points: Sequence[Point], bootstrap: int = 200, seed: int = 0, starts: np
     them; starting each resample from the whole grid costs 4500x more for the same answer).
     """
     check_points(points)
+    # In one order, whatever order the runs were found in (run directories sort by their hash): the summed
+    # objective's rounding and the bootstrap's resamples follow the order, and on points that barely
+    # determine the law that alone could decide between a fit and a refusal.
+    points = sorted(points, key=lambda p: (p.params, p.tokens, p.loss))
     log_n = np.log([p.params for p in points])
     log_d = np.log([p.tokens for p in points])
     log_l = np.log([p.loss for p in points])
