@@ -570,8 +570,8 @@ def model_shape(n_params: float, template: ModelConfig, name: str = "") -> Model
 SWEEP_BUDGETS = (3e11, 1e12, 3e12)
 SWEEP_SIZES = (1e5, 2e5, 4e5, 8e5)
 # Each sweep run warms up over this fraction of its steps (``train.warmup_frac``): a fixed warm-up is most of
-# the shortest runs and little of the longest, which bends the fitted exponents (a fixed 20 steps made the
-# default sweep's fit refuse to extrapolate; a fifth of each run's steps predicted a 4x larger run within 1.2%).
+# the shortest runs and little of the longest, which bends the fitted exponents (with a fixed 20 steps the default
+# sweep's larger models came out worse than its smaller ones at equal tokens).
 SWEEP_WARMUP_FRAC = 0.2
 
 
