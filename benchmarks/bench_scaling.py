@@ -2,6 +2,9 @@
 
     python benchmarks/bench_scaling.py            # everything (full-grid fit with 200 bootstrap refits)
     python benchmarks/bench_scaling.py --quick    # table check, one fit with 20 refits, one timing each
+    python benchmarks/bench_scaling.py --runs RUNS_ROOT --sweep NAME --heldout RUN_DIR [RUN_DIR ...]
+        # the fit of a real sweep's finished runs (as xirang-plan --fit-scaling fits them), and its prediction of
+        # each held-out run (a larger model trained for real) against the run's measured final validation loss
 
 1. Table check: the compute-optimal N and D of the default law at each FLOP budget of Hoffmann et al.'s
    Table 3, against Table 3's N and D. The default splits compute as their Approach 1 (Table 2: both
@@ -80,6 +83,30 @@ def fit_check(quick: bool) -> None:
           f"error {100 * (law.loss(n, d) / truth.loss(n, d) - 1):+.2f}%")
 
 
+def real_check(root: Path, sweep: str, heldout: list[Path]) -> None:
+    """Fit the sweep's runs as ``xirang-plan --fit-scaling`` does and predict each held-out run."""
+    from xirang_hpc.runs.scaling import run_point, sweep_runs
+
+    runs = sweep_runs(root, sweep)
+    if runs.failed or runs.unfinished or not runs.points:
+        raise SystemExit(f"sweep {sweep!r} under {root}: {len(runs.points)} finished, {len(runs.failed)} failed, "
+                         f"{len(runs.unfinished)} unfinished")
+    t0 = time.perf_counter()
+    law = fit(runs.points, bootstrap=200)
+    print(f"4. fit of {len(runs.points)} real runs ({time.perf_counter() - t0:.1f} s): {law.describe()}")
+    largest = max(p.params for p in runs.points)
+    for d in heldout:
+        got = run_point(d)
+        if isinstance(got, str):
+            raise SystemExit(f"held-out run {d}: {got}")
+        pred = law.loss(got.params, got.tokens)
+        iv = law.spread(lambda lw, g=got: lw.loss(g.params, g.tokens))
+        span = f"95% interval {iv[0]:.4f} to {iv[1]:.4f}" if iv else "no interval"
+        print(f"   held-out {d.name}: N={got.params:,.0f} ({got.params / largest:.2f}x the largest fitted) "
+              f"D={got.tokens:,.0f}: predicted {pred:.4f} ({span}), measured {got.loss:.4f}, error "
+              f"{100 * (pred / got.loss - 1):+.2f}%")
+
+
 def _wall(args: list[str], reps: int) -> float:
     exe = Path(sys.executable).parent / "xirang-plan"
     best = float("inf")
@@ -104,7 +131,13 @@ def answer_time(quick: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one fit with 20 refits, one timing each")
+    ap.add_argument("--runs", type=Path, help="runs root of a finished sweep: fit it and predict --heldout")
+    ap.add_argument("--sweep", default="scaling", help="the sweep's train.name (its run directories' prefix)")
+    ap.add_argument("--heldout", type=Path, nargs="*", default=[], help="run directories of larger models")
     opts = ap.parse_args()
+    if opts.runs:
+        real_check(opts.runs, opts.sweep, opts.heldout)
+        return
     table_check()
     fit_check(opts.quick)
     answer_time(opts.quick)

@@ -17,6 +17,14 @@ a bootstrap over the points (resampled with replacement, each resample refitted)
 dependency: the L-BFGS here is numpy's, batched over all starts at once (one array operation per
 step for the whole grid), so a full fit takes about a second.
 
+Small sweeps often do not determine all five coefficients: where the loss barely falls with model size
+at a fixed token count, A and alpha trade off without bound (the fit runs off to coefficients beyond a
+float, or most bootstrap refits do). Such a fit is then refitted with one exponent, alpha = beta, four
+coefficients, and the law says so. The constraint is the compute-optimal allocation Hoffmann et al. found
+with their Approaches 1 and 2 (Table 2: N_opt and D_opt both ~ C^0.50, which eq. (4) gives exactly when
+alpha = beta), and Besiroglu et al.'s refit of their data is close to it (alpha 0.348, beta 0.366); the
+data term, which a sweep does determine, then fixes the exponent and the size term keeps only A.
+
 Compute: C = 6 N D FLOPs (Kaplan et al. 2020, Sec. 2.1; Hoffmann et al. use the same approximation).
 Minimising L at fixed C gives (Hoffmann et al., eq. (4))
 
@@ -61,6 +69,9 @@ HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, Sec. 3.3
 FIT_FILE = "scaling_fit.json"  # beside the data's index.json
 MIN_POINTS = 8  # 5 parameters: fewer points than this and the bootstrap intervals mean little
 MIN_DISTINCT = 3  # distinct model sizes and distinct token counts: each exponent needs a trend of its own
+# An exponent's 95% bootstrap interval may span at most this factor (hi/lo) for the fit to count as determined: a
+# 20-point sweep with 1% noise spans 1.7; sweeps that do not determine the size term span 10 and more.
+MAX_EXPONENT_SPREAD = 3.0
 CHINCHILLA_SOURCE = ("Hoffmann et al., 'Training Compute-Optimal Large Language Models', NeurIPS 2022 "
                      "(arXiv:2203.15556), Sec. 3.3, eq. (10): E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28; "
                      "compute-optimal split of Approach 1, 20 tokens per parameter")
@@ -69,6 +80,11 @@ _PARAMS = ("E", "A", "B", "alpha", "beta")
 
 class ScalingError(ValueError):
     """A fit that cannot be trusted, or a target the law cannot reach; the message says why and what to do."""
+
+
+class UndeterminedFit(ScalingError):
+    """The runs do not pin the five coefficients down (they run off beyond a float): :func:`fit` then ties the
+    exponents, unless asked for the free fit."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,8 @@ class ScalingLaw:
     # A published compute-optimal split used instead of the law's own minimum: D_opt = tokens_per_param x N_opt
     # with C = 6 N D (Hoffmann et al.'s Approach 1: both exponents 0.50). 0: the law's closed form, eq. (4).
     tokens_per_param: float = 0.0
+    # Fitted with one exponent (alpha = beta) because the runs did not determine both (see the module's notes).
+    tied: bool = False
 
     def loss(self, n: float, d: float) -> float:
         """Predicted loss of ``n`` parameters trained on ``d`` tokens.
@@ -171,7 +189,7 @@ class ScalingLaw:
 
     def sample_laws(self) -> list[ScalingLaw]:
         """One law per bootstrap sample (for intervals of derived quantities)."""
-        return [ScalingLaw(*row, tokens_per_param=self.tokens_per_param) for row in self.samples]
+        return [ScalingLaw(*row, tokens_per_param=self.tokens_per_param, tied=self.tied) for row in self.samples]
 
     def spread(self, fn: Any, level: float = 0.95) -> tuple[float, float] | None:
         """Bootstrap percentile interval of ``fn(law)`` over the samples (None without samples); samples
@@ -192,13 +210,16 @@ class ScalingLaw:
     def describe(self) -> str:
         """One line: the coefficients (with 95% intervals when fitted)."""
         parts = []
-        for name in _PARAMS:
+        for name in _PARAMS[:4] if self.tied else _PARAMS:
             v = getattr(self, name)
             iv = self.interval(name)
-            parts.append(f"{name}={v:.4g}" + (f" [{iv[0]:.4g}, {iv[1]:.4g}]" if iv else ""))
+            label = "alpha=beta" if self.tied and name == "alpha" else name
+            parts.append(f"{label}={v:.4g}" + (f" [{iv[0]:.4g}, {iv[1]:.4g}]" if iv else ""))
         split = (f"; compute-optimal split D = {self.tokens_per_param:g} N (Hoffmann et al. Approach 1)"
                  if self.tokens_per_param else "")
-        return "L(N,D) = E + A/N^alpha + B/D^beta with " + ", ".join(parts) + split
+        tied = ("; one exponent for both terms (the runs did not determine two; alpha = beta is Hoffmann et al.'s "
+                "Approaches 1-2 allocation, N_opt ~ C^0.5)" if self.tied else "")
+        return "L(N,D) = E + A/N^alpha + B/D^beta with " + ", ".join(parts) + split + tied
 
     def _below_e(self, target: float) -> str:
         iv = self.interval("E")
@@ -385,33 +406,63 @@ def check_points(points: Sequence[Point]) -> None:
 
 
 def fit(points: Sequence[Point], bootstrap: int = 200, seed: int = 0, starts: np.ndarray | None = None,
-        delta: float = HUBER_DELTA, source: str = "") -> ScalingLaw:
+        delta: float = HUBER_DELTA, source: str = "", exponents: str = "auto") -> ScalingLaw:
     """Fit L(N, D) to ``points`` as Hoffmann et al.'s Approach 3, with ``bootstrap`` resampled refits.
 
     ``starts``: rows (a, b, e, alpha, beta) to start L-BFGS from (default :func:`hoffmann_grid`). Each
     bootstrap refit starts from the best few optima of the full fit (a refit of resampled data lands near
     them; starting each resample from the whole grid costs 4500x more for the same answer).
+    ``exponents``: "free" (five coefficients; :class:`UndeterminedFit` where the runs do not pin them down),
+    "tied" (alpha = beta), or "auto": free, and tied where the free fit is undetermined (the law's
+    ``tied`` and :meth:`ScalingLaw.describe` say so).
     """
+    if exponents not in ("auto", "free", "tied"):
+        raise ValueError(f"exponents={exponents!r}: choose auto, free or tied")
     check_points(points)
     # In one order, whatever order the runs were found in (run directories sort by their hash): the summed
     # objective's rounding and the bootstrap's resamples follow the order, and on points that barely
     # determine the law that alone could decide between a fit and a refusal.
     points = sorted(points, key=lambda p: (p.params, p.tokens, p.loss))
+    if exponents != "tied":
+        try:
+            return _fit(points, bootstrap, seed, starts, delta, source, tied=False)
+        except UndeterminedFit:
+            if exponents == "free":
+                raise
+    return _fit(points, bootstrap, seed, starts, delta, source, tied=True)
+
+
+# Free coefficients -> the objective's five (a, b, e, alpha, beta): x5 = x @ map.T, and grad = grad5 @ map.
+_FREE = np.eye(5)
+_TIED = np.array([[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 1]], dtype=float)  # beta = alpha
+
+
+def _fit(points: list[Point], bootstrap: int, seed: int, starts: np.ndarray | None, delta: float, source: str,
+         tied: bool) -> ScalingLaw:
+    """:func:`fit` with the exponents free or tied; raises :class:`UndeterminedFit` where the law runs off."""
     log_n = np.log([p.params for p in points])
     log_d = np.log([p.tokens for p in points])
     log_l = np.log([p.loss for p in points])
+    lin = _TIED if tied else _FREE
     x0 = hoffmann_grid() if starts is None else np.asarray(starts, dtype=float)
+    if tied:  # the starts' distinct (a, b, e, alpha): beta dropped (900 of Hoffmann's 4500)
+        x0 = np.unique(x0[:, :4], axis=0)
 
     def fun_w(w: np.ndarray) -> Any:
-        return lambda x, rows: _objective(x, log_n, log_d, log_l, w[rows], delta)
+        def fun(x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            f, g = _objective(x @ lin.T, log_n, log_d, log_l, w[rows], delta)
+            return f, g @ lin
+        return fun
 
     xs, fs = lbfgs(fun_w(np.ones((x0.shape[0], log_n.size))), x0)
+    xs = xs @ lin.T  # (S, 5) from here on
     fs = np.where(np.isfinite(fs), fs, np.inf)
     best = xs[int(np.argmin(fs))]
     if not (best[3] > 1e-3 and best[4] > 1e-3):
         raise ScalingError(f"the fitted exponents are not positive (alpha={best[3]:.3g}, beta={best[4]:.3g}): the "
                            "runs show no power-law decrease to extrapolate; refusing. "
                            f"Points:\n{_points_table(points)}")
+    how = " with one exponent (alpha = beta)" if tied else ""
     samples: list[tuple[float, ...]] = []
     if bootstrap:
         # Warm starts: the distinct best optima of the full fit (rounded to tell them apart).
@@ -426,24 +477,37 @@ def fit(points: Sequence[Point], bootstrap: int = 200, seed: int = 0, starts: np
         rng = np.random.default_rng(seed)
         counts = rng.multinomial(len(points), [1.0 / len(points)] * len(points), size=bootstrap)  # (B, P)
         w = np.repeat(counts.astype(float), k, axis=0)  # (B*k, P): each resample once per warm start
-        xb, fb = lbfgs(fun_w(w), np.tile(np.stack(warm), (bootstrap, 1)))
+        start = np.tile(np.stack(warm)[:, :lin.shape[1]], (bootstrap, 1))  # alpha first: tied rows drop beta
+        xb, fb = lbfgs(fun_w(w), start)
+        xb = xb @ lin.T
         fb = np.where(np.isfinite(fb), fb, np.inf).reshape(bootstrap, k)  # (B, k)
         pick = xb.reshape(bootstrap, k, 5)[np.arange(bootstrap), np.argmin(fb, axis=1)]  # (B, 5)
         # Degenerate resamples are left out of the intervals (they are not a law at all); where most are, the
         # runs do not determine the law and an extrapolation from it would be a guess.
         samples = [law for law in map(_finite_law, pick) if law is not None]
         if len(samples) < bootstrap / 2:
-            raise ScalingError(f"{bootstrap - len(samples)} of {bootstrap} bootstrap refits ran off to coefficients "
-                               "beyond a float: the runs do not determine the law (typically: the loss does not fall "
-                               "with model size at a fixed token count); refusing to extrapolate. Train the sweep "
-                               f"longer or with more sizes. Points:\n{_points_table(points)}")
+            raise UndeterminedFit(f"{bootstrap - len(samples)} of {bootstrap} bootstrap refits{how} ran off to "
+                                  "coefficients beyond a float: the runs do not determine the law (typically: the "
+                                  "loss does not fall with model size at a fixed token count); refusing to "
+                                  "extrapolate. Train the sweep longer or with more sizes. "
+                                  f"Points:\n{_points_table(points)}")
+        # An exponent whose interval spans a wide factor is not determined either: A and alpha (or B and beta)
+        # trade off along a valley, and which end the optimiser stops at follows the points' last digits.
+        cols = np.asarray(samples)
+        for name in ("alpha",) if tied else ("alpha", "beta"):
+            lo, hi = np.quantile(cols[:, _PARAMS.index(name)], [0.025, 0.975])
+            if not (lo > 0 and hi / lo <= MAX_EXPONENT_SPREAD):
+                raise UndeterminedFit(f"{name}'s 95% bootstrap interval{how} [{lo:.3g}, {hi:.3g}] spans more than a "
+                                      f"factor {MAX_EXPONENT_SPREAD:g}: the runs do not determine the law; refusing to "
+                                      "extrapolate. Train the sweep longer or with more sizes. "
+                                      f"Points:\n{_points_table(points)}")
     law = _finite_law(best)
     if law is None:
-        raise ScalingError("the fit ran off to coefficients beyond a float (the runs do not pin the law down); "
-                           f"add runs of other sizes and token counts. Points:\n{_points_table(points)}")
+        raise UndeterminedFit(f"the fit{how} ran off to coefficients beyond a float (the runs do not pin the law "
+                              f"down); add runs of other sizes and token counts. Points:\n{_points_table(points)}")
     e_, a_, b_, al, be = law
     return ScalingLaw(E=e_, A=a_, B=b_, alpha=al, beta=be, source=source or f"fit of {len(points)} runs",
-                      samples=tuple(samples))
+                      samples=tuple(samples), tied=tied)
 
 
 # ---- the fit on disk ---------------------------------------------------------------------------------
