@@ -261,6 +261,16 @@ def test_target_compute_plans_a_launchable_run() -> None:
     assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (e.plan.dp, e.plan.tp, e.plan.pp)
     assert cfg.train.max_steps * cfg.train.global_batch * cfg.model.seq_len == tp.tokens
     assert train_command(cfg, args) == tp.command  # the command reproduces itself
+    assert "train.warmup_steps=" in " ".join(args)
+
+
+def test_target_command_keeps_a_warmup_fraction_instead_of_a_fixed_warmup() -> None:
+    over = [*H100, "target.compute=1e22", "train.warmup_frac=0.05"]
+    tp = plan_target(typed_config(compose_cfg(over)), over)
+    args = tp.command[1:]
+    assert "train.warmup_frac=0.05" in args and not any(a.startswith("train.warmup_steps=") for a in args)
+    cfg = load_config(compose_cfg(args))
+    assert cfg.train.warmup == round(0.05 * cfg.train.max_steps)
 
 
 @pytest.mark.slow  # three planner searches

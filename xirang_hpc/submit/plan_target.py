@@ -360,7 +360,9 @@ def train_command(cfg: XirangConfig, overrides: Sequence[str]) -> list[str]:
             f"model.n_head={m.n_head}", f"model.n_kv_head={m.n_kv_head}", f"model.d_ff={m.d_ff}",
             f"model.vocab_size={m.vocab_size}", f"cluster.nodes={cfg.cluster.nodes}",
             f"train.global_batch={tr.global_batch}", f"train.max_steps={tr.max_steps}", f"train.lr={tr.lr:.3g}",
-            f"train.warmup_steps={tr.warmup_steps}", f"train.grad_accum={tr.grad_accum}"]
+            f"train.grad_accum={tr.grad_accum}"]
+    if not tr.warmup_frac:  # else the user's train.warmup_frac (kept above) sets the warm-up, and this would not
+        ours.insert(-1, f"train.warmup_steps={tr.warmup_steps}")
     for name in par_fields:
         v = getattr(p, name)
         ours.append(f"parallel.{name}={str(v).lower() if isinstance(v, bool) else v}")
