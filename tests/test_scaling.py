@@ -29,6 +29,7 @@ from xirang_hpc.planner.scaling import (
     _objective,
     check_points,
     data_fingerprint,
+    extrapolation,
     fit,
     hoffmann_grid,
     lbfgs,
@@ -357,8 +358,15 @@ def test_fit_scaling_stores_the_fit_beside_the_data_and_target_plans_use_it(tmp_
     law, points = load_fit(data / FIT_FILE, data_fingerprint(json.loads((data / "index.json").read_text())))
     assert len(points) == 12 and not law.default and law.interval("E") is not None
     assert law.loss(4e5, 4e7) == pytest.approx(TRUTH.loss(4e5, 4e7), rel=0.02)
-    used, note = law_for(cfg)
-    assert used == law and "fitted on 12 runs" in note
+    used, note, pts = law_for(cfg)
+    assert used == law and "fitted on 12 runs" in note and sorted(pts, key=lambda p: p.run) == sorted(
+        points, key=lambda p: p.run)
+    # A plan beyond the fitted sizes says how far it extrapolates.
+    hi = max(p.params for p in pts)
+    assert extrapolation(pts, hi, 1e6) is None
+    far = extrapolation(pts, 4 * hi, 1e6)
+    assert far is not None and far.startswith(f"extrapolated: {4 * hi:.3g} parameters is 4x above the fit's runs")
+    assert "tokens" not in far.partition(".")[0]
     # Other data (another shard checksum): the fit is refused, not silently applied.
     (data / "index.json").write_text(json.dumps({"tokenizer": {"name": "byte"},
                                                  "train": [{"file": "train_0.h5", "sha256": "ff"}]}))

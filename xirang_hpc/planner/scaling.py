@@ -510,6 +510,23 @@ def _fit(points: list[Point], bootstrap: int, seed: int, starts: np.ndarray | No
                       samples=tuple(samples), tied=tied)
 
 
+def extrapolation(points: Sequence[Point], n: float, d: float) -> str | None:
+    """A note where (``n`` parameters, ``d`` tokens) lies outside the sizes or token counts of the fit's
+    ``points`` (None inside them, or without points: the published law), naming how far."""
+    if not points:
+        return None
+    out = []
+    for what, v, vals in (("parameters", n, [p.params for p in points]), ("tokens", d, [p.tokens for p in points])):
+        lo, hi = min(vals), max(vals)
+        if v < lo or v > hi:
+            side = f"{lo / v:.3g}x below" if v < lo else f"{v / hi:.3g}x above"
+            out.append(f"{v:.3g} {what} is {side} the fit's runs ({lo:.3g} to {hi:.3g})")
+    if not out:
+        return None
+    return ("extrapolated: " + "; ".join(out) + ". The law is trusted there only as far as its interval says; "
+            "a sweep that brackets the planned size narrows it (xirang-plan --fit-scaling)")
+
+
 # ---- the fit on disk ---------------------------------------------------------------------------------
 
 def data_fingerprint(index: dict[str, Any]) -> str:

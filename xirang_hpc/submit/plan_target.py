@@ -34,10 +34,12 @@ from xirang_hpc.planner.formulas import model_params
 from xirang_hpc.planner.scaling import (
     CHINCHILLA,
     FIT_FILE,
+    Point,
     ScalingError,
     ScalingLaw,
     data_fingerprint,
     default_warning,
+    extrapolation,
     global_batch_for,
     learning_rate,
     load_fit,
@@ -107,9 +109,9 @@ def read_index(cfg: XirangConfig) -> dict[str, Any] | None:
         return None
 
 
-def law_for(cfg: XirangConfig) -> tuple[ScalingLaw, str]:
-    """(law, note): ``target.fit``, else ``<data.out_dir>/scaling_fit.json`` (checked against the data's
-    fingerprint), else the published law with its warning."""
+def law_for(cfg: XirangConfig) -> tuple[ScalingLaw, str, list[Point]]:
+    """(law, note, the fit's points): ``target.fit``, else ``<data.out_dir>/scaling_fit.json`` (checked against
+    the data's fingerprint), else the published law with its warning (and no points)."""
     index = read_index(cfg)
     fp = data_fingerprint(index) if index is not None else None
     if cfg.target.fit:
@@ -120,9 +122,9 @@ def law_for(cfg: XirangConfig) -> tuple[ScalingLaw, str]:
     else:
         path = Path(cfg.data.out_dir).expanduser() / FIT_FILE
         if not path.is_file():
-            return CHINCHILLA, default_warning()
+            return CHINCHILLA, default_warning(), []
     law, points = load_fit(path, fp)
-    return law, f"scaling law fitted on {len(points)} runs of this data ({path})"
+    return law, f"scaling law fitted on {len(points)} runs of this data ({path})", points
 
 
 # ---- the plan -----------------------------------------------------------------------------------------
@@ -219,7 +221,7 @@ def _hours(s: float) -> str:
 def plan_target(cfg: XirangConfig, overrides: Sequence[str] = ()) -> TargetPlan:
     """Plan ``cfg.target``; ``overrides``: the command line's own, carried into the xirang-train command."""
     t = cfg.target
-    law, note = law_for(cfg)
+    law, note, points = law_for(cfg)
     deadline = deadline_seconds(t.deadline) if t.deadline else None
     budget = parse_budget(t.budget) if t.budget else None
     price = cfg.cluster.price_per_gpu_hour or None
@@ -310,8 +312,10 @@ def plan_target(cfg: XirangConfig, overrides: Sequence[str] = ()) -> TargetPlan:
                       steps=steps, lr=lr, nodes=chosen, estimate=est, wall_s=wall, gpu_hours=gpu_hours, cost=cost,
                       deadline_s=deadline, search_seconds=searched)
     plan.command = train_command(final, overrides)
-    if t.loss is not None and law.interval("E") is not None:
-        plan.notes.append(f"irreducible loss E={law.E:.4g}, 95% interval {law.interval('E')}")
+    if t.loss is not None and (iv := law.interval("E")) is not None:
+        plan.notes.append(f"irreducible loss E={law.E:.4g}, 95% interval [{iv[0]:.4g}, {iv[1]:.4g}]")
+    if (far := extrapolation(points, n, tokens)) is not None:
+        plan.notes.append(far)
     return plan
 
 
