@@ -31,6 +31,7 @@ from xirang_hpc.planner.scaling import (
     data_fingerprint,
     extrapolation,
     fit,
+    fit_range,
     hoffmann_grid,
     lbfgs,
     load_fit,
@@ -363,8 +364,8 @@ def test_fit_scaling_stores_the_fit_beside_the_data_and_target_plans_use_it(tmp_
         points, key=lambda p: p.run)
     # A plan beyond the fitted sizes says how far it extrapolates.
     hi = max(p.params for p in pts)
-    assert extrapolation(pts, hi, 1e6) is None
-    far = extrapolation(pts, 4 * hi, 1e6)
+    assert extrapolation(fit_range(pts), hi, 1e6) is None
+    far = extrapolation(fit_range(pts), 4 * hi, 1e6)
     assert far is not None and far.startswith(f"extrapolated: {4 * hi:.3g} parameters is 4x above the fit's runs")
     assert "tokens" not in far.partition(".")[0]
     # Other data (another shard checksum): the fit is refused, not silently applied.

@@ -510,21 +510,30 @@ def _fit(points: list[Point], bootstrap: int, seed: int, starts: np.ndarray | No
                       samples=tuple(samples), tied=tied)
 
 
-def extrapolation(points: Sequence[Point], n: float, d: float) -> str | None:
-    """A note where (``n`` parameters, ``d`` tokens) lies outside the sizes or token counts of the fit's
-    ``points`` (None inside them, or without points: the published law), naming how far."""
-    if not points:
-        return None
+# The runs behind the published law: "over 400 language models ranging from 70 million to over 16 billion
+# parameters on 5 to 500 billion tokens" (Hoffmann et al. 2022, abstract): (parameters, tokens) ranges.
+CHINCHILLA_RANGE = ((70e6, 16e9), (5e9, 500e9))
+
+
+def fit_range(points: Sequence[Point]) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((fewest, most) parameters, (fewest, most) tokens) of a fit's runs."""
+    return ((min(p.params for p in points), max(p.params for p in points)),
+            (min(p.tokens for p in points), max(p.tokens for p in points)))
+
+
+def extrapolation(span: tuple[tuple[float, float], tuple[float, float]], n: float, d: float,
+                  whose: str = "the fit's runs") -> str | None:
+    """A note where (``n`` parameters, ``d`` tokens) lies outside ``span`` (the parameter and token ranges of
+    the runs behind a law: :func:`fit_range`, or :data:`CHINCHILLA_RANGE`), naming how far; None inside."""
     out = []
-    for what, v, vals in (("parameters", n, [p.params for p in points]), ("tokens", d, [p.tokens for p in points])):
-        lo, hi = min(vals), max(vals)
+    for what, v, (lo, hi) in (("parameters", n, span[0]), ("tokens", d, span[1])):
         if v < lo or v > hi:
             side = f"{lo / v:.3g}x below" if v < lo else f"{v / hi:.3g}x above"
-            out.append(f"{v:.3g} {what} is {side} the fit's runs ({lo:.3g} to {hi:.3g})")
+            out.append(f"{v:.3g} {what} is {side} {whose} ({lo:.3g} to {hi:.3g})")
     if not out:
         return None
-    return ("extrapolated: " + "; ".join(out) + ". The law is trusted there only as far as its interval says; "
-            "a sweep that brackets the planned size narrows it (xirang-plan --fit-scaling)")
+    return ("extrapolated: " + "; ".join(out) + ". The predicted loss is the law's guess there; runs around "
+            "the planned size make it a measurement (xirang-plan --fit-scaling)")
 
 
 # ---- the fit on disk ---------------------------------------------------------------------------------

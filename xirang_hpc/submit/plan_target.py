@@ -33,6 +33,7 @@ from xirang_hpc.planner.cost import Estimate
 from xirang_hpc.planner.formulas import model_params
 from xirang_hpc.planner.scaling import (
     CHINCHILLA,
+    CHINCHILLA_RANGE,
     FIT_FILE,
     Point,
     ScalingError,
@@ -40,6 +41,7 @@ from xirang_hpc.planner.scaling import (
     data_fingerprint,
     default_warning,
     extrapolation,
+    fit_range,
     global_batch_for,
     learning_rate,
     load_fit,
@@ -314,7 +316,9 @@ def plan_target(cfg: XirangConfig, overrides: Sequence[str] = ()) -> TargetPlan:
     plan.command = train_command(final, overrides)
     if t.loss is not None and (iv := law.interval("E")) is not None:
         plan.notes.append(f"irreducible loss E={law.E:.4g}, 95% interval [{iv[0]:.4g}, {iv[1]:.4g}]")
-    if (far := extrapolation(points, n, tokens)) is not None:
+    far = (extrapolation(fit_range(points), n, tokens) if points else
+           extrapolation(CHINCHILLA_RANGE, n, tokens, "the runs of Hoffmann et al. 2022") if law.default else None)
+    if far is not None:
         plan.notes.append(far)
     return plan
 
