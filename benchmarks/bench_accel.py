@@ -37,7 +37,7 @@ Run:  python benchmarks/bench_accel.py [--quick] [--steps 16] [--rounds 3]
 Every measurement is a fresh group of rank processes (``spawn``), so compile state carries over only through
 the on-disk cache; rounds are interleaved and the ratios are medians of the per-round ratios.
 
-Run:  python benchmarks/bench_accel.py --ranks 4 --layouts dp2xtp2,fsdp4 [--steps 6] [--rounds 2]
+Run:  python benchmarks/bench_accel.py --ranks 4 --layouts dp2xtp2,fsdp4 [--steps 6] [--rounds 2] [--eager-only]
       (3 rounds of the 100M model: about 27 minutes on 2 shared cores; ``--model tiny``: a few minutes)
 """
 
@@ -343,8 +343,8 @@ def main_ranks(a: argparse.Namespace) -> None:
           f"vocab {cfg.model.vocab_size}, seq {model['seq_len']}, global batch {TRAIN['global_batch']} "
           f"({tokens} tokens/step); {a.ranks} ranks (2 virtual nodes x 2), gloo, 1 torch thread per rank; "
           f"{steps} steps per measurement, median step of {skip}..{steps - 1}; {rounds} round(s)", flush=True)
-    runs = {f"{kind}-{mode}": (kind, mode == "compiled") for kind in ("trainer", "plain")
-            for mode in ("eager", "compiled")}
+    modes = ("eager",) if a.eager_only else ("eager", "compiled")
+    runs = {f"{kind}-{mode}": (kind, mode == "compiled") for kind in ("trainer", "plain") for mode in modes}
     res: dict[str, dict[str, list[list[dict[str, Any]]]]] = {lay: {k: [] for k in runs} for lay in layouts}
     cold: dict[str, list[dict[str, Any]]] = {}
     t_all = time.perf_counter()
@@ -354,7 +354,7 @@ def main_ranks(a: argparse.Namespace) -> None:
         data = Path(tmp) / "data"
         prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), data, val_fraction=0.2)
         caches = {lay: Path(tmp) / f"cache-{lay}" for lay in layouts}  # empty: each layout's first compile is cold
-        for lay in layouts:
+        for lay in layouts if not a.eager_only else ():
             t0 = time.perf_counter()
             cold[lay] = run_ranks("trainer", lay, True, steps, data, caches[lay], model)
             print(f"  cold {lay} trainer-compiled: {time.perf_counter() - t0:.1f} s; {_profile(cold[lay])}",
@@ -393,6 +393,10 @@ def main_ranks(a: argparse.Namespace) -> None:
         for k in runs:
             print(f"{lay} {k:18s} {med(lay, k):>9,.1f} tok/s  step {med(lay, k, step_s):6.2f} s  "
                   f"start-up beyond steady steps {med(lay, k, to_steady):6.1f} s")
+        if a.eager_only:
+            print(f"{lay} trainer / plain loop tok/s, eager:     {ratio(lay, 'trainer-eager', 'plain-eager')}"
+                  "  (target >= 1.0)")
+            continue
         eager0 = med(lay, "trainer-eager", to_steady)
         warm = med(lay, "trainer-compiled", to_steady) - eager0
         # The plain loop's graphs are its own (its loss function, no probe): its round-0 run is its first compile,
@@ -423,6 +427,8 @@ def main() -> None:
     ap.add_argument("--layouts", default=",".join(RANK_LAYOUTS), help="multi-rank mode: layouts, comma-separated")
     ap.add_argument("--model", choices=sorted(MODELS), default="100m", help="multi-rank mode: the model")
     ap.add_argument("--skip", type=int, default=2, help="multi-rank mode: steps before the steady ones")
+    ap.add_argument("--eager-only", action="store_true",
+                    help="multi-rank mode: only the eager trainer and plain loop (no compile, no compile times)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
