@@ -189,12 +189,12 @@ class MoE(nn.Module):
         # index_select, not x2[token]: its backward is one index_add_, where indexing's is an accumulating
         # index_put_ (several times slower on CPU). One gather for all experts: one gradient for x2 in backward.
         xs = x2.index_select(0, token)  # (N*k, d), expert 0's slots first, then expert 1's, ...
-        sizes = counts.tolist()  # one host sync for the split sizes
+        sizes = counts.tolist()  # one host sync for the split sizes (the only one without expert parallelism)
         if self.ep_group is None:
             ys = self._experts(xs, sizes, skip_empty=True)  # E x (n_e, d)
         else:
             # (N*k, d): the same slots, computed by their experts' ranks
-            ys = torch.split(self._dispatch_and_combine(xs, counts), sizes)
+            ys = torch.split(self._dispatch_and_combine(xs, counts, sizes), sizes)
         # (N, d): each expert's weighted outputs (as Hugging Face: after down) added into a tensor of its own, in
         # place, one expert at a time (a token picks an expert once: no row added twice in one call), so the
         # outputs are never concatenated nor permuted back to the tokens' order.
@@ -228,7 +228,7 @@ class MoE(nn.Module):
             outs.append(F.linear(h, w2[e]))  # (n_e, d)
         return outs
 
-    def _dispatch_and_combine(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _dispatch_and_combine(self, xs: torch.Tensor, counts: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Expert parallelism: send each slot to the rank holding its expert, run, send the result back.
 
         xs (N*k, d) is sorted by expert, ``counts`` (E,) its slots per expert. Expert e lives on ep rank
@@ -236,20 +236,24 @@ class MoE(nn.Module):
         (an all-to-all of the counts), then the rows; what arrives is ordered (source rank, local expert)
         and is regrouped to (local expert, source rank) so each local expert runs on one contiguous slice,
         with its tokens in the order one process would give them (sources are consecutive batch shards).
+        ``sizes``: ``counts`` on the host (the caller's list). The split sizes are summed on the host from
+        ``sizes`` and the received counts, so the exchange costs one device sync (the received counts).
         """
         ep, group = self.ep_size, self.ep_group
         local_e = self.num_experts // ep
         send = counts.reshape(ep, local_e)  # (ep, E/ep): my slots for each destination's local experts
         recv = torch.empty_like(send)  # (ep, E/ep): recv[s, j] slots rank s sends to my expert j
         dist.all_to_all_single(recv, send.contiguous(), group=group)
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        got = recv.reshape(-1).tolist()  # chunk sizes in (source, expert) order: recv[s, j] at s*local_e + j
+        in_splits = [sum(sizes[r * local_e:(r + 1) * local_e]) for r in range(ep)]
+        out_splits = [sum(got[r * local_e:(r + 1) * local_e]) for r in range(ep)]
+        per_expert = [sum(got[r * local_e + j] for r in range(ep)) for j in range(local_e)]
         xr = _AllToAll.apply(xs, out_splits, in_splits, group)  # (sum(recv), d), (source, expert) order
-        sizes = recv.reshape(-1).tolist()  # chunk sizes in (source, expert) order
         by_expert = [s * local_e + j for j in range(local_e) for s in range(ep)]  # chunk order (expert, source)
-        chunks = torch.split(xr, sizes)
+        chunks = torch.split(xr, got)
         xe = torch.cat([chunks[i] for i in by_expert])  # (sum(recv), d), each local expert's rows contiguous
-        ye = torch.cat(self._experts(xe, recv.sum(0).tolist(), skip_empty=False))  # (sum(recv), d)
-        ychunks = torch.split(ye, [sizes[i] for i in by_expert])
+        ye = torch.cat(self._experts(xe, per_expert, skip_empty=False))  # (sum(recv), d)
+        ychunks = torch.split(ye, [got[i] for i in by_expert])
         # back to (source, expert) order: chunk (s, j) sits at position j*ep + s of the expert-major list
         yr = torch.cat([ychunks[j * ep + s] for s in range(ep) for j in range(local_e)])  # (sum(recv), d)
         return _AllToAll.apply(yr, in_splits, out_splits, group)  # (N*k, d), my slots in their sorted order
