@@ -195,18 +195,24 @@ def test_layout_with_ep_is_read_and_bad_ep_is_refused_with_the_valid_choices() -
 def test_published_moe_rows_are_held_out_and_keep_their_recorded_errors() -> None:
     """Megatron-MoE-ModelZoo's Qwen3-235B-A22B H100 rows: never in a fit; predicted with the megatron-core stack's
     constants, the embedding and the loss each in a block's place of the pipeline split as the rows ran
-    (``--account-for-{embedding,loss}-in-pipeline-split``). Recorded in benchmarks/RESULTS.md: cross-node EP32
+    (``--account-for-{embedding,loss}-in-pipeline-split``). And NeMo AutoModel's Qwen3-30B-A3B row (FSDP2 + ep 8
+    on one node, full recomputation), another source and stack. Recorded in benchmarks/RESULTS.md: cross-node EP32
     -4.9%, FSDP + EP8 -40.8%, EP8 PP32 with the plain all-to-all dispatcher +35.4%, TP4 EP8 PP8 +72.9% (the
-    A2A-overlap row, reported apart, -15.0%)."""
+    A2A-overlap row, reported apart, -15.0%); AutoModel -17.5%."""
     from xirang_hpc.planner.published import ALL, MOE_H100, predict
 
-    assert all(r.role == "held-out" and r.stack == "megatron-core" and r.ends_as_layers for r in MOE_H100)
-    assert [r.a2a_node_dedup for r in MOE_H100] == [1.0, 1.0, 1.0, 0.0, 1.0]  # DeepEP but the A2A row
+    zoo, automodel = MOE_H100[:5], MOE_H100[5]
+    assert all(r.role == "held-out" for r in MOE_H100)
+    assert all(r.stack == "megatron-core" and r.ends_as_layers for r in zoo)
+    assert automodel.stack == "automodel" and (automodel.tp, automodel.pp, automodel.ep, automodel.gpus) == (1, 1, 8, 8)
+    assert [r.a2a_node_dedup for r in MOE_H100] == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0]  # DeepEP but the A2A row
     assert not any(r in ALL for r in MOE_H100)  # every fit draws its rows from ALL
     errs = {r.name: predict(r) / r.value - 1 for r in MOE_H100}
-    recorded = [-0.049, -0.150, -0.408, 0.354, 0.729]
+    recorded = [-0.049, -0.150, -0.408, 0.354, 0.729, -0.175]
     assert [round(e, 3) for e in errs.values()] == pytest.approx(recorded, abs=0.002), errs
-    assert [bool(r.excluded) for r in MOE_H100] == [False, True, False, False, False]
+    assert [bool(r.excluded) for r in MOE_H100] == [False, True, False, False, False, False]
+    # The AutoModel row's value is its step time over its tokens: 512 x 4,096 / (21.773 s x 8 GPUs).
+    assert automodel.value == pytest.approx(512 * 4096 / (21.773 * 8), rel=1e-4) and automodel.global_batch == 512
 
 
 def test_qwen3_235b_a2a_row_splits_96_places_over_32_stages_of_3_chunks() -> None:

@@ -85,6 +85,11 @@ Sources (read 2026-11):
   the embedding and the loss each take a block's place in the split (``Plan.ends_as_layers``), which is how the
   A2A-dispatcher row's 32 stages x 3 virtual stages = 96 places hold the 94 blocks; that row's dispatcher is
   Megatron's plain all-to-all (``--moe-token-dispatcher-type alltoall``), not DeepEP's.
+- NeMo AutoModel's performance summary (``docs/performance-summary.md`` of NVIDIA-NeMo/Automodel, pre-training on
+  DGX-H100, BF16), its Qwen3-30B-A3B row: one node, FSDP2 over 8 with ep 8, full recomputation, micro-batch 4 x
+  16 (:data:`~xirang_hpc.planner.published_rows.AUTOMODEL_QWEN3_30B`). A second source and a second stack
+  (``automodel``: the h100 preset, this runtime's own FSDP2 description, with fp32 gradient reduction); held out
+  in :data:`MOE_H100` with the rows above.
 """
 
 from __future__ import annotations
@@ -195,6 +200,12 @@ STACKS: dict[tuple[str, str], Hardware] = {
     # Meta's Llama 3 stack on H100 (Sec. 3.3.2): the h100 preset (fused attention at FlashAttention-2's published
     # H100 rate, fp32 cross-entropy, FSDP overlap from the A100 FSDP fit) with fp32 gradients kept and reduced.
     ("h100", "llama3"): PRESETS["h100"].scaled(grad_bytes=_FP32_GRADS, grad_comm_bytes=_FP32_REDUCE),
+    # NeMo AutoModel (PyTorch FSDP2 with expert parallelism): the h100 preset, which describes this runtime's own
+    # FSDP2 stack (fused attention at FlashAttention-2's published rate, the FSDP overlap of the A100 fit, fp32
+    # logits in the loss), with gradients reduced in fp32 (``MixedPrecisionPolicy(reduce_dtype=torch.float32)``,
+    # its MoE parallelizer's default). Its Transformer Engine attention and its loss without the fp32 upcast
+    # (``MaskedCrossEntropy(fp32_upcast=False)``) have no published H100 rate of their own: the preset's stand.
+    ("h100", "automodel"): PRESETS["h100"].scaled(grad_comm_bytes=_FP32_REDUCE),
 }
 
 

@@ -6,6 +6,7 @@ and the harness that predicts and fits them are :mod:`xirang_hpc.planner.publish
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from xirang_hpc.planner.formulas import Shape
@@ -263,8 +264,25 @@ def _moe_zoo_run(label: str, t: int, ep: int, p: int, v: int, d: int, fsdp: bool
                         excluded=excluded, v=v, ep=ep, a2a_node_dedup=1.0 if deepep else 0.0, ends_as_layers=True)
 
 
+_AUTOMODEL_SRC = "NeMo AutoModel performance summary (PyTorch FSDP2 + expert parallelism, DGX-H100, BF16)"
+# Qwen3-30B-A3B (HF config of Qwen/Qwen3-30B-A3B; conf/model/qwen3-30b-a3b.yaml); every block MoE, so the dense
+# intermediate_size (6,144) is unused.
+_QWEN3_30B = dataclasses.replace(_QWEN3_235B, layers=48, hidden=2048, heads=32, kv_heads=4, ffn=6144, expert_ffn=768)
+# NeMo AutoModel's performance summary (``docs/performance-summary.md`` of NVIDIA-NeMo/Automodel, pre-training,
+# DGX-H100, BF16), the "Qwen3 MoE 30B" row: 8 GPUs, global batch 512, micro-batch 4 (LBS 4, GA 16), 4,096 tokens,
+# TP 1, PP 1, CP 1, EP 8, FSDP 8, "TE + DeepEP", 21.773 s per step, 12,040 tokens/s/GPU (= 512 x 4,096 / (21.773
+# x 8)). Its recipe (``examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml``) sets
+# ``activation_checkpointing: true`` (a checkpoint wrapper around every block: full recomputation) and a balanced
+# router (``fake_balanced_gate``, as the planner assumes); ``components/moe/parallelizer.apply_fsdp`` shards with
+# ``reshard_after_forward=False`` (ZeRO-2 here) and reduces in fp32. With ep 8 over the 8 data-parallel ranks each
+# holds 16 whole experts (expert data parallelism 1). Another stack than the Megatron-Core rows' and a
+# planner-runnable layout (tp 1, pp 1, ep of the dp ranks); held out like them.
+AUTOMODEL_QWEN3_30B = PublishedRun(_AUTOMODEL_SRC, "Qwen3-30B-A3B ep=8 fsdp=8, EP in a node", _QWEN3_30B, 8, 4, 16,
+                                   "full", 2, metric="tokens_per_gpu", value=12040.0, role="held-out", gpu="h100",
+                                   stack="automodel", ep=8, a2a_node_dedup=1.0)
+
 # Kept out of :data:`ALL` (from which every fit draws its rows): no fit can see them.
-MOE_H100 = [_moe_zoo_run(*row) for row in _MOE_ZOO_ROWS]
+MOE_H100 = [*(_moe_zoo_run(*row) for row in _MOE_ZOO_ROWS), AUTOMODEL_QWEN3_30B]
 
 
 def is_original_held_out(run: PublishedRun) -> bool:
