@@ -99,9 +99,10 @@ class ClusterConfig:
     threads_per_rank: int = 0
     # OpenMP's wait policy for the ranks (OMP_WAIT_POLICY, set before torch loads OpenMP): passive threads
     # sleep between parallel regions, active ones spin. On a node shared with other work spinning threads
-    # steal the CPUs the busy ones need (an 8-11x slower single rank measured on a loaded box; see
-    # benchmarks/bench_threads.py); on a quiet, exclusive node the two are within noise. inherit: leave the
-    # environment's value.
+    # steal the CPUs the busy ones need: a single 2-thread rank beside busy loops ran 1.8-17.7x faster passive
+    # (benchmarks/bench_threads.py); on a quiet node spinning is faster (passive 0.84x there), so an exclusive
+    # CPU node may set active. Passive by default: the loss on a quiet node is small, the loss on a shared one is
+    # not. inherit: leave the environment's value.
     omp_wait_policy: str = "passive"
     # Local executor, jobs of more than one rank: ranks are forked from one process per job that has imported
     # torch and the package (local/preload.py), instead of each starting a fresh interpreter (~4 s of CPU per
