@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from xirang_hpc.planner.scaling import CHINCHILLA, Point, ScalingLaw, fit
+from xirang_hpc.planner.scaling import CHINCHILLA, Point, ScalingLaw
+from xirang_hpc.planner.scaling_fit import fit
 
 # Hoffmann et al. 2022, Table 3 ("Estimated optimal training FLOPs and training tokens for various model
 # sizes", Approach 1): (parameters, FLOPs, tokens).

@@ -22,21 +22,16 @@ from xirang_hpc.planner.formulas import model_params
 from xirang_hpc.planner.scaling import (
     CHINCHILLA,
     FIT_FILE,
-    HUBER_DELTA,
     Point,
     ScalingError,
     ScalingLaw,
-    _objective,
-    check_points,
     data_fingerprint,
     extrapolation,
-    fit,
     fit_range,
-    hoffmann_grid,
-    lbfgs,
     load_fit,
     model_shape,
 )
+from xirang_hpc.planner.scaling_fit import HUBER_DELTA, _objective, check_points, fit, hoffmann_grid, lbfgs
 from xirang_hpc.runs.scaling import sweep_runs
 from xirang_hpc.submit.plan_target import (
     TargetError,
@@ -467,7 +462,7 @@ def test_a_deadline_alone_plans_the_most_compute_it_allows() -> None:
 def test_a_resample_whose_coefficients_overflow_is_left_out_not_a_crash() -> None:
     """A bootstrap resample of a real sweep ran its log-coefficients past exp's range (OverflowError, a traceback
     from xirang-plan --fit-scaling): such a resample is no law and is dropped; finite ones are kept."""
-    from xirang_hpc.planner.scaling import _finite_law
+    from xirang_hpc.planner.scaling_fit import _finite_law
 
     assert _finite_law(np.array([800.0, 5.0, 0.5, 0.3, 0.3])) is None
     assert _finite_law(np.array([5.0, np.nan, 0.5, 0.3, 0.3])) is None

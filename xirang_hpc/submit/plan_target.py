@@ -450,7 +450,8 @@ def fit_scaling(cfg: XirangConfig, overrides: Sequence[str] = (), bootstrap: int
     """``xirang-plan --fit-scaling``: (report, exit status). Without finished sweep runs: the sweep to run
     (exit 0). With failed ones: refused with the list (2). Else the fit, stored as
     ``<data.out_dir>/scaling_fit.json`` with the data's fingerprint."""
-    from xirang_hpc.planner.scaling import check_points, fit, save_fit
+    from xirang_hpc.planner.scaling import save_fit
+    from xirang_hpc.planner.scaling_fit import check_points, fit
     from xirang_hpc.runs.scaling import describe_failed, sweep_runs
 
     name = sweep_name(cfg)
