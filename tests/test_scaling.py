@@ -354,13 +354,12 @@ def test_fit_scaling_stores_the_fit_beside_the_data_and_target_plans_use_it(tmp_
     law, points = load_fit(data / FIT_FILE, data_fingerprint(json.loads((data / "index.json").read_text())))
     assert len(points) == 12 and not law.default and law.interval("E") is not None
     assert law.loss(4e5, 4e7) == pytest.approx(TRUTH.loss(4e5, 4e7), rel=0.02)
-    used, note, pts = law_for(cfg)
-    assert used == law and "fitted on 12 runs" in note and sorted(pts, key=lambda p: p.run) == sorted(
-        points, key=lambda p: p.run)
+    used, note, span = law_for(cfg)
+    assert used == law and "fitted on 12 runs" in note and span == fit_range(points)
     # A plan beyond the fitted sizes says how far it extrapolates.
-    hi = max(p.params for p in pts)
-    assert extrapolation(fit_range(pts), hi, 1e6) is None
-    far = extrapolation(fit_range(pts), 4 * hi, 1e6)
+    hi = max(p.params for p in points)
+    assert extrapolation(span, hi, 1e6) is None
+    far = extrapolation(span, 4 * hi, 1e6)
     assert far is not None and far.startswith(f"extrapolated: {4 * hi:.3g} parameters is 4x above the fit's runs")
     assert "tokens" not in far.partition(".")[0]
     # Other data (another shard checksum): the fit is refused, not silently applied.

@@ -35,7 +35,6 @@ from xirang_hpc.planner.scaling import (
     CHINCHILLA,
     CHINCHILLA_RANGE,
     FIT_FILE,
-    Point,
     ScalingError,
     ScalingLaw,
     data_fingerprint,
@@ -111,9 +110,13 @@ def read_index(cfg: XirangConfig) -> dict[str, Any] | None:
         return None
 
 
-def law_for(cfg: XirangConfig) -> tuple[ScalingLaw, str, list[Point]]:
-    """(law, note, the fit's points): ``target.fit``, else ``<data.out_dir>/scaling_fit.json`` (checked against
-    the data's fingerprint), else the published law with its warning (and no points)."""
+Span = tuple[tuple[float, float], tuple[float, float]]  # (parameters, tokens) ranges of the runs behind a law
+
+
+def law_for(cfg: XirangConfig) -> tuple[ScalingLaw, str, Span | None]:
+    """(law, note, the parameter and token ranges of the runs it was fitted on): ``target.fit``, else
+    ``<data.out_dir>/scaling_fit.json`` (checked against the data's fingerprint), else the published law with
+    its warning and Hoffmann et al.'s ranges."""
     index = read_index(cfg)
     fp = data_fingerprint(index) if index is not None else None
     if cfg.target.fit:
@@ -124,9 +127,9 @@ def law_for(cfg: XirangConfig) -> tuple[ScalingLaw, str, list[Point]]:
     else:
         path = Path(cfg.data.out_dir).expanduser() / FIT_FILE
         if not path.is_file():
-            return CHINCHILLA, default_warning(), []
+            return CHINCHILLA, default_warning(), CHINCHILLA_RANGE
     law, points = load_fit(path, fp)
-    return law, f"scaling law fitted on {len(points)} runs of this data ({path})", points
+    return law, f"scaling law fitted on {len(points)} runs of this data ({path})", fit_range(points) if points else None
 
 
 # ---- the plan -----------------------------------------------------------------------------------------
@@ -223,7 +226,7 @@ def _hours(s: float) -> str:
 def plan_target(cfg: XirangConfig, overrides: Sequence[str] = ()) -> TargetPlan:
     """Plan ``cfg.target``; ``overrides``: the command line's own, carried into the xirang-train command."""
     t = cfg.target
-    law, note, points = law_for(cfg)
+    law, note, span = law_for(cfg)
     deadline = deadline_seconds(t.deadline) if t.deadline else None
     budget = parse_budget(t.budget) if t.budget else None
     price = cfg.cluster.price_per_gpu_hour or None
@@ -316,9 +319,8 @@ def plan_target(cfg: XirangConfig, overrides: Sequence[str] = ()) -> TargetPlan:
     plan.command = train_command(final, overrides)
     if t.loss is not None and (iv := law.interval("E")) is not None:
         plan.notes.append(f"irreducible loss E={law.E:.4g}, 95% interval [{iv[0]:.4g}, {iv[1]:.4g}]")
-    far = (extrapolation(fit_range(points), n, tokens) if points else
-           extrapolation(CHINCHILLA_RANGE, n, tokens, "the runs of Hoffmann et al. 2022") if law.default else None)
-    if far is not None:
+    whose = "the runs of Hoffmann et al. 2022" if law.default else "the fit's runs"
+    if span is not None and (far := extrapolation(span, n, tokens, whose)) is not None:
         plan.notes.append(far)
     return plan
 
@@ -368,9 +370,8 @@ def train_command(cfg: XirangConfig, overrides: Sequence[str]) -> list[str]:
             f"model.n_head={m.n_head}", f"model.n_kv_head={m.n_kv_head}", f"model.d_ff={m.d_ff}",
             f"model.vocab_size={m.vocab_size}", f"cluster.nodes={cfg.cluster.nodes}",
             f"train.global_batch={tr.global_batch}", f"train.max_steps={tr.max_steps}", f"train.lr={tr.lr:.3g}",
-            f"train.grad_accum={tr.grad_accum}"]
-    if not tr.warmup_frac:  # else the user's train.warmup_frac (kept above) sets the warm-up, and this would not
-        ours.insert(-1, f"train.warmup_steps={tr.warmup_steps}")
+            # a user's train.warmup_frac (kept above) sets the warm-up instead: a fixed one would contradict it
+            *([] if tr.warmup_frac else [f"train.warmup_steps={tr.warmup_steps}"]), f"train.grad_accum={tr.grad_accum}"]
     for name in par_fields:
         v = getattr(p, name)
         ours.append(f"parallel.{name}={str(v).lower() if isinstance(v, bool) else v}")
