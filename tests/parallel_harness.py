@@ -81,7 +81,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ep2xfsdp2xpp2": {"dp": 4, "ep": 2, "pp": 2, "microbatches": 2, "data_parallel": "fsdp"},  # efsdp in each stage
     # efsdp over 4 ranks with 2 experts per group (H.MOE): each expert split on dim 1 instead
     "ep2xfsdp4": {"dp": 8, "ep": 2, "data_parallel": "fsdp"},
-    "ep2xhsdp2x2": {"dp": 4, "ep": 2, "data_parallel": "fsdp", "dp_replicate": 2},
+    "ep2xhsdp2x2": {"dp": 4, "ep": 2, "data_parallel": "fsdp", "dp_replicate": 2},  # efsdp 1: replicas over 2
+    # HSDP, 2 replicate groups of 4: experts sharded over the 2 expert groups of each (efsdp 2), replicated over 2
+    "ep2xhsdp2x4": {"dp": 8, "ep": 2, "data_parallel": "fsdp", "dp_replicate": 2},
     "ep2xpp2": {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2},  # each stage's experts over its 2 dp ranks
     "ep2xtp2": {"dp": 2, "ep": 2, "tp": 2},  # attention over tp; each tp position's experts over its 2 dp ranks
 }

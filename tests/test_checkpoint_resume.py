@@ -267,28 +267,38 @@ def _assert_continues_to_rounding(full: Path, fork: Path, final: dict[str, torch
         assert not torch.equal(c[k], early[k]), f"{k} did not train after the reshard"
 
 
+#: efsdp layouts: FSDP2 on 4 ranks, and HSDP on 8 (2 replicate groups of 4, each with 2 expert groups of 2)
+EFSDP_LAYOUTS = {
+    "fsdp": (4, ["cluster.nodes=2", "cluster.tasks_per_node=2"]),
+    "hsdp": (8, ["cluster.nodes=2", "cluster.tasks_per_node=4", "parallel.dp_replicate=2"]),
+}
+
+
 @pytest.mark.slow
-def test_moe_efsdp_resume_and_reshard_to_ep2_ddp(stdlib_data, tmp_path):
-    """Experts sharded over ep=2 and, by FSDP2, over the edp=2 ranks too (ep2 x fsdp on 4 ranks, efsdp): each
-    rank saves a quarter of the experts and of their optimizer state, as shards of the full tensors.
+@pytest.mark.parametrize("kind", sorted(EFSDP_LAYOUTS))
+def test_moe_efsdp_resume_and_reshard_to_ep2_ddp(stdlib_data, tmp_path, kind):
+    """Experts sharded over ep=2 and, by FSDP2, over the 2 expert groups of a shard group too (efsdp: ep2 x fsdp
+    on 4 ranks; ep2 under HSDP on 8, replicated over its 2 replicate groups): each rank saves a quarter of the
+    experts and of their optimizer state, as shards of the full tensors.
 
     - stopped at step 10 and resumed under the same layout, it ends bitwise where the uninterrupted run does;
     - the checkpoint holds the full (E, ...) expert weights and AdamW moments;
     - the same step-10 checkpoint resumed on 2 ranks at ep2 under DDP (experts E/2 a rank, no edp) continues
       like the uninterrupted run to fp32 rounding (another reduction order, so not bitwise).
     """
-    efsdp = ["cluster.nodes=2", "cluster.tasks_per_node=2", "parallel.tp=1", "parallel.pp=1",
-             "parallel.microbatches=1", *MOE_MODEL, "parallel.ep=2", "parallel.data_parallel=fsdp"]
+    world, ranks = EFSDP_LAYOUTS[kind]
+    efsdp = [*ranks, "parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1", *MOE_MODEL, "parallel.ep=2",
+             "parallel.data_parallel=fsdp"]
     full, split = tmp_path / "full", tmp_path / "split"
-    run_job(make_cfg(stdlib_data, full, efsdp), full, stdlib_data, world=4)
-    run_job(make_cfg(stdlib_data, split, efsdp), split, stdlib_data, world=4, stop_at=10)
+    run_job(make_cfg(stdlib_data, full, efsdp), full, stdlib_data, world=world)
+    run_job(make_cfg(stdlib_data, split, efsdp), split, stdlib_data, world=world, stop_at=10)
     saved = saved_tensors(split / "checkpoints" / "step_10")
     w1 = saved["model.layers.0.mlp.w1"]
     assert w1.shape[0] == 4 and all(w1[e].abs().sum() > 0 for e in range(4)), "every expert saved, whatever the layout"
     moments = [saved[f"optim.state.layers.0.mlp.w1.{m}"] for m in ("exp_avg", "exp_avg_sq")]
     assert all(v.shape == w1.shape and all(v[e].abs().sum() > 0 for e in range(4)) for v in moments)
     fork = fork_run(split, 10, tmp_path / "fork")
-    run_job(make_cfg(stdlib_data, split, efsdp), split, stdlib_data, world=4)
+    run_job(make_cfg(stdlib_data, split, efsdp), split, stdlib_data, world=world)
     a, b = saved_tensors(full / "checkpoints" / "step_20"), saved_tensors(split / "checkpoints" / "step_20")
     assert a.keys() == b.keys() and "model.layers.0.mlp.w1" in a
     for k in a:

@@ -269,15 +269,16 @@ def test_expert_parallel_refuses_zero1_and_accepts_the_rule() -> None:
     (1, 4, 2, True),  # FSDP2 over 4, expert groups of 2: each expert sharded over its 2 edp ranks (efsdp)
     (1, 4, 4, False),  # edp = 1: nothing left to shard over
     (4, 1, 2, False),  # DDP, or FSDP2 standing in for it (tp/pp): replicas over edp
-    (2, 2, 2, False),  # HSDP: replicas over edp
+    (2, 2, 2, False),  # HSDP with one expert group per shard group: replicas over the replicate groups
+    (2, 4, 2, True),  # HSDP, 2 expert groups per shard group: sharded over them (efsdp), replicated over erep
     (1, 4, 1, False),  # no expert parallelism: the experts are FSDP2's like every weight
 ])
-def test_experts_shard_over_edp_under_fsdp_without_replicate_groups(replicate: int, shard: int, ep: int,
+def test_experts_shard_over_efsdp_under_fsdp_and_hsdp(replicate: int, shard: int, ep: int,
                                                                     sharded: bool) -> None:
     from xirang_hpc.runtime.expert_parallel import shards_over_edp
     from xirang_hpc.runtime.parallel_dims import ParallelDims
 
-    dims = ParallelDims(pp=1, dp_replicate=replicate, dp_shard=shard, tp=1, world_size=4, ep=ep)
+    dims = ParallelDims(pp=1, dp_replicate=replicate, dp_shard=shard, tp=1, world_size=replicate * shard, ep=ep)
     assert shards_over_edp(dims) is sharded
 
 

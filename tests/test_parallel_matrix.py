@@ -92,8 +92,9 @@ SHAPE_CASES = [(4, "dp2xtp2", "gqa"), (4, "tp2xpp2", "gqa"), (4, "fsdp2xtp2", "g
 # plain data parallelism (the auxiliary loss's statistics summed over the dp ranks), expert parallelism alone
 # (ep2, ep4), beside replicas (ep2xdp2: DDP over 4, experts on 2), beside FSDP2 (ep2xfsdp2: the experts sharded
 # over edp=2 too, efsdp; also with full recompute, ZeRO-2 over 2 accumulation steps, beside tp2 and in pp2
-# stages; ep2xfsdp4: over edp=4 with 2 experts per group, each expert split on dim 1) and HSDP (experts
-# replicated over edp); with the auxiliary loss and with expert-bias balancing, and with full recompute;
+# stages; ep2xfsdp4: over edp=4 with 2 experts per group, each expert split on dim 1) and HSDP (ep2xhsdp2x2:
+# experts replicated over the 2 replicate groups; ep2xhsdp2x4: also sharded over the 2 expert groups of each
+# shard group, efsdp); with the auxiliary loss and with expert-bias balancing, and with full recompute;
 # pipeline stages (1F1B and interleaved, 2 microbatches) with expert-bias balancing, alone and beside expert
 # parallelism (each stage's loads summed over its dp ranks); tensor parallelism of the attention (experts whole
 # on every tp rank), with sequence parallelism and beside expert parallelism; context parallelism (each cp rank
@@ -107,7 +108,7 @@ MOE_CASES = [(2, "dp2", "aux"), (2, "ep2", "aux"), (4, "ep4", "aux"), (4, "ep2xd
              (4, "ep2xzero2x2", "bias"), (2, "pp2", "bias"), (2, "pp2v2", "bias"), (4, "ep2xpp2", "bias"),
              (2, "tp2", "aux"), (2, "tp2sp", "bias"), (4, "ep2xtp2", "aux"), (4, "ep2xtp2", "bias"), (2, "cp2", "aux"),
              (2, "cp2", "bias"), (4, "cp2xdp2", "aux"), (8, "ep2xfsdp2xtp2", "aux"),
-             (8, "ep2xfsdp2xpp2", "bias"), (8, "ep2xfsdp4", "aux")]
+             (8, "ep2xfsdp2xpp2", "bias"), (8, "ep2xfsdp4", "aux"), (8, "ep2xhsdp2x4", "aux")]
 MOE_MODELS = {"aux": H.MOE, "bias": MOE_BIAS}  # "+full": with full recompute (the all-to-alls run again in backward)
 
 
@@ -391,11 +392,11 @@ def test_moe_layout_matches_single_process(world: int, layout: str, balance: str
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-5, err_msg=name)
     par = H.make_cfg(world, H.LAYOUTS[layout], model=model).parallel  # resolved: data_parallel, zero
     ep = par.ep
-    # Each rank's expert weights: E/ep experts, or under efsdp (FSDP2 without replicate groups, so dp_shard == dp)
-    # E/(ep*edp) of them, or (edp not dividing E/ep) E/ep experts split on dim 1 over edp; the other dims whole.
-    # Layouts without ep hold all E.
-    e, edp = model["moe_experts"], par.dp // ep
-    efsdp = ep > 1 and edp > 1 and par.data_parallel == "fsdp" and par.dp_replicate <= 1
+    # Each rank's expert weights: E/ep experts, or under efsdp (FSDP2 or HSDP: dp_shard/ep expert groups in a shard
+    # group) E/(ep*edp) of them with edp = dp_shard/ep, or (edp not dividing E/ep) E/ep experts split on dim 1
+    # over edp; the other dims whole. HSDP replicates them over its replicate groups. Layouts without ep hold all E.
+    e, edp = model["moe_experts"], par.dp // par.dp_replicate // ep
+    efsdp = ep > 1 and edp > 1 and par.data_parallel == "fsdp"
     rows = e // (ep * edp) if efsdp else e // ep
     for r in per_rank:
         assert r["expert_shapes"], "each rank holds expert weights"

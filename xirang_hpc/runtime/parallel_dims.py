@@ -244,21 +244,27 @@ def mesh_coords(dims: ParallelDims, mesh: DeviceMesh | None) -> dict[str, int]:
 
 
 def expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """The 2-D ``("edp", "ep")`` mesh of this rank's expert groups (collective: every rank builds all groups).
+    """The 3-D ``("erep", "efsdp", "ep")`` mesh of this rank's expert groups (collective: every rank builds all).
 
     The data-parallel ranks of each (pp, tp) position, in flattened dp order, are cut into blocks of ``ep``
     consecutive ranks: a block is one expert-parallel group (tokens are exchanged inside it; consecutive dp
     ranks share a node first, so the all-to-all stays on the fast links when ep fits a node), and the ranks
-    at the same position of every block (``edp``, dp/ep of them) hold the same experts (replicas, or FSDP2
-    shards of them under efsdp) and reduce their gradients together. As torchtitan's, the expert mesh is the
-    dp mesh re-cut, not a dimension of the dense mesh, so FSDP and the dense data parallelism keep their
-    groups; ``edp`` and ``ep`` share one root mesh, which FSDP2 needs to shard the ``ep`` DTensors over ``edp``.
+    at the same position of every block (``edp`` = erep x efsdp, dp/ep of them) hold the same experts and
+    reduce their gradients together. Under HSDP (``ep`` divides ``dp_shard``, each block inside one replicate
+    group) ``erep`` is the replicate degree and ``efsdp`` the dp_shard/ep blocks of a replicate group, over
+    which FSDP2 shards the experts (torchtitan's rule ``dp_shard * cp * tp == efsdp * ep``); otherwise
+    ``erep`` is 1 and ``efsdp`` = dp/ep (replicas under DDP, FSDP2 shards under FSDP2 without replicate
+    groups). As torchtitan's, the expert mesh is the dp mesh re-cut, not a dimension of the dense mesh, so FSDP
+    and the dense data parallelism keep their groups; ``erep``, ``efsdp`` and ``ep`` share one root mesh,
+    which FSDP2 needs to shard the ``ep`` DTensors over ``efsdp``.
     """
     ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
-    # (pp, tp, dp): dp flattened replicate-major as dp_mesh() flattens it, then cut into (dp/ep, ep) blocks
-    by_dp = ranks.permute(0, 3, 1, 2).reshape(dims.pp, dims.tp, dims.dp // dims.ep, dims.ep)
-    full = DeviceMesh(mesh.device_type, by_dp, mesh_dim_names=("pp", "tp", "edp", "ep"))
-    return full["edp", "ep"]
+    erep = dims.dp_replicate if dims.dp_shard % dims.ep == 0 else 1
+    # (pp, tp, dp): dp flattened replicate-major as dp_mesh() flattens it (index r*dp_shard + s), then cut into
+    # (erep, efsdp, ep) blocks: s = b*ep + j puts rank (r, s) at [r, b, j] when ep divides dp_shard.
+    by_dp = ranks.permute(0, 3, 1, 2).reshape(dims.pp, dims.tp, erep, dims.dp // (dims.ep * erep), dims.ep)
+    full = DeviceMesh(mesh.device_type, by_dp, mesh_dim_names=("pp", "tp", "erep", "efsdp", "ep"))
+    return full["erep", "efsdp", "ep"]
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
