@@ -108,6 +108,71 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+class _GroupedSwiGLU(torch.autograd.Function):
+    """Every local expert's SwiGLU on its contiguous slice of rows, with a hand-written backward.
+
+    xs (S, d) holds ``sizes[e]`` rows for expert e in order; w1, w3 (E, ffn, d), w2 (E, d, ffn) -> (S, d).
+    Autograd over per-expert ``F.linear`` calls on ``unbind``-ed weights would stack the E per-expert weight
+    gradients into a new (E, ...) tensor per weight in backward and keep one node per op; here each expert's
+    gradient is written straight into its row of one (E, ...) gradient by ``torch.mm(out=)``, and the SwiGLU's
+    product is recomputed in backward from the two saved projections (nothing of size (S, ffn) else kept).
+    The arithmetic is autograd's (the same GEMMs; silu's derivative by aten's ``silu_backward``). Under
+    autocast the GEMMs run in its dtype, as ``F.linear`` would, and the gradients come back in the inputs'.
+    An expert with no rows gets a zero gradient; the output depends on every weight, so a rank that received
+    no token still runs the backward (and its all-to-alls) under expert parallelism.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, xs: torch.Tensor, w1: torch.Tensor,  # type: ignore[override]
+                w3: torch.Tensor, w2: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        kind = xs.device.type
+        dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else xs.dtype
+        ctx.dtypes = (xs.dtype, w1.dtype, w3.dtype, w2.dtype)
+        with torch.autocast(kind, enabled=False):
+            x, a1, a3, a2 = (t.to(dt) for t in (xs, w1, w3, w2))
+            ffn = a1.shape[1]
+            h1 = x.new_empty((x.shape[0], ffn))  # (S, ffn) gate projections
+            h3 = x.new_empty((x.shape[0], ffn))  # (S, ffn) up projections
+            ys = x.new_empty(x.shape)  # (S, d)
+            lo = 0
+            for e, n in enumerate(sizes):
+                if n:
+                    xe = x[lo:lo + n]  # (n, d)
+                    torch.mm(xe, a1[e].t(), out=h1[lo:lo + n])
+                    torch.mm(xe, a3[e].t(), out=h3[lo:lo + n])
+                    torch.mm(F.silu(h1[lo:lo + n]) * h3[lo:lo + n], a2[e].t(), out=ys[lo:lo + n])
+                lo += n
+        ctx.sizes = sizes
+        ctx.save_for_backward(x, a1, a3, a2, h1, h3)
+        return ys
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, gy: torch.Tensor  # type: ignore[override]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        x, a1, a3, a2, h1, h3 = ctx.saved_tensors  # type: ignore[attr-defined]
+        gy = gy.to(x.dtype)
+        gx = torch.empty_like(x)  # (S, d)
+        g1, g3, g2 = torch.empty_like(a1), torch.empty_like(a3), torch.empty_like(a2)
+        lo = 0
+        for e, n in enumerate(ctx.sizes):  # type: ignore[attr-defined]
+            if not n:  # no rows: no contribution
+                g1[e].zero_(), g3[e].zero_(), g2[e].zero_()
+                continue
+            xe, dy, p1, p3 = x[lo:lo + n], gy[lo:lo + n], h1[lo:lo + n], h3[lo:lo + n]
+            act = F.silu(p1)  # (n, ffn)
+            torch.mm(dy.t(), act * p3, out=g2[e])  # (d, ffn)
+            da = dy @ a2[e]  # (n, ffn) gradient of silu(p1) * p3
+            d3 = da * act
+            d1 = torch.ops.aten.silu_backward(da * p3, p1)  # the kernel autograd's silu uses
+            torch.mm(d1.t(), xe, out=g1[e])  # (ffn, d)
+            torch.mm(d3.t(), xe, out=g3[e])
+            torch.mm(d1, a1[e], out=gx[lo:lo + n])  # (n, d)
+            gx[lo:lo + n].addmm_(d3, a3[e])
+            lo += n
+        dx, d1t, d3t, d2t = ctx.dtypes  # type: ignore[attr-defined]
+        return gx.to(dx), g1.to(d1t), g3.to(d3t), g2.to(d2t), None
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stacked weight: the DTensor shard under expert parallelism (autograd-aware)."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -191,7 +256,7 @@ class MoE(nn.Module):
         xs = x2.index_select(0, token)  # (N*k, d), expert 0's slots first, then expert 1's, ...
         sizes = counts.tolist()  # one host sync for the split sizes (the only one without expert parallelism)
         if self.ep_group is None:
-            ys = self._experts(xs, sizes, skip_empty=True)  # E x (n_e, d)
+            ys = torch.split(self._experts(xs, sizes), sizes)  # E x (n_e, d)
         else:
             # (N*k, d): the same slots, computed by their experts' ranks
             ys = torch.split(self._dispatch_and_combine(xs, counts, sizes), sizes)
@@ -208,25 +273,13 @@ class MoE(nn.Module):
             return out.view(shape) + self.shared(x2).view(shape)
         return out.view(shape).clone()
 
-    def _experts(self, xs: torch.Tensor, sizes: list[int], skip_empty: bool) -> list[torch.Tensor]:
-        """Run the experts held here on contiguous slices: xs (sum(sizes), d) -> one (n_e, d) output per expert.
+    def _experts(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Run the experts held here on contiguous slices: xs (sum(sizes), d) -> (sum(sizes), d).
 
-        ``sizes[e]`` rows of ``xs`` belong to this rank's e-th expert, in order. ``skip_empty=False`` runs
-        an expert on zero rows too, so the output always depends on every local weight: under expert
-        parallelism a rank that received no tokens must still run the backward's all-to-alls.
-        A skipped expert's output is its empty (0, d) input slice.
+        ``sizes[e]`` rows of ``xs`` belong to this rank's e-th expert, in order (:class:`_GroupedSwiGLU`).
         """
-        # unbind, not w1[e]: indexing a parameter E times makes E full-size (E, ffn, d) zero gradients in
-        # backward; unbind's backward stacks the per-expert gradients once.
-        w1, w3, w2 = (_local(t).unbind(0) for t in (self.w1, self.w3, self.w2))  # E x (ffn, d), (ffn, d), (d, ffn)
-        outs = []
-        for e, xe in enumerate(torch.split(xs, sizes)):  # xe: (n_e, d)
-            if skip_empty and xe.shape[0] == 0:
-                outs.append(xe)
-                continue
-            h = F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e])  # (n_e, ffn)
-            outs.append(F.linear(h, w2[e]))  # (n_e, d)
-        return outs
+        w1, w3, w2 = (_local(t) for t in (self.w1, self.w3, self.w2))  # (E, ffn, d), (E, ffn, d), (E, d, ffn)
+        return _GroupedSwiGLU.apply(xs, w1, w3, w2, sizes)
 
     def _dispatch_and_combine(self, xs: torch.Tensor, counts: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Expert parallelism: send each slot to the rank holding its expert, run, send the result back.
@@ -252,7 +305,7 @@ class MoE(nn.Module):
         by_expert = [s * local_e + j for j in range(local_e) for s in range(ep)]  # chunk order (expert, source)
         chunks = torch.split(xr, got)
         xe = torch.cat([chunks[i] for i in by_expert])  # (sum(recv), d), each local expert's rows contiguous
-        ye = torch.cat(self._experts(xe, per_expert, skip_empty=False))  # (sum(recv), d)
+        ye = self._experts(xe, per_expert)  # (sum(recv), d)
         ychunks = torch.split(ye, [got[i] for i in by_expert])
         # back to (source, expert) order: chunk (s, j) sits at position j*ep + s of the expert-major list
         yr = torch.cat([ychunks[j * ep + s] for s in range(ep) for j in range(local_e)])  # (sum(recv), d)
