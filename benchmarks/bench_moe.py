@@ -4,14 +4,16 @@ Both blocks hold the same weights (ours copied from transformers'), run in this 
 same torch threads, fp32 on CPU, on the same random input; one iteration is forward, a sum-of-squares
 loss and backward (input and all weights get gradients). Outputs are checked equal first.
 
-- ours: one argsort of the flat top-k expert ids groups the (token, choice) slots by expert; each
-  expert gathers its slots' rows (index_select) and adds its weighted output into the result (index_add_;
-  a token picks an expert once, so no row is added twice in one call);
+- ours: one argsort of the flat top-k expert ids groups the (token, choice) slots by expert, one gather
+  (index_select) takes their rows; each expert runs on its contiguous slice (a hand-written backward) and
+  adds its weighted output into the result (index_add_; a token picks an expert once, so no row is added
+  twice in one call);
 - transformers: a one-hot expert mask and, per hit expert, a ``torch.where`` over it, a gather
   and an index_add (its default "eager" experts implementation).
 
-Printed per case (experts, top-k): median seconds per iteration over ``--repeats`` timed runs,
-tokens/s of each, the ratio ours/theirs, and the expert GEMMs alone (``floor``: the same experts, weights
+Printed per case (experts, top-k): median seconds per iteration over ``--repeats`` timed runs (the two
+blocks taking turns), tokens/s of each, the median of the paired ratios theirs/ours, the bytes autograd keeps
+for the backward of one forward (weights excluded), and the expert GEMMs alone (``floor``: the same experts, weights
 and slot counts on slots already grouped by expert, nothing routed, gathered or combined): the work any
 dispatch must do, so theirs/floor is the most any implementation of the same fp32 arithmetic can gain.
 
@@ -87,18 +89,36 @@ def _pair(experts: int, top_k: int, hidden: int, ffn: int) -> tuple[MoE, torch.n
     return ours, theirs
 
 
-def _time(block: torch.nn.Module, x: torch.Tensor, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of one forward+backward."""
-    times = []
+def _time(blocks: list[torch.nn.Module], x: torch.Tensor, repeats: int, warmup: int = 2) -> list[list[float]]:
+    """Seconds of one forward+backward of each block, the blocks taking turns (the order reversed every
+    iteration, so a drift of the machine's load falls on all alike): one list per block, warm-up dropped."""
+    times: list[list[float]] = [[] for _ in blocks]
     for i in range(warmup + repeats):
-        xi = x.detach().requires_grad_(True)
-        t0 = time.perf_counter()
-        block(xi).pow(2).sum().backward()
-        dt = time.perf_counter() - t0
-        block.zero_grad(set_to_none=True)
-        if i >= warmup:
-            times.append(dt)
-    return statistics.median(times)
+        order = list(range(len(blocks)))[:: 1 if i % 2 == 0 else -1]
+        for j in order:
+            xi = x.detach().requires_grad_(True)
+            t0 = time.perf_counter()
+            blocks[j](xi).pow(2).sum().backward()
+            dt = time.perf_counter() - t0
+            blocks[j].zero_grad(set_to_none=True)
+            if i >= warmup:
+                times[j].append(dt)
+    return times
+
+
+def _saved_mib(block: torch.nn.Module, x: torch.Tensor) -> float:
+    """MiB autograd keeps for the backward of one forward (each saved storage counted once; the weights too)."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(x.detach().requires_grad_(True))
+    del y
+    return sum(n for k, n in saved.items() if k not in weights) / 2**20
 
 
 def _floor(ours: MoE, x: torch.Tensor, repeats: int, warmup: int = 2) -> float:
@@ -254,17 +274,19 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"MoE block fwd+bwd, fp32 CPU, {torch.get_num_threads()} threads, hidden {a.hidden}, expert ffn {a.ffn}, "
           f"{a.tokens} tokens, median of {a.repeats}, torch {torch.__version__}")
-    print("experts | top-k | ours s | theirs s | floor s | ours tok/s | theirs tok/s | ours/theirs | "
-          "theirs/floor (the most possible)")
+    print("experts | top-k | ours s | theirs s | floor s | ours tok/s | theirs tok/s | ours/theirs (paired) | "
+          "theirs/floor (the most possible) | kept for backward, ours / theirs MiB")
     for experts, top_k in CASES:
         ours, theirs = _pair(experts, top_k, a.hidden, a.ffn)
         x = torch.randn(4, a.tokens // 4, a.hidden)
         with torch.no_grad():
             torch.testing.assert_close(ours(x), theirs(x), atol=1e-4, rtol=1e-4)
-        t_ours, t_theirs, floor = _time(ours, x, a.repeats), _time(theirs, x, a.repeats), _floor(ours, x, a.repeats)
+        mine, base = _time([ours, theirs], x, a.repeats)
+        t_ours, t_theirs, floor = statistics.median(mine), statistics.median(base), _floor(ours, x, a.repeats)
+        paired = statistics.median(b / m for m, b in zip(mine, base, strict=True))
         print(f"{experts:7d} | {top_k:5d} | {t_ours:6.3f} | {t_theirs:8.3f} | {floor:7.3f} | "
-              f"{a.tokens / t_ours:10.0f} | {a.tokens / t_theirs:12.0f} | {t_theirs / t_ours:10.2f}x | "
-              f"{t_theirs / floor:.2f}x")
+              f"{a.tokens / t_ours:10.0f} | {a.tokens / t_theirs:12.0f} | {paired:19.2f}x | "
+              f"{t_theirs / floor:.2f}x | {_saved_mib(ours, x):.1f} / {_saved_mib(theirs, x):.1f}")
 
 
 if __name__ == "__main__":

@@ -159,41 +159,46 @@ def test_backward_reaches_selected_experts_and_the_gate() -> None:
 
 
 def _experts_by_autograd(xs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                         sizes: list[int]) -> torch.Tensor:
-    """The experts as plain autograd computes them: per-expert ``F.linear`` on unbound weights."""
+                         sizes: list[int], scale: torch.Tensor | None) -> torch.Tensor:
+    """The experts as plain autograd computes them: per-expert ``F.linear`` on unbound weights, then the weights."""
     import torch.nn.functional as F
 
     a, b, c = w1.unbind(0), w3.unbind(0), w2.unbind(0)
-    return torch.cat([F.linear(F.silu(F.linear(x, a[e])) * F.linear(x, b[e]), c[e])
-                      for e, x in enumerate(torch.split(xs, sizes))])
+    y = torch.cat([F.linear(F.silu(F.linear(x, a[e])) * F.linear(x, b[e]), c[e])
+                   for e, x in enumerate(torch.split(xs, sizes))])
+    return y if scale is None else y * scale.unsqueeze(-1)
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_grouped_experts_equal_autograd_in_values_and_gradients(autocast: bool) -> None:
+@pytest.mark.parametrize("weighted", [False, True])
+def test_grouped_experts_equal_autograd_in_values_and_gradients(autocast: bool, weighted: bool) -> None:
     """The hand-written backward of the experts gives autograd's output and gradients (input, all three
-    weights), an expert with no rows a zero gradient; under bf16 autocast the output is bf16 as ``F.linear``'s,
-    the gradients in the inputs' fp32, equal to autograd's within bf16 rounding."""
+    weights, the routing weights), an expert with no rows a zero gradient; under bf16 autocast the output is
+    bf16 as ``F.linear``'s (fp32 once times fp32 routing weights), the gradients in the inputs' fp32, equal to
+    autograd's within bf16 rounding."""
     from xirang_hpc.models.moe import _GroupedSwiGLU
 
     torch.manual_seed(3)
     e, d, ffn, sizes = 4, 16, 8, [5, 0, 7, 3]
     ws = [torch.randn(e, ffn, d) * 0.3, torch.randn(e, ffn, d) * 0.3, torch.randn(e, d, ffn) * 0.3]
-    xs = torch.randn(sum(sizes), d)
+    xs, scale = torch.randn(sum(sizes), d), torch.rand(sum(sizes))
     gy = torch.randn(sum(sizes), d)
     got, want = [], []
     for fn, out in ((_GroupedSwiGLU.apply, got), (_experts_by_autograd, want)):
         x, w = xs.clone().requires_grad_(True), [t.clone().requires_grad_(True) for t in ws]
+        s = scale.clone().requires_grad_(True) if weighted else None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            y = fn(x, *w, sizes)
+            y = fn(x, *w, sizes, s)
         (y.float() * gy).sum().backward()
-        out += [y, x.grad, *(t.grad for t in w)]
+        out += [y, x.grad, *(t.grad for t in w), *([s.grad] if s is not None else [])]
     tol = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-6, "atol": 1e-6}
-    assert got[0].dtype == want[0].dtype == (torch.bfloat16 if autocast else torch.float32)
-    for name, g, r in zip(("output", "x", "w1", "w3", "w2"), got, want, strict=True):
+    assert got[0].dtype == want[0].dtype == (torch.bfloat16 if autocast and not weighted else torch.float32)
+    for name, g, r in zip(("output", "x", "w1", "w3", "w2", "scale")[:len(got)], got, want, strict=True):
         assert g.dtype == r.dtype, name
         torch.testing.assert_close(g.float(), r.float(), **tol, msg=name)
-    assert all((t[1] == 0).all() for t in got[2:]), "the expert without rows gets a zero gradient"
-    assert all(t[0].abs().sum() > 0 for t in got[2:])
+    assert len(got) == (6 if weighted else 5)
+    assert all((t[1] == 0).all() for t in got[2:5]), "the expert without rows gets a zero gradient"
+    assert all(t[0].abs().sum() > 0 for t in got[2:5])
 
 
 def test_moe_gpt_layers_and_aux_loss() -> None:

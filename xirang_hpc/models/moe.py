@@ -109,50 +109,67 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
-    """Every local expert's SwiGLU on its contiguous slice of rows, with a hand-written backward.
+    """Every local expert's SwiGLU on its contiguous slice of rows, each output row optionally times its routing
+    weight, with a hand-written backward.
 
-    xs (S, d) holds ``sizes[e]`` rows for expert e in order; w1, w3 (E, ffn, d), w2 (E, d, ffn) -> (S, d).
-    Autograd over per-expert ``F.linear`` calls on ``unbind``-ed weights would stack the E per-expert weight
-    gradients into a new (E, ...) tensor per weight in backward and keep one node per op; here each expert's
-    gradient is written straight into its row of one (E, ...) gradient by ``torch.mm(out=)``, and the SwiGLU's
-    product is recomputed in backward from the two saved projections (nothing of size (S, ffn) else kept).
-    The arithmetic is autograd's (the same GEMMs; silu's derivative by aten's ``silu_backward``). Under
-    autocast the GEMMs run in its dtype, as ``F.linear`` would, and the gradients come back in the inputs'.
-    An expert with no rows gets a zero gradient; the output depends on every weight, so a rank that received
-    no token still runs the backward (and its all-to-alls) under expert parallelism.
+    xs (S, d) holds ``sizes[e]`` rows for expert e in order; w1, w3 (E, ffn, d), w2 (E, d, ffn); ``scale``
+    (S,) or None -> (S, d): row i is ``scale[i] * (silu(x_i w1^T) * (x_i w3^T)) w2^T``, the weight applied after
+    the down projection as Hugging Face does. Autograd over per-expert ``F.linear`` calls on ``unbind``-ed weights
+    and a separate weighting would keep four (S, ffn) activations and the (S, d) unweighted outputs, and stack
+    the E per-expert weight gradients into a new (E, ...) tensor per weight; here each expert's gradient is
+    written straight into its row of one (E, ...) gradient by ``torch.mm(out=)``, only the two projections are
+    kept, the SwiGLU product is recomputed in backward, and the routing weight's gradient comes from the down
+    projection's input gradient (``sum(dy * (a w2^T)) = sum((dy w2) * a)``), so no output is kept either.
+    The GEMMs are autograd's; silu's derivative is aten's ``silu_backward``. Under autocast the GEMMs run in
+    its dtype, as ``F.linear`` would, the weighted output has ``y * scale``'s dtype, and the gradients come back
+    in the inputs' dtypes. An expert with no rows
+    gets a zero gradient; the output depends on every weight, so a rank that received no token still runs the
+    backward (and its all-to-alls) under expert parallelism.
     """
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, xs: torch.Tensor, w1: torch.Tensor,  # type: ignore[override]
-                w3: torch.Tensor, w2: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+                w3: torch.Tensor, w2: torch.Tensor, sizes: list[int], scale: torch.Tensor | None) -> torch.Tensor:
         kind = xs.device.type
         dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else xs.dtype
         ctx.dtypes = (xs.dtype, w1.dtype, w3.dtype, w2.dtype)
         with torch.autocast(kind, enabled=False):
             x, a1, a3, a2 = (t.to(dt) for t in (xs, w1, w3, w2))
+            sc = None if scale is None else scale.unsqueeze(-1)  # (S, 1), in its own dtype
+            # The weighted output in the dtype ``y * scale`` has (fp32 for a bf16 autocast y and fp32 weights).
+            od = dt if sc is None else torch.promote_types(dt, sc.dtype)
             ffn = a1.shape[1]
             h1 = x.new_empty((x.shape[0], ffn))  # (S, ffn) gate projections
             h3 = x.new_empty((x.shape[0], ffn))  # (S, ffn) up projections
-            ys = x.new_empty(x.shape)  # (S, d)
+            ys = x.new_empty(x.shape, dtype=od)  # (S, d)
             lo = 0
             for e, n in enumerate(sizes):
                 if n:
-                    xe = x[lo:lo + n]  # (n, d)
+                    xe, ye = x[lo:lo + n], ys[lo:lo + n]  # (n, d)
                     torch.mm(xe, a1[e].t(), out=h1[lo:lo + n])
                     torch.mm(xe, a3[e].t(), out=h3[lo:lo + n])
-                    torch.mm(F.silu(h1[lo:lo + n]) * h3[lo:lo + n], a2[e].t(), out=ys[lo:lo + n])
+                    a = F.silu(h1[lo:lo + n]) * h3[lo:lo + n]  # (n, ffn)
+                    if sc is None:
+                        torch.mm(a, a2[e].t(), out=ye)
+                    elif od == dt:
+                        torch.mm(a, a2[e].t(), out=ye).mul_(sc[lo:lo + n])
+                    else:
+                        torch.mul(a @ a2[e].t(), sc[lo:lo + n], out=ye)
                 lo += n
         ctx.sizes = sizes
-        ctx.save_for_backward(x, a1, a3, a2, h1, h3)
+        ctx.save_for_backward(x, a1, a3, a2, h1, h3, sc)
         return ys
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, gy: torch.Tensor  # type: ignore[override]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        x, a1, a3, a2, h1, h3 = ctx.saved_tensors  # type: ignore[attr-defined]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, None, torch.Tensor | None]:
+        x, a1, a3, a2, h1, h3, sc = ctx.saved_tensors  # type: ignore[attr-defined]
+        # The GEMMs take the unweighted output's gradient in the compute dtype; the weight enters after them.
         gy = gy.to(x.dtype)
         gx = torch.empty_like(x)  # (S, d)
         g1, g3, g2 = torch.empty_like(a1), torch.empty_like(a3), torch.empty_like(a2)
+        gs = None if sc is None else torch.empty_like(sc)  # (S, 1), in the weights' dtype
+        sd = None if sc is None else sc.to(x.dtype)
         lo = 0
         for e, n in enumerate(ctx.sizes):  # type: ignore[attr-defined]
             if not n:  # no rows: no contribution
@@ -160,8 +177,16 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 continue
             xe, dy, p1, p3 = x[lo:lo + n], gy[lo:lo + n], h1[lo:lo + n], h3[lo:lo + n]
             act = F.silu(p1)  # (n, ffn)
-            torch.mm(dy.t(), act * p3, out=g2[e])  # (d, ffn)
-            da = dy @ a2[e]  # (n, ffn) gradient of silu(p1) * p3
+            a = act * p3  # (n, ffn) the down projection's input
+            du = dy @ a2[e]  # (n, ffn) gradient of a for an unweighted output
+            if sc is None:
+                torch.mm(dy.t(), a, out=g2[e])  # (d, ffn)
+                da = du
+            else:
+                s = sd[lo:lo + n]  # type: ignore[index]  # (n, 1)
+                gs[lo:lo + n] = torch.sum(du * a, dim=-1, keepdim=True, dtype=gs.dtype)  # type: ignore[index]
+                torch.mm(dy.t(), a * s, out=g2[e])
+                da = du * s
             d3 = da * act
             d1 = torch.ops.aten.silu_backward(da * p3, p1)  # the kernel autograd's silu uses
             torch.mm(d1.t(), xe, out=g1[e])  # (ffn, d)
@@ -170,7 +195,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             gx[lo:lo + n].addmm_(d3, a3[e])
             lo += n
         dx, d1t, d3t, d2t = ctx.dtypes  # type: ignore[attr-defined]
-        return gx.to(dx), g1.to(d1t), g3.to(d3t), g2.to(d2t), None
+        return gx.to(dx), g1.to(d1t), g3.to(d3t), g2.to(d2t), None, None if gs is None else gs.squeeze(-1)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -255,36 +280,39 @@ class MoE(nn.Module):
         # index_put_ (several times slower on CPU). One gather for all experts: one gradient for x2 in backward.
         xs = x2.index_select(0, token)  # (N*k, d), expert 0's slots first, then expert 1's, ...
         sizes = counts.tolist()  # one host sync for the split sizes (the only one without expert parallelism)
-        if self.ep_group is None:
-            ys = torch.split(self._experts(xs, sizes), sizes)  # E x (n_e, d)
-        else:
-            # (N*k, d): the same slots, computed by their experts' ranks
-            ys = torch.split(self._dispatch_and_combine(xs, counts, sizes), sizes)
-        # (N, d): each expert's weighted outputs (as Hugging Face: after down) added into a tensor of its own, in
-        # place, one expert at a time (a token picks an expert once: no row added twice in one call), so the
-        # outputs are never concatenated nor permuted back to the tokens' order.
+        if self.ep_group is None:  # E x (n_e, d), each row times its routing weight (as Hugging Face: after down)
+            ys = torch.split(self._experts(xs, sizes, ws), sizes)
+        else:  # the same slots, computed (and weighted) by their experts' ranks
+            ys = torch.split(self._dispatch_and_combine(xs, ws, counts, sizes), sizes)
+        # (N, d): each expert's weighted outputs added into a tensor of its own, in place, one expert at a time (a
+        # token picks an expert once: no row added twice in one call), so the outputs are never concatenated nor
+        # permuted back to the tokens' order.
         out = torch.zeros_like(x2)
-        for ye, te, we in zip(ys, torch.split(token, sizes), torch.split(ws, sizes), strict=True):
+        for ye, te in zip(ys, torch.split(token, sizes), strict=True):
             if te.numel():
-                out.index_add_(0, te, ye * we.unsqueeze(-1))
+                out.index_add_(0, te, ye)
         # (B, T, d). The block returns a tensor of its own, not a view, on which FSDP2 (experts sharded over edp)
         # hooks its backward: the shared expert's sum is one, else a copy (N x d, small beside the experts).
         if self.shared is not None:
             return out.view(shape) + self.shared(x2).view(shape)
         return out.view(shape).clone()
 
-    def _experts(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def _experts(self, xs: torch.Tensor, sizes: list[int], scale: torch.Tensor | None = None) -> torch.Tensor:
         """Run the experts held here on contiguous slices: xs (sum(sizes), d) -> (sum(sizes), d).
 
-        ``sizes[e]`` rows of ``xs`` belong to this rank's e-th expert, in order (:class:`_GroupedSwiGLU`).
+        ``sizes[e]`` rows of ``xs`` belong to this rank's e-th expert, in order; ``scale`` (sum(sizes),): each
+        output row's routing weight, or None (:class:`_GroupedSwiGLU`).
         """
         w1, w3, w2 = (_local(t) for t in (self.w1, self.w3, self.w2))  # (E, ffn, d), (E, ffn, d), (E, d, ffn)
-        return _GroupedSwiGLU.apply(xs, w1, w3, w2, sizes)
+        return _GroupedSwiGLU.apply(xs, w1, w3, w2, sizes, scale)
 
-    def _dispatch_and_combine(self, xs: torch.Tensor, counts: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def _dispatch_and_combine(self, xs: torch.Tensor, ws: torch.Tensor, counts: torch.Tensor,
+                              sizes: list[int]) -> torch.Tensor:
         """Expert parallelism: send each slot to the rank holding its expert, run, send the result back.
 
-        xs (N*k, d) is sorted by expert, ``counts`` (E,) its slots per expert. Expert e lives on ep rank
+        xs (N*k, d) is sorted by expert, ``ws`` (N*k,) its routing weights (they travel with the rows, one more
+        column, so each expert's rank weighs its outputs as one process does), ``counts`` (E,) its slots per
+        expert. Expert e lives on ep rank
         e // (E/ep), so the slots for one destination are contiguous. The split sizes are exchanged first
         (an all-to-all of the counts), then the rows; what arrives is ordered (source rank, local expert)
         and is regrouped to (local expert, source rank) so each local expert runs on one contiguous slice,
@@ -301,11 +329,12 @@ class MoE(nn.Module):
         in_splits = [sum(sizes[r * local_e:(r + 1) * local_e]) for r in range(ep)]
         out_splits = [sum(got[r * local_e:(r + 1) * local_e]) for r in range(ep)]
         per_expert = [sum(got[r * local_e + j] for r in range(ep)) for j in range(local_e)]
-        xr = _AllToAll.apply(xs, out_splits, in_splits, group)  # (sum(recv), d), (source, expert) order
+        xw = torch.cat([xs, ws.unsqueeze(-1)], dim=1)  # (N*k, d+1): each row and its routing weight
+        xr = _AllToAll.apply(xw, out_splits, in_splits, group)  # (sum(recv), d+1), (source, expert) order
         by_expert = [s * local_e + j for j in range(local_e) for s in range(ep)]  # chunk order (expert, source)
         chunks = torch.split(xr, got)
-        xe = torch.cat([chunks[i] for i in by_expert])  # (sum(recv), d), each local expert's rows contiguous
-        ye = self._experts(xe, per_expert)  # (sum(recv), d)
+        xe = torch.cat([chunks[i] for i in by_expert])  # (sum(recv), d+1), each local expert's rows contiguous
+        ye = self._experts(xe[:, :-1], per_expert, xe[:, -1])  # (sum(recv), d), weighted
         ychunks = torch.split(ye, [got[i] for i in by_expert])
         # back to (source, expert) order: chunk (s, j) sits at position j*ep + s of the expert-major list
         yr = torch.cat([ychunks[j * ep + s] for s in range(ep) for j in range(local_e)])  # (sum(recv), d)
