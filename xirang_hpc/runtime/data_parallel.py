@@ -90,14 +90,18 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float = 25.0, i
     small model's step here), so DDP then gets the dp mesh's process group instead.
     ``ignore``: parameter and buffer names DDP neither reduces nor broadcasts (expert-parallel shards,
     per-rank MoE counters).
+
+    ``gradient_as_bucket_view``: each gradient is a view into its all-reduce bucket, so the gradients are held
+    once (DDP otherwise keeps every bucket beside the ``.grad`` tensors: a second copy of all the gradients,
+    which the planner's memory model, two buckets in flight, does not count). Same all-reduces, same values.
     """
     dp = dp_cp_mesh(mesh)
     skip = set(ignore or ())
     if skip:
         ddp_ignore(model, sorted(skip))
     if any(isinstance(p, DTensor) for n, p in model.named_parameters() if n not in skip):
-        return DDP(model, device_mesh=dp, bucket_cap_mb=bucket_cap_mb)
-    return DDP(model, process_group=dp.get_group(), bucket_cap_mb=bucket_cap_mb)
+        return DDP(model, device_mesh=dp, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
+    return DDP(model, process_group=dp.get_group(), bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
 
 
 def param_groups(model: nn.Module, t: TrainConfig) -> list[dict[str, object]]:
