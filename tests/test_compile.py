@@ -91,10 +91,15 @@ def test_a_rank_s_config_refusal_is_shown_as_its_one_line() -> None:
     assert config_refusal("Traceback ...\nRuntimeError: boom\n") is None
 
 
-def test_compile_is_refused_for_mixture_of_experts_models() -> None:
-    with pytest.raises(ConfigError, match="train.compile"):
-        H.make_cfg(1, {}, model={"mlp": "swiglu", "moe_experts": 4}, train={"compile": True})
-    H.make_cfg(1, {}, model={"mlp": "swiglu", "moe_experts": 4})  # the same model, eager
+
+
+def test_compile_of_mixture_of_experts_models_refuses_selective_recompute_by_name() -> None:
+    moe = {"mlp": "swiglu", "moe_experts": 4}
+    with pytest.raises(ConfigError, match="train.compile.*parallel.recompute=selective"):
+        H.make_cfg(1, {"recompute": "selective"}, model=moe, train={"compile": True})
+    for recompute in ("none", "full"):  # compiled around the routing (the layout matrix runs them)
+        assert H.make_cfg(1, {"recompute": recompute}, model=moe, train={"compile": True}).train.compile
+    assert H.make_cfg(1, {"recompute": "selective"}, model=moe).parallel.recompute == "selective"  # eager
 
 
 def test_optimizer_impl_keywords_and_the_fused_refusal() -> None:

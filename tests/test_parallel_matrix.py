@@ -108,13 +108,19 @@ MOE_CASES = [(2, "dp2", "aux"), (2, "ep2", "aux"), (4, "ep4", "aux"), (4, "ep2xd
              (4, "ep2xzero2x2", "bias"), (2, "pp2", "bias"), (2, "pp2v2", "bias"), (4, "ep2xpp2", "bias"),
              (2, "tp2", "aux"), (2, "tp2sp", "bias"), (4, "ep2xtp2", "aux"), (4, "ep2xtp2", "bias"), (2, "cp2", "aux"),
              (2, "cp2", "bias"), (4, "cp2xdp2", "aux"), (8, "ep2xfsdp2xtp2", "aux"),
-             (8, "ep2xfsdp2xpp2", "bias"), (8, "ep2xfsdp4", "aux"), (8, "ep2xhsdp2x4", "aux")]
-MOE_MODELS = {"aux": H.MOE, "bias": MOE_BIAS}  # "+full": with full recompute (the all-to-alls run again in backward)
+             (8, "ep2xfsdp2xpp2", "bias"), (8, "ep2xfsdp4", "aux"), (8, "ep2xhsdp2x4", "aux"),
+             # train.compile: each MoE block's attention half and router compiled, the dispatch and experts eager
+             (2, "dp2", "aux+compiled"), (2, "ep2", "bias+compiled"), (2, "ep2", "aux+full+compiled"),
+             (2, "pp2", "bias+compiled"), (2, "tp2", "aux+compiled"), (4, "ep2xfsdp2", "aux+compiled")]
+# "+full" / "+selective": with that recompute (the all-to-alls run again in backward); "+compiled": train.compile
+MOE_MODELS = {"aux": H.MOE, "bias": MOE_BIAS}
 
 
 def _moe_cfg(world: int, layout: str, kind: str):
-    balance, _, recompute = kind.partition("+")
-    return H.with_recompute(H.make_cfg(world, H.LAYOUTS[layout], model=MOE_MODELS[balance]), recompute or "none")
+    balance, *more = kind.split("+")
+    recompute = next((r for r in more if r in ("full", "selective")), "none")
+    train = {"compile": True} if "compiled" in more else None
+    return H.with_recompute(H.make_cfg(world, H.LAYOUTS[layout], model=MOE_MODELS[balance], train=train), recompute)
 
 
 @pytest.fixture(scope="module")
@@ -381,7 +387,7 @@ def test_moe_layout_matches_single_process(world: int, layout: str, balance: str
     """A mixture-of-experts model under data and expert parallelism trains like one process (rtol 1e-5), and
     each expert-parallel rank holds E/ep experts (DDP: everything else whole; FSDP2: less), E/(ep*edp) where
     FSDP2 shards them over the edp ranks too (efsdp)."""
-    model = MOE_MODELS[balance.partition("+")[0]]
+    model = MOE_MODELS[balance.split("+")[0]]
     ref = H.reference(email_data, model=model)
     assert min(ref["norms"]) > 0.05, "clipping must be active for the grad-norm check to bite"
     per_rank = moe_groups(world)[f"{layout}/{balance}"]

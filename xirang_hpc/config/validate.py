@@ -186,9 +186,13 @@ def validate(cfg: XirangConfig) -> XirangConfig:
                           "see (each holds some layers, and 1F1B runs a microbatch's backward before the next "
                           "one's forward); use model.moe_balance=bias (or none) with parallel.pp > 1, or parallel.pp=1")
     _check_ep(cfg, dp)
-    if m.moe_experts and t.compile:  # the router's data-dependent token routing breaks a whole-block graph
-        raise ConfigError("train.compile", True, "mixture-of-experts blocks are not compiled (their token routing "
-                          "has data-dependent shapes); use train.compile=false for model.moe_experts > 0")
+    if m.moe_experts and t.compile and p.recompute == "selective":
+        # A MoE block is compiled in parts around its routing (runtime/compile.py); selective recompute replays
+        # the block eager under a dispatch mode that compiled code cannot run in (a whole dense block's graph
+        # holds its checkpoint region instead).
+        raise ConfigError("train.compile", True, "a mixture-of-experts model compiles its blocks in parts (the "
+                          "attention half and the router), which parallel.recompute=selective cannot replay; use "
+                          "parallel.recompute=full or none with train.compile=true, or train.compile=false")
     if t.precision == "fp8" and p.tp > 1:  # the tensor-parallel plan shards nn.Linear, not torchao's Float8Linear
         raise ConfigError("train.precision", "fp8", "float8 linear layers are not tensor-parallel yet; use "
                           "parallel.tp=1 (data parallel, FSDP and pipelines work) or train.precision=bf16")

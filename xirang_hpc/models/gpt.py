@@ -249,8 +249,18 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C)."""
-        x = x + self.attn(self.attn_norm(x), rope, mask)
-        return x + self.mlp(self.mlp_norm(x))
+        h, y = self.attend(x, rope, mask)
+        return h + self.mlp(y)
+
+    def attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention half and the MLP's input: h = x + attn(norm(x)) and norm(h), both (B, T, C).
+
+        A method of its own so that ``train.compile`` can compile it alone where the MLP cannot be traced in one
+        graph (a mixture of experts' data-dependent routing; runtime/compile.py).
+        """
+        h = x + self.attn(self.attn_norm(x), rope, mask)
+        return h, self.mlp_norm(h)
 
 
 class GPT(nn.Module):

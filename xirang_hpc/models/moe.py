@@ -245,6 +245,15 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, d) -> (router logits (N, E), top-k weights (N, k) in x's dtype, top-k expert ids (N, k))."""
         logits = self.gate(x)  # (N, E), in the activation dtype as Hugging Face's router
+        w, idx = self.select(logits)
+        return logits, w.to(x.dtype), idx
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits (N, E) -> (top-k weights (N, k) in fp32, top-k expert ids (N, k)).
+
+        Apart from the gate's matmul so that ``train.compile`` can compile it alone (runtime/compile.py): the
+        gate is a module of its own that FSDP2 may shard, and its hooks stay outside any graph.
+        """
         # Scores in fp32: a bf16 softmax over many experts loses the small probabilities' ordering.
         scores = torch.softmax(logits.float(), dim=-1) if self.score == "softmax" else torch.sigmoid(logits.float())
         # The bias steers which experts are chosen, never how much they weigh (DeepSeek-V3).
@@ -253,7 +262,7 @@ class MoE(nn.Module):
         w = scores.gather(1, idx)  # (N, k)
         if self.norm_topk:
             w = w / w.sum(dim=-1, keepdim=True)
-        return logits, w.to(x.dtype), idx
+        return w, idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, d) -> (B, T, d)."""

@@ -1,6 +1,7 @@
 """Regional compilation (``train.compile``): each transformer block's forward through ``torch.compile``, and the loss.
 
-As torchtitan does it: the blocks are compiled one by one (they share one code object, so the first
+As torchtitan does it: the blocks are compiled one by one (a mixture-of-experts block: its attention half
+and its router, around the data-dependent dispatch) (they share one code object, so the first
 block's graph is reused by the others rather than the whole model traced as one), after tensor
 parallelism and recomputation have been applied to them and before FSDP2 wraps them, so the
 tensor-parallel redistributions and the checkpoint region are inside the compiled graph and FSDP2's
@@ -27,6 +28,7 @@ from torch import nn
 from xirang_hpc.config.errors import ConfigError
 from xirang_hpc.models.gpt import lm_loss
 from xirang_hpc.models.loss import chunk_step
+from xirang_hpc.models.moe import MoE
 
 CACHE_SUBDIR = "xirang-hpc"
 
@@ -117,6 +119,14 @@ def apply_compile(model: nn.Module, views: Sequence[nn.Module] = ()) -> int:
     configure_cache()
     blocks = list(model.layers.values())
     for block in blocks:
+        if isinstance(block.mlp, MoE):
+            # A mixture of experts routes each token to experts by value: the slot counts are data, not
+            # shapes a graph can hold. Compiled around it: the attention half with the MLP's norm, and the
+            # router's selection (scores, top-k, weights); the gate's matmul (a module FSDP2 may shard), the
+            # dispatch and the experts' GEMMs run eager.
+            block.attend = torch.compile(block.attend, fullgraph=True)  # type: ignore[method-assign]
+            block.mlp.select = torch.compile(block.mlp.select, fullgraph=True)  # type: ignore[method-assign]
+            continue
         # fullgraph: a graph break inside a block is a bug to see, not a silent slow path.
         block.forward = torch.compile(block.forward, fullgraph=True)  # type: ignore[method-assign]
     if getattr(model, "head", None) is not None:  # the stage that computes the loss
