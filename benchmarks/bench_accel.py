@@ -37,6 +37,9 @@ Run:  python benchmarks/bench_accel.py [--quick] [--steps 16] [--rounds 3]
 Every measurement is a fresh group of rank processes (``spawn``), so compile state carries over only through
 the on-disk cache; rounds are interleaved and the ratios are medians of the per-round ratios.
 
+``--moe``: the one-process measurements with a mixture of experts in every block (:data:`MOE`), compiled
+around the routing as ``train.compile`` compiles such blocks.
+
 Run:  python benchmarks/bench_accel.py --ranks 4 --layouts dp2xtp2,fsdp4 [--steps 6] [--rounds 2] [--eager-only]
       (3 rounds of the 100M model: about 27 minutes on 2 shared cores; ``--model tiny``: a few minutes)
 """
@@ -61,9 +64,12 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA = {"name": "llama-small", "n_layer": 4, "n_head": 8, "n_kv_head": 2, "d_model": 128, "d_ff": 384,
          "seq_len": 128, "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False, "rope_theta": 500000.0}
 TRAIN = {"global_batch": 8, "grad_clip": 1.0, "warmup_steps": 2, "eval_batches": 1, "log_every": 1000}
+# --moe: the same model with a mixture of 8 SwiGLU experts of width 256 (top-2, expert-bias balancing, so the
+# plain loop's loss is the trainer's) in place of every block's MLP
+MOE = {"moe_experts": 8, "moe_top_k": 2, "moe_ffn_hidden": 256, "moe_balance": "bias"}
 
 
-def _child(kind: str, compile_: bool, impl: str, steps: int, data: str) -> dict[str, Any]:
+def _child(kind: str, compile_: bool, impl: str, steps: int, data: str, moe: bool = False) -> dict[str, Any]:
     """One measurement in this (fresh) process: per-step wall times of ``steps`` steps."""
     sys.path.insert(0, str(ROOT / "tests"))
     import parallel_harness as H
@@ -77,7 +83,8 @@ def _child(kind: str, compile_: bool, impl: str, steps: int, data: str) -> dict[
     from xirang_hpc.runtime.trainer import Trainer
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    cfg = H.make_cfg(1, {}, steps, model=LLAMA, train={**TRAIN, "compile": compile_, "optimizer_impl": impl})
+    model = {**LLAMA, **MOE} if moe else LLAMA
+    cfg = H.make_cfg(1, {}, steps, model=model, train={**TRAIN, "compile": compile_, "optimizer_impl": impl})
     t = cfg.train
     times: list[float] = []
     t_build = time.perf_counter()
@@ -110,11 +117,12 @@ def _child(kind: str, compile_: bool, impl: str, steps: int, data: str) -> dict[
     return {"times": times, "build_s": build_s}
 
 
-def run_child(kind: str, compile_: bool, impl: str, steps: int, data: Path, cache: Path) -> dict[str, Any]:
+def run_child(kind: str, compile_: bool, impl: str, steps: int, data: Path, cache: Path,
+              moe: bool = False) -> dict[str, Any]:
     """:func:`_child` in a fresh interpreter whose user cache directory is ``cache``."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env["XDG_CACHE_HOME"] = str(cache)
-    args = [sys.executable, __file__, "--child", json.dumps([kind, compile_, impl, steps, str(data)])]
+    args = [sys.executable, __file__, "--child", json.dumps([kind, compile_, impl, steps, str(data), moe])]
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{kind} compile={compile_} failed:\n{out.stderr[-4000:]}")
@@ -429,6 +437,8 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=2, help="multi-rank mode: steps before the steady ones")
     ap.add_argument("--eager-only", action="store_true",
                     help="multi-rank mode: only the eager trainer and plain loop (no compile, no compile times)")
+    ap.add_argument("--moe", action="store_true",
+                    help="one-process mode: the model with 8 experts (top-2) in every block instead of a dense MLP")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -451,11 +461,11 @@ def main() -> None:
         data = Path(tmp) / "data"
         prepare(str(Path(sysconfig.get_paths()["stdlib"]) / "email"), data, val_fraction=0.2)
         cache = Path(tmp) / "cache"  # starts empty: the first compiled run is cold, every later one warm
-        cold = run_child("trainer", True, "auto", steps, data, cache)
+        cold = run_child("trainer", True, "auto", steps, data, cache, a.moe)
         for rnd in range(rounds):  # the warm measurements interleaved, the order reversed every other round
             for name in list(runs) if rnd % 2 == 0 else list(runs)[::-1]:
                 t0 = time.perf_counter()
-                res[name].append(run_child(*runs[name], steps, data, cache))
+                res[name].append(run_child(*runs[name], steps, data, cache, a.moe))
                 print(f"  round {rnd} {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     def tps(r: dict[str, Any]) -> float:
@@ -474,7 +484,9 @@ def main() -> None:
     print(f"model {LLAMA['name']}: {LLAMA['n_layer']} layers, d_model {LLAMA['d_model']}, GQA "
           f"{LLAMA['n_head']}/{LLAMA['n_kv_head']}, seq {LLAMA['seq_len']}, batch {TRAIN['global_batch']}; "
           f"{steps} steps per process, median step of {skip}..{steps - 1}; {rounds} round(s); torch threads "
-          f"{os.environ.get('BENCH_THREADS', '2')}")
+          f"{os.environ.get('BENCH_THREADS', '2')}"
+          + (f"; MoE: {MOE['moe_experts']} experts of width {MOE['moe_ffn_hidden']}, top-{MOE['moe_top_k']}"
+             if a.moe else ""))
     for k in runs:
         print(f"{k:20s} {med(k):>9,.0f} tok/s   start-up beyond steady steps {med(k, to_steady):6.2f} s")
     eager0 = med("trainer-eager", to_steady)
