@@ -286,14 +286,16 @@ def test_a_bias_balanced_run_imports_from_a_qwen3_moe_directory(moe_dirs) -> Non
 @pytest.mark.slow
 @pytest.mark.parametrize("name,layout,world", [("qwen3moe", "fsdp4", 4), ("qwen3moe-step2", "zero3dp2", 2),
                                                ("mixtral", "dp2", 2), ("mixtral", "dp2zero", 2),
-                                               ("qwen3moe", "dp2xtp2", 4), ("qwen3moe", "ep2xfsdp2", 4)])
+                                               ("qwen3moe", "dp2xtp2", 4), ("qwen3moe", "ep2xfsdp2", 4),
+                                               ("qwen3moe", "ep2xhsdp2x4", 8)])
 def test_ranks_read_only_their_experts_and_match_transformers(moe_dirs, name: str, layout: str, world: int) -> None:
     """MoE imported data-parallel (DDP, ZeRO 1-2, or FSDP2 = ZeRO-3) and beside tensor parallelism. FSDP2
     shards every stacked expert tensor along its expert dimension: each of 4 ranks holds 2 of the 8 experts (of
     2 ranks, 2 of 4) and opens only those experts' tensors, reading exactly the elements it holds. Under DDP and
     ZeRO-1 (optimizer state sharded, weights whole), and under tp (the attention split, every expert whole on
     each tp rank), every rank reads every expert once. At ep2 under FSDP2 (efsdp) each rank reads the quarter of
-    the experts it holds: its ep rank's half, of which its edp rank's half."""
+    the experts it holds: its ep rank's half, of which its edp rank's half; under HSDP (2 replicate groups of 4
+    ranks, ep2) the same quarter, whatever its replicate group."""
     from test_hf_import import TOKENS as WORKER_TOKENS
     from test_hf_import import _run
 
@@ -307,10 +309,12 @@ def test_ranks_read_only_their_experts_and_match_transformers(moe_dirs, name: st
     experts = MODELS[name][2].get("num_experts") or MODELS[name][2]["num_local_experts"]
     for rank, r in enumerate(res):
         read = {int(n.split(".experts.")[1].split(".")[0]) for n, _, _ in r["requests"] if ".experts." in n}
-        if layout in ("fsdp4", "zero3dp2", "ep2xfsdp2"):
-            share = experts // world
-            # efsdp: dp rank = edp rank x 2 + ep rank; ep rank e holds experts [e*E/2, (e+1)*E/2), split over edp
-            first = (rank % 2) * experts // 2 + (rank // 2) * share if layout == "ep2xfsdp2" else rank * share
+        if layout in ("fsdp4", "zero3dp2", "ep2xfsdp2", "ep2xhsdp2x4"):
+            share = experts // 4 if layout == "ep2xhsdp2x4" else experts // world  # HSDP: shards over 4, twice
+            # efsdp: dp rank = (replicate group x 4 +) efsdp rank x 2 + ep rank; ep rank e holds experts
+            # [e*E/2, (e+1)*E/2), split over efsdp
+            efsdp_rank = (rank % 4) // 2
+            first = (rank % 2) * experts // 2 + efsdp_rank * share if layout.startswith("ep2x") else rank * share
             assert read == set(range(first, first + share)), (rank, read)
             routers = [(s, full) for n, s, full in r["requests"] if n.endswith("mlp.gate.weight")]
             assert routers and all(s == [share, full[1]] for s, full in routers)  # its experts' router rows
