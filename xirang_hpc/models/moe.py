@@ -122,9 +122,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
     projection's input gradient (``sum(dy * (a w2^T)) = sum((dy w2) * a)``), so no output is kept either.
     The GEMMs are autograd's; silu's derivative is aten's ``silu_backward``. Under autocast the GEMMs run in
     its dtype, as ``F.linear`` would, the weighted output has ``y * scale``'s dtype, and the gradients come back
-    in the inputs' dtypes. An expert with no rows
-    gets a zero gradient; the output depends on every weight, so a rank that received no token still runs the
-    backward (and its all-to-alls) under expert parallelism.
+    in the inputs' dtypes. An expert with no rows gets a zero gradient; the output depends on every weight, so a
+    rank that received no token still runs the backward (and its all-to-alls) under expert parallelism.
     """
 
     @staticmethod
