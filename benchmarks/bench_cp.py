@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from _common import rss_mib
+from _common import rss_mib, saved_storages
 
 
 def _worker(place: Any, queue: Any, args: dict[str, Any]) -> None:
@@ -62,13 +62,7 @@ def _worker(place: Any, queue: Any, args: dict[str, Any]) -> None:
 
     step()  # warm-up: allocator, DDP's first-iteration bookkeeping
     base = rss_mib()
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages() as saved:
         loss = lm_loss(pm.module(x), y)
     loss.backward()
     pm.model.zero_grad(set_to_none=True)

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import saved_storages
 from torch.distributed.tensor import DTensor
 
 from xirang_hpc.config.schema import ClusterConfig, ModelConfig, ParallelConfig, TrainConfig, XirangConfig
@@ -108,14 +109,8 @@ def _time(blocks: list[torch.nn.Module], x: torch.Tensor, repeats: int, warmup: 
 
 def _saved_mib(block: torch.nn.Module, x: torch.Tensor) -> float:
     """MiB autograd keeps for the backward of one forward (each saved storage counted once; the weights too)."""
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages() as saved:
         y = block(x.detach().requires_grad_(True))
     del y
     return sum(n for k, n in saved.items() if k not in weights) / 2**20

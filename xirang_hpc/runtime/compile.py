@@ -1,8 +1,8 @@
 """Regional compilation (``train.compile``): each transformer block's forward through ``torch.compile``, and the loss.
 
-As torchtitan does it: the blocks are compiled one by one (a mixture-of-experts block: its attention half
-and its router, around the data-dependent dispatch) (they share one code object, so the first
-block's graph is reused by the others rather than the whole model traced as one), after tensor
+As torchtitan does it: the blocks are compiled one by one (they share one code object, so the first
+block's graph is reused by the others rather than the whole model traced as one; a mixture-of-experts block
+is compiled in parts, its attention half and its router, around the data-dependent dispatch), after tensor
 parallelism and recomputation have been applied to them and before FSDP2 wraps them, so the
 tensor-parallel redistributions and the checkpoint region are inside the compiled graph and FSDP2's
 all-gather/reshard hooks stay outside it. Unlike torchtitan the block is not replaced by an
