@@ -315,9 +315,9 @@ def test_moe_expert_parallel_resume_and_reshard_across_ep(stdlib_data, tmp_path)
     """Expert-parallel checkpoints (each rank saves its experts as shards of the full tensors):
 
     - ep2 stopped at step 10 and resumed at ep2 ends bitwise where the uninterrupted ep2 run does;
-    - the same step-10 checkpoint resumed at ep1 (each rank loads all experts) continues like the
-      uninterrupted ep2 run to fp32 rounding: steps 11-20 then reduce in another order (the experts'
-      gradients come from a local backward instead of the all-to-all's), so not bitwise.
+    - the same step-10 checkpoint resumed at ep1 (each rank loads all experts) ends bitwise there too: the
+      expert ranks run each source rank's rows through GEMMs of their own and add the sources' gradients as
+      the data-parallel all-reduce of ep1 adds them (models/moe.py ``_GroupedSwiGLU``).
     """
     ep2 = [*TWO_RANKS, *MOE_MODEL, "parallel.ep=2"]
     full, split = tmp_path / "full", tmp_path / "split"
@@ -337,4 +337,36 @@ def test_moe_expert_parallel_resume_and_reshard_across_ep(stdlib_data, tmp_path)
     m = ckpt_layout.read_manifest(fork / "checkpoints" / "step_20")
     assert m["layout"]["parallel"]["ep"] == 1
     assert ckpt_layout.read_manifest(split / "checkpoints" / "step_10")["layout"]["parallel"]["ep"] == 2
-    _assert_continues_to_rounding(full, fork, a)
+    _assert_bitwise(a, fork)
+    assert _losses(full) == _losses(fork)
+
+
+def _assert_bitwise(final: dict[str, torch.Tensor], fork: Path) -> None:
+    """``fork``'s step-20 checkpoint holds bitwise the tensors ``final`` (weights, AdamW moments, bias)."""
+    c = saved_tensors(fork / "checkpoints" / "step_20")
+    assert c.keys() == final.keys()
+    differ = [k for k in final if not torch.equal(final[k], c[k])]
+    assert not differ, f"differ from the uninterrupted run: {differ}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,changes", [("ddp", (2, 1)), ("fsdp", (2,))])
+def test_moe_resume_across_ep_on_4_ranks_is_bitwise(stdlib_data, tmp_path, dp, changes):
+    """ep4 on 4 ranks (2 virtual nodes x 2) stopped at step 10 and resumed at ep2 (and, under DDP, ep1) ends
+    bitwise where the uninterrupted ep4 run does: every source rank's rows meet the same GEMMs whatever ep, and
+    an expert's gradient adds the 4 ranks' contributions as ((r0 + r1) + (r2 + r3)) in every layout (the
+    expert rank's pairwise sum, the 2-rank edp all-reduce, the hierarchical data-parallel all-reduce; under
+    FSDP2 at ep2 the efsdp reduce-scatter over 2). One microbatch a step: accumulation would add the
+    microbatches before the ranks at ep1 and after them at ep4."""
+    layout = ["cluster.nodes=2", "cluster.tasks_per_node=2", "parallel.tp=1", "parallel.pp=1",
+              "parallel.microbatches=1", f"parallel.data_parallel={dp}", *MOE_MODEL]
+    full = tmp_path / "full"
+    run_job(make_cfg(stdlib_data, full, [*layout, "parallel.ep=4"]), full, stdlib_data, world=4)
+    final = saved_tensors(full / "checkpoints" / "step_20")
+    assert final["model.layers.0.mlp.w1"].shape[0] == 4
+    for ep in changes:
+        fork = fork_run(full, 10, tmp_path / f"ep{ep}")
+        run_job(make_cfg(stdlib_data, fork, [*layout, f"parallel.ep={ep}"]), fork, stdlib_data, world=4)
+        assert ckpt_layout.read_manifest(fork / "checkpoints" / "step_20")["layout"]["parallel"]["ep"] == ep
+        _assert_bitwise(final, fork)
+        assert _losses(fork) == _losses(full)

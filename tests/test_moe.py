@@ -201,6 +201,42 @@ def test_grouped_experts_equal_autograd_in_values_and_gradients(autocast: bool, 
     assert all(t[0].abs().sum() > 0 for t in got[2:5])
 
 
+def test_grouped_experts_per_source_segments_are_bitwise_the_sources_own() -> None:
+    """``sources=2`` (expert parallelism: each expert's rows from 2 ranks, one segment each): every output row
+    and input gradient is bitwise what each source's own call (``sources=1``, its rows alone, as without expert
+    parallelism) gives, and each weight gradient is bitwise the sum of the two sources' (as a 2-rank
+    all-reduce adds them), including an expert with rows from one source only and one with none."""
+    from xirang_hpc.models.moe import _GroupedSwiGLU
+
+    torch.manual_seed(5)
+    e, d, ffn = 3, 16, 8
+    own = [[6, 0, 0], [3, 4, 0]]  # rows per expert sent by source 0 and by source 1
+    ws = [torch.randn(e, ffn, d) * 0.3, torch.randn(e, ffn, d) * 0.3, torch.randn(e, d, ffn) * 0.3]
+    xs = [torch.randn(sum(n), d) for n in own]
+    scale = [torch.rand(sum(n)) for n in own]
+    gy = [torch.randn(sum(n), d) for n in own]
+
+    def run(x: torch.Tensor, s: torch.Tensor, g: torch.Tensor, sizes: list[int], sources: int) -> list[torch.Tensor]:
+        x, s, w = x.clone().requires_grad_(True), s.clone().requires_grad_(True), [t.clone().requires_grad_(True)
+                                                                                  for t in ws]
+        y = _GroupedSwiGLU.apply(x, *w, sizes, s, sources)
+        (y * g).sum().backward()
+        return [y.detach(), x.grad, s.grad, *(t.grad for t in w)]
+
+    alone = [run(xs[r], scale[r], gy[r], own[r], 1) for r in range(2)]
+    # The expert rank's view: expert-major, source-minor segments, each source's rows in its own order.
+    lo = [[sum(own[r][:j]) for j in range(e)] for r in range(2)]
+    pick = [(r, j) for j in range(e) for r in range(2)]
+    cat = [torch.cat([t[r][lo[r][j]:lo[r][j] + own[r][j]] for r, j in pick]) for t in (xs, scale, gy)]
+    both = run(*cat, [own[r][j] for r, j in pick], 2)
+    for i, name in enumerate(("output", "x", "scale")):
+        want = torch.cat([alone[r][i][lo[r][j]:lo[r][j] + own[r][j]] for r, j in pick])
+        assert torch.equal(both[i], want), name
+    for i, name in zip((3, 4, 5), ("w1", "w3", "w2"), strict=True):
+        assert torch.equal(both[i], alone[0][i] + alone[1][i]), name
+        assert (both[i][2] == 0).all() and both[i][1].abs().sum() > 0
+
+
 def test_moe_gpt_layers_and_aux_loss() -> None:
     cfg = _cfg(n_layer=4, moe_every=2, vocab_size=64)
     assert cfg.moe_layers == (1, 3)
@@ -400,8 +436,10 @@ def test_expert_parallel_block_equals_one_process(tmp_path: Path, skew: bool) ->
     for r, g in enumerate(got):
         torch.testing.assert_close(g["y"], y[2 * r : 2 * r + 2].detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g["dx"], xs.grad[2 * r : 2 * r + 2], rtol=1e-5, atol=1e-6)
-        for n in ("w1", "w2", "w3"):  # sums over both ranks' tokens: the all-to-all's backward brought them
-            torch.testing.assert_close(g[n], getattr(ref, n).grad[4 * r : 4 * r + 4], rtol=1e-5, atol=1e-6)
+        # Sums over both ranks' tokens (the all-to-all's backward brought them), added per source rank as a
+        # data-parallel all-reduce adds them, where one process runs one GEMM over all rows: rounding apart.
+        for n in ("w1", "w2", "w3"):
+            torch.testing.assert_close(g[n], getattr(ref, n).grad[4 * r : 4 * r + 4], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[0]["gate"] + got[1]["gate"], ref.gate.weight.grad, rtol=1e-5, atol=1e-6)
     if skew:
         assert torch.count_nonzero(got[1]["w1"]) == 0

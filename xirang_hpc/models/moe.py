@@ -124,11 +124,20 @@ class _GroupedSwiGLU(torch.autograd.Function):
     its dtype, as ``F.linear`` would, the weighted output has ``y * scale``'s dtype, and the gradients come back
     in the inputs' dtypes. An expert with no rows gets a zero gradient; the output depends on every weight, so a
     rank that received no token still runs the backward (and its all-to-alls) under expert parallelism.
+
+    ``sources`` > 1 (expert parallelism): ``sizes`` has ``sources`` segments per expert, the rows each ep rank
+    sent, and every GEMM runs per segment, so each source's rows meet exactly the GEMMs its own rank would run
+    on them without expert parallelism. An expert's weight gradient is then the sum of its sources' gradients
+    as a balanced binary tree over the ep ranks, ((r0 + r1) + (r2 + r3)), which is how the data-parallel
+    reductions of fewer expert ranks add them on these sizes (a 2-rank all-reduce, the 2 x 2 hierarchical one,
+    an edp all-reduce or reduce-scatter of two such sums): a change of ``ep`` on the same 2 or 4 ranks trains
+    bitwise alike (one microbatch a step; tests/test_checkpoint_resume.py).
     """
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, xs: torch.Tensor, w1: torch.Tensor,  # type: ignore[override]
-                w3: torch.Tensor, w2: torch.Tensor, sizes: list[int], scale: torch.Tensor | None) -> torch.Tensor:
+                w3: torch.Tensor, w2: torch.Tensor, sizes: list[int], scale: torch.Tensor | None,
+                sources: int = 1) -> torch.Tensor:
         kind = xs.device.type
         dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else xs.dtype
         ctx.dtypes = (xs.dtype, w1.dtype, w3.dtype, w2.dtype)
@@ -142,7 +151,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
             h3 = x.new_empty((x.shape[0], ffn))  # (S, ffn) up projections
             ys = x.new_empty(x.shape, dtype=od)  # (S, d)
             lo = 0
-            for e, n in enumerate(sizes):
+            for i, n in enumerate(sizes):
+                e = i // sources  # the segment's expert
                 if n:
                     xe, ye = x[lo:lo + n], ys[lo:lo + n]  # (n, d)
                     torch.mm(xe, a1[e].t(), out=h1[lo:lo + n])
@@ -155,14 +165,15 @@ class _GroupedSwiGLU(torch.autograd.Function):
                     else:
                         torch.mul(a @ a2[e].t(), sc[lo:lo + n], out=ye)
                 lo += n
-        ctx.sizes = sizes
+        ctx.sizes, ctx.sources = sizes, sources
         ctx.save_for_backward(x, a1, a3, a2, h1, h3, sc)
         return ys
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, gy: torch.Tensor  # type: ignore[override]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, None, torch.Tensor | None]:
+                 ) -> tuple[torch.Tensor | None, ...]:
         x, a1, a3, a2, h1, h3, sc = ctx.saved_tensors  # type: ignore[attr-defined]
+        sizes, sources = ctx.sizes, ctx.sources  # type: ignore[attr-defined]
         # The GEMMs take the unweighted output's gradient in the compute dtype; the weight enters after them.
         gy = gy.to(x.dtype)
         gx = torch.empty_like(x)  # (S, d)
@@ -170,31 +181,59 @@ class _GroupedSwiGLU(torch.autograd.Function):
         gs = None if sc is None else torch.empty_like(sc)  # (S, 1), in the weights' dtype
         sd = None if sc is None else sc.to(x.dtype)
         lo = 0
-        for e, n in enumerate(ctx.sizes):  # type: ignore[attr-defined]
-            if not n:  # no rows: no contribution
+        for e in range(a1.shape[0]):
+            # The sources' (g1, g3, g2) contributions summed as a balanced binary tree while they are computed:
+            # (level, partial sum) pairs, None an empty one. The first source with rows writes straight into the
+            # expert's rows of the stacked gradients, which stay the left operand of every sum (IEEE addition
+            # commutes, so that changes no bit); the others need one temporary each, at most log2(sources) + 1.
+            tree: list[tuple[int, tuple[torch.Tensor, ...] | None]] = []
+            into_grad = True
+            for n in sizes[e * sources:(e + 1) * sources]:
+                part = None
+                if n:
+                    part = (g1[e], g3[e], g2[e]) if into_grad else tuple(torch.empty_like(t[e]) for t in (a1, a3, a2))
+                    into_grad = False
+                    xe, dy, p1, p3 = x[lo:lo + n], gy[lo:lo + n], h1[lo:lo + n], h3[lo:lo + n]
+                    act = F.silu(p1)  # (n, ffn)
+                    a = act * p3  # (n, ffn) the down projection's input
+                    du = dy @ a2[e]  # (n, ffn) gradient of a for an unweighted output
+                    if sc is None:
+                        torch.mm(dy.t(), a, out=part[2])  # (d, ffn)
+                        da = du
+                    else:
+                        s = sd[lo:lo + n]  # type: ignore[index]  # (n, 1)
+                        gs[lo:lo + n] = torch.sum(du * a, dim=-1, keepdim=True, dtype=gs.dtype)  # type: ignore[index]
+                        torch.mm(dy.t(), a * s, out=part[2])
+                        da = du * s
+                    d3 = da * act
+                    d1 = torch.ops.aten.silu_backward(da * p3, p1)  # the kernel autograd's silu uses
+                    torch.mm(d1.t(), xe, out=part[0])  # (ffn, d)
+                    torch.mm(d3.t(), xe, out=part[1])
+                    torch.mm(d1, a1[e], out=gx[lo:lo + n])  # (n, d)
+                    gx[lo:lo + n].addmm_(d3, a3[e])
+                    lo += n
+                level = 0
+                while tree and tree[-1][0] == level:  # two subtrees of equal size: add them
+                    part = _add_parts(tree.pop()[1], part)
+                    level += 1
+                tree.append((level, part))
+            total = tree.pop()[1]
+            while tree:  # unequal subtrees left (a source count not a power of two): right to left
+                total = _add_parts(tree.pop()[1], total)
+            if total is None:  # the expert got no row from any source
                 g1[e].zero_(), g3[e].zero_(), g2[e].zero_()
-                continue
-            xe, dy, p1, p3 = x[lo:lo + n], gy[lo:lo + n], h1[lo:lo + n], h3[lo:lo + n]
-            act = F.silu(p1)  # (n, ffn)
-            a = act * p3  # (n, ffn) the down projection's input
-            du = dy @ a2[e]  # (n, ffn) gradient of a for an unweighted output
-            if sc is None:
-                torch.mm(dy.t(), a, out=g2[e])  # (d, ffn)
-                da = du
-            else:
-                s = sd[lo:lo + n]  # type: ignore[index]  # (n, 1)
-                gs[lo:lo + n] = torch.sum(du * a, dim=-1, keepdim=True, dtype=gs.dtype)  # type: ignore[index]
-                torch.mm(dy.t(), a * s, out=g2[e])
-                da = du * s
-            d3 = da * act
-            d1 = torch.ops.aten.silu_backward(da * p3, p1)  # the kernel autograd's silu uses
-            torch.mm(d1.t(), xe, out=g1[e])  # (ffn, d)
-            torch.mm(d3.t(), xe, out=g3[e])
-            torch.mm(d1, a1[e], out=gx[lo:lo + n])  # (n, d)
-            gx[lo:lo + n].addmm_(d3, a3[e])
-            lo += n
         dx, d1t, d3t, d2t = ctx.dtypes  # type: ignore[attr-defined]
-        return gx.to(dx), g1.to(d1t), g3.to(d3t), g2.to(d2t), None, None if gs is None else gs.squeeze(-1)
+        return gx.to(dx), g1.to(d1t), g3.to(d3t), g2.to(d2t), None, None if gs is None else gs.squeeze(-1), None
+
+
+def _add_parts(left: tuple[torch.Tensor, ...] | None, right: tuple[torch.Tensor, ...] | None
+               ) -> tuple[torch.Tensor, ...] | None:
+    """``left + right`` tensor by tensor, in place into ``left``; ``None`` is an exact zero (``a + 0`` is ``a``)."""
+    if left is None or right is None:
+        return right if left is None else left
+    for a, b in zip(left, right, strict=True):
+        a.add_(b)
+    return left
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -305,14 +344,15 @@ class MoE(nn.Module):
             return out.view(shape) + self.shared(x2).view(shape)
         return out.view(shape).clone()
 
-    def _experts(self, xs: torch.Tensor, sizes: list[int], scale: torch.Tensor | None = None) -> torch.Tensor:
+    def _experts(self, xs: torch.Tensor, sizes: list[int], scale: torch.Tensor | None = None,
+                 sources: int = 1) -> torch.Tensor:
         """Run the experts held here on contiguous slices: xs (sum(sizes), d) -> (sum(sizes), d).
 
-        ``sizes[e]`` rows of ``xs`` belong to this rank's e-th expert, in order; ``scale`` (sum(sizes),): each
-        output row's routing weight, or None (:class:`_GroupedSwiGLU`).
+        ``sizes[e * sources + s]`` rows of ``xs`` belong to this rank's e-th expert (from ep rank s), in order;
+        ``scale`` (sum(sizes),): each output row's routing weight, or None (:class:`_GroupedSwiGLU`).
         """
         w1, w3, w2 = (_local(t) for t in (self.w1, self.w3, self.w2))  # (E, ffn, d), (E, ffn, d), (E, d, ffn)
-        return _GroupedSwiGLU.apply(xs, w1, w3, w2, sizes, scale)
+        return _GroupedSwiGLU.apply(xs, w1, w3, w2, sizes, scale, sources)
 
     def _dispatch_and_combine(self, xs: torch.Tensor, ws: torch.Tensor, counts: torch.Tensor,
                               sizes: list[int]) -> torch.Tensor:
@@ -336,14 +376,17 @@ class MoE(nn.Module):
         got = recv.reshape(-1).tolist()  # chunk sizes in (source, expert) order: recv[s, j] at s*local_e + j
         in_splits = [sum(sizes[r * local_e:(r + 1) * local_e]) for r in range(ep)]
         out_splits = [sum(got[r * local_e:(r + 1) * local_e]) for r in range(ep)]
-        per_expert = [sum(got[r * local_e + j] for r in range(ep)) for j in range(local_e)]
         xw = torch.cat([xs, ws.unsqueeze(-1)], dim=1)  # (N*k, d+1): each row and its routing weight
         xr = _AllToAll.apply(xw, out_splits, in_splits, group)  # (sum(recv), d+1), (source, expert) order
         by_expert = [s * local_e + j for j in range(local_e) for s in range(ep)]  # chunk order (expert, source)
         chunks = torch.split(xr, got)
-        xe = torch.cat([chunks[i] for i in by_expert])  # (sum(recv), d+1), each local expert's rows contiguous
-        ye = self._experts(xe[:, :-1], per_expert, xe[:, -1])  # (sum(recv), d), weighted
-        ychunks = torch.split(ye, [got[i] for i in by_expert])
+        # Each local expert's rows contiguous, the rows (sum(recv), d) apart from their weights (sum(recv),): a
+        # GEMM reads its rows from a contiguous tensor, as without expert parallelism (same values, same kernel).
+        xe = torch.cat([chunks[i][:, :-1] for i in by_expert])
+        we = torch.cat([chunks[i][:, -1] for i in by_expert])
+        segments = [got[i] for i in by_expert]  # rows per (expert, source): each source's rows run on their own
+        ye = self._experts(xe, segments, we, sources=ep)  # (sum(recv), d), weighted
+        ychunks = torch.split(ye, segments)
         # back to (source, expert) order: chunk (s, j) sits at position j*ep + s of the expert-major list
         yr = torch.cat([ychunks[j * ep + s] for s in range(ep) for j in range(local_e)])  # (sum(recv), d)
         return _AllToAll.apply(yr, in_splits, out_splits, group)  # (N*k, d), my slots in their sorted order

@@ -207,8 +207,8 @@ def _grad_sq_weighted(params: Iterable[nn.Parameter], replicas: int) -> torch.Te
         g = g.to_local()
         # Accumulated in float64 inside the reduction: no float64 copy of the whole gradient.
         total += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).pow(2).cpu() * (shards / replicas)
-    if plain:  # one fused kernel for the replicated (plain) grads; per-tensor norms in fp32, summed in fp64
-        total += torch.stack(torch._foreach_norm(plain)).double().pow(2).sum().cpu() / replicas
+    if plain:  # one fused kernel for the replicated (plain) grads, accumulated in fp64 as the DTensors above
+        total += torch.stack(torch._foreach_norm(plain, 2, dtype=torch.float64)).pow(2).sum().cpu() / replicas
     return total
 
 
