@@ -35,6 +35,13 @@ over the 2 ranks of each expert group and, by FSDP2, over the other 2 (efsdp), s
 share whole: ep=2 peak <= (dense share + expert share) x 1.25 + footprint.
 
     python benchmarks/bench_moe.py --ep-memory --fsdp [--layers 4 --hidden 256 --ffn 512 --experts 16]
+
+``--ep-bitwise``: the price of ``parallel.ep_bitwise`` on an expert rank: its experts' forward+backward
+(models/moe.py ``_GroupedSwiGLU``, routing weights included) on the same rows as one segment per expert (the
+default) and as 2, 4 or 8 segments per expert, one per source rank (each run through GEMMs of its own and the
+weight gradients added as a pairwise tree), timed in turns in one process; the median of the paired ratios.
+
+    python benchmarks/bench_moe.py --ep-bitwise [--repeats 7]
 """
 
 from __future__ import annotations
@@ -247,6 +254,48 @@ def ep_memory(a: argparse.Namespace) -> None:
               f"footprint): {'met' if met[name] else 'MISSED'}")
 
 
+#: --ep-bitwise shapes: (local experts, d_model, expert width, rows per expert on the expert rank)
+SEGMENT_SHAPES = [(4, 512, 512, 256), (4, 2048, 1024, 1024), (2, 1024, 512, 4096)]
+
+
+def _experts_time(x: torch.Tensor, scale: torch.Tensor, ws: list[torch.Tensor], sizes: list[int],
+                  sources: int) -> float:
+    """Seconds of one forward+backward of ``_GroupedSwiGLU`` on ``sizes`` segments (``sources`` per expert)."""
+    from xirang_hpc.models.moe import _GroupedSwiGLU
+
+    xi, si = x.clone().requires_grad_(True), scale.clone().requires_grad_(True)
+    t0 = time.perf_counter()
+    _GroupedSwiGLU.apply(xi, *ws, sizes, si, sources).pow(2).sum().backward()
+    dt = time.perf_counter() - t0
+    for w in ws:
+        w.grad = None
+    return dt
+
+
+def ep_bitwise(repeats: int) -> None:
+    """Per-source segments (``parallel.ep_bitwise``) against one segment per expert: paired time ratios."""
+    torch.manual_seed(0)
+    print(f"expert rank's experts fwd+bwd, fp32 CPU, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"median of {repeats} paired ratios (2 warm-up pairs dropped)")
+    print("| local experts | d_model | expert width | rows per expert | sources | rows per source | "
+          "per-source / per-expert time |")
+    print("|---|---|---|---|---|---|---|")
+    for experts, d, ffn, rows in SEGMENT_SHAPES:
+        ws = [(torch.randn(*shape) * 0.02).requires_grad_(True)
+              for shape in ((experts, ffn, d), (experts, ffn, d), (experts, d, ffn))]
+        x, scale = torch.randn(experts * rows, d), torch.rand(experts * rows)
+        for sources in (2, 4, 8):
+            runs = [([rows] * experts, 1), ([rows // sources] * (experts * sources), sources)]
+            ratios = []
+            for i in range(2 + repeats):
+                order = runs if i % 2 == 0 else runs[::-1]  # alternate, so a drift of the load falls on both
+                t = {src: _experts_time(x, scale, ws, sizes, src) for sizes, src in order}
+                if i >= 2:
+                    ratios.append(t[sources] / t[1])
+            print(f"| {experts} | {d} | {ffn} | {rows} | {sources} | {rows // sources} | "
+                  f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
+
+
 def main() -> None:
     """Run every case and print the side-by-side table (or, with --ep-memory, the expert-parallel memory)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -258,7 +307,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="--ep-memory: transformer blocks, all MoE")
     ap.add_argument("--experts", type=int, default=16, help="--ep-memory: experts per block")
     ap.add_argument("--fsdp", action="store_true", help="--ep-memory: FSDP2 over the 4 ranks, ep=2 vs ep=1")
+    ap.add_argument("--ep-bitwise", action="store_true", help="the price of parallel.ep_bitwise on an expert rank")
     a = ap.parse_args()
+    if a.ep_bitwise:
+        ep_bitwise(a.repeats)
+        return
     if a.ep_memory:
         if "--hidden" not in sys.argv:
             a.hidden = 256

@@ -315,11 +315,12 @@ def test_moe_expert_parallel_resume_and_reshard_across_ep(stdlib_data, tmp_path)
     """Expert-parallel checkpoints (each rank saves its experts as shards of the full tensors):
 
     - ep2 stopped at step 10 and resumed at ep2 ends bitwise where the uninterrupted ep2 run does;
-    - the same step-10 checkpoint resumed at ep1 (each rank loads all experts) ends bitwise there too: the
-      expert ranks run each source rank's rows through GEMMs of their own and add the sources' gradients as
-      the data-parallel all-reduce of ep1 adds them (models/moe.py ``_GroupedSwiGLU``).
+    - the same step-10 checkpoint resumed at ep1 (each rank loads all experts) ends bitwise there too: with
+      ``parallel.ep_bitwise`` the expert ranks run each source rank's rows through GEMMs of their own and add
+      the sources' gradients as the data-parallel all-reduce of ep1 adds them (models/moe.py
+      ``_GroupedSwiGLU``).
     """
-    ep2 = [*TWO_RANKS, *MOE_MODEL, "parallel.ep=2"]
+    ep2 = [*TWO_RANKS, *MOE_MODEL, "parallel.ep=2", "parallel.ep_bitwise=true"]
     full, split = tmp_path / "full", tmp_path / "split"
     run_job(make_cfg(stdlib_data, full, ep2), full, stdlib_data, world=2)
     run_job(make_cfg(stdlib_data, split, ep2), split, stdlib_data, world=2, stop_at=10)
@@ -353,20 +354,29 @@ def _assert_bitwise(final: dict[str, torch.Tensor], fork: Path) -> None:
 @pytest.mark.parametrize("dp,changes", [("ddp", (2, 1)), ("fsdp", (2,))])
 def test_moe_resume_across_ep_on_4_ranks_is_bitwise(stdlib_data, tmp_path, dp, changes):
     """ep4 on 4 ranks (2 virtual nodes x 2) stopped at step 10 and resumed at ep2 (and, under DDP, ep1) ends
-    bitwise where the uninterrupted ep4 run does: every source rank's rows meet the same GEMMs whatever ep, and
+    bitwise where the uninterrupted ep4 run does (``parallel.ep_bitwise``): every source rank's rows meet the
+    same GEMMs whatever ep, and
     an expert's gradient adds the 4 ranks' contributions as ((r0 + r1) + (r2 + r3)) in every layout (the
     expert rank's pairwise sum, the 2-rank edp all-reduce, the hierarchical data-parallel all-reduce; under
     FSDP2 at ep2 the efsdp reduce-scatter over 2). One microbatch a step: accumulation would add the
-    microbatches before the ranks at ep1 and after them at ep4."""
+    microbatches before the ranks at ep1 and after them at ep4. Without ``ep_bitwise``: fp32 rounding."""
     layout = ["cluster.nodes=2", "cluster.tasks_per_node=2", "parallel.tp=1", "parallel.pp=1",
               "parallel.microbatches=1", f"parallel.data_parallel={dp}", *MOE_MODEL]
     full = tmp_path / "full"
-    run_job(make_cfg(stdlib_data, full, [*layout, "parallel.ep=4"]), full, stdlib_data, world=4)
+    run_job(make_cfg(stdlib_data, full, [*layout, "parallel.ep=4", "parallel.ep_bitwise=true"]), full, stdlib_data,
+            world=4)
     final = saved_tensors(full / "checkpoints" / "step_20")
     assert final["model.layers.0.mlp.w1"].shape[0] == 4
     for ep in changes:
         fork = fork_run(full, 10, tmp_path / f"ep{ep}")
-        run_job(make_cfg(stdlib_data, fork, [*layout, f"parallel.ep={ep}"]), fork, stdlib_data, world=4)
+        bitwise = ["parallel.ep_bitwise=true"] if ep > 1 else []  # at ep=1 every rank runs its own rows anyway
+        run_job(make_cfg(stdlib_data, fork, [*layout, f"parallel.ep={ep}", *bitwise]), fork, stdlib_data, world=4)
         assert ckpt_layout.read_manifest(fork / "checkpoints" / "step_20")["layout"]["parallel"]["ep"] == ep
         _assert_bitwise(final, fork)
         assert _losses(fork) == _losses(full)
+    # Without ep_bitwise the expert ranks run all sources' rows on one GEMM chain: to fp32 rounding only.
+    fork = fork_run(full, 10, tmp_path / "ep2-grouped")
+    run_job(make_cfg(stdlib_data, fork, [*layout, "parallel.ep=2"]), fork, stdlib_data, world=4)
+    _assert_continues_to_rounding(full, fork, final)
+    c = saved_tensors(fork / "checkpoints" / "step_20")
+    assert any(not torch.equal(final[k], c[k]) for k in final), "bitwise without parallel.ep_bitwise"

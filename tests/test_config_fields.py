@@ -210,6 +210,7 @@ FIELDS: dict[str, tuple[Any, Any, list[str]]] = {
     "parallel.zero": (2, dims, []),  # ZeRO-2 runs on FSDP2: dp becomes the shard dimension
     "parallel.auto": (True, reads("xirang_hpc.submit.autoplan"), []),
     "parallel.ep": (2, REFUSED, []),  # the default model is dense: no experts to spread
+    "parallel.ep_bitwise": (True, REFUSED, []),  # no effect at ep=1
     # train: what is trained -> identity; the schedule; how the loop runs
     **{f"train.{k}": (v, identity, []) for k, v in {
         "seed": 7, "max_steps": 400, "global_batch": 64, "lr": 1e-3, "min_lr_ratio": 0.5, "warmup_steps": 5,

@@ -361,7 +361,7 @@ def test_experts_shard_over_efsdp_under_fsdp_and_hsdp(replicate: int, shard: int
     assert shards_over_edp(dims) is sharded
 
 
-def _ep_block_rank(rank: int, port: int, skew: bool, out: str) -> None:
+def _ep_block_rank(rank: int, port: int, skew: bool, out: str, per_source: bool) -> None:
     """One rank of the 2-rank expert-parallel block check: its output rows and every gradient it holds."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -377,7 +377,7 @@ def _ep_block_rank(rank: int, port: int, skew: bool, out: str) -> None:
         with torch.device("meta"):
             model.moe = MoE(_cfg())
         ep = apply_expert_parallel(model, mesh, ParallelDims(pp=1, dp_replicate=2, dp_shard=1, tp=1, world_size=2,
-                                                             ep=2))
+                                                             ep=2), per_source=per_source)
         model.moe.to_empty(device="cpu")
         with torch.no_grad():  # the single process's weights, this rank's experts of them
             model.moe.gate.weight.copy_(ref.gate.weight)
@@ -411,8 +411,9 @@ def _ep_block_and_input(skew: bool) -> tuple[MoE, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("per_source", [False, True], ids=["per-expert", "per-source"])
 @pytest.mark.parametrize("skew", [False, True], ids=["balanced", "one-rank-gets-nothing"])
-def test_expert_parallel_block_equals_one_process(tmp_path: Path, skew: bool) -> None:
+def test_expert_parallel_block_equals_one_process(tmp_path: Path, skew: bool, per_source: bool) -> None:
     """Two real gloo ranks, 4 experts each, all-to-all dispatch: each rank's output rows and input gradients are
     the single process's, the router gradient sums to it, and each rank's expert gradients are the single
     process's for its experts; also when every token goes to rank 0's experts (rank 1 computes on zero rows
@@ -428,7 +429,7 @@ def test_expert_parallel_block_equals_one_process(tmp_path: Path, skew: bool) ->
         port = s.getsockname()[1]
     ctx = rank_context()
     outs = [str(tmp_path / f"r{r}.pt") for r in range(2)]
-    procs = [ctx.Process(target=_ep_block_rank, args=(r, port, skew, outs[r])) for r in range(2)]
+    procs = [ctx.Process(target=_ep_block_rank, args=(r, port, skew, outs[r], per_source)) for r in range(2)]
     assert run_ranks(procs, timeout_s=120) == [0, 0]
     got = [torch.load(o) for o in outs]
     if skew:
@@ -436,8 +437,8 @@ def test_expert_parallel_block_equals_one_process(tmp_path: Path, skew: bool) ->
     for r, g in enumerate(got):
         torch.testing.assert_close(g["y"], y[2 * r : 2 * r + 2].detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g["dx"], xs.grad[2 * r : 2 * r + 2], rtol=1e-5, atol=1e-6)
-        # Sums over both ranks' tokens (the all-to-all's backward brought them), added per source rank as a
-        # data-parallel all-reduce adds them, where one process runs one GEMM over all rows: rounding apart.
+        # Sums over both ranks' tokens (the all-to-all's backward brought them); per source (ep_bitwise) added per
+        # source rank as a data-parallel all-reduce adds them, where one process runs one GEMM over all rows.
         for n in ("w1", "w2", "w3"):
             torch.testing.assert_close(g[n], getattr(ref, n).grad[4 * r : 4 * r + 4], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[0]["gate"] + got[1]["gate"], ref.gate.weight.grad, rtol=1e-5, atol=1e-6)

@@ -250,6 +250,9 @@ def _check_ep(cfg: XirangConfig, dp: int) -> None:
     """
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
+        if p.ep_bitwise:
+            raise ConfigError("parallel.ep_bitwise", True, "has an effect only with parallel.ep > 1 (at ep=1 each "
+                              "rank runs its own rows, as ep_bitwise makes the expert ranks do); leave it false")
         return
     if not m.moe_experts:
         raise ConfigError("parallel.ep", p.ep, "expert parallelism shards mixture-of-experts blocks, but "

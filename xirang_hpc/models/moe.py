@@ -130,8 +130,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
     on them without expert parallelism. An expert's weight gradient is then the sum of its sources' gradients
     as a balanced binary tree over the ep ranks, ((r0 + r1) + (r2 + r3)), which is how the data-parallel
     reductions of fewer expert ranks add them on these sizes (a 2-rank all-reduce, the 2 x 2 hierarchical one,
-    an edp all-reduce or reduce-scatter of two such sums): a change of ``ep`` on the same 2 or 4 ranks trains
-    bitwise alike (one microbatch a step; tests/test_checkpoint_resume.py).
+    an edp all-reduce or reduce-scatter of two such sums): with ``parallel.ep_bitwise`` a change of ``ep`` on
+    the same 2 or 4 ranks trains bitwise alike (one microbatch a step; tests/test_checkpoint_resume.py).
+    Smaller GEMMs cost more per row, which is why it is a choice.
     """
 
     @staticmethod
@@ -274,6 +275,8 @@ class MoE(nn.Module):
         # on the expert dim over ep_size ranks, this rank holding experts [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size).
         self.ep_group: dist.ProcessGroup | None = None
         self.ep_size = 1
+        # parallel.ep_bitwise: each source rank's rows through GEMMs of their own (:class:`_GroupedSwiGLU`).
+        self.ep_per_source = False
 
     def reset_buffers(self) -> None:
         """Zero the bias and the counters (after ``to_empty``, whose buffers hold garbage)."""
@@ -384,8 +387,12 @@ class MoE(nn.Module):
         # GEMM reads its rows from a contiguous tensor, as without expert parallelism (same values, same kernel).
         xe = torch.cat([chunks[i][:, :-1] for i in by_expert])
         we = torch.cat([chunks[i][:, -1] for i in by_expert])
-        segments = [got[i] for i in by_expert]  # rows per (expert, source): each source's rows run on their own
-        ye = self._experts(xe, segments, we, sources=ep)  # (sum(recv), d), weighted
+        segments = [got[i] for i in by_expert]  # rows per (expert, source)
+        if self.ep_per_source:  # each source's rows on their own GEMMs: a change of ep continues bitwise
+            ye = self._experts(xe, segments, we, sources=ep)  # (sum(recv), d), weighted
+        else:  # each expert's rows, all sources together, on one chain of GEMMs
+            per_expert = [sum(segments[j * ep:(j + 1) * ep]) for j in range(local_e)]
+            ye = self._experts(xe, per_expert, we)
         ychunks = torch.split(ye, segments)
         # back to (source, expert) order: chunk (s, j) sits at position j*ep + s of the expert-major list
         yr = torch.cat([ychunks[j * ep + s] for s in range(ep) for j in range(local_e)])  # (sum(recv), d)

@@ -95,12 +95,14 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims) -> ExpertParallel | None:
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims,
+                          per_source: bool = False) -> ExpertParallel | None:
     """Shard the experts over ``dims.ep`` ranks and give the blocks their groups (before materialising).
 
     Collective when ``mesh`` is set (the expert mesh's groups). Without MoE blocks nothing changes. With
     several dp ranks the model's token statistics group is set whatever ``ep`` is; the returned object
-    (``ep > 1`` only) reduces the expert gradients.
+    (``ep > 1`` only) reduces the expert gradients. ``per_source`` (``parallel.ep_bitwise``): the experts run
+    each source rank's rows apart (``MoE.ep_per_source``), so that a change of ``ep`` continues bitwise.
     """
     blocks = moe_blocks(model)
     if not blocks or mesh is None:
@@ -120,7 +122,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, dims: Paral
                                                     shape=full.shape, stride=full.stride()))
             setattr(m, name, shard)
             params.append(shard)
-        m.ep_group, m.ep_size = ep_mesh.get_group(), dims.ep
+        m.ep_group, m.ep_size, m.ep_per_source = ep_mesh.get_group(), dims.ep, per_source
     return ExpertParallel(mesh=emesh, dp=dims.dp, params=params)
 
 

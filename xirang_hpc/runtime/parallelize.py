@@ -123,7 +123,7 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
         for c in chunks:  # per chunk: sequence-parallel scatter/gather sits at each stage's boundary
             apply_tensor_parallel(c, mesh["tp"], p.sequence_parallel)
     # Experts sharded over ep of the dp ranks (still on meta); data parallelism below leaves them alone.
-    expert = apply_expert_parallel(model, mesh, dims)
+    expert = apply_expert_parallel(model, mesh, dims, per_source=p.ep_bitwise)
     ignored, ignored_names = data_parallel_ignored(model)
     apply_recompute(model, p.recompute)
     if t.compile:  # regional: each block, over its TP plan and recompute wrapper, before FSDP2 wraps it

@@ -36,6 +36,10 @@ class ParallelConfig:
     # Expert parallelism (mixture-of-experts models): each expert lives on one of ep ranks, which are taken
     # from the data-parallel ranks (ep divides dp); tokens travel to their experts by all-to-all.
     ep: int = 1
+    # ep > 1: each expert runs the rows of each source rank through GEMMs of their own and adds the sources'
+    # gradients as a pairwise tree, so that a change of ep on the same 2 or 4 ranks continues bitwise (one
+    # microbatch a step). Smaller GEMMs cost more per row (benchmarks/bench_moe.py --ep-bitwise).
+    ep_bitwise: bool = False
     # parallel=auto: xirang-train runs the planner at launch and fills in the fields above.
     auto: bool = False
 
