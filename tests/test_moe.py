@@ -338,6 +338,11 @@ def test_bad_expert_parallel_names_the_rule_and_choices(parallel: dict, model: d
 
 def test_expert_parallel_refuses_zero1_and_accepts_the_rule() -> None:
     model = {"mlp": "swiglu", "moe_experts": 4}
+    with pytest.raises(ConfigError, match=r"parallel.ep_bitwise.*one microbatch a step"):
+        make_cfg(2, {"dp": 2, "ep": 2, "ep_bitwise": True, "microbatches": 2}, model=model)
+    with pytest.raises(ConfigError, match=r"parallel.ep_bitwise.*only with parallel.ep > 1"):
+        make_cfg(2, {"dp": 2, "ep_bitwise": True}, model=model)
+    assert make_cfg(2, {"dp": 2, "ep": 2, "ep_bitwise": True}, model=model).parallel.ep_bitwise
     with pytest.raises(ConfigError, match="parallel.zero"):
         make_cfg(2, {"dp": 2, "ep": 2, "zero": 1}, model=model)
     assert make_cfg(4, {"dp": 4, "ep": 2}, model=model).parallel.ep == 2

@@ -268,6 +268,12 @@ def _check_ep(cfg: XirangConfig, dp: int) -> None:
         raise ConfigError("parallel.ep", p.ep,
                           f"with HSDP the expert-parallel ranks are taken from one shard group of "
                           f"dp/dp_replicate={dp // p.dp_replicate} ranks; choose parallel.ep from {ok}")
+    if p.ep_bitwise and p.microbatches * cfg.train.grad_accum > 1:
+        raise ConfigError("parallel.ep_bitwise", True,
+                          f"a change of ep continues bitwise only with one microbatch a step (with "
+                          f"parallel.microbatches={p.microbatches} x train.grad_accum={cfg.train.grad_accum} an "
+                          "expert adds its ranks before the microbatches, which ep=1 adds after); set both to 1 "
+                          "or leave ep_bitwise false")
 
 
 def tokenizer_file(spec: str) -> Path | None:
