@@ -485,12 +485,15 @@ REAL_HELDOUT = (3669888, 577536, 2.0604)
 
 @pytest.mark.slow
 def test_a_real_sweep_that_does_not_determine_five_coefficients_is_fitted_with_one_exponent() -> None:
-    """Free, the fit's size exponent spans a factor 11 over its bootstrap refits and is refused with the points (with
-    the losses to more digits it runs off beyond a float instead); by default it is refitted
-    with alpha = beta, says so, and predicts the 4.2x larger model within 3% with an interval that covers it."""
+    """Free, the fit is refused with the points: its size exponent spans about a factor 11 over its bootstrap refits
+    (alpha's interval [0.434, 4.79] on the VM the sweep was trained on), or, where the CPU's floating point takes
+    the L-BFGS refits elsewhere (seen on another VM, and with the losses to more digits), half of them run off
+    beyond a float; either way the runs do not determine the law. By default it is refitted with alpha = beta,
+    says so, and predicts the 4.2x larger model within 3% with an interval that covers it."""
     pts = [Point(n, d, loss) for n, d, loss in REAL_SWEEP]
-    with pytest.raises(ScalingError, match=r"alpha's 95% bootstrap interval \[0.434, 4.79\] spans more than a "
-                       r"factor 3: the runs do not determine the law") as err:
+    with pytest.raises(ScalingError, match=r"(alpha's 95% bootstrap interval \[[0-9.]+, [0-9.]+\] spans more than a "
+                       r"factor 3|of 200 bootstrap refits ran off to coefficients beyond a float): the runs do not "
+                       r"determine the law") as err:
         fit(pts, bootstrap=200, exponents="free")
     assert "N=8.671e+05 D=5.775e+05 loss=2.1065" in str(err.value)
     law = fit(pts, bootstrap=200)
