@@ -195,14 +195,15 @@ def _worker(place: RankPlace, queue: Any, jobs: list[tuple[str, XirangConfig]], 
 
 def run_group(world: int, jobs: list[tuple[str, XirangConfig]], data_dir: Path, steps: int = 10,
               threads: int = 1, timeout_s: float = 600) -> dict[str, list[dict[str, Any]]]:
-    """Spawn ``world`` ranks once and run every job in it; returns name -> per-rank results."""
+    """Spawn ``world`` ranks once and run every job in it; returns name -> per-rank results. ``timeout_s``:
+    a hang's limit, counted from the last report (each rank reports each job), not the group's total time."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     results: dict[str, list[dict[str, Any]]] = {name: [{}] * world for name, _ in jobs}
     done = 0
-    # The product's local-rank helper on the fork-server context: a rank that dies, or the group past
+    # The product's local-rank helper on the fork-server context: a rank that dies, or the group silent for
     # timeout_s, raises (RankFailed / TimeoutError) with every rank killed.
     with LocalRanks(_worker, world, (jobs, str(data_dir), steps, threads), ctx=rank_context(), timeout_s=timeout_s,
-                    join_s=30) as ranks:
+                    join_s=30, per_report=True) as ranks:
         while done < world:
             rank, name, res = ranks.get()
             if name == "__error__":

@@ -24,6 +24,25 @@ def _third_dies(place: RankPlace, queue: Any, sleep_s: float) -> None:
     time.sleep(sleep_s)  # the others would outlive the test: the helper kills them
 
 
+def _reports_twice(place: RankPlace, queue: Any) -> None:
+    queue.put(place.rank)
+    time.sleep(0.2)  # the second report comes after the first has been read (or at least not before it)
+    queue.put(place.rank)
+
+
+def test_a_deadline_per_report_runs_again_from_each_report() -> None:
+    """``per_report``: the limit is on silence, not on the group's total time; without it the deadline stays."""
+    for per_report in (True, False):
+        with LocalRanks(_reports_twice, 1, ctx=rank_context(), timeout_s=600, per_report=per_report) as ranks:
+            d0 = ranks.deadline
+            ranks.get()
+            d1 = ranks.deadline
+            ranks.get()
+            d2 = ranks.deadline
+        assert d0 is not None and d1 is not None and d2 is not None
+        assert (d0 < d1 < d2) if per_report else (d0 == d1 == d2), (per_report, d0, d1, d2)
+
+
 def test_ranks_get_a_launchers_environment_and_their_reports_come_back() -> None:
     with LocalRanks(_report, 4, nodes=2, ctx=rank_context(), timeout_s=120) as ranks:
         got = sorted(ranks.get() for _ in range(4))

@@ -3,11 +3,14 @@ the ranks' stack dumps before it kills them."""
 
 from __future__ import annotations
 
+import faulthandler
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from xirang_hpc.config.schema import MonitorConfig
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED
 from xirang_hpc.monitor.events import read_events
+from xirang_hpc.monitor.heartbeat import dump_complete, stack_end
 from xirang_hpc.monitor.watchdog import dump_and_kill, probe
 from xirang_hpc.runtime.process_identity import identity
 
@@ -100,6 +104,57 @@ def test_the_kill_waits_for_a_stack_dump_that_starts_late_and_ends_slowly(tmp_pa
     assert path.read_text().count("in fit") >= 10
 
 
+def test_a_dump_names_its_end_and_faulthandler_writes_it_last(tmp_path: Path) -> None:
+    """``stack_end`` (read from the main thread) is the last line faulthandler writes for this very process, with
+    another thread beside it; a dump cut anywhere before that line is not complete."""
+    marker = stack_end()
+    assert marker["stack_thread"] == f"0x{threading.main_thread().ident:016x}", marker
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        with (tmp_path / "dump.txt").open("w") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+    finally:
+        stop.set()
+        other.join()
+    text = (tmp_path / "dump.txt").read_text()
+    assert text.count("(most recent call first):") >= 2, text
+    assert text.rstrip("\n").splitlines()[-1].endswith(marker["stack_last"]), (marker, text)
+    assert dump_complete(text, marker) is True
+    lines = text.splitlines(keepends=True)
+    assert not any(dump_complete("".join(lines[:n]), marker) for n in range(len(lines))), "a cut dump is not whole"
+    assert dump_complete(text, {}) is None  # a heartbeat that names no end: the settle rule decides
+    deep = text[: text.rindex("(most recent call first):\n") + 26] + '  File "x.py", line 3 in f\n  ...\n'
+    assert dump_complete(deep, marker) is True  # deeper than faulthandler writes: it ends with "..."
+
+
+def test_the_kill_waits_for_the_main_threads_last_frame_through_a_pause(tmp_path: Path) -> None:
+    """A dump that stalls between two threads for longer than settle_s (a loaded machine: seen cut after the first
+    thread) is waited for until its main thread's outermost frame is written, then killed at once."""
+    now = [0.0]
+    path = tmp_path / "rank-3.txt"
+    path.write_text("=== rank 3 header ===\n")
+    hb = {"rank": 3, "pid": 4343, "stack_thread": "0x00000000000000aa", "stack_last": "line 7 in <module>"}
+    parts = {1.5: 'Thread 0x00000000000000bb (most recent call first):\n  File "threading.py", line 1 in wait\n\n',
+             4.0: 'Current thread 0x00000000000000aa (most recent call first):\n  File "trainer.py", line 9 in fit\n',
+             4.5: '  File "train.py", line 7 in <module>\n'}
+    sent: list[tuple[float, int]] = []
+
+    def sleep(s: float) -> None:
+        now[0] = round(now[0] + s, 3)
+        for t in [t for t in parts if t <= now[0]]:
+            with path.open("a") as f:
+                f.write(parts.pop(t))
+
+    hit = dump_and_kill([hb], signal.SIGQUIT, "h", tmp_path, send=lambda pid, sig: sent.append((now[0], sig)),
+                        look=lambda hb: ALIVE, clock=lambda: now[0], sleep=sleep)
+    assert hit == [3]
+    t_kill = [t for t, sig in sent if sig == signal.SIGKILL]
+    assert t_kill == [4.5], (t_kill, path.read_text())  # not at 2.0 (quiet for settle_s after the first thread)
+    assert path.read_text().endswith("line 7 in <module>\n")
+
+
 def test_the_kill_does_not_wait_for_a_rank_that_is_gone_and_waits_at_most_max_wait(tmp_path: Path) -> None:
     now = [0.0]
 
@@ -127,18 +182,21 @@ def test_a_stopped_rank_dumps_its_whole_stack_before_the_kill(tmp_path: Path) ->
     code = ("import faulthandler, signal, sys, time\n"
             "f = open(sys.argv[1], 'a'); f.write('=== header ===\\n'); f.flush()\n"
             "faulthandler.register(signal.SIGQUIT, file=f, all_threads=True, chain=False)\n"
+            "import json, threading\n"
+            "from xirang_hpc.monitor.heartbeat import stack_end\n"
+            "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
             "def deep(n):\n"
             "    if n:\n"
             "        return deep(n - 1)\n"
-            "    print('ready', flush=True)\n"
+            "    print(json.dumps(stack_end()), flush=True)\n"
             "    time.sleep(600)\n"
             "deep(30)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(stacks / "rank-0.txt")], stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        marker = json.loads(proc.stdout.readline())
         ident = identity(proc.pid)
         hb = {"rank": 0, "pid": proc.pid, "host": socket.gethostname(), "started": ident["create_time"],
-              "start_ticks": ident["start_ticks"]}
+              "start_ticks": ident["start_ticks"], **marker}
         os.kill(proc.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 60  # a safety net: the stop is delivered asynchronously
         while probe(hb, hb["host"]) != STOPPED and time.monotonic() < deadline:
@@ -150,3 +208,4 @@ def test_a_stopped_rank_dumps_its_whole_stack_before_the_kill(tmp_path: Path) ->
         proc.wait()
     text = (stacks / "rank-0.txt").read_text()
     assert "most recent call first" in text and text.count("in deep") == 31, text
+    assert dump_complete(text, marker) and text.count("most recent call first") == 2, text  # both threads, whole

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -67,6 +68,37 @@ def stack_file(stacks_dir: Path, rank: int) -> Path:
     """Where rank ``rank`` dumps its stacks under ``run_dir/STACKS_DIR`` (written by the rank, awaited by the
     watchdog)."""
     return stacks_dir / f"rank-{rank}.txt"
+
+
+def stack_end() -> dict[str, str]:
+    """How this process's stack dump ends, for the watchdog that waits for it (heartbeat fields).
+
+    faulthandler writes the threads newest first, so the main thread comes last, and it ends with the main
+    thread's outermost frame: the entry point's call, the same line for the whole run (``stack_thread``: the
+    thread's id as faulthandler writes it; ``stack_last``: ``line N in name`` of that frame). Call from the
+    main thread. Empty where the main thread's frame cannot be read.
+    """
+    main = threading.main_thread().ident
+    frame = sys._current_frames().get(main) if main is not None else None
+    if frame is None:
+        return {}
+    while frame.f_back is not None:
+        frame = frame.f_back
+    return {"stack_thread": f"0x{main:016x}", "stack_last": f"line {frame.f_lineno} in {frame.f_code.co_name}"}
+
+
+def dump_complete(text: str, hb: dict[str, Any]) -> bool | None:
+    """Whether ``text`` (what a rank's dump wrote) holds its whole stack dump: the main thread's block reached
+    its outermost frame (``stack_end``), or faulthandler's ``...`` for a stack deeper than it writes. None
+    when the heartbeat names no end (then only the file's quiet says the dump is over)."""
+    thread, last = hb.get("stack_thread"), hb.get("stack_last")
+    if not thread or not last:
+        return None
+    at = text.rfind(f"hread {thread} (most recent call first):\n")  # "Thread" or "Current thread"
+    if at < 0:
+        return False
+    block = text[at:]
+    return f'", {last}\n' in block or "\n  ...\n" in block
 
 
 def heartbeat_dir(run_dir: Path | str) -> Path:

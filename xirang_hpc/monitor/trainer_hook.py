@@ -44,6 +44,7 @@ from xirang_hpc.monitor.heartbeat import (
     STACKS_DIR,
     Heartbeat,
     heartbeat_dir,
+    stack_end,
     stack_file,
 )
 from xirang_hpc.monitor.resources import ProcessSampler
@@ -131,7 +132,8 @@ class MonitorHook(TrainerHook):
         self._register_stacks(session)
         ident = {"rank": t.rank, "world_size": t.world_size, "local_rank": t.local_rank, "node": t.node_name,
                  "node_id": t.node_id, "pid": os.getpid(), "host": socket.gethostname(), "session": session,
-                 "job_id": t.job_id, "started": time.time(), "start_ticks": start_ticks(os.getpid())}
+                 "job_id": t.job_id, "started": time.time(), "start_ticks": start_ticks(os.getpid()),
+                 **stack_end()}  # how its stack dump ends: the watchdog waits for that line before the kill
         if t.local_rank == 0:
             ident["watchdog_pid"] = spawn(self.run_dir, session, t.node_name, t.node_id == 0, _watchdog_cfg(self.m))
         gpu = t.local_rank if self.cfg.cluster.gpus_per_node else None

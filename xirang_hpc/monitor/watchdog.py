@@ -42,7 +42,15 @@ import psutil
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED, Thresholds, WatchState, assess
 from xirang_hpc.monitor.events import append_event
-from xirang_hpc.monitor.heartbeat import ABORT_FILE, HEARTBEAT_DIR, STACKS_DIR, read_heartbeats, read_json, stack_file
+from xirang_hpc.monitor.heartbeat import (
+    ABORT_FILE,
+    HEARTBEAT_DIR,
+    STACKS_DIR,
+    dump_complete,
+    read_heartbeats,
+    read_json,
+    stack_file,
+)
 from xirang_hpc.runtime.process_identity import is_same
 
 ABORT_KINDS = {"hang": "abort_on_hang", "dead": "abort_on_dead"}
@@ -87,6 +95,18 @@ def _size(path: Path) -> int:
         return -1
 
 
+def _complete(path: Path, offset: int, hb: dict[str, Any]) -> bool | None:
+    """:func:`dump_complete` on what ``path`` gained past ``offset`` (False when it cannot be read)."""
+    if dump_complete("", hb) is None:
+        return None
+    try:
+        with path.open("rb") as f:
+            f.seek(max(offset, 0))
+            return bool(dump_complete(f.read().decode("utf-8", "replace"), hb))
+    except OSError:
+        return False
+
+
 def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, stacks_dir: Path | None = None,
                   grace_s: float = 1.0, settle_s: float = 0.5, max_wait_s: float = 15.0,
                   send: Callable[[int, int], None] = _signal,
@@ -98,9 +118,12 @@ def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, stacks
     The kill waits for the dumps, not for a fixed time: faulthandler writes from the rank's signal handler,
     which runs only when the rank is next scheduled (a stopped rank after its SIGCONT), and on a loaded machine
     that can be seconds away; a kill in the middle of the dump leaves a stack file cut after a frame or two.
-    So after ``grace_s`` the watchdog waits until each signalled rank's ``stacks_dir/rank-N.txt`` has grown and
-    then not changed for ``settle_s``, or the rank is gone, for at most ``max_wait_s`` in all. Without
-    ``stacks_dir`` it waits ``grace_s``. Returns the ranks that were signalled.
+    So after ``grace_s`` the watchdog waits until each signalled rank's ``stacks_dir/rank-N.txt`` holds the whole
+    dump (:func:`~xirang_hpc.monitor.heartbeat.dump_complete`: the main thread's outermost frame, which the rank
+    named in its heartbeat), or the rank is gone, for at most ``max_wait_s`` in all. A dump can pause for
+    seconds between two writes on a loaded machine, so a quiet file is not taken for a finished one; only for a
+    rank whose heartbeat names no end does the file's having grown and then not changed for ``settle_s`` end
+    the wait. Without ``stacks_dir`` it waits ``grace_s``. Returns the ranks that were signalled.
     """
     look = look or (lambda hb: probe(hb, host))
     hit: dict[int, dict[str, Any]] = {}
@@ -125,10 +148,13 @@ def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, stacks
             for rank in sorted(pending):
                 path, before = files[rank]
                 size, now = _size(path), clock()
-                if size != last[rank][0]:
+                if size > before and _complete(path, before, hit[rank]):
+                    pending.discard(rank)  # the main thread's outermost frame is written: the dump is whole
+                elif size != last[rank][0]:
                     last[rank] = (size, now)  # still writing
-                elif (size > before and now - last[rank][1] >= settle_s) or look(hit[rank]) == GONE:
-                    pending.discard(rank)  # written and quiet since, or nothing left to wait for
+                elif ((size > before and now - last[rank][1] >= settle_s and _complete(path, before, hit[rank]) is None)
+                      or look(hit[rank]) == GONE):
+                    pending.discard(rank)  # (no end named) written and quiet since, or nothing left to wait for
             if pending:
                 sleep(0.1)
     for hb in hit.values():

@@ -123,13 +123,15 @@ class LocalRanks:
 
     ``nodes``: virtual nodes (``world`` must divide evenly). ``ctx``: the multiprocessing context (default
     ``spawn``; the tests pass their fork-server context). ``timeout_s``: the deadline of the whole group,
-    a safety net against a hang (None: none). On leaving the block the ranks are waited for (``join_s``),
-    and killed when the block raised or they outlived it; :attr:`exit_codes` has their codes then.
+    a safety net against a hang (None: none); with ``per_report`` it runs again from each report, so a group
+    that reports as it goes is stopped when it stops reporting, however long it runs in all. On leaving the
+    block the ranks are waited for (``join_s``), and killed when the block raised or they outlived it;
+    :attr:`exit_codes` has their codes then.
     """
 
     def __init__(self, target: Callable[..., Any], world: int, args: Sequence[Any] = (), *, nodes: int = 1,
                  ctx: BaseContext | None = None, master_port: int | None = None, timeout_s: float | None = None,
-                 join_s: float = 60) -> None:
+                 join_s: float = 60, per_report: bool = False) -> None:
         if world < 1 or nodes < 1 or world % nodes:
             raise ValueError(f"world={world} ranks do not split evenly over nodes={nodes}")
         self.ctx: Any = ctx or mp.get_context("spawn")
@@ -138,7 +140,7 @@ class LocalRanks:
         self.places = [RankPlace(r, world, nodes, master_port=port) for r in range(world)]
         self.procs: list[BaseProcess] = [
             self.ctx.Process(target=_rank_main, args=(pl, target, (self.queue, *args))) for pl in self.places]
-        self.timeout_s, self.join_s = timeout_s, join_s
+        self.timeout_s, self.join_s, self.per_report = timeout_s, join_s, per_report
         self.deadline: float | None = None
         self.exit_codes: list[int | None] = []
 
@@ -166,9 +168,13 @@ class LocalRanks:
                 raise RankFailed(f"{what} (exit codes {codes})")
             if self.deadline is not None and time.monotonic() > self.deadline:
                 kill_ranks(self.procs)
-                raise TimeoutError(f"{len(self.procs)} ranks still running after {self.timeout_s} s: killed")
+                since = "without a report" if self.per_report else "still running"
+                raise TimeoutError(f"{len(self.procs)} ranks {since} after {self.timeout_s} s: killed")
             time.sleep(poll_s)
-        return self.queue.get()
+        report = self.queue.get()
+        if self.per_report and self.timeout_s is not None:
+            self.deadline = time.monotonic() + self.timeout_s
+        return report
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
