@@ -44,9 +44,10 @@ CHECK_WORKERS ?= 2
 check: install lint
 	$(BIN)/python -m pytest -q -m unit $(if $(filter-out 0,$(CHECK_WORKERS)),-n $(CHECK_WORKERS))
 
-# Everything (CI): unit, slow (multi-process training runs) and slurm (the real testbed) tiers.
+# Everything (CI): unit, slow (multi-process training runs) and slurm (the real testbed) tiers; the 40 slowest
+# tests are listed at the end (where the suite's time goes, on whatever machine ran it).
 test: install lint
-	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+	$(BIN)/python -m pytest -q --durations=40 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 clean:
 	rm -rf $(VENV) runs data outputs multirun .pytest_cache
