@@ -95,10 +95,8 @@ def _size(path: Path) -> int:
         return -1
 
 
-def _complete(path: Path, offset: int, hb: dict[str, Any]) -> bool | None:
+def _complete(path: Path, offset: int, hb: dict[str, Any]) -> bool:
     """:func:`dump_complete` on what ``path`` gained past ``offset`` (False when it cannot be read)."""
-    if dump_complete("", hb) is None:
-        return None
     try:
         with path.open("rb") as f:
             f.seek(max(offset, 0))
@@ -143,17 +141,21 @@ def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, stacks
         t0 = clock()
         sleep(grace_s)
         last = {rank: (size, clock()) for rank, (_, size) in files.items()}
+        named = {rank: dump_complete("", hit[rank]) is not None for rank in files}  # the rank named its dump's end
+        read = {rank: before for rank, (_, before) in files.items()}  # the size at the last look at the content
         pending = set(files)
         while pending and clock() - t0 < max_wait_s:
             for rank in sorted(pending):
                 path, before = files[rank]
                 size, now = _size(path), clock()
-                if size > before and _complete(path, before, hit[rank]):
-                    pending.discard(rank)  # the main thread's outermost frame is written: the dump is whole
-                elif size != last[rank][0]:
+                if named[rank] and size > read[rank]:  # new bytes: is the main thread's outermost frame among them?
+                    read[rank] = size
+                    if _complete(path, before, hit[rank]):
+                        pending.discard(rank)  # the dump is whole
+                        continue
+                if size != last[rank][0]:
                     last[rank] = (size, now)  # still writing
-                elif ((size > before and now - last[rank][1] >= settle_s and _complete(path, before, hit[rank]) is None)
-                      or look(hit[rank]) == GONE):
+                elif (not named[rank] and size > before and now - last[rank][1] >= settle_s) or look(hit[rank]) == GONE:
                     pending.discard(rank)  # (no end named) written and quiet since, or nothing left to wait for
             if pending:
                 sleep(0.1)
