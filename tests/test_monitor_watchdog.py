@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from xirang_hpc.config.schema import MonitorConfig
 from xirang_hpc.files import write_json_atomic
 from xirang_hpc.monitor.detect import ALIVE, GONE, STOPPED
@@ -97,8 +99,10 @@ def test_the_kill_waits_for_a_stack_dump_that_starts_late_and_ends_slowly(tmp_pa
     hit = dump_and_kill([hb], signal.SIGQUIT, "h", tmp_path, send=lambda pid, sig: sent.append((now[0], pid, sig)),
                         look=lambda hb: STOPPED, clock=lambda: now[0], sleep=sleep)
     assert hit == [2]
-    assert [(pid, sig) for _, pid, sig in sent] == [(4242, signal.SIGQUIT), (4242, signal.SIGCONT),
+    # Resumed first, then asked for its dump once its threads are back in their waits (resume_s).
+    assert [(pid, sig) for _, pid, sig in sent] == [(4242, signal.SIGCONT), (4242, signal.SIGQUIT),
                                                     (4242, signal.SIGKILL)]
+    assert sent[1][0] - sent[0][0] == pytest.approx(0.5), sent
     t_kill, t_last = sent[-1][0], writes[-1]
     assert t_last > 2.3 and t_last + 0.5 <= t_kill < t_last + 0.5 + 0.25, (t_last, t_kill)
     assert path.read_text().count("in fit") >= 10

@@ -26,6 +26,7 @@ from conftest import slurm_conf_env, slurm_conf_for, testbed_held
 
 from xirang_hpc.monitor.events import read_events
 from xirang_hpc.runtime.markers import rank_pid
+from xirang_hpc.slurm import control
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,6 +241,29 @@ def test_preempted_twice_finishes_bitwise_identical(slurm, stdlib_data, tmp_path
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), f"{k} differs"
+
+
+def test_a_job_slurm_requeued_itself_counts_as_requeued(slurm, tmp_path):
+    """A preemption's grace time can end while a job still decides whether to requeue (its ranks killed for a
+    hang, its batch script choosing): Slurm's PreemptMode=REQUEUE brings the job back by itself and refuses our
+    ``scontrol requeue`` ("Job is pending execution"). That job was requeued: no failure, no final status."""
+    script = tmp_path / "hold.sh"
+    script.write_text("#!/bin/bash\ntrap '' TERM\nsleep 600\n")  # deaf to the preemption's SIGTERM
+    low = ["--qos=scavenger"] if _qos_preemption() else ["-p", "low"]
+    out = subprocess.run(["sbatch", "--parsable", *low, "--requeue", "-N2", "--ntasks-per-node=8", "-o", "/dev/null",
+                          str(script)], capture_output=True, text=True, check=True)
+    job = out.stdout.strip().split(";")[0]
+    try:
+        _wait(lambda: control.job_info(job).get("JobState") == "RUNNING", 300, f"job {job} to run")
+        _preempt("-N2", "--ntasks-per-node=8")
+        _wait(lambda: int(control.job_info(job).get("Restarts", "0")) >= 1, 300, f"Slurm to requeue job {job}")
+        assert control.requeue(job, restarts=0) is False  # refused, but Slurm had requeued it since restart 0
+        with pytest.raises(control.SlurmCommandError, match="pending execution"):
+            control.requeue(job, restarts=1)  # no requeue since restart 1: the refusal stands
+        with pytest.raises(control.SlurmCommandError, match="pending execution"):
+            control.requeue(job)  # nothing to compare with: the refusal stands
+    finally:
+        subprocess.run(["scancel", job], check=False)
 
 
 def test_time_limit_usr2_requeue_then_finish(slurm, stdlib_data, tmp_path):

@@ -35,6 +35,8 @@ if name == "sbatch":
     entry["script"] = open(args[-1]).read()
 with open(os.environ["FAKE_SLURM_LOG"], "a") as f:
     f.write(json.dumps(entry) + "\n")
+if name == "scontrol" and args[0] == "requeue" and os.environ.get("FAKE_REQUEUE_REFUSED"):
+    sys.exit(print(os.environ["FAKE_REQUEUE_REFUSED"], file=sys.stderr) or 1)
 if name == "sbatch":
     print("Submitted batch job 4242")
 elif name == "scontrol" and args[:2] == ["show", "job"]:
@@ -164,6 +166,27 @@ def test_a_save_that_failed_on_a_full_disk_blames_no_node_and_is_not_requeued(fa
     assert final["final"] is True and final["status"] == "stopped_save_failed"
     assert "no space left on the device" in final["why"] and "requeue would fail" in final["why"]
     assert not [e for e in read_events(run) if e.get("reason") == "node_failure"]
+
+
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_refused_requeue_of_a_job_slurm_requeued_itself_is_no_failure(fake_slurm: Path, tmp_path: Path,
+                                                                         monkeypatch, restarts: int) -> None:
+    """Slurm refuses `scontrol requeue` of a job it requeued itself meanwhile (a preemption's grace time ended);
+    with its Restarts past this start's, the run was requeued. Otherwise the refusal is the final status."""
+    monkeypatch.setenv("FAKE_REQUEUE_REFUSED", "Job is pending execution for job 4243")
+    monkeypatch.setenv("FAKE_SCONTROL_JOB", f"JobId=4243 JobState=COMPLETING Restarts={restarts}")
+    run = _run_dir(tmp_path)
+    for rank, node in enumerate(("n1", "n2")):
+        mark_start(run, 0, rank, node)
+    supervise(137, run, dict(ARRAY_TASK))
+    exits = [(e["status"], e["final"]) for e in read_events(run) if e["kind"] == "exit"]
+    if restarts:
+        assert exits == [("requeued", False)], read_events(run)
+        (update,) = [e for e in read_events(run) if e["kind"] == "requeue_update"]
+        assert update["by"] == "slurm", update
+    else:
+        assert exits == [("requeued", False), ("requeue_failed", True)], read_events(run)
+        assert "pending execution" in read_events(run)[-1]["error"]
 
 
 def test_requeues_stop_at_max_requeues(fake_slurm: Path, tmp_path: Path) -> None:

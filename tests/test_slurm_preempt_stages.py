@@ -40,15 +40,16 @@ def reference(stdlib_data, tmp_path_factory) -> Path:
     return Path(re.search(r"run dir (\S+)", out.stdout).group(1))
 
 
-def _submit_paused(stdlib_data: Path, tmp_path: Path, point: str) -> tuple[str, Path, Path]:
-    """Submit the `low` job with the test point ``point``; returns (job id, run dir, marker dir)."""
+def _submit_paused(stdlib_data: Path, tmp_path: Path, point: str, *extra: str) -> tuple[str, Path, Path]:
+    """Submit the `low` job with the test point ``point`` (and the overrides ``extra``); returns (job id, run dir,
+    marker dir)."""
     marks = tmp_path / "marks"
     marks.mkdir()
     env = {"XIRANG_TESTPOINT": point, "XIRANG_TESTPOINT_DIR": str(marks)}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), *LAYOUT, "train.priority=exploratory"])
+        job, run = _submit([*_base(stdlib_data, tmp_path / "runs"), *LAYOUT, "train.priority=exploratory", *extra])
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -134,8 +135,11 @@ def test_preempted_during_the_checkpoint_load_of_a_restart(reference, stdlib_dat
 def test_preempted_during_an_async_save(reference, stdlib_data, tmp_path):
     """The second periodic save (step 20) is written but not committed when the preemption comes; the
     stop handler's save waits for it until Slurm kills the job after the grace time. The half-done step is never
-    used: the rerun removes it and resumes from step 10."""
-    job, run, marks = _submit_paused(stdlib_data, tmp_path, "save@0#2=150")
+    used: the rerun removes it and resumes from step 10. A save that does not move for 10 s (the test point holds
+    it without a tick) is a hang to the monitor once step times are known (``monitor.hang_k``): here it is bounded
+    by ``monitor.hang_s`` (300 s) instead, so the preemption, not the monitor's abort, ends the job however
+    slowly the machine brings the preemption (on a loaded one the abort came first)."""
+    job, run, marks = _submit_paused(stdlib_data, tmp_path, "save@0#2=150", "monitor.hang_k=0")
     _wait(lambda: _arrived(marks, "save@0"), 600, "the second save to be in flight")
     ckpts = run / "checkpoints"
     assert any(p.name.startswith("step_20.tmp-") for p in ckpts.iterdir()), sorted(ckpts.iterdir())

@@ -286,7 +286,9 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = N
     # updates below (the batch script ignores SIGTERM around it for the same reason).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        control.requeue(job_id)
+        if not control.requeue(job_id, restarts=restart):
+            append_event(run_dir, "requeue_update", reason, job=job_id, restart=restart, applied=[], by="slurm",
+                         why="Slurm had requeued the job already (a preemption's grace time ended meanwhile)")
         start = bool(verdict.start_now or verdict.backoff_s)
         if start or excluded or tasks:
             applied = control.after_requeue(job_id, verdict.backoff_s, exclude=excluded, start=start, tasks=tasks)

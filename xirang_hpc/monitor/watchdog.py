@@ -106,12 +106,17 @@ def _complete(path: Path, offset: int, hb: dict[str, Any]) -> bool:
 
 
 def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, stacks_dir: Path | None = None,
-                  grace_s: float = 1.0, settle_s: float = 0.5, max_wait_s: float = 15.0,
+                  grace_s: float = 1.0, settle_s: float = 0.5, max_wait_s: float = 15.0, resume_s: float = 0.5,
                   send: Callable[[int, int], None] = _signal,
                   look: Callable[[dict[str, Any]], str | None] | None = None,
                   clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                   ) -> list[int]:
     """Make each live local rank dump its stacks, resume stopped ones so they can, then SIGKILL all.
+
+    A stopped rank is resumed first and signalled ``resume_s`` later: faulthandler's handler reads the other
+    threads' frames while they run, and on SIGCONT every thread of the rank wakes at once (its heartbeat
+    thread with a beat overdue), so a dump sent with the SIGCONT read frames in the middle of a change and
+    came out cut or garbled (``line ???``); ``resume_s`` later they are back in their waits.
 
     The kill waits for the dumps, not for a fixed time: faulthandler writes from the rank's signal handler,
     which runs only when the rank is next scheduled (a stopped rank after its SIGCONT), and on a loaded machine
@@ -126,16 +131,18 @@ def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, stacks
     look = look or (lambda hb: probe(hb, host))
     hit: dict[int, dict[str, Any]] = {}
     files = {}
-    for hb in ranks:
-        state = look(hb)
+    states = {int(hb["rank"]): (hb, look(hb)) for hb in ranks}
+    stopped = [hb for hb, state in states.values() if state == STOPPED]
+    for hb in stopped:
+        send(int(hb["pid"]), signal.SIGCONT)
+    if stopped:
+        sleep(resume_s)  # its threads settle back into their waits before the dump reads their frames
+    for rank, (hb, state) in states.items():
         if state in (ALIVE, STOPPED):
-            rank = int(hb["rank"])
             if stacks_dir is not None:
                 path = stack_file(stacks_dir, rank)
                 files[rank] = (path, _size(path))  # what an earlier dump (or the header) left there
             send(int(hb["pid"]), stack_sig)
-            if state == STOPPED:
-                send(int(hb["pid"]), signal.SIGCONT)  # the pending dump signal runs on resume
             hit[rank] = hb
     if hit:
         t0 = clock()

@@ -78,7 +78,7 @@ class StopSignalHook(TrainerHook):
                  exit_fn: Callable[[int], None] = exit_process,
                  save_fn: Callable[[Loop], int | None] | None = None,
                  job_info: Callable[[str], dict[str, str]] = control.job_info,
-                 requeue_fn: Callable[[str], None] = control.requeue,
+                 requeue_fn: Callable[[str], object] | None = None,
                  start_now_fn: Callable[..., object] = control.after_requeue,
                  no_requeue_fn: Callable[[str], None] = control.no_requeue) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
@@ -86,7 +86,11 @@ class StopSignalHook(TrainerHook):
         self.events: EventSink = NullEventSink() if events is None else events
         self.env = os.environ if env is None else env
         self.exit_fn, self.save_fn = exit_fn, save_fn
-        self.job_info, self.requeue_fn, self.start_now_fn = job_info, requeue_fn, start_now_fn
+        self.job_info, self.start_now_fn = job_info, start_now_fn
+        # A job Slurm requeued by itself meanwhile (its preemption's grace time ended) counts as requeued.
+        restarts = int(self.env.get("SLURM_RESTART_COUNT", "0") or 0)
+        self.requeue_fn = requeue_fn or (lambda target: control.requeue(target, restarts=restarts,
+                                                                        info=self.job_info))
         self.no_requeue_fn = no_requeue_fn
         self.received: list[tuple[str, float]] = []
         self.restarts = restart_count(topo, self.events, self.env)

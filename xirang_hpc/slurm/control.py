@@ -139,9 +139,29 @@ def srun_on(nodes: Sequence[str], argv: list[str], run: Callable[..., Result] = 
                 f"--nodelist={','.join(nodes)}", *argv], timeout_s=timeout_s)
 
 
-def requeue(job_id: str) -> None:
-    """``scontrol requeue JOB_ID``; Slurm then ends every task of the job."""
-    run_scontrol(["requeue", job_id])
+def requeue(job_id: str, restarts: int | None = None,
+            info: Callable[[str], dict[str, str]] | None = None) -> bool:
+    """``scontrol requeue JOB_ID``; Slurm then ends every task of the job. True when this call requeued it.
+
+    With ``restarts`` (this start's ``SLURM_RESTART_COUNT``): False when Slurm had requeued the job already.
+    A preemption's grace time can end while the job still decides (its ranks killed for a hang, its batch
+    script choosing what to do): Slurm's own ``PreemptMode=REQUEUE`` then brings the job back by itself, and
+    refuses a second requeue ("Job is pending execution"). A job whose ``Restarts`` passed ``restarts`` is
+    requeued, whoever did it; any other refusal raises :class:`SlurmCommandError`.
+    """
+    try:
+        run_scontrol(["requeue", job_id])
+        return True
+    except SlurmCommandError:
+        if restarts is None:
+            raise
+        try:
+            now = int((info or job_info)(job_id).get("Restarts", ""))
+        except (SlurmCommandError, ValueError):
+            now = -1
+        if now > restarts:
+            return False
+        raise
 
 
 def no_requeue(job_id: str) -> None:
