@@ -114,9 +114,9 @@ def dump_and_kill(ranks: list[dict[str, Any]], stack_sig: int, host: str, stacks
     """Make each live local rank dump its stacks, resume stopped ones so they can, then SIGKILL all.
 
     A stopped rank is resumed first and signalled ``resume_s`` later: faulthandler's handler reads the other
-    threads' frames while they run, and on SIGCONT every thread of the rank wakes at once (its heartbeat
-    thread with a beat overdue), so a dump sent with the SIGCONT read frames in the middle of a change and
-    came out cut or garbled (``line ???``); ``resume_s`` later they are back in their waits.
+    threads' frames while they run (it cannot stop them), and on SIGCONT every thread of the rank wakes at once
+    (its heartbeat thread with a beat overdue); a dump sent with the SIGCONT read a frame in the middle of a
+    change (``line ??? in __exit__``) and ended there. ``resume_s`` later the threads are back in their waits.
 
     The kill waits for the dumps, not for a fixed time: faulthandler writes from the rank's signal handler,
     which runs only when the rank is next scheduled (a stopped rank after its SIGCONT), and on a loaded machine
