@@ -120,8 +120,11 @@ def test_no_false_alarm_in_first_step_long_saves_and_long_evaluations(launch) ->
     assert obs.longest(obs.phase_age, "checkpoint") > hang_s + 2, dict(obs.phase_age)
     assert obs.longest(obs.phase_age, "eval") > hang_s + 2, dict(obs.phase_age)
     # ... while the ticks kept the job moving (a tick per tensor written, per evaluation batch): whenever
-    # every rank was saving or evaluating, one of them had moved within hang_min_s.
-    assert 0 < obs.job_idle["checkpoint"] < hang_min_s and 0 < obs.job_idle["eval"] < hang_min_s, dict(obs.job_idle)
+    # every rank was saving or evaluating, one of them had moved within a fraction of the phase's length
+    # (without ticks the job would be as still as the phase is long; a loaded machine stretches the gaps
+    # between ticks, 6.5 s once in CI, and the phase with them, so the test compares the two).
+    for phase in ("checkpoint", "eval"):
+        assert 0 < obs.job_idle[phase] < obs.longest(obs.phase_age, phase) / 2, (phase, dict(obs.job_idle))
     print(f"\nlongest: first step {first:.1f}s, save phase {obs.longest(obs.phase_age, 'checkpoint'):.1f}s, "
           f"evaluation {obs.longest(obs.phase_age, 'eval'):.1f}s; job still at most {dict(obs.job_idle)}; "
           f"collective rule's closest call {dict(obs.closest)}")
