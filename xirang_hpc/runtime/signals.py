@@ -87,9 +87,9 @@ class StopSignalHook(TrainerHook):
         self.env = os.environ if env is None else env
         self.exit_fn, self.save_fn = exit_fn, save_fn
         self.job_info, self.start_now_fn = job_info, start_now_fn
-        # A job Slurm requeued by itself meanwhile (its preemption's grace time ended) counts as requeued.
-        restarts = int(self.env.get("SLURM_RESTART_COUNT", "0") or 0)
-        self.requeue_fn = requeue_fn or (lambda target: control.requeue(target, restarts=restarts,
+        # A job Slurm requeued by itself meanwhile (its preemption's grace time ended) counts as requeued; the
+        # requeue runs only under Slurm, where self.restarts is SLURM_RESTART_COUNT.
+        self.requeue_fn = requeue_fn or (lambda target: control.requeue(target, restarts=self.restarts,
                                                                         info=self.job_info))
         self.no_requeue_fn = no_requeue_fn
         self.received: list[tuple[str, float]] = []
