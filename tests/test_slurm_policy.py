@@ -61,6 +61,12 @@ def test_classify_timeout_from_time_limit_and_run_time():
     assert control.classify_stop(control.parse_job(exited), "SIGTERM", 60).reason == "terminated"
 
 
+def test_restart_count_is_slurms_count_of_earlier_starts():
+    assert control.restart_count({"SLURM_RESTART_COUNT": "3"}) == 3
+    assert control.restart_count({"SLURM_RESTART_COUNT": ""}) == 0  # set but empty: a first start
+    assert control.restart_count({}) == 0  # outside Slurm
+
+
 def test_requeue_target_names_the_array_task_not_the_array():
     env = {"SLURM_JOB_ID": "118", "SLURM_ARRAY_JOB_ID": "115", "SLURM_ARRAY_TASK_ID": "3"}
     assert control.requeue_target(env) == "115_3"

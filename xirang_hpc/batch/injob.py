@@ -255,7 +255,7 @@ def drive(run_dir: Path, folder: Path, env: Mapping[str, str], python: str = sys
     failures = 0
     job = json.loads((run_dir / "slurm_job.json").read_text())
     policy = job["requeue"]
-    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    restart = control.restart_count(env)
     job_id = env.get("SLURM_JOB_ID", "")
     alloc = allocation(env.get("SLURM_JOB_NODELIST", ""))
     wanted, shrink_to = int(job["nodes"]), [int(k) for k in job.get("shrink_to", [])]
@@ -396,7 +396,7 @@ def guard(rc: int, run_dir: Path, env: Mapping[str, str], run: Callable[..., Res
     asking Slurm), waits for their verdict, and applies the policy itself when no step runs or the ranks
     did not decide within ``wait_s``. No node is blamed: the driver's death says nothing about a node.
     """
-    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    restart = control.restart_count(env)
     if already_handled(run_dir, restart) or handed_over(run_dir, restart):
         return rc
     job_id = env.get("SLURM_JOB_ID", "")

@@ -191,7 +191,7 @@ def supervise(rc: int, run_dir: Path, env: dict[str, str], cause: str | None = N
     ``cause`` (a reason of runtime/policy.py, e.g. ``infra_failure``) is the cause when the caller knows it
     (the in-job driver's guard): then no node is blamed or excluded.
     """
-    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    restart = control.restart_count(env)
     if already_handled(run_dir, restart):
         return rc
     job = json.loads((run_dir / "slurm_job.json").read_text())

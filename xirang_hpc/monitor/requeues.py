@@ -19,7 +19,7 @@ from typing import Any
 
 from xirang_hpc.monitor import audit
 from xirang_hpc.monitor.events import append_event, read_events
-from xirang_hpc.slurm import accounting, states
+from xirang_hpc.slurm import accounting, control, states
 
 # sacct's state of an ended start -> (who requeued it, why).
 _STATES = {"PREEMPTED": ("slurm", "preemption"), "NODE_FAIL": ("slurm", "node_failure"),
@@ -64,7 +64,7 @@ def record_unlogged_requeue(run_dir: Path, env: Mapping[str, str],
     events carry ``restart`` = N-1 (the start that was stopped), ``source`` (slurm, submitit,
     scontrol) and sacct's ``slurm_state``.
     """
-    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    restart = control.restart_count(env)
     job = env.get("SLURM_JOB_ID", "")
     if restart <= 0 or not job:
         return None

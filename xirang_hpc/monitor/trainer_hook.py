@@ -54,6 +54,7 @@ from xirang_hpc.runtime.dist import collective_progress, collective_seq
 from xirang_hpc.runtime.hooks import Loop, TrainerHook
 from xirang_hpc.runtime.process_identity import start_ticks
 from xirang_hpc.runtime.topology import Topology
+from xirang_hpc.slurm import control
 
 
 def _session_id(topo: Topology) -> str:
@@ -91,7 +92,7 @@ class MonitorHook(TrainerHook):
         c, t = self.cfg, self.topo
         row: dict[str, Any] = {
             "session": session, "job_id": t.job_id, "source": t.source, "started": time.time(),
-            "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            "restart_count": control.restart_count(),
             "world_size": t.world_size, "num_nodes": t.num_nodes, "start_step": trainer.state.step,
             "max_steps": c.train.end_step, "global_batch": c.train.global_batch, "seq_len": c.model.seq_len,
             "model": c.model.name, "flops_per_token": flops_per_token_for(c.model),

@@ -65,7 +65,7 @@ def exit_process(code: int) -> None:
 def restart_count(topo: Topology, events: EventSink, env: Mapping[str, str]) -> int:
     """How often this run was requeued: Slurm's ``SLURM_RESTART_COUNT``, else our own event log."""
     if topo.source == "slurm":
-        return int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+        return control.restart_count(env)
     return events.count("requeue")
 
 

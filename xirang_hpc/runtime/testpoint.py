@@ -39,6 +39,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from xirang_hpc.slurm import control
+
 ENV = "XIRANG_TESTPOINT"
 DIR_ENV = "XIRANG_TESTPOINT_DIR"
 SLOW_ENV = "XIRANG_TESTPOINT_SLOW"
@@ -69,7 +71,7 @@ def pause(stage: str, env: Mapping[str, str] | None = None, rank: int | None = N
     spec = env.get(ENV)
     if not spec:
         return 0.0
-    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    restart = control.restart_count(env)
     nth, seconds, only = parse(spec).get((stage, restart), (-1, 0.0, ANY_RANK))
     if nth < 0 or (only != ANY_RANK and rank != only):
         return 0.0

@@ -63,6 +63,12 @@ def requeue_target(env: Mapping[str, str] | None = None) -> str:
     return env["SLURM_JOB_ID"]
 
 
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How often Slurm has requeued this job before this start: ``SLURM_RESTART_COUNT`` (0 when unset)."""
+    env = os.environ if env is None else env
+    return int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
 def parse_job(text: str) -> dict[str, str]:
     """``scontrol show job -o`` (one line of ``Key=Value`` pairs) -> dict."""
     fields: dict[str, str] = {}
