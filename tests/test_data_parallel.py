@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from ranks import rank_context
 from torch import nn
@@ -74,3 +76,48 @@ def test_ddp_leaves_ignored_params_and_buffers_unsynced() -> None:
     mean = (r0["own_grads"]["shared.weight"] + r1["own_grads"]["shared.weight"]) / 2
     for r in (r0, r1):  # the replicated weight's gradient is the ranks' mean
         np.testing.assert_allclose(r["grads"]["shared.weight"], mean, rtol=1e-5, atol=1e-7)
+
+
+def _fsdp_rank(place: RankPlace, queue: Any, pp_dims: bool) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    from xirang_hpc.config.schema import ModelConfig, ParallelConfig
+    from xirang_hpc.models.gpt import GPT
+    from xirang_hpc.runtime.data_parallel import apply_fsdp
+    from xirang_hpc.runtime.parallel_dims import ParallelDims
+
+    dist.init_process_group("gloo")
+    try:
+        dims = ParallelDims.from_config(ParallelConfig(dp=2, data_parallel="fsdp"), 2)
+        mesh = init_device_mesh("cpu", dims.shape, mesh_dim_names=dims.dim_names)
+        if pp_dims:  # the same model and mesh, its roots told they run under a pipeline (pp's own size unused)
+            dims = dataclasses.replace(dims, pp=2, world_size=4)
+        cfg = ModelConfig(name="t", n_layer=2, n_head=4, d_model=32, d_ff=64, seq_len=16, vocab_size=64)
+        model = GPT(cfg, seed=1)
+        apply_fsdp(model, mesh, dims)
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(place.rank))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(2):  # two steps' forward and backward
+                model(x).float().pow(2).mean().backward()
+        gathers: dict[str, int] = {}
+        for e in prof.events():
+            if e.name.startswith("FSDP::all_gather") and "copy" not in e.name:
+                gathers[e.name] = gathers.get(e.name, 0) + 1
+        queue.put({"rank": place.rank, "gathers": gathers})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("pp_dims", [False, True], ids=["root-kept", "pipeline"])
+def test_fsdp_gathers_the_blocks_twice_and_the_root_once_per_step(pp_dims: bool) -> None:
+    """ZeRO-3: each block is gathered for its forward and again for its backward; the root (embedding, final
+    norm, head) once, kept gathered from its forward into the backward, which needs it at once; under a
+    pipeline the root reshards after each forward too."""
+    with LocalRanks(_fsdp_rank, 2, (pp_dims,), ctx=rank_context(), timeout_s=120) as ranks:
+        results = [ranks.get() for _ in range(2)]
+    for r in results:
+        g = r["gathers"]
+        assert g.get("FSDP::all_gather (layers.0)") == g.get("FSDP::all_gather (layers.1)") == 4, g
+        assert g.get("FSDP::all_gather") == (4 if pp_dims else 2), g

@@ -45,13 +45,21 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_a
     ``roots``: the modules whose forward is called (default ``[model]``). Interleaved pipelines pass
     their stage chunks, each of which then owns (and unshards) the embedding/head it runs.
     ``ignored``: parameters FSDP2 must not manage (expert-parallel shards, reduced by their own groups).
+
+    ``reshard_after_forward`` (ZeRO-3) applies to the blocks. A root's weights (embedding, final norm, head)
+    are gathered again as soon as the backward starts (the head's gradient comes first), and kept until its
+    end (the embedding's comes last), so resharding them after the forward would save no memory and cost one
+    more all-gather of them per microbatch (at a 128k vocabulary about an eighth of an 8B model's weights): a
+    root keeps them gathered from forward to backward, as FSDP2 does by default. Under a pipeline it does
+    not: there the forwards of several microbatches run before their backwards.
     """
     dp_mesh = fsdp_mesh(mesh, dims)
     kw = {"ignored_params": ignored} if ignored else {}
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
+    root_reshard = reshard_after_forward and dims.pp > 1
     for root in roots or [model]:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=root_reshard, **kw)
 
 
 def ddp_bucket_cap_mb(comm: CommConfig) -> float:
