@@ -265,7 +265,9 @@ class Trainer:
             testpoint.slow_item("eval")  # tests only: a long evaluation
             liveness.tick("eval batch")  # a long evaluation that still moves is no hang
         self.model.train()
-        if self.pm.zero == 2:  # no backward follows to reshard the weights gathered for evaluation: free them now
+        if self.pm.data_parallel == "fsdp":
+            # No backward follows to reshard the weights an evaluation gathered and kept for one (ZeRO-2's blocks,
+            # every root's embedding and head): free them now, so that between steps each rank holds its shards.
             for m in self.model.modules():
                 if isinstance(m, FSDPModule):
                     m.reshard()
