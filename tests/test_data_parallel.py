@@ -121,3 +121,58 @@ def test_fsdp_gathers_the_blocks_twice_and_the_root_once_per_step(pp_dims: bool)
         g = r["gathers"]
         assert g.get("FSDP::all_gather (layers.0)") == g.get("FSDP::all_gather (layers.1)") == 4, g
         assert g.get("FSDP::all_gather") == (4 if pp_dims else 2), g
+
+
+def _bf16_kept_rank(place: RankPlace, queue: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xirang_hpc.config.schema import ModelConfig, ParallelConfig
+    from xirang_hpc.models.gpt import GPT
+    from xirang_hpc.runtime.data_parallel import apply_fsdp, block_precision
+    from xirang_hpc.runtime.parallel_dims import ParallelDims
+    from xirang_hpc.runtime.precision import apply_autocast
+
+    dist.init_process_group("gloo")
+    try:
+        dims = ParallelDims.from_config(ParallelConfig(dp=2, data_parallel="fsdp"), 2)
+        mesh = init_device_mesh("cpu", dims.shape, mesh_dim_names=dims.dim_names)
+        out = {"rank": place.rank}
+        # 3 x 10 tokens: no activation has a weight's shape (d_model 48, d_ff 80)
+        cfg = ModelConfig(name="t", n_layer=2, n_head=4, d_model=48, d_ff=80, seq_len=16, vocab_size=64)
+        x = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(place.rank))
+        for policy in ("block_precision", "autocast_only"):
+            model = GPT(cfg, seed=1)
+            apply_autocast(model, "bf16", torch.device("cpu"))
+            apply_fsdp(model, mesh, dims, mp_policy=block_precision("bf16") if policy == "block_precision" else None)
+            weights = {tuple(p.shape) for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2}
+            weights |= {s[::-1] for s in weights}  # a matmul may keep the transposed view
+            saved: list[torch.Tensor] = []
+
+            def keep(t: torch.Tensor, saved: list[torch.Tensor] = saved) -> torch.Tensor:
+                saved.append(t)
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                loss = model(x).float().pow(2).mean()
+            # what the backward will find still allocated: a whole (gathered) block weight, in bf16
+            out[policy] = sum(t.untyped_storage().nbytes() for t in saved
+                              if tuple(t.shape) in weights and t.untyped_storage().nbytes() > 0)
+            loss.backward()
+            out[policy + "_grad_dtypes"] = sorted({str(p.grad.dtype) for p in model.parameters()})
+        queue.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_bf16_zero3_forward_leaves_no_whole_block_weight_for_the_backward() -> None:
+    """bf16 under FSDP2: the blocks' weights are gathered in bf16 (FSDP2's mixed precision), so what autograd
+    keeps for the backward are FSDP2's own gathered weights, freed after the forward. Under autocast alone each
+    matmul's bf16 copy of its gathered fp32 weight is kept instead: every block's whole weights, 2 bytes each."""
+    with LocalRanks(_bf16_kept_rank, 2, ctx=rank_context(), timeout_s=120) as ranks:
+        results = [ranks.get() for _ in range(2)]
+    block_elements = 4 * 48 * 48 + 2 * 48 * 80  # per block: q, k, v, o and the two MLP matrices
+    for r in results:
+        assert r["block_precision"] == 0, r
+        assert r["autocast_only"] == 2 * block_elements * 2, r  # two blocks, 2 bytes each (bf16)
+        assert r["block_precision_grad_dtypes"] == r["autocast_only_grad_dtypes"] == ["torch.float32"], r

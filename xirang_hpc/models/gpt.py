@@ -39,10 +39,20 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` whose weight and bias take the input's dtype: a bf16 run's blocks get their weights in bf16
+    (FSDP2's mixed precision) while the residual stream they normalise stays fp32. A no-op in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else self.weight.to(x.dtype)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+
+
 def _norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.d_model, cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+    return LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 def rope_inv_freq(head_dim: int, base: float, cfg: ModelConfig | None = None) -> torch.Tensor:

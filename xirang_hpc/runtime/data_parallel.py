@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,8 +38,26 @@ def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
 
 
+def block_precision(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's mixed-precision policy for the blocks of a run whose forward runs in ``precision`` (resolved).
+
+    Under bf16 (and fp8) the blocks' weights are gathered in bf16 and their gradients reduced in fp32, as
+    torchtitan does: half the bytes of each all-gather, and, above all, no bf16 copy of a whole gathered weight
+    kept for the backward. Under autocast alone the gathered weights stay fp32 and every matmul casts its weight
+    to bf16; autograd keeps that copy until the backward, outside FSDP2's reach, so a ZeRO-3 rank would hold
+    all the blocks' weights, unsharded, between its forward and its backward. The bf16 values the matmuls see
+    are the same (the same rounding of the same fp32 weights); the norms' weights are rounded to bf16 too.
+    Block inputs keep their dtype (``cast_forward_inputs=False``): the residual stream stays fp32, as under
+    autocast. ``None`` under fp32.
+    """
+    if precision == "fp32":
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_after_forward: bool = True,
-               roots: list[nn.Module] | None = None, ignored: set[nn.Parameter] | None = None) -> None:
+               roots: list[nn.Module] | None = None, ignored: set[nn.Parameter] | None = None,
+               mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """Shard ``model`` (GPT or stage) with FSDP2 over the dp dimensions of ``mesh``, in place.
 
     ``roots``: the modules whose forward is called (default ``[model]``). Interleaved pipelines pass
@@ -52,11 +70,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_a
     more all-gather of them per microbatch (at a 128k vocabulary about an eighth of an 8B model's weights): a
     root keeps them gathered from forward to backward, as FSDP2 does by default. Under a pipeline it does
     not: there the forwards of several microbatches run before their backwards.
+
+    ``mp_policy`` (:func:`block_precision`) applies to the blocks; the roots keep fp32 weights (the embedding's
+    output starts the fp32 residual stream; the head's matmul runs under autocast).
     """
     dp_mesh = fsdp_mesh(mesh, dims)
     kw = {"ignored_params": ignored} if ignored else {}
+    mp = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw, **mp)
     root_reshard = reshard_after_forward and dims.pp > 1
     for root in roots or [model]:
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=root_reshard, **kw)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from xirang_hpc.models.moe import MoE
@@ -138,7 +138,7 @@ def shards_over_edp(dims: ParallelDims) -> bool:
 
 
 def apply_expert_fsdp(model: nn.Module, expert: ExpertParallel, dense_mesh: DeviceMesh,
-                      reshard_after_forward: bool) -> None:
+                      reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """Shard every MoE block's expert weights over ``efsdp`` with FSDP2 (before the dense ``fully_shard``).
 
     Each block's ``fully_shard`` on the ``efsdp`` mesh (HSDP: ``("erep", "efsdp")``, replicated over erep)
@@ -157,18 +157,22 @@ def apply_expert_fsdp(model: nn.Module, expert: ExpertParallel, dense_mesh: Devi
     reduce-scatter over ``efsdp`` (and the all-reduce over ``erep``) sums them and divides by dp (not by
     ``efsdp``, FSDP2's default), the data-parallel mean the dense weights get. The division runs after a plain
     sum (gloo has no pre-scaled sum).
+
+    ``mp_policy``: the blocks' mixed-precision policy (bf16 gathers, fp32 reduction), for the router, the shared
+    expert and the experts alike.
     """
+    mp = {"mp_policy": mp_policy} if mp_policy is not None else {}
     efsdp = expert.mesh["efsdp"]
     shard_mesh = efsdp if expert.mesh["erep"].size() == 1 else expert.mesh["erep", "efsdp"]
     blocks = moe_blocks(model)
     for m in blocks:
         for dense in (m.gate, m.shared):  # dense: over every dp rank, as the rest of the block
             if dense is not None:
-                fully_shard(dense, mesh=dense_mesh, reshard_after_forward=reshard_after_forward)
+                fully_shard(dense, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **mp)
         local = [getattr(m, name).to_local() for name in EXPERT_WEIGHTS]  # (E/ep, ...) each, meta
         on_dim1 = local[0].shape[0] % efsdp.size() != 0 and all(t.shape[1] % efsdp.size() == 0 for t in local)
         fsdp_experts = fully_shard(m, mesh=shard_mesh, reshard_after_forward=reshard_after_forward,
-                                   shard_placement_fn=(lambda _: Shard(1)) if on_dim1 else None)
+                                   shard_placement_fn=(lambda _: Shard(1)) if on_dim1 else None, **mp)
         fsdp_experts.set_gradient_divide_factor(float(expert.dp))
         fsdp_experts.set_force_sum_reduction_for_comms(True)
     # FSDP2 swapped in its own (E/(ep*efsdp), ...) parameters

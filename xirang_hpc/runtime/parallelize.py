@@ -29,7 +29,14 @@ from xirang_hpc.models.lora import apply_lora
 from xirang_hpc.runtime import pipeline
 from xirang_hpc.runtime.compile import apply_compile, probe
 from xirang_hpc.runtime.context_parallel import ContextShards, apply_context_parallel
-from xirang_hpc.runtime.data_parallel import apply_ddp, apply_fsdp, build_optimizer, ddp_bucket_cap_mb, fsdp_mesh
+from xirang_hpc.runtime.data_parallel import (
+    apply_ddp,
+    apply_fsdp,
+    block_precision,
+    build_optimizer,
+    ddp_bucket_cap_mb,
+    fsdp_mesh,
+)
 from xirang_hpc.runtime.expert_parallel import (
     ExpertParallel,
     apply_expert_fsdp,
@@ -140,8 +147,10 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
         # all-reduce over dp), DTensor- and pipeline-aware, so it stands in for DDP there.
         # ZeRO-2 keeps the gathered weights from forward to backward; ZeRO-3 (and replication) reshards.
         if expert is not None and shards_over_edp(dims):  # efsdp: experts sharded over edp too
-            apply_expert_fsdp(model, expert, fsdp_mesh(mesh, dims), reshard_after_forward=layout.zero != 2)
-        apply_fsdp(model, mesh, dims, reshard_after_forward=layout.zero != 2, roots=chunks, ignored=ignored)
+            apply_expert_fsdp(model, expert, fsdp_mesh(mesh, dims), reshard_after_forward=layout.zero != 2,
+                              mp_policy=block_precision(precision))
+        apply_fsdp(model, mesh, dims, reshard_after_forward=layout.zero != 2, roots=chunks, ignored=ignored,
+                   mp_policy=block_precision(precision))
     if not _full_build:
         model.materialize(device, seed=t.seed)  # this rank's stage/shards only
         for c in chunks:  # stage views hold their own references to the (recomputed) rope tables

@@ -4,7 +4,9 @@
 - ``fp32``: no autocast at all; the forward is left untouched (bitwise the plain fp32 run).
 - ``bf16``: ``torch.autocast(device_type, dtype=torch.bfloat16)`` around the forward. Parameters,
   gradients and optimizer state stay fp32 (the autocast recipe: only the matmul-class ops run in
-  bf16). CPU autocast supports bf16 too, which is how it is tested here.
+  bf16); under FSDP2 the blocks' weights are gathered in bf16 and their gradients reduced in fp32
+  (:func:`xirang_hpc.runtime.data_parallel.block_precision`). CPU autocast supports bf16 too, which is
+  how it is tested here.
 - ``fp8``: bf16 autocast as above, and the linear layers' matmuls in float8 through torchao's float8
   training (``torchao.float8.convert_to_float8_training`` with the ``rowwise`` recipe: per-row scales of
   the activations and per-column scales of the weights, computed dynamically in every pass), applied as
