@@ -116,7 +116,8 @@ def main() -> None:
           f"{n / 1e6:.1f}M params; bf16, ZeRO-3 over {args.ranks} ranks, micro-batch {args.micro}")
     ours, prev = run_phase("ours", args), run_phase("autocast", args)
     hdr = ("rank", "kept at forward end, ours / autocast only (GiB)", "of it whole block weights",
-           "all-gathers received (GiB)", "peak RSS rise in forward + backward (GiB)", "ours / autocast only (peak rise)")
+           "all-gathers received (GiB)", "peak RSS rise in forward + backward (GiB)",
+           "ours / autocast only (peak rise)")
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for r, (o, p) in enumerate(zip(ours, prev)):
