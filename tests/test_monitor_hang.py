@@ -175,27 +175,24 @@ def test_crawling_rank_is_no_hang_and_a_stopped_rank_is_named_in_seconds(launch,
 def test_sixty_second_steps_a_stopped_rank_is_named_by_collective_progress(launch, capsys) -> None:
     # Every rank's step takes 60 s (each sleeps 60 s on entering forward: rank=all), so the step-multiple bound
     # would be max(10 s, 20 x 60 s) capped at hang_s=300 s. The collective rule (the default
-    # monitor.collective_timeout_s=10) does not look at the step time: rank 3 is stopped 30 s before its sleep
+    # monitor.collective_timeout_s=10) does not look at the step time: rank 3 is stopped 5 s before its sleep
     # ends, its peers leave theirs, enter the gradient all-reduce of backward and wait; 10 s later rank 3 is named.
-    # (30 s, not a few: on a loaded machine this test's own process has been late by more than 5 s, and the stop
-    # then met rank 3 past its sleep, in the step's grad-norm all-reduce.)
     collective_s, margin_s = 10.0, 5.0  # margin: heartbeat sampling (0.25 s) + watchdog poll (0.5 s) + scheduling
-    left_s = 30.0  # of rank 3's 60-s sleep when it is stopped
     slow = {"XIRANG_TESTPOINT_SLOW": "rank=all,s=60,phases=forward"}
     run, _ = launch.running("monitor.heartbeat_s=0.25", "cluster.time_min=20", n=2, env=slow)
     hb = run.beats()
     assert all(b["step_s"] >= 60 and b["timed_steps"] >= 2 for b in hb.values()), hb  # 60-s steps, measured
-    # Rank 3 in the forward sleep of a later step: stop it left_s before the sleep ends.
+    # Rank 3 in the forward sleep of a later step: stop it 5 s before the sleep ends.
     deadline = time.time() + 200
     with Observer(run.run_dir) as obs:
         while time.time() < deadline:
             b3 = run.beats()[3]
-            if b3["phase"] == "forward" and b3["step"] >= 2 and time.time() < float(b3["progress"]) + 55 - left_s:
+            if b3["phase"] == "forward" and b3["step"] >= 2 and time.time() < float(b3["progress"]) + 50:
                 break
             time.sleep(0.2)
         else:
             raise AssertionError(f"rank 3 never entered a slow forward: {run.beats()[3]}")
-        time.sleep(max(0.0, float(b3["progress"]) + 60 - left_s - time.time()))
+        time.sleep(max(0.0, float(b3["progress"]) + 55 - time.time()))
     pid3 = b3["pid"]
     t_stop = time.time()
     os.kill(pid3, signal.SIGSTOP)
@@ -210,24 +207,26 @@ def test_sixty_second_steps_a_stopped_rank_is_named_by_collective_progress(launc
     head = f"rank 3 (node vnode1, pid {pid3}) did not reach collective #"
     assert ev["cause"].startswith(head) and "stopped" in ev["cause"] and "wait in" in ev["cause"], ev["cause"]
     # Named collective_s after the first peer entered the collective rank 3 missed (as the heartbeats sampled
-    # it, every 0.25 s), and so, after SIGSTOP, the left_s left of the sleep plus collective_s: the peers block
+    # it, every 0.25 s), and so, after SIGSTOP, the 5 s left of the sleep plus collective_s: the peers block
     # right after their own sleep, which began with rank 3's (the step's all-reduce aligns them).
     after_sampled = ev["time"] - ev["waiting_since"]
     after_stop = ev["time"] - t_stop
     assert collective_s - 0.5 <= after_sampled <= collective_s + margin_s, ev
-    assert after_stop <= left_s + collective_s + margin_s, after_stop  # far from any multiple of the 60-s step
+    assert after_stop <= 5 + collective_s + margin_s, after_stop  # far from any multiple of the 60-s step
     abort = run.wait_event("abort", 120)
     assert abort["rank"] == 3
     text = (run.run_dir / "stacks" / "rank-3.txt").read_text()
-    # Its training thread's stack, inside the step where it was stopped: the forward's 60-s sleep, or just past
-    # it in the stage's transfer when a loaded machine delays the stop by the last few seconds of the sleep.
-    assert "most recent call first" in text and "train_step" in text, text[-2000:]
-    assert "testpoint.py" in text or "pipelining/schedules.py" in text, text[-2000:]
+    # Its training thread's stack, whole, in the training loop. Where in the step it shows is not fixed: the
+    # watchdog resumes a stopped rank and asks for its dump half a second later (monitor/watchdog.py
+    # dump_and_kill), and the 60-s sleep's deadline passed while rank 3 was stopped, so the resumed rank leaves
+    # the sleep at once and its peers, waiting for it, let it run on: the dump has shown it in the stage transfer,
+    # in the grad-norm all-reduce and in the step-end stop-signal all-reduce.
+    assert "most recent call first" in text and " in fit" in text, text[-2000:]
+    assert text.rstrip().endswith("in _run_module_as_main"), text[-2000:]  # the main thread's outermost frame
     _assert_all_gone(run)
     with capsys.disabled():
         print(f"\n60-s steps: rank 3 named {after_sampled:.1f}s after its peers entered collective #{ev['seq']} (as "
-              f"sampled), {after_stop:.1f}s after SIGSTOP ({left_s:.0f} s before its sleep ended); waiting "
-              f"{ev['waiting']}: "
+              f"sampled), {after_stop:.1f}s after SIGSTOP (5 s before its sleep ended); waiting {ev['waiting']}: "
               f"{ev['cause']}; closest call of the healthy steps before: {dict(obs.closest)}")
 
 
