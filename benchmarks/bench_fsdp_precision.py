@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_meta_init import GIB, _kb, make_cfg
+from bench_meta_init import GIB, _kb, make_cfg, run_phase
 
 from xirang_hpc.models.gpt import full_model_params, lm_loss
-from xirang_hpc.runtime.local_ranks import LocalRanks, RankPlace
+from xirang_hpc.runtime.local_ranks import RankPlace
 from xirang_hpc.runtime.parallel_dims import Layout
 
 
@@ -86,18 +85,6 @@ def _rank(place: RankPlace, queue: Any, phase: str, args: argparse.Namespace) ->
             dist.destroy_process_group()
 
 
-def run_phase(phase: str, args: argparse.Namespace) -> list[dict[str, float]]:
-    """Fresh ranks for ``phase``; their measurements by rank."""
-    res: list[dict[str, float]] = [{} for _ in range(args.ranks)]
-    with LocalRanks(_rank, args.ranks, (phase, args), nodes=2 if args.ranks >= 4 else 1) as ranks:
-        for _ in range(args.ranks):
-            r, out = ranks.get()
-            if "error" in out:
-                sys.exit(f"{phase} rank {r} failed:\n{out['error']}")
-            res[r] = out
-    return res
-
-
 def main() -> None:
     """Both phases, the per-rank table and the ratios."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -114,7 +101,7 @@ def main() -> None:
     n = full_model_params(make_cfg(args).model)
     print(f"model: {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, seq_len {args.seq_len}: "
           f"{n / 1e6:.1f}M params; bf16, ZeRO-3 over {args.ranks} ranks, micro-batch {args.micro}")
-    ours, prev = run_phase("ours", args), run_phase("autocast", args)
+    ours, prev = run_phase("ours", args, _rank), run_phase("autocast", args, _rank)
     hdr = ("rank", "kept at forward end, ours / autocast only (GiB)", "of it whole block weights",
            "all-gathers received (GiB)", "peak RSS rise in forward + backward (GiB)",
            "ours / autocast only (peak rise)")

@@ -28,6 +28,7 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,10 +111,11 @@ def _rank(place: RankPlace, queue: Any, phase: str, args: argparse.Namespace) ->
             dist.destroy_process_group()
 
 
-def run_phase(phase: str, args: argparse.Namespace) -> list[dict[str, float]]:
-    """Spawn ``args.ranks`` fresh ranks for ``phase`` (2 virtual nodes from 4 ranks); their measurements by rank."""
+def run_phase(phase: str, args: argparse.Namespace, target: Callable[..., None] = _rank) -> list[dict[str, float]]:
+    """Spawn ``args.ranks`` fresh ranks running ``target`` for ``phase`` (2 virtual nodes from 4 ranks); their
+    measurements by rank."""
     res: list[dict[str, float]] = [{} for _ in range(args.ranks)]
-    with LocalRanks(_rank, args.ranks, (phase, args), nodes=2 if args.ranks >= 4 else 1) as ranks:
+    with LocalRanks(target, args.ranks, (phase, args), nodes=2 if args.ranks >= 4 else 1) as ranks:
         for _ in range(args.ranks):
             r, out = ranks.get()
             if "error" in out:  # leaving the block kills the other ranks
