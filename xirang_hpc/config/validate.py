@@ -8,6 +8,7 @@ Every failure is a :class:`ConfigError` naming the field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+from functools import cache
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -21,6 +22,13 @@ from xirang_hpc.config.schema import ClusterConfig, DataConfig, ParallelConfig, 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@cache
+def _schema() -> DictConfig:
+    """The schema as an OmegaConf node, built once per process (~35 ms): ``OmegaConf.merge`` copies its first
+    argument, so the cached node is never changed."""
+    return OmegaConf.structured(XirangConfig)
 
 
 def _cli_overrides(hydra_node: object) -> list[str] | None:
@@ -56,7 +64,7 @@ def to_typed(cfg: DictConfig) -> XirangConfig:
             if is_peft_dir(container["model"].get("init_from")):  # a PEFT adapter: its LoRA shape, continued
                 container["finetune"] = apply_peft_finetune(container.get("finetune") or {},
                                                             container["model"]["init_from"], overrides)
-        typed = OmegaConf.merge(OmegaConf.structured(XirangConfig), container)
+        typed = OmegaConf.merge(_schema(), container)
         obj = OmegaConf.to_object(typed)
     except (ConfigAttributeError, ConfigKeyError) as exc:  # +train.stepz=3: Hydra added it, the schema has none
         key = str(getattr(exc, "full_key", None) or "config")
