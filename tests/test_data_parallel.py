@@ -94,7 +94,7 @@ def _fsdp_rank(place: RankPlace, queue: Any, pp_dims: bool) -> None:
         mesh = init_device_mesh("cpu", dims.shape, mesh_dim_names=dims.dim_names)
         if pp_dims:  # the same model and mesh, its roots told they run under a pipeline (pp's own size unused)
             dims = dataclasses.replace(dims, pp=2, world_size=4)
-        cfg = ModelConfig(name="t", n_layer=2, n_head=4, d_model=32, d_ff=64, seq_len=16, vocab_size=64)
+        cfg = ModelConfig(name="t", n_layer=3, n_head=4, d_model=32, d_ff=64, seq_len=16, vocab_size=64)
         model = GPT(cfg, seed=1)
         apply_fsdp(model, mesh, dims)
         x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(place.rank))
@@ -110,17 +110,17 @@ def _fsdp_rank(place: RankPlace, queue: Any, pp_dims: bool) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("pp_dims", [False, True], ids=["root-kept", "pipeline"])
-def test_fsdp_gathers_the_blocks_twice_and_the_root_once_per_step(pp_dims: bool) -> None:
+@pytest.mark.parametrize("pp_dims", [False, True], ids=["last-kept", "pipeline"])
+def test_fsdp_gathers_the_blocks_twice_and_the_root_and_last_block_once_per_step(pp_dims: bool) -> None:
     """ZeRO-3: each block is gathered for its forward and again for its backward; the root (embedding, final
-    norm, head) once, kept gathered from its forward into the backward, which needs it at once; under a
-    pipeline the root reshards after each forward too."""
+    norm, head) and the last block once, kept gathered from their forward into the backward, which starts with
+    them; under a pipeline they reshard after each forward too."""
     with LocalRanks(_fsdp_rank, 2, (pp_dims,), ctx=rank_context(), timeout_s=120) as ranks:
         results = [ranks.get() for _ in range(2)]
     for r in results:
         g = r["gathers"]
         assert g.get("FSDP::all_gather (layers.0)") == g.get("FSDP::all_gather (layers.1)") == 4, g
-        assert g.get("FSDP::all_gather") == (4 if pp_dims else 2), g
+        assert g.get("FSDP::all_gather (layers.2)") == g.get("FSDP::all_gather") == (4 if pp_dims else 2), g
 
 
 def _bf16_kept_rank(place: RankPlace, queue: Any) -> None:
@@ -139,7 +139,7 @@ def _bf16_kept_rank(place: RankPlace, queue: Any) -> None:
         mesh = init_device_mesh("cpu", dims.shape, mesh_dim_names=dims.dim_names)
         out = {"rank": place.rank}
         # 3 x 10 tokens: no activation has a weight's shape (d_model 48, d_ff 80)
-        cfg = ModelConfig(name="t", n_layer=2, n_head=4, d_model=48, d_ff=80, seq_len=16, vocab_size=64)
+        cfg = ModelConfig(name="t", n_layer=4, n_head=4, d_model=48, d_ff=80, seq_len=16, vocab_size=64)
         x = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(place.rank))
         for policy in ("block_precision", "autocast_only"):
             model = GPT(cfg, seed=1)
@@ -165,14 +165,15 @@ def _bf16_kept_rank(place: RankPlace, queue: Any) -> None:
         dist.destroy_process_group()
 
 
-def test_a_bf16_zero3_forward_leaves_no_whole_block_weight_for_the_backward() -> None:
+def test_a_bf16_zero3_forward_leaves_no_whole_block_weight_for_the_backward_but_the_last() -> None:
     """bf16 under FSDP2: the blocks' weights are gathered in bf16 (FSDP2's mixed precision), so what autograd
-    keeps for the backward are FSDP2's own gathered weights, freed after the forward. Under autocast alone each
-    matmul's bf16 copy of its gathered fp32 weight is kept instead: every block's whole weights, 2 bytes each."""
+    keeps for the backward are FSDP2's own gathered weights, freed after the forward, but the last block's, kept
+    gathered for the backward that starts with it. Under autocast alone each matmul's bf16 copy of its gathered
+    fp32 weight is kept instead: every block's whole weights, 2 bytes each."""
     with LocalRanks(_bf16_kept_rank, 2, ctx=rank_context(), timeout_s=120) as ranks:
         results = [ranks.get() for _ in range(2)]
     block_elements = 4 * 48 * 48 + 2 * 48 * 80  # per block: q, k, v, o and the two MLP matrices
     for r in results:
-        assert r["block_precision"] == 0, r
-        assert r["autocast_only"] == 2 * block_elements * 2, r  # two blocks, 2 bytes each (bf16)
+        assert r["block_precision"] == block_elements * 2, r  # the last block, in bf16
+        assert r["autocast_only"] == 4 * block_elements * 2, r  # the four blocks, 2 bytes each (bf16)
         assert r["block_precision_grad_dtypes"] == r["autocast_only_grad_dtypes"] == ["torch.float32"], r

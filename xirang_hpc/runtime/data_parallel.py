@@ -64,12 +64,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_a
     their stage chunks, each of which then owns (and unshards) the embedding/head it runs.
     ``ignored``: parameters FSDP2 must not manage (expert-parallel shards, reduced by their own groups).
 
-    ``reshard_after_forward`` (ZeRO-3) applies to the blocks. A root's weights (embedding, final norm, head)
-    are gathered again as soon as the backward starts (the head's gradient comes first), and kept until its
-    end (the embedding's comes last), so resharding them after the forward would save no memory and cost one
-    more all-gather of them per microbatch (at a 128k vocabulary about an eighth of an 8B model's weights): a
-    root keeps them gathered from forward to backward, as FSDP2 does by default. Under a pipeline it does
-    not: there the forwards of several microbatches run before their backwards.
+    ``reshard_after_forward`` (ZeRO-3) applies to the blocks but the last. A root's weights (embedding, final
+    norm, head) are gathered again as soon as the backward starts (the head's gradient comes first), and kept
+    until its end (the embedding's comes last), so resharding them after the forward would save no memory and
+    cost one more all-gather of them per microbatch (at a 128k vocabulary about an eighth of an 8B model's
+    weights): a root keeps them gathered from forward to backward, as FSDP2 does by default. The last block
+    likewise: its backward comes right after the head's, so it keeps its weights too (as torchtitan does; one
+    block's gathered weights while the head and the loss run, within the planner's one block plus the
+    prefetched one), one all-gather fewer per microbatch. Under a pipeline neither does: there the forwards
+    of several microbatches run before their backwards.
 
     ``mp_policy`` (:func:`block_precision`) applies to the blocks; the roots keep fp32 weights (the embedding's
     output starts the fp32 residual stream; the head's matmul runs under autocast).
@@ -77,9 +80,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_a
     dp_mesh = fsdp_mesh(mesh, dims)
     kw = {"ignored_params": ignored} if ignored else {}
     mp = {"mp_policy": mp_policy} if mp_policy is not None else {}
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw, **mp)
     root_reshard = reshard_after_forward and dims.pp > 1
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=root_reshard if last else reshard_after_forward,
+                    **kw, **mp)
     for root in roots or [model]:
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=root_reshard, **kw)
 

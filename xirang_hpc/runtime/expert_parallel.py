@@ -138,7 +138,8 @@ def shards_over_edp(dims: ParallelDims) -> bool:
 
 
 def apply_expert_fsdp(model: nn.Module, expert: ExpertParallel, dense_mesh: DeviceMesh,
-                      reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None = None) -> None:
+                      reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None = None,
+                      keep_last: bool = False) -> None:
     """Shard every MoE block's expert weights over ``efsdp`` with FSDP2 (before the dense ``fully_shard``).
 
     Each block's ``fully_shard`` on the ``efsdp`` mesh (HSDP: ``("erep", "efsdp")``, replicated over erep)
@@ -159,19 +160,23 @@ def apply_expert_fsdp(model: nn.Module, expert: ExpertParallel, dense_mesh: Devi
     sum (gloo has no pre-scaled sum).
 
     ``mp_policy``: the blocks' mixed-precision policy (bf16 gathers, fp32 reduction), for the router, the shared
-    expert and the experts alike.
+    expert and the experts alike. ``keep_last``: the last layer's units keep their weights gathered from
+    forward to backward whatever ``reshard_after_forward`` says, as :func:`apply_fsdp` keeps the last block's
+    (its backward comes first).
     """
     mp = {"mp_policy": mp_policy} if mp_policy is not None else {}
     efsdp = expert.mesh["efsdp"]
     shard_mesh = efsdp if expert.mesh["erep"].size() == 1 else expert.mesh["erep", "efsdp"]
     blocks = moe_blocks(model)
+    last_layer = {id(x) for x in list(model.layers.values())[-1].modules()} if keep_last else set()
     for m in blocks:
+        reshard = reshard_after_forward and id(m) not in last_layer
         for dense in (m.gate, m.shared):  # dense: over every dp rank, as the rest of the block
             if dense is not None:
-                fully_shard(dense, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **mp)
+                fully_shard(dense, mesh=dense_mesh, reshard_after_forward=reshard, **mp)
         local = [getattr(m, name).to_local() for name in EXPERT_WEIGHTS]  # (E/ep, ...) each, meta
         on_dim1 = local[0].shape[0] % efsdp.size() != 0 and all(t.shape[1] % efsdp.size() == 0 for t in local)
-        fsdp_experts = fully_shard(m, mesh=shard_mesh, reshard_after_forward=reshard_after_forward,
+        fsdp_experts = fully_shard(m, mesh=shard_mesh, reshard_after_forward=reshard,
                                    shard_placement_fn=(lambda _: Shard(1)) if on_dim1 else None, **mp)
         fsdp_experts.set_gradient_divide_factor(float(expert.dp))
         fsdp_experts.set_force_sum_reduction_for_comms(True)

@@ -148,7 +148,7 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
         # ZeRO-2 keeps the gathered weights from forward to backward; ZeRO-3 (and replication) reshards.
         if expert is not None and shards_over_edp(dims):  # efsdp: experts sharded over edp too
             apply_expert_fsdp(model, expert, fsdp_mesh(mesh, dims), reshard_after_forward=layout.zero != 2,
-                              mp_policy=block_precision(precision))
+                              mp_policy=block_precision(precision), keep_last=dims.pp == 1)
         apply_fsdp(model, mesh, dims, reshard_after_forward=layout.zero != 2, roots=chunks, ignored=ignored,
                    mp_policy=block_precision(precision))
     if not _full_build:
