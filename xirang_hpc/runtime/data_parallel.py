@@ -80,14 +80,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_a
     dp_mesh = fsdp_mesh(mesh, dims)
     kw = {"ignored_params": ignored} if ignored else {}
     mp = {"mp_policy": mp_policy} if mp_policy is not None else {}
-    root_reshard = reshard_after_forward and dims.pp > 1
+    # the units the backward starts with (the last block, the roots) reshard only under a pipeline
+    backward_first_reshard = reshard_after_forward and dims.pp > 1
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        last = i == len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=root_reshard if last else reshard_after_forward,
-                    **kw, **mp)
+        reshard = backward_first_reshard if i == len(blocks) - 1 else reshard_after_forward
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **kw, **mp)
     for root in roots or [model]:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=root_reshard, **kw)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=backward_first_reshard, **kw)
 
 
 def ddp_bucket_cap_mb(comm: CommConfig) -> float:
