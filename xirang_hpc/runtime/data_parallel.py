@@ -55,6 +55,13 @@ def block_precision(precision: str) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
+def backward_first_reshard(reshard_after_forward: bool, dims: ParallelDims) -> bool:
+    """``reshard_after_forward`` for the units the backward starts with (the last block, the roots): kept
+    gathered (False), but under a pipeline, whose forwards of several microbatches run before their backwards
+    (see :func:`apply_fsdp`)."""
+    return reshard_after_forward and dims.pp > 1
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_after_forward: bool = True,
                roots: list[nn.Module] | None = None, ignored: set[nn.Parameter] | None = None,
                mp_policy: MixedPrecisionPolicy | None = None) -> None:
@@ -80,14 +87,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, reshard_a
     dp_mesh = fsdp_mesh(mesh, dims)
     kw = {"ignored_params": ignored} if ignored else {}
     mp = {"mp_policy": mp_policy} if mp_policy is not None else {}
-    # the units the backward starts with (the last block, the roots) reshard only under a pipeline
-    backward_first_reshard = reshard_after_forward and dims.pp > 1
+    first = backward_first_reshard(reshard_after_forward, dims)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        reshard = backward_first_reshard if i == len(blocks) - 1 else reshard_after_forward
+        reshard = first if i == len(blocks) - 1 else reshard_after_forward
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **kw, **mp)
     for root in roots or [model]:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=backward_first_reshard, **kw)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=first, **kw)
 
 
 def ddp_bucket_cap_mb(comm: CommConfig) -> float:

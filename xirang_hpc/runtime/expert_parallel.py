@@ -139,7 +139,7 @@ def shards_over_edp(dims: ParallelDims) -> bool:
 
 def apply_expert_fsdp(model: nn.Module, expert: ExpertParallel, dense_mesh: DeviceMesh,
                       reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None = None,
-                      keep_last: bool = False) -> None:
+                      last_reshard: bool | None = None) -> None:
     """Shard every MoE block's expert weights over ``efsdp`` with FSDP2 (before the dense ``fully_shard``).
 
     Each block's ``fully_shard`` on the ``efsdp`` mesh (HSDP: ``("erep", "efsdp")``, replicated over erep)
@@ -160,17 +160,17 @@ def apply_expert_fsdp(model: nn.Module, expert: ExpertParallel, dense_mesh: Devi
     sum (gloo has no pre-scaled sum).
 
     ``mp_policy``: the blocks' mixed-precision policy (bf16 gathers, fp32 reduction), for the router, the shared
-    expert and the experts alike. ``keep_last``: the last layer's units keep their weights gathered from
-    forward to backward whatever ``reshard_after_forward`` says, as :func:`apply_fsdp` keeps the last block's
-    (its backward comes first).
+    expert and the experts alike. ``last_reshard``: ``reshard_after_forward`` for the last layer's units, whose
+    backward comes first (``data_parallel.backward_first_reshard``, as :func:`apply_fsdp` treats the last
+    block); None: the same as the others.
     """
     mp = {"mp_policy": mp_policy} if mp_policy is not None else {}
     efsdp = expert.mesh["efsdp"]
     shard_mesh = efsdp if expert.mesh["erep"].size() == 1 else expert.mesh["erep", "efsdp"]
     blocks = moe_blocks(model)
-    last_layer = {id(x) for x in list(model.layers.values())[-1].modules()} if keep_last else set()
+    last_layer = {id(x) for x in list(model.layers.values())[-1].modules()}
     for m in blocks:
-        reshard = reshard_after_forward and id(m) not in last_layer
+        reshard = last_reshard if last_reshard is not None and id(m) in last_layer else reshard_after_forward
         for dense in (m.gate, m.shared):  # dense: over every dp rank, as the rest of the block
             if dense is not None:
                 fully_shard(dense, mesh=dense_mesh, reshard_after_forward=reshard, **mp)

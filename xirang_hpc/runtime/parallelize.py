@@ -32,6 +32,7 @@ from xirang_hpc.runtime.context_parallel import ContextShards, apply_context_par
 from xirang_hpc.runtime.data_parallel import (
     apply_ddp,
     apply_fsdp,
+    backward_first_reshard,
     block_precision,
     build_optimizer,
     ddp_bucket_cap_mb,
@@ -148,7 +149,8 @@ def parallelize(cfg: XirangConfig, layout: Layout, mesh: DeviceMesh | None, *,
         # ZeRO-2 keeps the gathered weights from forward to backward; ZeRO-3 (and replication) reshards.
         if expert is not None and shards_over_edp(dims):  # efsdp: experts sharded over edp too
             apply_expert_fsdp(model, expert, fsdp_mesh(mesh, dims), reshard_after_forward=layout.zero != 2,
-                              mp_policy=block_precision(precision), keep_last=dims.pp == 1)
+                              mp_policy=block_precision(precision),
+                              last_reshard=backward_first_reshard(layout.zero != 2, dims))
         apply_fsdp(model, mesh, dims, reshard_after_forward=layout.zero != 2, roots=chunks, ignored=ignored,
                    mp_policy=block_precision(precision))
     if not _full_build:
